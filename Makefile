@@ -1,0 +1,46 @@
+# Tenzro distributed MoE — the two commands: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+RUNTIME := $(VENV)/.runtime-installed
+TESTDEPS := $(VENV)/.test-installed
+
+.PHONY: demo test serve worker beat bench install clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(RUNTIME): requirements.txt | $(BIN)/python
+	$(BIN)/python -m pip install -q -r requirements.txt
+	touch $@
+
+$(TESTDEPS): requirements-test.txt $(RUNTIME)
+	$(BIN)/python -m pip install -q -r requirements-test.txt
+	touch $@
+
+install: $(RUNTIME)
+
+demo: $(RUNTIME)
+	$(BIN)/python manage.py migrate --noinput -v 0
+	$(BIN)/python manage.py tenzro_demo
+
+test: $(TESTDEPS)
+	TENZRO_VAR_DIR=$(CURDIR)/var/test $(BIN)/python -m pytest
+
+# Operators: the site (daphne), one Celery worker, exactly one beat (needs REDIS_URL).
+serve: $(RUNTIME)
+	$(BIN)/python manage.py migrate --noinput -v 0
+	$(BIN)/daphne -b 0.0.0.0 -p $${PORT:-8000} --websocket-max-message-size $${TENZRO_WS_MAX_MESSAGE:-1048576} tenzro_site.asgi:application
+
+worker: $(RUNTIME)
+	$(BIN)/celery -A tenzro_site worker -l info
+
+beat: $(RUNTIME)
+	$(BIN)/celery -A tenzro_site beat -l info
+
+bench: $(TESTDEPS)
+	@for f in bench/bench_*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
+
+clean:
+	rm -rf var db.sqlite3

@@ -1,0 +1,206 @@
+"""The holder agent: a process that holds experts and executes the batches routers send it.
+
+It connects to the site's ``/ws/agent/``, proves its ed25519 identity by signing the site's
+nonce, sends signed heartbeats with its holdings every ``heartbeat_interval`` seconds (and
+right after every change), loads the experts it is asked to hold (fetching
+``tenzro://blob/<hash>`` from the site's ``/blobs/<hash>`` and checking the BLAKE3 hash),
+and answers execute requests with the expert FFN's output rows. It reconnects with backoff
+when the site goes away. Imports nothing from Django.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+import numpy as np
+from nacl.signing import SigningKey
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from holders import wire
+from holders.identity import DOMAIN_HEARTBEAT, DOMAIN_HELLO, provider_id, sign, sign_body
+from holders.runtime import DimensionMismatch, ExpertNotLoaded, ExpertRuntime
+from prepare.blobs import BlobError, BlobStore, parse_blob_uri, verify_blob
+
+log = logging.getLogger("tenzro.agent")
+
+CLOSE_AUTH = 4401
+
+
+class AuthRefused(RuntimeError):
+    """The site refused this agent's identity (close code 4401); retrying will not help."""
+
+
+def ws_url(site: str) -> str:
+    """``http(s)://host:port`` → ``ws(s)://host:port/ws/agent/``; raises ``ValueError`` for other schemes."""
+    parts = urlsplit(site)
+    scheme = {"http": "ws", "https": "wss", "ws": "ws", "wss": "wss"}.get(parts.scheme)
+    if scheme is None or not parts.netloc:
+        raise ValueError(f"--site must be an http(s):// URL, got {site!r}")
+    return urlunsplit((scheme, parts.netloc, "/ws/agent/", "", ""))
+
+
+class HolderAgent:
+    """One holder process. ``run()`` runs until ``stop()`` or an authentication refusal."""
+
+    def __init__(self, site: str, key: SigningKey, blob_dir: str | Path, name: str = "",
+                 heartbeat_interval: float = 15.0, roles: tuple[str, ...] = ("ExpertHolder",)):
+        self.site = site.rstrip("/")
+        self.url = ws_url(site)
+        self.key = key
+        self.provider = provider_id(key)
+        self.store = BlobStore(blob_dir)
+        self.name = name
+        self.heartbeat_interval = heartbeat_interval
+        self.roles = roles
+        self.runtime = ExpertRuntime()
+        self._stop = asyncio.Event()
+        self._ws = None
+        self._send_lock = asyncio.Lock()
+        self._last_ts = 0
+
+    def stop(self) -> None:
+        """Ask ``run()`` to return after closing the socket."""
+        self._stop.set()
+
+    async def run(self) -> None:
+        """Connect, serve, and reconnect with exponential backoff (1 s … 30 s).
+
+        Raises ``AuthRefused`` when the site closes with 4401.
+        """
+        backoff = 1.0
+        while not self._stop.is_set():
+            try:
+                async with connect(self.url, max_size=None, ping_interval=20, ping_timeout=60,
+                                   open_timeout=10) as ws:
+                    self._ws = ws
+                    backoff = 1.0
+                    await self._session(ws)
+            except ConnectionClosed as exc:
+                if exc.rcvd is not None and exc.rcvd.code == CLOSE_AUTH:
+                    raise AuthRefused(f"site refused this agent's identity: {exc.rcvd.reason or 'code 4401'}")
+                log.warning("socket closed: %s", exc)
+            except (OSError, InvalidStatus, asyncio.TimeoutError) as exc:
+                log.warning("cannot reach %s: %s", self.url, exc)
+            finally:
+                self._ws = None
+            if self._stop.is_set():
+                break
+            try:
+                await asyncio.wait_for(self._stop.wait(), backoff)
+            except asyncio.TimeoutError:
+                pass
+            backoff = min(backoff * 2, 30.0)
+
+    async def _session(self, ws) -> None:
+        challenge = json.loads(await ws.recv())
+        if challenge.get("type") != "challenge":
+            raise ConnectionError(f"expected a challenge, got {challenge.get('type')!r}")
+        nonce = bytes.fromhex(challenge["nonce"])
+        await ws.send(json.dumps({"type": "hello", "provider": self.provider,
+                                  "signature": sign(self.key, DOMAIN_HELLO, nonce)}))
+        welcome = json.loads(await ws.recv())
+        if welcome.get("type") != "welcome":
+            raise ConnectionError(f"site refused hello: {welcome.get('message', welcome)}")
+        log.info("connected to %s as %s", self.site, self.provider)
+        beat = asyncio.create_task(self._heartbeat_loop())
+        stopper = asyncio.create_task(self._stop.wait())
+        try:
+            async for frame in ws:
+                if isinstance(frame, bytes):
+                    asyncio.create_task(self._handle(frame))
+                else:
+                    self._control(frame)
+                if self._stop.is_set():
+                    break
+        finally:
+            beat.cancel()
+            stopper.cancel()
+
+    def _control(self, text: str) -> None:
+        msg = json.loads(text)
+        if msg.get("type") == "error":
+            log.warning("site says: %s", msg.get("message"))
+
+    def heartbeat_message(self) -> dict:
+        """A freshly signed heartbeat with the current holdings (timestamps strictly increase)."""
+        ts = max(int(time.time() * 1000), self._last_ts + 1)
+        self._last_ts = ts
+        body = {"provider": self.provider, "timestamp_ms": ts, "nonce": secrets.token_hex(16),
+                "name": self.name, "roles": list(self.roles), "http_endpoint": "", "iroh_endpoint_id": "",
+                "moe_gpu": False, "holdings": self.runtime.holdings()}
+        return {"type": "heartbeat", "body": body, "signature": sign_body(self.key, DOMAIN_HEARTBEAT, body)}
+
+    async def send_heartbeat(self) -> None:
+        """Send one signed heartbeat now."""
+        if self._ws is not None:
+            async with self._send_lock:
+                await self._ws.send(json.dumps(self.heartbeat_message()))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await self.send_heartbeat()
+            await asyncio.sleep(self.heartbeat_interval)
+
+    async def _reply(self, header: dict, payload: bytes = b"") -> None:
+        async with self._send_lock:
+            await self._ws.send(wire.pack_frame(header, payload))
+
+    async def _handle(self, frame: bytes) -> None:
+        try:
+            header, payload = wire.unpack_frame(frame)
+        except wire.WireError as exc:
+            log.warning("bad frame from site: %s", exc)
+            return
+        req_id = header.get("id")
+        try:
+            kind = header.get("type")
+            if kind == "execute":
+                out = await self._execute(header, payload)
+                await self._reply({"id": req_id, "ok": True, "rows": int(out.shape[0]),
+                                   "d_model": int(out.shape[1])}, wire.encode_f32(out))
+            elif kind == "load":
+                await self._load(header)
+                await self._reply({"id": req_id, "ok": True})
+                await self.send_heartbeat()
+            else:
+                await self._reply({"id": req_id, "ok": False, "code": "bad_request",
+                                   "message": f"unknown request type {kind!r}"})
+        except (ExpertNotLoaded, DimensionMismatch, wire.WireError, BlobError, ValueError, KeyError,
+                httpx.HTTPError) as exc:
+            await self._reply({"id": req_id, "ok": False, "code": type(exc).__name__, "message": str(exc)})
+        except ConnectionClosed:
+            pass
+
+    async def _execute(self, header: dict, payload: bytes) -> np.ndarray:
+        tokens = header.get("token_indices")
+        if not isinstance(tokens, list):
+            raise wire.WireError("token_indices must be a list")
+        d_model = int(header.get("d_model", 0))
+        if header.get("carrier", "f32") != "f32":
+            raise wire.WireError(f"unsupported carrier {header.get('carrier')!r}")
+        rows = wire.decode_f32(payload, d_model, n_rows=len(tokens))
+        # numpy/BLAS releases the GIL: run off the event loop so heartbeats keep flowing.
+        return await asyncio.to_thread(self.runtime.execute, header["model_id"], int(header["layer"]),
+                                       int(header["expert"]), rows, len(tokens))
+
+    async def _load(self, header: dict) -> None:
+        uri = header["uri"]
+        h = parse_blob_uri(uri)
+        if self.store.has(h):
+            data = self.store.get(h, verify=True)
+        else:
+            async with httpx.AsyncClient(timeout=60) as client:
+                resp = await client.get(f"{self.site}/blobs/{h}")
+                resp.raise_for_status()
+                data = resp.content
+            verify_blob(data, h)
+            self.store.put_verified(data, h)
+        await asyncio.to_thread(self.runtime.load, header["model_id"], int(header["layer"]),
+                                int(header["expert"]), data, uri)

@@ -1,0 +1,42 @@
+"""JSON-RPC bindings of the router: thin validation around ``holders.services``."""
+from __future__ import annotations
+
+from rest_framework import serializers
+
+from holders import services, wire
+from holders.forward import ForwardError
+from tenzro_site.rpc import EXECUTION_ERROR, INVALID_PARAMS, PLANNING_ERROR, RpcError, rpc_method
+
+
+class ForwardParams(serializers.Serializer):
+    """Params of ``tenzro_moeForward`` (DESIGN §6)."""
+
+    model_id = serializers.CharField(max_length=200)
+    layer = serializers.IntegerField(min_value=0)
+    d_model = serializers.IntegerField(min_value=1, max_value=1 << 20)
+    hidden_states = serializers.CharField(trim_whitespace=False, help_text="base64 of little-endian f32 [T, d_model]")
+    top_k = serializers.IntegerField(min_value=1, required=False, allow_null=True, default=None)
+    allow_cold = serializers.BooleanField(required=False, default=False)
+    carrier = serializers.ChoiceField(["auto", "f32"], required=False, default="auto")
+
+
+@rpc_method("tenzro_moeForward", params=ForwardParams)
+async def moe_forward(p: dict) -> dict:
+    """Distributed forward of one MoE layer: gate here, experts on holders, gate-weighted combine."""
+    try:
+        x = wire.decode_f32(wire.b64decode(p["hidden_states"], "hidden_states"), p["d_model"])
+    except wire.WireError as exc:
+        raise RpcError(INVALID_PARAMS, str(exc), {"field": "hidden_states"}) from exc
+    if x.shape[0] == 0:
+        raise RpcError(INVALID_PARAMS, "hidden_states holds no rows", {"field": "hidden_states"})
+    try:
+        return await services.forward(p["model_id"], p["layer"], p["d_model"], x, p["top_k"], p["allow_cold"])
+    except services.GateNotLoaded as exc:
+        raise RpcError(EXECUTION_ERROR, str(exc), {"field": "layer", "model_id": p["model_id"],
+                                                   "layer": p["layer"]}) from exc
+    except ForwardError as exc:
+        code = PLANNING_ERROR if exc.kind == "planning" else EXECUTION_ERROR
+        raise RpcError(code, exc.message, {"field": "hidden_states", **exc.data}) from exc
+    except ValueError as exc:  # input that does not fit the gate (d_model, top_k)
+        field = "d_model" if "d_model" in str(exc) else "top_k" if "top_k" in str(exc) else "hidden_states"
+        raise RpcError(INVALID_PARAMS, str(exc), {"field": field}) from exc

@@ -1,0 +1,164 @@
+"""A local cluster on one machine: the site (daphne) plus N holder agents, with models placed.
+
+Used by ``tenzro_cluster``, ``verify_forward`` and ``tenzro_demo``, and by end-to-end tests.
+It owns what it starts: ``stop()`` terminates every process, and it also runs at exit.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import httpx
+from django.conf import settings
+from django.core.management import call_command
+
+from holders.identity import load_or_create_key, provider_id
+from prepare.services import publish_checkpoint
+from registry.models import Provider
+from registry.selectors import shard_view
+from tenzro_site.operator import operator_token
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not start, place its models or reach full coverage in time."""
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalCluster:
+    """Site + ``holders`` agents on 127.0.0.1, each checkpoint published and placed with ``replication``.
+
+    ``say`` receives progress lines (default: silent).
+    """
+
+    def __init__(self, checkpoints: list[str | Path], holders: int = 4, port: int = 0, replication: int = 2,
+                 heartbeat_interval: int = 5, say: Callable[[str], None] | None = None,
+                 model_ids: list[str | None] | None = None):
+        if holders < 1:
+            raise ClusterError("--holders must be at least 1")
+        self.checkpoints = [Path(c) for c in checkpoints]
+        self.model_id_overrides = model_ids or [None] * len(self.checkpoints)
+        self.holders = holders
+        self.port = port or free_port()
+        self.replication = replication
+        self.heartbeat_interval = heartbeat_interval
+        self.say = say or (lambda s: None)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.rpc_url = f"{self.url}/rpc"
+        self.log_dir = settings.VAR_DIR / "logs"
+        self.site: subprocess.Popen | None = None
+        self.agents: list[tuple[str, subprocess.Popen]] = []
+        self.model_ids: list[str] = []
+        self._req_id = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self, timeout: float = 90.0) -> "LocalCluster":
+        """Migrate, publish, start site and agents, place every model, wait for full coverage."""
+        atexit.register(self.stop)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        call_command("migrate", verbosity=0, interactive=False)
+        # This cluster owns its site: sockets left marked open by an earlier run are gone.
+        Provider.objects.update(connected=False, agent_channel="")
+        for ckpt, mid in zip(self.checkpoints, self.model_id_overrides):
+            self.say(f"publishing {ckpt} ...")
+            self.model_ids.append(publish_checkpoint(ckpt, mid).model_id)
+        env = {**os.environ, "TENZRO_HEARTBEAT_INTERVAL": str(self.heartbeat_interval),
+               "TENZRO_VAR_DIR": str(settings.VAR_DIR), "TENZRO_BLOB_DIR": str(settings.TENZRO["BLOB_DIR"]),
+               "TENZRO_OPERATOR_TOKEN": operator_token(), "PYTHONUNBUFFERED": "1"}
+        self.site = self._spawn("site", [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port),
+                                         "--websocket-max-message-size", str(settings.TENZRO["WS_MAX_MESSAGE"]),
+                                         "--websocket_timeout", "-1", "tenzro_site.asgi:application"], env)
+        self._wait(lambda: self._healthy(), timeout, "the site did not answer /healthz")
+        self.say(f"site up at {self.url}; starting {self.holders} holder agents ...")
+        ids = []
+        for i in range(self.holders):
+            key_path = settings.VAR_DIR / "keys" / f"agent-{i}.key"
+            pid = provider_id(load_or_create_key(key_path))
+            ids.append(pid)
+            proc = self._spawn(f"agent-{i}", [sys.executable, str(settings.BASE_DIR / "manage.py"), "holder_agent",
+                                              "--site", self.url, "--key", str(key_path), "--name", f"agent-{i}",
+                                              "--blob-dir", str(settings.VAR_DIR / "agents" / f"agent-{i}" / "blobs"),
+                                              "--heartbeat-interval", str(self.heartbeat_interval)], env)
+            self.agents.append((pid, proc))
+        self._wait(lambda: Provider.objects.filter(provider__in=ids, connected=True,
+                                                   last_heartbeat__isnull=False).count() == len(ids),
+                   timeout, "not every agent connected and sent a heartbeat")
+        for mid in self.model_ids:
+            res = self.rpc("tenzro_moePlaceModel", {"model_id": mid, "replication": self.replication}, operator=True)
+            if res["failed"]:
+                raise ClusterError(f"placing {mid}: {len(res['failed'])} loads failed, first: {res['failed'][0]}")
+            want = min(self.replication, self.holders)
+            self._wait(lambda: shard_view(mid).covers(min_replication=want), timeout,
+                       f"{mid} did not reach replication {want} on every expert")
+            self.say(f"{mid}: every expert held by {want} agents")
+        return self
+
+    def stop(self) -> None:
+        """Terminate agents then the site (SIGTERM, then SIGKILL after 5 s). Safe to call twice."""
+        procs = [p for _, p in self.agents] + ([self.site] if self.site else [])
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.time() + 5
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.agents, self.site = [], None
+
+    def info(self) -> dict:
+        """The JSON line ``tenzro_cluster`` prints."""
+        return {"url": self.url, "rpc": self.rpc_url, "model_id": self.model_ids[0] if self.model_ids else None,
+                "model_ids": self.model_ids, "operator_token": operator_token(),
+                "agents": [{"provider": pid, "pid": p.pid} for pid, p in self.agents],
+                "site_pid": self.site.pid if self.site else None, "logs": str(self.log_dir)}
+
+    # -- helpers ---------------------------------------------------------------------------
+    def rpc(self, method: str, params: dict, operator: bool = False, timeout: float = 120.0) -> dict:
+        """Call a JSON-RPC method on the site; raises ``ClusterError`` with the error object."""
+        self._req_id += 1
+        headers = {"Authorization": f"Bearer {operator_token()}"} if operator else {}
+        resp = httpx.post(self.rpc_url, json={"jsonrpc": "2.0", "id": self._req_id, "method": method,
+                                              "params": params}, headers=headers, timeout=timeout)
+        body = resp.json()
+        if "error" in body:
+            raise ClusterError(f"{method}: {body['error']['message']} ({body['error'].get('data')})")
+        return body["result"]
+
+    def _spawn(self, name: str, cmd: list[str], env: dict) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "ab")
+        return subprocess.Popen(cmd, cwd=settings.BASE_DIR, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+
+    def _healthy(self) -> bool:
+        if self.site is not None and self.site.poll() is not None:
+            raise ClusterError(f"the site exited with code {self.site.returncode}; see {self.log_dir / 'site.log'}")
+        try:
+            return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _wait(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            for pid, p in self.agents:
+                if p.poll() is not None:
+                    raise ClusterError(f"agent {pid[:12]}… exited with code {p.returncode}; see {self.log_dir}")
+            if cond():
+                return
+            time.sleep(0.2)
+        raise ClusterError(f"{what} within {timeout:g} s; logs in {self.log_dir}")

@@ -1,0 +1,130 @@
+"""Site side of the agent WebSocket ``/ws/agent/`` (DESIGN §6).
+
+Handshake: the site sends ``{"type": "challenge", "nonce": hex}``; the agent answers
+``{"type": "hello", "provider": hex64, "signature": hex}`` signed over the nonce bytes
+under ``identity.DOMAIN_HELLO``. A bad signature, a malformed hello, or no hello within
+``AGENT_HELLO_TIMEOUT_S`` closes the socket with code 4401. Then: JSON text frames for
+control (``heartbeat`` → ``heartbeat_ack`` or ``error``) and binary frames
+(``wire.pack_frame``) for requests to the agent and its answers.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+from django.conf import settings
+
+from holders import wire
+from holders.identity import DOMAIN_HELLO, SignatureError, verify
+from holders.transports.ws import agent_group
+from registry import services as registry_services
+from registry.heartbeat import HeartbeatError
+
+log = logging.getLogger(__name__)
+
+CLOSE_AUTH = 4401
+
+
+class AgentConsumer(AsyncWebsocketConsumer):
+    """One holder agent's socket: authenticates it, ingests heartbeats, relays requests."""
+
+    provider: str | None = None
+
+    async def connect(self):
+        """Accept, send the challenge nonce, and arm the hello timeout."""
+        self.nonce = secrets.token_bytes(32)
+        self.pending: dict[str, str] = {}  # request id → reply channel
+        await self.accept()
+        await self.send(text_data=json.dumps({"type": "challenge", "nonce": self.nonce.hex()}))
+        self._hello_timer = asyncio.get_running_loop().create_task(self._hello_timeout())
+
+    async def _hello_timeout(self):
+        await asyncio.sleep(settings.TENZRO["AGENT_HELLO_TIMEOUT_S"])
+        if self.provider is None:
+            await self.close(code=CLOSE_AUTH)
+
+    async def disconnect(self, code):
+        """Leave the group, mark the provider disconnected, fail its in-flight requests."""
+        self._hello_timer.cancel()
+        if self.provider is None:
+            return
+        await self.channel_layer.group_discard(agent_group(self.provider), self.channel_name)
+        await database_sync_to_async(registry_services.agent_disconnected)(self.provider, self.channel_name)
+        for req_id, reply_to in list(self.pending.items()):
+            await self.channel_layer.send(reply_to, {
+                "type": "agent.reply", "id": req_id,
+                "header": {"id": req_id, "ok": False, "code": "disconnected", "message": "agent disconnected"},
+                "payload": b""})
+        self.pending.clear()
+
+    async def receive(self, text_data=None, bytes_data=None):
+        """Dispatch one frame: the hello first, then heartbeats (text) and answers (binary)."""
+        if self.provider is None:
+            await self._hello(text_data)
+            return
+        if bytes_data is not None:
+            await self._answer(bytes_data)
+            return
+        try:
+            msg = json.loads(text_data)
+        except (TypeError, json.JSONDecodeError):
+            await self._send_error("frame is not JSON")
+            return
+        if not isinstance(msg, dict):
+            await self._send_error("frame must be a JSON object")
+        elif msg.get("type") == "heartbeat":
+            await self._heartbeat(msg)
+        else:
+            await self._send_error(f"unknown message type {msg.get('type')!r}")
+
+    async def _hello(self, text_data):
+        try:
+            msg = json.loads(text_data or "")
+            if not isinstance(msg, dict) or msg.get("type") != "hello":
+                raise SignatureError("expected a hello message")
+            verify(msg.get("provider"), DOMAIN_HELLO, self.nonce, msg.get("signature"))
+        except (json.JSONDecodeError, SignatureError) as exc:
+            log.info("agent hello refused: %s", exc)
+            await self.send(text_data=json.dumps({"type": "error", "code": CLOSE_AUTH, "message": str(exc)}))
+            await self.close(code=CLOSE_AUTH)
+            return
+        self.provider = msg["provider"]
+        self._hello_timer.cancel()
+        await self.channel_layer.group_add(agent_group(self.provider), self.channel_name)
+        await database_sync_to_async(registry_services.agent_connected)(self.provider, self.channel_name)
+        await self.send(text_data=json.dumps({"type": "welcome", "provider": self.provider,
+                                              "max_message": settings.TENZRO["WS_MAX_MESSAGE"],
+                                              "heartbeat_interval_s": settings.TENZRO["HEARTBEAT_INTERVAL_S"]}))
+
+    async def _heartbeat(self, msg):
+        try:
+            await database_sync_to_async(registry_services.ingest_heartbeat)(msg, self.provider)
+        except (HeartbeatError, SignatureError) as exc:
+            await self._send_error(str(exc), field=getattr(exc, "field", "signature"), ref="heartbeat")
+            return
+        await self.send(text_data=json.dumps({"type": "heartbeat_ack"}))
+
+    async def _answer(self, data: bytes):
+        try:
+            header, payload = wire.unpack_frame(data)
+        except wire.WireError as exc:
+            await self._send_error(str(exc))
+            return
+        reply_to = self.pending.pop(str(header.get("id")), None)
+        if reply_to is None:
+            await self._send_error(f"answer for unknown request id {header.get('id')!r}")
+            return
+        await self.channel_layer.send(reply_to, {"type": "agent.reply", "id": header["id"],
+                                                 "header": header, "payload": payload})
+
+    async def _send_error(self, message: str, field: str = "frame", ref: str | None = None):
+        await self.send(text_data=json.dumps({"type": "error", "message": message, "field": field, "ref": ref}))
+
+    async def agent_request(self, event):
+        """Channel-layer event from a router: write the request frame to the agent."""
+        self.pending[event["id"]] = event["reply_to"]
+        await self.send(bytes_data=wire.pack_frame(event["header"], event.get("payload") or b""))

@@ -1,0 +1,47 @@
+"""``python manage.py verify_forward --checkpoint DIR --reference FILE``: check the distributed forward."""
+from __future__ import annotations
+
+import json
+import sys
+
+from django.core.management.base import BaseCommand, CommandError
+
+from holders.cluster import ClusterError, LocalCluster
+from holders.verify import REL_TOLERANCE, verify_layers
+from prepare.checkpoint import CheckpointError
+
+
+class Command(BaseCommand):
+    help = ("Distributed forward of every MoE layer in a reference bundle, compared with the reference "
+            "output and with the monolithic in-process forward. Exit 1 above tolerance.")
+
+    def add_arguments(self, parser):
+        parser.add_argument("--checkpoint", required=True)
+        parser.add_argument("--reference", required=True, help="reference.safetensors (DESIGN §4)")
+        parser.add_argument("--holders", type=int, default=4)
+        parser.add_argument("--model-id", default=None)
+        parser.add_argument("--json", action="store_true", help="last line: one JSON object with every layer")
+
+    def handle(self, *args, **opts):
+        say = (lambda s: print(s, file=sys.stderr, flush=True))
+        cluster = LocalCluster([opts["checkpoint"]], holders=opts["holders"], say=say,
+                               model_ids=[opts["model_id"]])
+        try:
+            cluster.start()
+            rows = verify_layers(cluster.rpc, cluster.model_ids[0], opts["checkpoint"], opts["reference"])
+        except (ClusterError, CheckpointError, ValueError, OSError) as exc:
+            raise CommandError(str(exc)) from exc
+        finally:
+            cluster.stop()
+        self.stdout.write(f"{'layer':>5} {'tokens':>6} {'holders':>7} {'max rel err vs ref':>19} "
+                          f"{'max |Δ| vs mono':>16}  ok")
+        for r in rows:
+            self.stdout.write(f"{r['layer']:>5} {r['tokens']:>6} {r['holders']:>7} "
+                              f"{r['max_rel_err_vs_reference']:>19.3e} {r['max_abs_diff_vs_monolithic']:>16.3e}  "
+                              f"{'yes' if r['ok'] else 'NO'}")
+        if opts["json"]:
+            keys = ("layer", "max_rel_err_vs_reference", "max_abs_diff_vs_monolithic", "tokens", "holders")
+            self.stdout.write(json.dumps({"layers": [{k: r[k] for k in keys} for r in rows]}))
+        if not all(r["ok"] for r in rows):
+            self.stderr.write(f"FAILED: relative error above {REL_TOLERANCE:g} or sharded differs from monolithic")
+            sys.exit(1)

@@ -1,0 +1,704 @@
+"""GGUF block quantization (Q8_0, Q4_K, Q6_K) in pure numpy.
+
+Encoders are byte-identical to llama.cpp / ggml's reference quantizers
+(``ggml-quants.c``: ``quantize_row_q8_0_ref``, ``quantize_row_q4_K_ref`` with
+``make_qkx2_quants``, ``quantize_row_q6_K_ref`` with ``make_qx_quants``) as built
+for x86-64 without FMA contraction.  Decoders are bit-identical to gguf-py's
+``gguf.quants.dequantize`` (``Q8_0/Q4_K/Q6_K.dequantize_blocks``), which in
+turn match ggml's ``dequantize_row_*``.
+
+How the bit-exactness is kept while staying vectorised:
+
+* Every value is float32 and every operation is a separate numpy ufunc call on
+  float32 operands with float32 scalars (numpy never fuses ``a*b+c``), in the
+  same evaluation order as the C expressions.
+* Every C sum is a sequential float32 accumulation in index order.  Blocks are
+  laid out transposed (``[elements_per_block, n_blocks]``, C-contiguous) and
+  summed with ``np.add.reduce(axis=0)``, which accumulates row by row, i.e.
+  sequentially per block (numpy's pairwise summation only applies when the
+  reduced axis is the contiguous inner one; a single block is summed by an
+  explicit loop for that reason).
+* ``nearest_int`` (the ``1.5*2**23`` magic-add trick) is emulated exactly on
+  the float32 bit pattern where its argument is not provably small; inside the
+  candidate searches, where the argument's range per block is known from the
+  block's extremes, ``np.rint`` (round half to even, identical there) is used.
+* Q8_0 uses C ``roundf`` (half away from zero), emulated exactly.
+* Searches loop over the ~20 candidate scales in Python; each iteration is
+  vectorised across all blocks of a chunk (chunks keep the working set in
+  cache).  The per-element quants chosen by the search are only needed for
+  sub-blocks whose integer scale ends up 0; those few are recomputed by running
+  the search again with quant tracking on just those sub-blocks.
+
+Policy (DESIGN section 5, reference section 6): non-finite input raises; an
+input whose fp16 block scale would overflow (``|x|`` of roughly 8e6 and more
+for Q8_0) raises instead of writing an infinite scale (ggml's
+``ggml_validate_row_data`` would reject such a block).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+__all__ = [
+    "BLOCK_SIZE",
+    "BLOCK_BYTES",
+    "QTYPES",
+    "quantize",
+    "dequantize",
+    "quantize_q8_0_rows",
+    "dequantize_rows",
+    "quantized_nbytes",
+    "normalize_qtype",
+]
+
+QK_K = 256
+QTYPES = ("q8_0", "q4_k", "q6_k")
+BLOCK_SIZE = {"q8_0": 32, "q4_k": 256, "q6_k": 256}
+BLOCK_BYTES = {"q8_0": 34, "q4_k": 144, "q6_k": 210}
+
+_F32 = np.float32
+_MAGIC = _F32(12582912.0)  # 1.5 * 2**23, ggml nearest_int
+_NEAREST_SAFE = _F32(4194303.0)  # |v| <= this: nearest_int == round half even
+_GROUP_MAX_EPS = _F32(1e-15)
+
+# Super-blocks per vectorised chunk (keeps the temporaries in L2 cache).
+_Q4K_CHUNK = 64
+_Q6K_CHUNK = 64
+_Q8_CHUNK_BLOCKS = 1 << 15
+
+
+# --------------------------------------------------------------------------
+# helpers
+
+
+def normalize_qtype(qtype: str) -> str:
+    """Return the canonical lower-case name of ``qtype``.
+
+    Accepts ``"q8_0"``, ``"q4_k"``, ``"q6_k"`` in any case (``"Q4_K"`` ...).
+    Raises ``ValueError`` (listing the supported names) for anything else.
+    """
+    if isinstance(qtype, str):
+        q = qtype.strip().lower()
+        if q in BLOCK_SIZE:
+            return q
+    raise ValueError(
+        f"unsupported quantization type {qtype!r}; supported: {', '.join(QTYPES)}"
+    )
+
+
+def _shape_tuple(shape) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)):
+        return (int(shape),)
+    try:
+        t = tuple(int(s) for s in shape)
+    except TypeError:
+        raise ValueError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
+    if any(s < 0 for s in t):
+        raise ValueError(f"shape must not have negative dimensions, got {t}")
+    return t
+
+
+def _check_row_length(n: int, q: str) -> None:
+    bs = BLOCK_SIZE[q]
+    if n % bs != 0:
+        raise ValueError(
+            f"row length {n} is not a multiple of the {q} block size {bs}"
+        )
+
+
+def quantized_nbytes(shape, qtype: str) -> int:
+    """Number of bytes of ``shape`` float values quantized as ``qtype``.
+
+    ``shape`` is an int (one row) or a sequence ``(..., n)``; rows are the last
+    axis.  Returns ``prod(shape[:-1]) * (n // BLOCK_SIZE[q]) * BLOCK_BYTES[q]``.
+    Raises ``ValueError`` for an unknown ``qtype``, an empty shape or a row
+    length ``n`` that is not a multiple of the block size (32 for q8_0, 256
+    for q4_k / q6_k).
+    """
+    q = normalize_qtype(qtype)
+    s = _shape_tuple(shape)
+    if len(s) == 0:
+        raise ValueError("shape must have at least one dimension (the row length)")
+    _check_row_length(s[-1], q)
+    rows = 1
+    for d in s[:-1]:
+        rows *= d
+    return rows * (s[-1] // BLOCK_SIZE[q]) * BLOCK_BYTES[q]
+
+
+def _as_f32_rows(x, q: str) -> np.ndarray:
+    """Validate an input array and return it as C-contiguous float32."""
+    a = np.asarray(x)
+    if a.dtype == object or a.dtype.kind in "cUSVMmOb":
+        raise TypeError(f"quantize expects a real float array, got dtype {a.dtype}")
+    if a.ndim == 0:
+        raise ValueError("quantize expects an array of shape (..., n), got a scalar")
+    _check_row_length(a.shape[-1], q)
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if a.size and not np.isfinite(a).all():
+        bad = np.argwhere(~np.isfinite(a))[0]
+        raise ValueError(
+            f"input to {q} quantization contains non-finite values (NaN or Inf), "
+            f"first at index {tuple(int(i) for i in bad)}"
+        )
+    return a
+
+
+def _nearest_int(v: np.ndarray) -> np.ndarray:
+    """ggml ``nearest_int`` exactly: low 23 bits of ``v + 1.5*2**23`` (float32)
+    minus ``2**22``, as int32 (round half to even for |v| < 2**22, the same bit
+    trick - wrap-around included - beyond)."""
+    t = np.add(v, _MAGIC, dtype=np.float32)
+    i = t.view(np.int32)
+    np.bitwise_and(i, 0x7FFFFF, out=i)
+    np.subtract(i, 0x400000, out=i)
+    return i
+
+
+def _seqsum(a: np.ndarray) -> np.ndarray:
+    """Sequential float32 sum over axis 0 (in index order) of a [n, B] array."""
+    if a.shape[1] >= 2 and a.strides[1] == a.itemsize:
+        return np.add.reduce(a, axis=0)
+    acc = a[0].copy()
+    for i in range(1, a.shape[0]):
+        acc = np.add(acc, a[i], dtype=np.float32)
+    return acc
+
+
+def _roundf(v: np.ndarray) -> np.ndarray:
+    """C ``roundf``: round half away from zero (float32 in, float32 out)."""
+    a = np.abs(v)
+    f = np.floor(a)
+    r = f + (np.subtract(a, f) >= _F32(0.5)).astype(np.float32)
+    return np.copysign(r, v)
+
+
+def _f16_bytes(v: np.ndarray) -> np.ndarray:
+    """float32 [..] -> little-endian fp16 bytes [.., 2] (RNE, like GGML_FP32_TO_FP16)."""
+    h = np.ascontiguousarray(v, dtype=np.float32).astype("<f2")
+    return h.view(np.uint8).reshape(v.shape + (2,))
+
+
+def _check_scale_overflow(h16: np.ndarray, q: str, what: str) -> None:
+    if not np.isfinite(h16).all():
+        raise ValueError(
+            f"{q} quantization: the fp16 block scale {what} overflows (input magnitude "
+            f"too large for {q}; ggml would reject the block)"
+        )
+
+
+# --------------------------------------------------------------------------
+# Q8_0
+
+
+def _quantize_q8_0(a: np.ndarray) -> np.ndarray:
+    """a: float32 C-contiguous [..., n] (validated) -> uint8 [..., n//32*34]."""
+    n = a.shape[-1]
+    out = np.empty(a.shape[:-1] + (n // 32 * 34,), dtype=np.uint8)
+    xb = a.reshape(-1, 32)
+    ob = out.reshape(-1, 34)
+    for s in range(0, xb.shape[0], _Q8_CHUNK_BLOCKS):
+        x = xb[s:s + _Q8_CHUNK_BLOCKS]
+        amax = np.abs(x).max(axis=1)
+        d = np.divide(amax, _F32(127), dtype=np.float32)
+        nz = d != 0
+        idv = np.zeros_like(d)
+        np.divide(_F32(1), d, out=idv, where=nz)
+        h = d.astype("<f2")
+        _check_scale_overflow(h, "q8_0", "d")
+        v = np.multiply(x, idv[:, None], dtype=np.float32)
+        qs = _roundf(v).astype(np.int8)
+        ob[s:s + x.shape[0], 0:2] = h.view(np.uint8).reshape(-1, 2)
+        ob[s:s + x.shape[0], 2:] = qs.view(np.uint8)
+    return out
+
+
+def quantize_q8_0_rows(x: np.ndarray) -> np.ndarray:
+    """Q8_0-encode activation rows (the wire carrier fast path).
+
+    x: float32 ``[n, H]`` (any leading shape is accepted, rows are the last
+    axis) with ``H % 32 == 0``.  Returns uint8 ``[n, H // 32 * 34]``: per block
+    of 32 values an fp16 ``d = amax/127`` then 32 int8 ``roundf(x * (1/d))``.
+    Byte-identical to ggml ``quantize_row_q8_0_ref`` and gguf-py
+    ``Q8_0.quantize_blocks``.
+
+    Raises ValueError if ``H`` is not a multiple of 32, the input holds NaN/Inf
+    ("non-finite"), or a block's fp16 scale would overflow (|x| >~ 8.3e6).
+    """
+    a = _as_f32_rows(x, "q8_0")
+    return _quantize_q8_0(a)
+
+
+# --------------------------------------------------------------------------
+# Q4_K: make_qkx2_quants + quantize_row_q4_K_ref
+
+
+# candidate numerators (rmin + rdelta*is) + nmax of make_qkx2_quants, float32 as in C
+_QKX2_NUMS = [
+    _F32(_F32(_F32(-1.0) + _F32(_F32(0.1) * _F32(i))) + _F32(15)) for i in range(21)
+]
+
+
+def _make_qkx2(X: np.ndarray, W: np.ndarray, track_L: bool):
+    """Vectorised ``make_qkx2_quants(n=32, nmax=15, rmin=-1, rdelta=0.1,
+    nstep=20, use_mad=false)`` for B blocks.
+
+    X, W: float32 C-contiguous [32, B] (values, weights), B >= 1.
+    Returns (scale [B], the_min [B], L uint8 [32, B] or None, degenerate [B]);
+    degenerate blocks (max == min after clamping min to <= 0) have L = 0.
+    """
+    n, B = X.shape
+    nmax = _F32(15)
+    zero = _F32(0)
+    mx = X.max(axis=0)
+    dmin_raw = X.min(axis=0)
+    sum_w = _seqsum(W)
+    T = np.multiply(W, X)
+    sum_x = _seqsum(T)
+    mn = np.minimum(dmin_raw, zero)  # if (min > 0) min = 0
+    degen = mx == mn
+    # Degenerate blocks return early in C; give them a harmless non-zero range
+    # here (their results are discarded) so they never force the slow path.
+    mx_eff = np.where(degen, mn + np.abs(mn) + _F32(1), mx).astype(np.float32)
+    rng0 = np.subtract(mx_eff, mn)
+    iscale = np.divide(nmax, rng0)
+    scale = np.divide(_F32(1), iscale)
+
+    LA = np.empty_like(X)
+    WL = np.empty_like(X)
+    # initial quants: the argument is within [0, 15*(1+eps)], so rint == nearest_int
+    np.subtract(X, mn, out=T)
+    np.multiply(T, iscale, out=T)
+    np.rint(T, out=T)
+    np.clip(T, zero, nmax, out=LA)
+    L = LA.copy() if track_L else None
+    np.multiply(LA, scale, out=T)
+    np.add(T, mn, out=T)
+    np.subtract(T, X, out=T)
+    np.multiply(T, T, out=T)
+    np.multiply(W, T, out=T)
+    best = _seqsum(T)
+
+    cur_min = mn.copy()
+    dlo = np.subtract(dmin_raw, cur_min)  # lowest x - min of each block
+    lim = -_NEAREST_SAFE
+    half = _F32(-0.5)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        for is_ in range(21):
+            num = _QKX2_NUMS[is_]
+            den = np.subtract(mx_eff, cur_min)
+            isc = np.divide(num, den)
+            np.subtract(X, cur_min, out=T)
+            np.multiply(T, isc, out=T)
+            # v = isc*(x - min) is monotone in x; with den > 0 and isc finite its
+            # maximum is isc*den ~= num <= 16 and its minimum is isc*dlo.  There
+            # rint equals nearest_int, and the clamps are only needed when the
+            # bounds can leave [0, 15].
+            lo = np.multiply(isc, dlo).min()
+            if isc.min() > zero and isc.max() < np.inf and lo >= lim:
+                np.rint(T, out=LA)
+                if num >= _F32(15.5):
+                    np.minimum(LA, nmax, out=LA)
+                if lo < half:
+                    np.maximum(LA, zero, out=LA)
+            else:
+                li = _nearest_int(T)
+                np.clip(li, 0, 15, out=li)
+                LA[...] = li
+            np.multiply(W, LA, out=WL)
+            sum_l = _seqsum(WL)
+            np.multiply(WL, LA, out=T)
+            sum_l2 = _seqsum(T)
+            np.multiply(WL, X, out=WL)
+            sum_xl = _seqsum(WL)
+            D = np.subtract(np.multiply(sum_w, sum_l2), np.multiply(sum_l, sum_l))
+            ts = np.divide(np.subtract(np.multiply(sum_w, sum_xl), np.multiply(sum_x, sum_l)), D)
+            tm = np.divide(np.subtract(np.multiply(sum_l2, sum_x), np.multiply(sum_l, sum_xl)), D)
+            cm = tm > zero
+            if cm.any():
+                tm[cm] = zero
+                ts[cm] = np.divide(sum_xl[cm], sum_l2[cm])
+            np.multiply(LA, ts, out=T)
+            np.add(T, tm, out=T)
+            np.subtract(T, X, out=T)
+            np.multiply(T, T, out=T)
+            np.multiply(W, T, out=T)
+            err = _seqsum(T)
+            better = (err < best) & (D > zero)
+            if better.any():
+                np.copyto(best, err, where=better)
+                np.copyto(scale, ts, where=better)
+                np.copyto(cur_min, tm, where=better)
+                np.subtract(dmin_raw, cur_min, out=dlo)
+                if track_L:
+                    np.copyto(L, LA, where=better[None, :])
+    scale[degen] = zero
+    the_min = np.negative(np.where(degen, mn, cur_min))
+    if track_L:
+        L[:, degen] = 0
+        L = L.astype(np.uint8)
+    return scale, the_min, L, degen
+
+
+def _q4k_weights(X: np.ndarray) -> np.ndarray:
+    """weights[l] = sqrtf(sum_x2/32) + |x[l]| for X [32, B] (quantize_row_q4_K_ref)."""
+    sq = np.multiply(X, X)
+    sum_x2 = _seqsum(sq)
+    av_x = np.sqrt(np.divide(sum_x2, _F32(32), dtype=np.float32))
+    W = np.abs(X)
+    np.add(av_x, W, out=W)
+    return W
+
+
+def _quantize_q4_k_chunk(xs: np.ndarray) -> np.ndarray:
+    """xs: float32 [nb, 256] -> uint8 [nb, 144]."""
+    nb = xs.shape[0]
+    S = nb * 8
+    X = np.ascontiguousarray(xs.reshape(S, 32).T)  # [32, S]
+    W = _q4k_weights(X)
+    scales, mins, _, degen = _make_qkx2(X, W, track_L=False)
+    scales = scales.reshape(nb, 8)
+    mins = mins.reshape(nb, 8)
+
+    max_scale = np.where(scales > 0, scales, _F32(0)).max(axis=1).astype(np.float32)
+    max_min = np.where(mins > 0, mins, _F32(0)).max(axis=1).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv_scale = np.where(max_scale > 0, np.divide(_F32(63), max_scale, dtype=np.float32), _F32(0)).astype(np.float32)
+        inv_min = np.where(max_min > 0, np.divide(_F32(63), max_min, dtype=np.float32), _F32(0)).astype(np.float32)
+    ls = np.minimum(_nearest_int(np.multiply(inv_scale[:, None], scales, dtype=np.float32)) & 0xFF, 63).astype(np.uint8)
+    lm = np.minimum(_nearest_int(np.multiply(inv_min[:, None], mins, dtype=np.float32)) & 0xFF, 63).astype(np.uint8)
+    d16 = np.divide(max_scale, _F32(63), dtype=np.float32).astype("<f2")
+    m16 = np.divide(max_min, _F32(63), dtype=np.float32).astype("<f2")
+    _check_scale_overflow(d16, "q4_k", "d")
+    _check_scale_overflow(m16, "q4_k", "dmin")
+
+    # re-quantize against the stored (fp16, 6-bit) scales and mins
+    dj = np.multiply(d16.astype(np.float32)[:, None], ls.astype(np.float32), dtype=np.float32)  # [nb, 8]
+    dmj = np.multiply(m16.astype(np.float32)[:, None], lm.astype(np.float32), dtype=np.float32)
+    djT = dj.reshape(S)
+    dmjT = dmj.reshape(S)
+    keep = djT == 0
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        v = np.divide(np.add(X, dmjT, dtype=np.float32), djT, dtype=np.float32)
+    Li = _nearest_int(v)
+    np.clip(Li, 0, 15, out=Li)
+    L = Li.astype(np.uint8)  # [32, S]
+    L[:, keep & degen] = 0  # make_qkx2's early return: all quants 0
+    redo = keep & ~degen  # keep the search's quants: recompute them for these only
+    if redo.any():
+        idx = np.nonzero(redo)[0]
+        Xk = np.ascontiguousarray(X[:, idx])
+        Wk = np.ascontiguousarray(W[:, idx])
+        _, _, Lk, _ = _make_qkx2(Xk, Wk, track_L=True)
+        L[:, idx] = Lk
+    L = L.T.reshape(nb, 4, 2, 32)
+
+    out = np.empty((nb, 144), dtype=np.uint8)
+    out[:, 0:2] = d16.view(np.uint8).reshape(nb, 2)
+    out[:, 2:4] = m16.view(np.uint8).reshape(nb, 2)
+    sc = out[:, 4:16]
+    sc[:, 0:4] = ls[:, 0:4] | ((ls[:, 4:8] >> 4) << 6)
+    sc[:, 4:8] = lm[:, 0:4] | ((lm[:, 4:8] >> 4) << 6)
+    sc[:, 8:12] = (ls[:, 4:8] & 0xF) | ((lm[:, 4:8] & 0xF) << 4)
+    out[:, 16:144] = (L[:, :, 0, :] | (L[:, :, 1, :] << 4)).reshape(nb, 128)
+    return out
+
+
+# --------------------------------------------------------------------------
+# Q6_K: make_qx_quants(rmse_type=1) + quantize_row_q6_K_ref
+
+
+def _make_qx(X: np.ndarray, track_L: bool):
+    """Vectorised ``make_qx_quants(n=16, nmax=32, rmse_type=1, qw=NULL)``.
+
+    X: float32 C-contiguous [16, B].  Returns (scale [B], L uint8 [16, B] or None).
+    """
+    n, B = X.shape
+    nmax = _F32(32)
+    AX = np.abs(X)
+    im = AX.argmax(axis=0)  # first index of the largest |x| (strict '>' scan)
+    cols = np.arange(B)
+    amax = AX[im, cols]
+    mxv = X[im, cols]
+    zero = amax < _GROUP_MAX_EPS
+    maxs = np.where(zero, _F32(1), mxv).astype(np.float32)
+
+    Wx = np.multiply(X, X)
+    np.multiply(Wx, X, out=Wx)  # (x*x)*x
+    W = np.multiply(X, X)
+    Lf = np.empty_like(X)
+    T = np.empty_like(X)
+
+    def quants(isc):
+        np.multiply(X, isc, out=T)  # iscale*x: |.| <= 33, rint is exact nearest_int
+        np.rint(T, out=T)
+        np.clip(T, -nmax, _F32(31), out=Lf)
+        np.multiply(Wx, Lf, out=T)
+        sumlx = _seqsum(T)
+        np.multiply(W, Lf, out=T)
+        np.multiply(T, Lf, out=T)
+        suml2 = _seqsum(T)
+        return sumlx, suml2
+
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        isc = np.divide(-nmax, maxs, dtype=np.float32)
+        sumlx, suml2 = quants(isc)
+        L = (Lf + nmax).astype(np.uint8) if track_L else None
+        scale = np.where(suml2 != 0, np.divide(sumlx, suml2, dtype=np.float32), _F32(0)).astype(np.float32)
+        best = np.multiply(scale, sumlx, dtype=np.float32)
+        for is_ in range(-9, 10):
+            if is_ == 0:
+                continue
+            num = np.negative(_F32(nmax + _F32(_F32(0.1) * _F32(is_))))
+            isc = np.divide(num, maxs, dtype=np.float32)
+            sumlx, suml2 = quants(isc)
+            better = (suml2 > 0) & (np.multiply(sumlx, sumlx, dtype=np.float32)
+                                    > np.multiply(best, suml2, dtype=np.float32))
+            if better.any():
+                ns = np.divide(sumlx, suml2, dtype=np.float32)
+                scale = np.where(better, ns, scale).astype(np.float32)
+                best = np.where(better, np.multiply(ns, sumlx, dtype=np.float32), best).astype(np.float32)
+                if track_L:
+                    np.copyto(L, (Lf + nmax).astype(np.uint8), where=better[None, :])
+    scale = np.where(zero, _F32(0), scale).astype(np.float32)
+    if track_L:
+        L[:, zero] = 0
+    return scale, L
+
+
+def _quantize_q6_k_chunk(xs: np.ndarray) -> np.ndarray:
+    """xs: float32 [nb, 256] -> uint8 [nb, 210]."""
+    nb = xs.shape[0]
+    S = nb * 16
+    X = np.ascontiguousarray(xs.reshape(S, 16).T)  # [16, S]
+    scales, _ = _make_qx(X, track_L=False)
+    scales = scales.reshape(nb, 16)
+    a = np.abs(scales)
+    a = np.where(np.isnan(a), _F32(0), a)
+    ib = a.argmax(axis=1)
+    rows = np.arange(nb)
+    max_abs = a[rows, ib]
+    max_scale = scales[rows, ib]
+    zero_blk = max_abs < _GROUP_MAX_EPS
+    ms = np.where(zero_blk, _F32(1), max_scale).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        iscale = np.divide(_F32(-128), ms, dtype=np.float32)
+        d16 = np.divide(_F32(1), iscale, dtype=np.float32).astype("<f2")
+        d16[zero_blk] = 0
+        _check_scale_overflow(d16, "q6_k", "d")
+        sci = np.minimum(_nearest_int(np.multiply(iscale[:, None], scales, dtype=np.float32)), 127)
+        sc8 = sci.astype(np.int8)  # wraps like the C int -> int8_t store
+        sc8[zero_blk] = 0
+        dj = np.multiply(d16.astype(np.float32)[:, None], sc8.astype(np.float32), dtype=np.float32)
+        djT = dj.reshape(S)
+        keep = (djT == 0) & ~np.repeat(zero_blk, 16)
+        v = np.divide(X, djT, dtype=np.float32)
+    Li = _nearest_int(v)
+    np.clip(Li, -32, 31, out=Li)
+    Li += 32
+    L = Li.astype(np.uint8)  # [16, S]
+    if keep.any():
+        idx = np.nonzero(keep)[0]
+        _, Lk = _make_qx(np.ascontiguousarray(X[:, idx]), track_L=True)
+        L[:, idx] = Lk
+    L = L.T.reshape(nb, 2, 4, 32)
+
+    out = np.empty((nb, 210), dtype=np.uint8)
+    ql = out[:, 0:128].reshape(nb, 2, 2, 32)
+    ql[:, :, 0, :] = (L[:, :, 0, :] & 0xF) | ((L[:, :, 2, :] & 0xF) << 4)
+    ql[:, :, 1, :] = (L[:, :, 1, :] & 0xF) | ((L[:, :, 3, :] & 0xF) << 4)
+    out[:, 128:192] = ((L[:, :, 0, :] >> 4) | ((L[:, :, 1, :] >> 4) << 2)
+                       | ((L[:, :, 2, :] >> 4) << 4) | ((L[:, :, 3, :] >> 4) << 6)).reshape(nb, 64)
+    out[:, 192:208] = sc8.view(np.uint8)
+    out[:, 208:210] = d16.view(np.uint8).reshape(nb, 2)
+    out[zero_blk] = 0
+    return out
+
+
+def _quantize_k(a: np.ndarray, chunk_fn, block_bytes: int, chunk: int) -> np.ndarray:
+    n = a.shape[-1]
+    out = np.empty(a.shape[:-1] + (n // QK_K * block_bytes,), dtype=np.uint8)
+    xb = a.reshape(-1, QK_K)
+    ob = out.reshape(-1, block_bytes)
+    for s in range(0, xb.shape[0], chunk):
+        ob[s:s + chunk] = chunk_fn(xb[s:s + chunk])
+    return out
+
+
+# --------------------------------------------------------------------------
+# public API
+
+
+def quantize(x: np.ndarray, qtype: str) -> np.ndarray:
+    """Quantize float rows to GGUF blocks, byte-identical to llama.cpp.
+
+    x: array of shape ``(..., n)`` (float32; other real dtypes are converted to
+    float32 first).  Each row (last axis) is quantized on its own.
+    qtype: ``"q8_0"``, ``"q4_k"`` or ``"q6_k"`` (case-insensitive).
+    Returns uint8 of shape ``(..., n // BLOCK_SIZE[q] * BLOCK_BYTES[q])``:
+    the GGUF tensor data of those rows.
+
+    Source algorithms (``ggml-quants.c``): ``quantize_row_q8_0_ref``;
+    ``quantize_row_q4_K_ref`` (``make_qkx2_quants(32, 15, ..., -1, 0.1, 20,
+    false)`` per sub-block, 6-bit scales/mins via ``nearest_int``, fp16
+    ``d``/``dmin``, ``get_scale_min_k4`` packing, re-quantization against the
+    stored scales); ``quantize_row_q6_K_ref`` (``make_qx_quants(16, 32, ...,
+    rmse_type=1, NULL)``, int8 sub-block scales, fp16 ``d``).  This is the
+    ``llama-quantize`` path without an imatrix.
+
+    Raises ValueError for an unknown qtype (listing the supported ones), a row
+    length that is not a multiple of the block size (32 for q8_0, 256 for
+    q4_k/q6_k), non-finite input (NaN/Inf), or input so large that an fp16
+    block scale would overflow; TypeError for non-numeric input.
+    """
+    q = normalize_qtype(qtype)
+    a = _as_f32_rows(x, q)
+    if q == "q8_0":
+        return _quantize_q8_0(a)
+    if q == "q4_k":
+        return _quantize_k(a, _quantize_q4_k_chunk, 144, _Q4K_CHUNK)
+    return _quantize_k(a, _quantize_q6_k_chunk, 210, _Q6K_CHUNK)
+
+
+def _as_u8(blocks) -> np.ndarray:
+    if isinstance(blocks, (bytes, bytearray, memoryview)):
+        return np.frombuffer(blocks, dtype=np.uint8)
+    b = np.asarray(blocks)
+    if b.dtype == np.uint8:
+        return b
+    if b.dtype == np.int8:
+        return b.view(np.uint8)
+    raise TypeError(f"quantized data must be uint8 bytes, got dtype {b.dtype}")
+
+
+def _deq_q8_0(b: np.ndarray) -> np.ndarray:
+    """b: uint8 [N, 34] -> float32 [N, 32] (gguf-py Q8_0.dequantize_blocks)."""
+    d = np.ascontiguousarray(b[:, :2]).view("<f2").astype(np.float32)  # [N,1]
+    qs = b[:, 2:].view(np.int8).astype(np.float32)
+    np.multiply(qs, d, out=qs)
+    return qs
+
+
+def _deq_q4_k(b: np.ndarray) -> np.ndarray:
+    """b: uint8 [N, 144] -> float32 [N, 256] (gguf-py Q4_K.dequantize_blocks)."""
+    N = b.shape[0]
+    d = np.ascontiguousarray(b[:, 0:2]).view("<f2").astype(np.float32)  # [N,1]
+    dmin = np.ascontiguousarray(b[:, 2:4]).view("<f2").astype(np.float32)
+    s = b[:, 4:16]
+    sc = np.empty((N, 8), dtype=np.uint8)
+    mn = np.empty((N, 8), dtype=np.uint8)
+    sc[:, 0:4] = s[:, 0:4] & 0x3F
+    sc[:, 4:8] = (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 2) & 0x30)
+    mn[:, 0:4] = s[:, 4:8] & 0x3F
+    mn[:, 4:8] = (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 2) & 0x30)
+    dl = np.multiply(d, sc.astype(np.float32))  # [N, 8]
+    ml = np.multiply(dmin, mn.astype(np.float32))
+    qs = b[:, 16:144].reshape(N, 4, 1, 32)
+    q = np.empty((N, 4, 2, 32), dtype=np.uint8)
+    np.bitwise_and(qs[:, :, 0, :], 0x0F, out=q[:, :, 0, :])
+    np.right_shift(qs[:, :, 0, :], 4, out=q[:, :, 1, :])
+    y = q.reshape(N, 8, 32).astype(np.float32)
+    np.multiply(y, dl[:, :, None], out=y)
+    np.subtract(y, ml[:, :, None], out=y)
+    return y.reshape(N, 256)
+
+
+def _deq_q6_k(b: np.ndarray) -> np.ndarray:
+    """b: uint8 [N, 210] -> float32 [N, 256] (gguf-py Q6_K.dequantize_blocks)."""
+    N = b.shape[0]
+    ql = b[:, 0:128].reshape(N, 2, 2, 32)
+    qh = b[:, 128:192].reshape(N, 2, 32)
+    sc = b[:, 192:208].view(np.int8).astype(np.float32)
+    d = np.ascontiguousarray(b[:, 208:210]).view("<f2").astype(np.float32)
+    dl = np.multiply(d, sc)  # [N, 16]
+    q = np.empty((N, 2, 4, 32), dtype=np.uint8)
+    q[:, :, 0, :] = (ql[:, :, 0, :] & 0x0F) | ((qh & 0x03) << 4)
+    q[:, :, 1, :] = (ql[:, :, 1, :] & 0x0F) | (((qh >> 2) & 0x03) << 4)
+    q[:, :, 2, :] = (ql[:, :, 0, :] >> 4) | (((qh >> 4) & 0x03) << 4)
+    q[:, :, 3, :] = (ql[:, :, 1, :] >> 4) | ((qh >> 6) << 4)
+    y = q.view(np.int8).reshape(N, 16, 16).astype(np.float32)
+    np.subtract(y, _F32(32), out=y)
+    np.multiply(y, dl[:, :, None], out=y)
+    return y.reshape(N, 256)
+
+
+_DEQ = {"q8_0": _deq_q8_0, "q4_k": _deq_q4_k, "q6_k": _deq_q6_k}
+_DEQ_CHUNK_BYTES = 1 << 20
+
+
+def dequantize(blocks, qtype: str, shape) -> np.ndarray:
+    """Decode GGUF blocks to float32, bit-identical to gguf-py's ``dequantize``.
+
+    blocks: uint8 array (any shape; int8 arrays and bytes-like objects are
+    accepted) holding exactly ``quantized_nbytes(shape, qtype)`` bytes, rows
+    stored one after another.
+    qtype: ``"q8_0"``, ``"q4_k"`` or ``"q6_k"`` (case-insensitive).
+    shape: int or sequence ``(..., n)``: the element shape to return.
+    Returns float32 of ``shape``.
+
+    Source: gguf-py ``gguf/quants.py`` ``Q8_0/Q4_K/Q6_K.dequantize_blocks``
+    (same float32 operations in the same order, hence bit-identical), which
+    equal ggml ``dequantize_row_q8_0/q4_K/q6_K``.
+
+    Raises ValueError for an unknown qtype, a row length not a multiple of
+    the block size, or a byte count that does not match ``shape``; TypeError
+    for non-byte data.
+    """
+    q = normalize_qtype(qtype)
+    s = _shape_tuple(shape)
+    want = quantized_nbytes(s, q)
+    b = _as_u8(blocks)
+    if b.size != want:
+        raise ValueError(
+            f"{q} data for shape {s} must be {want} bytes, got {b.size}"
+        )
+    bb = BLOCK_BYTES[q]
+    flat = np.ascontiguousarray(b).reshape(-1, bb)
+    nblk = flat.shape[0]
+    out = np.empty((nblk, BLOCK_SIZE[q]), dtype=np.float32)
+    step = max(1, _DEQ_CHUNK_BYTES // bb)
+    fn = _DEQ[q]
+    for i in range(0, nblk, step):
+        out[i:i + step] = fn(flat[i:i + step])
+    return out.reshape(s)
+
+
+def dequantize_rows(blocks, qtype: str, cols: int | None = None) -> np.ndarray:
+    """Decode a quantized matrix ``[rows, row_bytes]`` to float32 ``[rows, cols]``.
+
+    blocks: uint8 ``[rows, cols // BLOCK_SIZE[q] * BLOCK_BYTES[q]]`` (a 1-D
+    buffer is accepted when ``cols`` is given).  ``cols`` defaults to the value
+    implied by the row byte length.  Vectorised over all blocks; the result is
+    bit-identical to gguf-py's ``dequantize`` (see :func:`dequantize`).
+
+    Raises ValueError for an unknown qtype, a row byte length that is not a
+    whole number of blocks, or a byte count that does not match ``cols``.
+    """
+    q = normalize_qtype(qtype)
+    b = _as_u8(blocks)
+    bb, bs = BLOCK_BYTES[q], BLOCK_SIZE[q]
+    if cols is None:
+        if b.ndim != 2:
+            raise ValueError("dequantize_rows needs a 2-D [rows, row_bytes] array or cols")
+        if b.shape[1] % bb != 0:
+            raise ValueError(
+                f"{q} row of {b.shape[1]} bytes is not a whole number of {bb}-byte blocks"
+            )
+        cols = b.shape[1] // bb * bs
+    cols = int(cols)
+    _check_row_length(cols, q)
+    row_bytes = cols // bs * bb
+    if row_bytes == 0 or b.size % row_bytes != 0:
+        if not (row_bytes == 0 and b.size == 0):
+            raise ValueError(
+                f"{q} data of {b.size} bytes is not a whole number of {row_bytes}-byte rows "
+                f"({cols} columns)"
+            )
+    rows = b.size // row_bytes if row_bytes else (b.shape[0] if b.ndim == 2 else 0)
+    return dequantize(b, q, (rows, cols))
+
+
+def iter_supported() -> Iterable[str]:
+    """The supported qtype names (lower case)."""
+    return iter(QTYPES)

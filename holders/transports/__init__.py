@@ -1,0 +1,1 @@
+"""Transports from the router to expert holders (agent WebSocket through the channel layer)."""

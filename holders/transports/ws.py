@@ -1,0 +1,86 @@
+"""Router side of the agent WebSocket: requests travel through the Channels layer.
+
+The site process that plans a forward does not own the agents' sockets: each socket
+belongs to an ``AgentConsumer`` in some site process. A request is ``group_send`` to the
+group ``agent.<provider>``; that consumer writes it to the socket and routes the agent's
+answer back to the requesting process's reply channel. One reader task per process
+matches answers to waiting requests by request id (never by fields the holder returns).
+With the in-memory layer this only works inside one process, which is how the embedded
+mode runs; with channels-redis it works across site processes.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from channels.layers import get_channel_layer
+
+
+class AgentUnavailable(ConnectionError):
+    """The agent did not answer in time, disconnected, or refused the request (``code`` kept)."""
+
+    def __init__(self, message: str, code: int | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+def agent_group(provider: str) -> str:
+    """Channel-layer group of a provider's agent socket(s)."""
+    return f"agent.{provider}"
+
+
+class AgentLink:
+    """Per-event-loop client of the channel layer for request/response calls to agents."""
+
+    _by_loop: dict[int, "AgentLink"] = {}
+
+    def __init__(self):
+        self.layer = get_channel_layer()
+        self.reply_channel: str | None = None
+        self.pending: dict[str, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+
+    @classmethod
+    async def get(cls) -> "AgentLink":
+        """The link of the running event loop, started on first use."""
+        loop = asyncio.get_running_loop()
+        link = cls._by_loop.get(id(loop))
+        if link is None or link._reader is None or link._reader.done():
+            link = cls()
+            link.reply_channel = await link.layer.new_channel("tenzro.router.")
+            link._reader = loop.create_task(link._read())
+            cls._by_loop[id(loop)] = link
+        return link
+
+    async def _read(self) -> None:
+        while True:
+            msg = await self.layer.receive(self.reply_channel)
+            fut = self.pending.pop(msg.get("id", ""), None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    async def request(self, provider: str, header: dict, payload: bytes = b"",
+                      timeout: float = 30.0) -> tuple[dict, bytes]:
+        """Send ``header``/``payload`` to ``provider``'s agent and wait for its answer.
+
+        Returns (answer header, answer payload). Raises ``AgentUnavailable`` on timeout,
+        disconnect, or an answer with ``ok: false`` (its ``code`` and ``message`` kept).
+        """
+        req_id = uuid.uuid4().hex
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[req_id] = fut
+        try:
+            await self.layer.group_send(agent_group(provider), {
+                "type": "agent.request", "id": req_id, "reply_to": self.reply_channel,
+                "header": {**header, "id": req_id}, "payload": payload,
+            })
+            msg = await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError as exc:
+            raise AgentUnavailable(f"holder {provider[:12]}… did not answer within {timeout:g} s") from exc
+        finally:
+            self.pending.pop(req_id, None)
+        answer = msg.get("header") or {}
+        if not answer.get("ok"):
+            raise AgentUnavailable(f"holder {provider[:12]}…: {answer.get('message', 'request failed')}",
+                                   answer.get("code"))
+        return answer, msg.get("payload") or b""

@@ -1,0 +1,70 @@
+"""Checking a distributed forward against a reference bundle and the monolithic forward (DESIGN §4)."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
+
+from holders import wire
+from holders.ffn import moe_layer_forward
+from prepare.checkpoint import Checkpoint
+from prepare.layouts import load_expert, load_gate, spec_from_config
+
+REL_TOLERANCE = 1e-5
+
+
+def reference_layers(reference: str | Path) -> tuple[dict[str, np.ndarray], list[int]]:
+    """Load a reference bundle; returns (tensors, sorted MoE layers that have hidden_states and output).
+
+    Raises ``ValueError`` when the bundle holds no ``layer{L}.hidden_states``/``layer{L}.output`` pair.
+    """
+    tensors = load_file(str(reference))
+    layers = sorted(int(k[len("layer"):].split(".")[0]) for k in tensors
+                    if k.startswith("layer") and k.endswith(".hidden_states") and
+                    k.replace(".hidden_states", ".output") in tensors)
+    if not layers:
+        raise ValueError(f"{reference} holds no layer{{L}}.hidden_states / layer{{L}}.output pairs")
+    return tensors, layers
+
+
+def monolithic(checkpoint: Checkpoint, layer: int, hidden_states: np.ndarray) -> np.ndarray:
+    """The in-process layer forward straight from the checkpoint (gate and every expert local)."""
+    spec = spec_from_config(checkpoint.config)
+    gate = load_gate(checkpoint, spec, layer)
+    out, _ = moe_layer_forward(gate, lambda e: load_expert(checkpoint, spec, layer, e), hidden_states)
+    return out
+
+
+def max_rel_err(out: np.ndarray, ref: np.ndarray) -> float:
+    """max |out − ref| / max |ref| (0 when both are zero)."""
+    denom = float(np.max(np.abs(ref)))
+    diff = float(np.max(np.abs(out.astype(np.float64) - ref.astype(np.float64))))
+    return diff / denom if denom > 0 else diff
+
+
+def verify_layers(rpc, model_id: str, checkpoint: str | Path, reference: str | Path) -> list[dict]:
+    """Run ``tenzro_moeForward`` for every layer of the bundle and compare.
+
+    ``rpc(method, params) -> result``. Each row: layer, tokens, holders (count),
+    max_rel_err_vs_reference, max_abs_diff_vs_monolithic, ms (forward wall time), ok.
+    """
+    ckpt = Checkpoint(checkpoint)
+    tensors, layers = reference_layers(reference)
+    rows = []
+    for layer in layers:
+        x = tensors[f"layer{layer}.hidden_states"].astype(np.float32)
+        ref = tensors[f"layer{layer}.output"].astype(np.float32)
+        t0 = time.perf_counter()
+        res = rpc("tenzro_moeForward", {"model_id": model_id, "layer": layer, "d_model": int(x.shape[1]),
+                                        "hidden_states": wire.b64encode(wire.encode_f32(x)), "carrier": "f32"})
+        ms = (time.perf_counter() - t0) * 1e3
+        out = wire.decode_f32(wire.b64decode(res["outputs"], "outputs"), int(x.shape[1]), field="outputs")
+        mono = monolithic(ckpt, layer, x)
+        rel = max_rel_err(out, ref)
+        absdiff = float(np.max(np.abs(out - mono)))
+        rows.append({"layer": layer, "tokens": int(x.shape[0]), "holders": len(res["holders"]),
+                     "max_rel_err_vs_reference": rel, "max_abs_diff_vs_monolithic": absdiff,
+                     "ms": round(ms, 1), "ok": rel <= REL_TOLERANCE and absdiff == 0.0})
+    return rows

@@ -1,0 +1,108 @@
+"""Content-addressed blob store: ``tenzro://blob/<64 hex BLAKE3>`` ↔ files on disk.
+
+Files live at ``<root>/<hash[:2]>/<hash>``, written atomically (temporary file, fsync,
+rename) so a crash never leaves a partial blob under a valid name. Pure Python; imports
+nothing from Django.
+"""
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import blake3
+
+URI_PREFIX = "tenzro://blob/"
+HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class BlobError(ValueError):
+    """A blob URI or hash is malformed, a blob is missing, or its content does not match its hash."""
+
+
+def blob_hash(data: bytes) -> str:
+    """BLAKE3 of ``data`` as 64 lowercase hex characters."""
+    return blake3.blake3(data).hexdigest()
+
+
+def blob_uri(hash_hex: str) -> str:
+    """``tenzro://blob/<hash>`` for a 64-hex BLAKE3 hash."""
+    return URI_PREFIX + check_hash(hash_hex)
+
+
+def check_hash(hash_hex: str) -> str:
+    """Return ``hash_hex`` if it is 64 lowercase hex characters; raise ``BlobError`` otherwise."""
+    if not isinstance(hash_hex, str) or not HASH_RE.match(hash_hex):
+        raise BlobError("blob hash must be 64 lowercase hex characters (BLAKE3)")
+    return hash_hex
+
+
+def parse_blob_uri(uri: str) -> str:
+    """The hash inside ``tenzro://blob/<hash>``; raises ``BlobError`` for any other form."""
+    if not isinstance(uri, str) or not uri.startswith(URI_PREFIX):
+        raise BlobError(f"blob URI must look like {URI_PREFIX}<64 hex BLAKE3>, got {uri!r}")
+    return check_hash(uri[len(URI_PREFIX):])
+
+
+def verify_blob(data: bytes, expected_hash: str) -> None:
+    """Raise ``BlobError`` when BLAKE3(``data``) differs from ``expected_hash``."""
+    got = blob_hash(data)
+    if got != expected_hash:
+        raise BlobError(f"blob hash mismatch: expected {expected_hash}, content hashes to {got}")
+
+
+class BlobStore:
+    """A directory of content-addressed blobs.
+
+    ``put`` is idempotent: identical content gives the identical hash and one file.
+    """
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, hash_hex: str) -> Path:
+        """Filesystem path of a blob (whether or not it exists)."""
+        check_hash(hash_hex)
+        return self.root / hash_hex[:2] / hash_hex
+
+    def has(self, hash_hex: str) -> bool:
+        """Whether the blob is stored."""
+        return self.path(hash_hex).is_file()
+
+    def put(self, data: bytes) -> str:
+        """Store ``data`` and return its BLAKE3 hash; atomic, idempotent."""
+        h = blob_hash(data)
+        self.put_verified(data, h)
+        return h
+
+    def put_verified(self, data: bytes, expected_hash: str) -> None:
+        """Store ``data`` under ``expected_hash`` after checking it; raises ``BlobError`` on mismatch."""
+        verify_blob(data, expected_hash)
+        dest = self.path(expected_hash)
+        if dest.is_file() and dest.stat().st_size == len(data):
+            return
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, dest)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    def get(self, hash_hex: str, verify: bool = False) -> bytes:
+        """Read a blob; ``verify`` re-hashes it. Raises ``BlobError`` when missing or corrupt."""
+        p = self.path(hash_hex)
+        try:
+            data = p.read_bytes()
+        except FileNotFoundError as exc:
+            raise BlobError(f"blob {hash_hex} is not in the store at {self.root}") from exc
+        if verify:
+            verify_blob(data, hash_hex)
+        return data

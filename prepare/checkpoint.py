@@ -1,0 +1,467 @@
+"""Reading Hugging Face safetensors checkpoints one tensor at a time, and the safetensors codec.
+
+A checkpoint is a directory with ``config.json`` and either ``model.safetensors`` or
+``model.safetensors.index.json`` plus the shards it names (or a single ``.safetensors`` file).
+Each shard's header is parsed by hand (``u64 LE N ‖ N bytes of JSON ‖ data``, see
+``huggingface/safetensors`` README "Format" and ``safetensors/src/tensor.rs``), validated
+against the shard's size, and a tensor is read by seeking to its byte range: no shard is
+ever loaded whole. All byte access goes through ``Checkpoint._shard_size`` and
+``Checkpoint._read_range`` so that a remote (HTTP Range) source only has to replace those two.
+
+The same module holds the in-memory codec used for expert and gate blobs:
+``dumps_safetensors`` writes canonical bytes (sorted JSON header, fixed tensor order), which
+``safetensors.numpy.save`` cannot promise because its ``__metadata__`` is a Rust HashMap whose
+key order changes from process to process; ``loads_safetensors`` parses bytes with the same
+validation as the checkpoint reader.
+
+Pure Python + numpy; imports nothing from Django.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, NamedTuple
+
+import numpy as np
+
+MAX_HEADER_SIZE = 100_000_000  # safetensors/src/tensor.rs MAX_HEADER_SIZE
+
+# Bits per element of every dtype the safetensors format defines (tensor.rs `enum Dtype`).
+DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32, "F64": 64, "I64": 64, "U64": 64, "C64": 64,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}
+FLOAT_DTYPES = ("BF16", "F16", "F32")  # what decode_f32 turns into float32
+
+_NUMPY_TO_ST = {  # keyed by little-endian numpy dtype.str
+    "<f4": "F32", "<f2": "F16", "<f8": "F64", "|u1": "U8", "|i1": "I8", "<u2": "U16",
+    "<i2": "I16", "<u4": "U32", "<i4": "I32", "<u8": "U64", "<i8": "I64", "|b1": "BOOL",
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or safetensors buffer is unreadable: missing file or tensor, bad or
+    truncated header, inconsistent index, or a dtype this reader cannot decode."""
+
+
+class TensorInfo(NamedTuple):
+    """What ``Checkpoint.info`` returns: safetensors dtype string, shape, shard file."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    shard: Path
+
+
+@dataclass(frozen=True)
+class _Entry:
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # relative to the start of the data buffer
+    end: int
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A validated safetensors header: ``tensors`` name → entry, ``metadata`` (str → str)
+    and ``data_start`` (= 8 + N, the absolute offset of the data buffer)."""
+
+    tensors: dict[str, _Entry]
+    metadata: dict[str, str]
+    data_start: int
+
+
+def _reject_duplicates(pairs):
+    seen = {}
+    for k, v in pairs:
+        if k in seen:
+            raise CheckpointError(f"duplicate key {k!r}")
+        seen[k] = v
+    return seen
+
+
+def parse_header(header: bytes, file_size: int, source: str) -> SafetensorsHeader:
+    """Validate the JSON header ``header`` (the N bytes after the u64 length) of a
+    safetensors file of ``file_size`` bytes.
+
+    Checks (as ``safetensors/src/tensor.rs`` does): UTF-8 JSON object starting with ``{``,
+    no duplicate keys, known dtypes, ``end - begin == prod(shape) * bits / 8``, every tensor
+    inside the file, and the tensors tiling the data buffer with no hole, overlap or
+    trailing bytes. ``source`` names the file in error messages.
+
+    Raises ``CheckpointError`` naming ``source`` and the offending tensor.
+    """
+    data_start = 8 + len(header)
+    data_size = file_size - data_start
+    if not header.startswith(b"{"):
+        raise CheckpointError(f"{source}: bad safetensors header: it must be a JSON object starting with '{{'")
+    try:
+        raw = json.loads(header.decode("utf-8"), object_pairs_hook=_reject_duplicates)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{source}: bad safetensors header: {exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{source}: bad safetensors header: not UTF-8 JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{source}: bad safetensors header: not a JSON object")
+    metadata = raw.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise CheckpointError(f"{source}: bad safetensors header: __metadata__ must map strings to strings")
+    tensors: dict[str, _Entry] = {}
+    for name, info in raw.items():
+        where = f"{source}: tensor {name!r}"
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{where}: header entry is not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in DTYPE_BITS:
+            raise CheckpointError(f"{where}: unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise CheckpointError(f"{where}: bad shape {shape!r}")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) and o >= 0 for o in offsets) or offsets[0] > offsets[1]):
+            raise CheckpointError(f"{where}: bad data_offsets {offsets!r}")
+        bits = math.prod(shape) * DTYPE_BITS[dtype]
+        if bits % 8 or offsets[1] - offsets[0] != bits // 8:
+            raise CheckpointError(
+                f"{where}: data_offsets {offsets} span {offsets[1] - offsets[0]} bytes but "
+                f"{dtype} {shape} needs {bits / 8:g}"
+            )
+        if offsets[1] > data_size:
+            raise CheckpointError(
+                f"{where}: file is truncated: the tensor needs bytes up to {data_start + offsets[1]} "
+                f"but the file has {file_size} bytes"
+            )
+        tensors[name] = _Entry(dtype, tuple(shape), offsets[0], offsets[1])
+    # Sorted by offset the tensors must tile the buffer exactly (tensor.rs `validate`).
+    expected = 0
+    for name, e in sorted(tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if e.begin != expected:
+            kind = "overlaps the previous tensor" if e.begin < expected else f"leaves a hole of {e.begin - expected} bytes"
+            raise CheckpointError(f"{source}: tensor {name!r} at data offset {e.begin} {kind}")
+        expected = e.end
+    if expected != data_size:
+        raise CheckpointError(
+            f"{source}: bad safetensors file: {data_size - expected} bytes after the last tensor "
+            f"(data buffer is {data_size} bytes, tensors cover {expected})"
+        )
+    return SafetensorsHeader(tensors, metadata, data_start)
+
+
+def require_float_dtype(dtype: str, name: str = "tensor", source: str = "") -> None:
+    """Raise ``CheckpointError`` unless ``dtype`` is one ``decode_f32`` handles (BF16, F16,
+    F32); FP8 dtypes get a "not supported yet" message. The message names the tensor."""
+    if dtype in FLOAT_DTYPES:
+        return
+    where = f"{source}: tensor {name!r}" if source else f"tensor {name!r}"
+    supported = ", ".join(FLOAT_DTYPES)
+    if dtype.startswith("F8_"):
+        raise CheckpointError(f"{where} has dtype {dtype}: FP8 checkpoints are not supported yet "
+                              f"(supported dtypes: {supported})")
+    raise CheckpointError(f"{where} has dtype {dtype}, which cannot be decoded to float32 (supported dtypes: {supported})")
+
+
+def decode_f32(raw: bytes | memoryview, dtype: str, shape: tuple[int, ...], *, name: str = "tensor",
+               source: str = "") -> np.ndarray:
+    """Decode little-endian ``raw`` bytes of a BF16, F16 or F32 tensor into a new float32
+    array of ``shape`` (BF16: the 16 bits become the high half of a u32, exact).
+
+    Raises ``CheckpointError`` for FP8 ("not supported yet") or any other dtype, and when the
+    byte count does not match ``shape``.
+    """
+    require_float_dtype(dtype, name, source)
+    count = math.prod(shape)
+    need = count * DTYPE_BITS[dtype] // 8
+    if len(raw) != need:
+        where = f"{source}: tensor {name!r}" if source else f"tensor {name!r}"
+        raise CheckpointError(f"{where}: {len(raw)} bytes for {dtype} {list(shape)} (needs {need})")
+    if dtype == "BF16":
+        u = np.frombuffer(raw, dtype="<u2", count=count).astype(np.uint32)
+        u <<= 16
+        return u.view(np.float32).reshape(shape)
+    src = np.frombuffer(raw, dtype="<f2" if dtype == "F16" else "<f4", count=count)
+    return src.astype(np.float32).reshape(shape)  # astype copies: independent of `raw`
+
+
+def encode_bf16(x: np.ndarray) -> np.ndarray:
+    """Round float32 ``x`` to bfloat16 (round to nearest, ties to even), returned as the raw
+    ``uint16`` bit patterns, same shape. Exact for values that are already bf16.
+
+    Raises ``ValueError`` when ``x`` holds NaN or infinity, or a value beyond the bf16 range.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if not np.isfinite(x).all():
+        raise ValueError("cannot encode non-finite values as bf16")
+    u = x.view(np.uint32).copy()
+    u += np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))  # finite inputs cannot wrap a u32
+    out = (u >> 16).astype(np.uint16)
+    if ((out & 0x7F80) == 0x7F80).any():
+        raise ValueError("value beyond the bf16 range (rounds to infinity)")
+    return out
+
+
+class RawTensor(NamedTuple):
+    """One tensor of a parsed safetensors buffer: dtype string, shape, and its bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: memoryview
+
+    def to_f32(self, name: str = "tensor", source: str = "") -> np.ndarray:
+        """This tensor as a new float32 array (see ``decode_f32``)."""
+        return decode_f32(self.data, self.dtype, self.shape, name=name, source=source)
+
+
+def loads_safetensors(data: bytes, source: str = "blob") -> tuple[dict[str, RawTensor], dict[str, str]]:
+    """Parse an in-memory safetensors buffer into (tensors name → ``RawTensor``, metadata).
+
+    Raises ``CheckpointError`` (a ``ValueError``) for a short buffer, an oversized or bad
+    header, or tensors that do not fit; ``source`` names the buffer in messages.
+    """
+    mv = memoryview(data).cast("B")
+    if len(mv) < 8:
+        raise CheckpointError(f"{source}: {len(mv)} bytes is too short for a safetensors header")
+    (n,) = struct.unpack_from("<Q", mv, 0)
+    if n > MAX_HEADER_SIZE or 8 + n > len(mv):
+        raise CheckpointError(f"{source}: bad safetensors header length {n} for a {len(mv)}-byte buffer")
+    hdr = parse_header(bytes(mv[8:8 + n]), len(mv), source)
+    base = hdr.data_start
+    tensors = {name: RawTensor(e.dtype, e.shape, mv[base + e.begin:base + e.end])
+               for name, e in hdr.tensors.items()}
+    return tensors, hdr.metadata
+
+
+def dumps_safetensors(tensors: Mapping[str, np.ndarray | tuple[str, tuple[int, ...], bytes]],
+                      metadata: Mapping[str, str] | None = None) -> bytes:
+    """Serialize ``tensors`` to canonical safetensors bytes: identical content gives
+    identical bytes in every process.
+
+    Each value is a numpy array (dtype mapped to F32, F16, U8, I64, ...) or a
+    ``(dtype string, shape, raw little-endian bytes)`` triple (how BF16 is passed). The data
+    buffer holds tensors ordered by element size descending then name (the library's order,
+    which keeps wider types aligned); the JSON header has sorted keys, no spaces, and is
+    padded with spaces to a multiple of 8 bytes (tensor.rs). Output loads with
+    ``safetensors.safe_open``.
+
+    Raises ``ValueError`` for a non-string metadata value, an unsupported numpy dtype, or a
+    triple whose byte count does not match its shape.
+    """
+    items = []
+    for name, value in tensors.items():
+        if isinstance(value, np.ndarray):
+            arr = np.ascontiguousarray(value)
+            arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+            dtype = _NUMPY_TO_ST.get(arr.dtype.str)
+            if dtype is None:
+                raise ValueError(f"tensor {name!r}: numpy dtype {arr.dtype} has no safetensors equivalent")
+            shape, raw = tuple(arr.shape), arr.tobytes()
+        else:
+            dtype, shape, raw = value[0], tuple(int(d) for d in value[1]), bytes(value[2])
+            if dtype not in DTYPE_BITS:
+                raise ValueError(f"tensor {name!r}: unknown safetensors dtype {dtype!r}")
+            if len(raw) * 8 != math.prod(shape) * DTYPE_BITS[dtype]:
+                raise ValueError(f"tensor {name!r}: {len(raw)} bytes do not match {dtype} {list(shape)}")
+        items.append((name, dtype, shape, raw))
+    items.sort(key=lambda t: (-DTYPE_BITS[t[1]], t[0]))
+    header: dict[str, object] = {}
+    if metadata:
+        for k, v in metadata.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise ValueError(f"metadata {k!r}: keys and values must be strings")
+        header["__metadata__"] = dict(sorted(metadata.items()))
+    offset = 0
+    for name, dtype, shape, raw in items:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(raw)]}
+        offset += len(raw)
+    text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return b"".join([struct.pack("<Q", len(text)), text] + [raw for *_, raw in items])
+
+
+class Checkpoint:
+    """A Hugging Face safetensors checkpoint read one tensor at a time.
+
+    ``Checkpoint(path)`` accepts a directory holding ``config.json`` and either
+    ``model.safetensors`` or ``model.safetensors.index.json`` (format in
+    ``DeepSeek-V3:inference/fp8_cast_bf16.py``: ``{"metadata": ..., "weight_map": {name:
+    shard}}``) plus its shards, or a single ``.safetensors`` file (its directory's
+    ``config.json`` is read when present, else ``config`` is ``{}``).
+
+    Shard headers are parsed lazily on first use and cached; reading a tensor costs one
+    ranged read of exactly its bytes. Attributes: ``path``, ``config`` (dict), ``shards``
+    (list of shard paths). Raises ``CheckpointError`` (a ``ValueError``) for a missing path,
+    config, index or shard, and from the methods below.
+    """
+
+    def __init__(self, path: str | Path):
+        p = Path(path)
+        self.path = p
+        self._headers: dict[Path, SafetensorsHeader] = {}
+        self._weight_map: dict[str, Path] | None = None
+        if p.is_file():
+            if p.suffix != ".safetensors":
+                raise CheckpointError(f"{p}: not a .safetensors file or a checkpoint directory")
+            cfg = p.parent / "config.json"
+            self.config = self._load_json(cfg) if cfg.is_file() else {}
+            self.shards = [p]
+        elif p.is_dir():
+            cfg = p / "config.json"
+            if not cfg.is_file():
+                raise CheckpointError(f"{p}: checkpoint directory has no config.json")
+            self.config = self._load_json(cfg)
+            index, single = p / "model.safetensors.index.json", p / "model.safetensors"
+            if index.is_file():
+                self._weight_map = self._load_index(index)
+                self.shards = sorted(set(self._weight_map.values()))
+            elif single.is_file():
+                self.shards = [single]
+            else:
+                raise CheckpointError(
+                    f"{p}: checkpoint directory has neither model.safetensors nor model.safetensors.index.json"
+                )
+        else:
+            raise CheckpointError(f"{p}: no such checkpoint file or directory")
+        if not isinstance(self.config, dict):
+            raise CheckpointError(f"{p}: config.json must hold a JSON object")
+        for shard in self.shards:
+            if not shard.is_file():
+                raise CheckpointError(f"{shard}: shard named by the index is missing")
+
+    @staticmethod
+    def _load_json(path: Path):
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{path}: cannot read JSON ({exc})") from None
+
+    def _load_index(self, index: Path) -> dict[str, Path]:
+        data = self._load_json(index)
+        wm = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
+        out = {}
+        for name, shard in wm.items():
+            if Path(shard).name != shard:
+                raise CheckpointError(f"{index}: tensor {name!r} names shard {shard!r} outside the checkpoint directory")
+            out[name] = index.parent / shard
+        return out
+
+    # -- byte access seam: a remote source replaces these two ------------------------------
+    def _shard_size(self, shard: Path) -> int:
+        """Total size in bytes of ``shard``."""
+        try:
+            return shard.stat().st_size
+        except OSError as exc:
+            raise CheckpointError(f"{shard}: cannot stat shard ({exc})") from None
+
+    def _open(self, shard: Path) -> BinaryIO:
+        """Open ``shard`` for binary reading (a seam for tests that count bytes)."""
+        return open(shard, "rb")
+
+    def _read_range(self, shard: Path, offset: int, length: int) -> bytes:
+        """Exactly ``length`` bytes of ``shard`` starting at ``offset`` (seek + read).
+
+        Raises ``CheckpointError`` when the shard ends early (it shrank since its header
+        was validated) or cannot be read.
+        """
+        try:
+            with self._open(shard) as f:
+                f.seek(offset)
+                data = f.read(length)
+        except OSError as exc:
+            raise CheckpointError(f"{shard}: read of {length} bytes at {offset} failed ({exc})") from None
+        if len(data) != length:
+            raise CheckpointError(
+                f"{shard}: file is truncated: wanted {length} bytes at offset {offset}, got {len(data)}"
+            )
+        return data
+
+    # -- headers ------------------------------------------------------------------------
+    def header(self, shard: Path) -> SafetensorsHeader:
+        """The validated header of ``shard`` (parsed on first use, then cached).
+
+        Raises ``CheckpointError`` for a short file, a header length beyond
+        ``MAX_HEADER_SIZE`` or the file, and anything ``parse_header`` rejects.
+        """
+        hdr = self._headers.get(shard)
+        if hdr is None:
+            size = self._shard_size(shard)
+            if size < 8:
+                raise CheckpointError(f"{shard}: bad safetensors header: file is {size} bytes, shorter than 8")
+            (n,) = struct.unpack("<Q", self._read_range(shard, 0, 8))
+            if n > MAX_HEADER_SIZE:
+                raise CheckpointError(f"{shard}: bad safetensors header: length {n} exceeds {MAX_HEADER_SIZE}")
+            if 8 + n > size:
+                raise CheckpointError(
+                    f"{shard}: bad safetensors header: header length {n} runs past the end of the {size}-byte file"
+                )
+            hdr = parse_header(self._read_range(shard, 8, n), size, str(shard))
+            self._headers[shard] = hdr
+        return hdr
+
+    def _locate(self, name: str) -> tuple[Path, _Entry, int]:
+        if self._weight_map is not None:
+            shard = self._weight_map.get(name)
+            if shard is None:
+                raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint")
+            hdr = self.header(shard)
+            entry = hdr.tensors.get(name)
+            if entry is None:
+                raise CheckpointError(
+                    f"{shard}: the index maps tensor {name!r} to this shard but its header has no such tensor"
+                )
+            return shard, entry, hdr.data_start
+        shard = self.shards[0]
+        hdr = self.header(shard)
+        entry = hdr.tensors.get(name)
+        if entry is None:
+            raise CheckpointError(f"{shard}: tensor {name!r} is not in the checkpoint")
+        return shard, entry, hdr.data_start
+
+    # -- public API ---------------------------------------------------------------------
+    def names(self) -> list[str]:
+        """All tensor names, sorted (from the index when there is one, else the header)."""
+        if self._weight_map is not None:
+            return sorted(self._weight_map)
+        return sorted(self.header(self.shards[0]).tensors)
+
+    def has(self, name: str) -> bool:
+        """Whether the checkpoint lists tensor ``name`` (reads no tensor data)."""
+        if self._weight_map is not None:
+            return name in self._weight_map
+        return name in self.header(self.shards[0]).tensors
+
+    def info(self, name: str) -> TensorInfo:
+        """``(dtype, shape, shard)`` of tensor ``name``; raises ``CheckpointError`` if absent."""
+        shard, e, _ = self._locate(name)
+        return TensorInfo(e.dtype, e.shape, shard)
+
+    def location(self, name: str) -> tuple[Path, int, int]:
+        """``(shard, absolute byte offset, byte length)`` of tensor ``name``."""
+        shard, e, base = self._locate(name)
+        return shard, base + e.begin, e.end - e.begin
+
+    def read_bytes(self, name: str) -> bytes:
+        """The raw little-endian bytes of tensor ``name`` (one ranged read)."""
+        shard, offset, length = self.location(name)
+        return self._read_range(shard, offset, length) if length else b""
+
+    def read(self, name: str) -> np.ndarray:
+        """Tensor ``name`` decoded to a float32 array of its shape (BF16 exactly, F16, F32).
+
+        Reads only the tensor's byte range. Raises ``CheckpointError`` naming the tensor for
+        a missing tensor, an unsupported dtype (checked before any data is read; FP8 is
+        "not supported yet") or a truncated shard.
+        """
+        shard, e, base = self._locate(name)
+        require_float_dtype(e.dtype, name, str(shard))
+        raw = self._read_range(shard, base + e.begin, e.end - e.begin) if e.end > e.begin else b""
+        return decode_f32(raw, e.dtype, e.shape, name=name, source=str(shard))
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({str(self.path)!r}, shards={len(self.shards)})"

@@ -1,0 +1,215 @@
+"""Dispatch planner: routed (token, expert) pairs → per-holder expert batches.
+
+Plain Python (no Django). Input is a :class:`registry.shardmap.ShardView` and the gate's
+routings; output is a :class:`DispatchPlan` that the forward (router role) executes.
+
+Source: reference §2 (``moe_router.rs``), with its gaps fixed (reference §14 items 12, 20,
+25): an expert without an eligible holder is reported in ``unplanned`` instead of failing
+the whole plan, holder order is total (deterministic on every node), duplicate tokens and
+duplicate slots are rejected, and large batches can be split across warm replicas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from registry.shardmap import HolderInfo, ShardView
+
+__all__ = ["PlanningError", "TokenRouting", "ExpertBatch", "DispatchPlan", "plan_dispatch"]
+
+
+class PlanningError(ValueError):
+    """Routings the planner cannot accept (JSON-RPC −32000 in the API layer)."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class TokenRouting:
+    """One token's routed experts: ``experts`` is a tuple of ``(layer, expert)`` pairs.
+
+    Lists (and ``{"layer", "expert"}`` dicts) are normalized to tuples. Raises
+    :class:`PlanningError` for a negative or non-integer index, layer or expert.
+    """
+
+    token_index: int
+    experts: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.token_index) or self.token_index < 0:
+            raise PlanningError(f"token_index must be a non-negative integer, got {self.token_index!r}")
+        out = []
+        for item in self.experts:
+            if isinstance(item, dict):
+                item = (item.get("layer"), item.get("expert"))
+            try:
+                layer, expert = item
+            except (TypeError, ValueError):
+                raise PlanningError(
+                    f"token {self.token_index}: expected (layer, expert) pairs, got {item!r}"
+                ) from None
+            if not (_is_int(layer) and _is_int(expert)) or layer < 0 or expert < 0:
+                raise PlanningError(
+                    f"token {self.token_index}: layer and expert must be non-negative integers, got {item!r}"
+                )
+            out.append((layer, expert))
+        object.__setattr__(self, "experts", tuple(out))
+
+
+@dataclass
+class ExpertBatch:
+    """Tokens of one expert sent to one provider; ``backups`` are the other eligible holders in order."""
+
+    layer: int
+    expert: int
+    provider: str
+    iroh_endpoint_id: str | None
+    http_endpoint: str | None
+    token_indices: list[int]
+    backups: list[HolderInfo] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        """``{layer, expert, provider, iroh_endpoint_id, http_endpoint, token_indices, backups}``."""
+        return {
+            "layer": self.layer,
+            "expert": self.expert,
+            "provider": self.provider,
+            "iroh_endpoint_id": self.iroh_endpoint_id,
+            "http_endpoint": self.http_endpoint,
+            "token_indices": list(self.token_indices),
+            "backups": [
+                {"provider": b.provider, "iroh_endpoint_id": b.iroh_endpoint_id, "http_endpoint": b.http_endpoint}
+                for b in self.backups
+            ],
+        }
+
+
+@dataclass
+class DispatchPlan:
+    """Result of :func:`plan_dispatch`.
+
+    ``batches``: sorted by (layer, expert, first token, provider). ``token_assignments``:
+    ``[{token_index, slots: [{layer, expert, provider | None}]}]`` in ascending token index,
+    slots in the token's routing order (``provider`` None when unplanned). ``unplanned``:
+    ``[{layer, expert, tokens}]`` for experts without an eligible holder, sorted.
+    """
+
+    model_id: str
+    batches: list[ExpertBatch]
+    token_assignments: list[dict]
+    unplanned: list[dict]
+
+    def to_json(self) -> dict:
+        """The ``tenzro_moePlanDispatch`` result (reference §2 shape plus ``backups`` and ``unplanned``)."""
+        return {
+            "model_id": self.model_id,
+            "batch_count": len(self.batches),
+            "batches": [b.to_json() for b in self.batches],
+            "token_assignments": [
+                {"token_index": a["token_index"], "slots": [dict(s) for s in a["slots"]]}
+                for a in self.token_assignments
+            ],
+            "unplanned": [
+                {"layer": u["layer"], "expert": u["expert"], "tokens": list(u["tokens"])} for u in self.unplanned
+            ],
+        }
+
+
+def plan_dispatch(
+    view: ShardView,
+    routings: Iterable[TokenRouting],
+    allow_cold: bool = False,
+    split_threshold: int | None = None,
+) -> DispatchPlan:
+    """Assign every routed (token, expert) pair to exactly one holder.
+
+    Algorithm (DESIGN §7; reference §2 with fixes): group tokens by expert (ascending token
+    index); the eligible holders are ``view.holders(layer, expert, allow_cold)`` (Warm only
+    unless ``allow_cold``); the primary is the first, the backups the rest in order. With
+    ``split_threshold`` set, an expert's tokens are cut into contiguous ascending chunks of
+    at most ``split_threshold`` tokens, dealt round-robin over its Warm holders in order
+    (over the primary alone when it has none), so every batch holds at most
+    ``split_threshold`` tokens; each chunk's backups are the other eligible holders. An
+    expert with no eligible holder goes to ``unplanned`` (the forward decides whether that
+    is fatal). The result depends only on the view's contents and the routings' contents,
+    not on provider or routing input order.
+
+    Raises :class:`PlanningError` for empty routings, a non-:class:`TokenRouting` entry, a
+    duplicate ``token_index``, a token listing the same expert twice, or a
+    ``split_threshold`` that is not a positive integer.
+    """
+    if not isinstance(view, ShardView):
+        raise PlanningError(f"view must be a ShardView, got {type(view).__name__}")
+    if split_threshold is not None and (not _is_int(split_threshold) or split_threshold < 1):
+        raise PlanningError(f"split_threshold must be a positive integer or None, got {split_threshold!r}")
+    routings = list(routings)
+    if not routings:
+        raise PlanningError("routings is empty: nothing to plan")
+    for r in routings:
+        if not isinstance(r, TokenRouting):
+            raise PlanningError(f"routings must contain TokenRouting, got {type(r).__name__}")
+    routings.sort(key=lambda r: r.token_index)
+
+    by_expert: dict[tuple[int, int], list[int]] = {}
+    prev = None
+    for r in routings:
+        t = r.token_index
+        if t == prev:
+            raise PlanningError(f"duplicate token_index {t}: each token must appear once")
+        prev = t
+        experts = r.experts
+        if len(set(experts)) != len(experts):
+            dup = next(k for i, k in enumerate(experts) if k in experts[:i])
+            raise PlanningError(f"token {t} lists expert l{dup[0]}/e{dup[1]} twice")
+        for key in experts:
+            lst = by_expert.get(key)
+            if lst is None:
+                by_expert[key] = [t]
+            else:
+                lst.append(t)
+
+    batches: list[ExpertBatch] = []
+    unplanned: list[dict] = []
+    # key -> provider for the whole expert, or a per-token dict when split.
+    chosen: dict[tuple[int, int], object] = {}
+    for key in sorted(by_expert):
+        tokens = by_expert[key]
+        cands = view.eligible(key, allow_cold)
+        layer, expert = key
+        if not cands:
+            unplanned.append({"layer": layer, "expert": expert, "tokens": tokens})
+            chosen[key] = None
+            continue
+        if split_threshold is None or len(tokens) <= split_threshold:
+            p = cands[0]
+            batches.append(
+                ExpertBatch(layer, expert, p.provider, p.iroh_endpoint_id, p.http_endpoint, tokens, list(cands[1:]))
+            )
+            chosen[key] = p.provider
+            continue
+        targets = cands[: view.warm_count(layer, expert)] or cands[:1]
+        per_token: dict[int, str] = {}
+        n = len(targets)
+        for j, start in enumerate(range(0, len(tokens), split_threshold)):
+            p = targets[j % n]
+            chunk = tokens[start : start + split_threshold]
+            backups = [h for h in cands if h.provider != p.provider]
+            batches.append(ExpertBatch(layer, expert, p.provider, p.iroh_endpoint_id, p.http_endpoint, chunk, backups))
+            for t in chunk:
+                per_token[t] = p.provider
+        chosen[key] = per_token
+    # Already grouped by (layer, expert) with ascending first tokens; sort anyway for the contract.
+    batches.sort(key=lambda b: (b.layer, b.expert, b.token_indices[0], b.provider))
+
+    assignments = []
+    for r in routings:
+        t = r.token_index
+        slots = []
+        for key in r.experts:
+            c = chosen[key]
+            slots.append({"layer": key[0], "expert": key[1], "provider": c[t] if type(c) is dict else c})
+        assignments.append({"token_index": t, "slots": slots})
+    return DispatchPlan(view.model_id, batches, assignments, unplanned)

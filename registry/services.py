@@ -1,0 +1,79 @@
+"""Registry writes: heartbeats, agent sessions, and initial placement of a model's experts."""
+from __future__ import annotations
+
+import asyncio
+
+from channels.db import database_sync_to_async
+from django.conf import settings
+
+from prepare.models import ExpertBlob
+from registry import heartbeat, repair
+from registry.models import MoeModel, Provider
+from registry.selectors import live_providers
+
+
+def ingest_heartbeat(message: dict, expected_provider: str | None = None) -> Provider:
+    """Verify and apply a signed heartbeat (see ``registry.heartbeat.ingest``)."""
+    return heartbeat.ingest(message, expected_provider)
+
+
+def agent_connected(provider: str, channel_name: str) -> None:
+    """Record that ``provider``'s agent socket is open on ``channel_name``."""
+    Provider.objects.get_or_create(provider=provider)
+    Provider.objects.filter(provider=provider).update(connected=True, agent_channel=channel_name)
+
+
+def agent_disconnected(provider: str, channel_name: str) -> None:
+    """Mark ``provider`` disconnected unless a newer socket of it has connected since."""
+    Provider.objects.filter(provider=provider, agent_channel=channel_name).update(connected=False, agent_channel="")
+
+
+class PlacementError(ValueError):
+    """A model cannot be placed (unknown model, no published blobs, no live agents)."""
+
+
+def placement_inputs(model_id: str) -> tuple[list[tuple[int, int, str]], list[str]]:
+    """(published (layer, expert, blob_uri) rows, live connected provider ids) for ``model_id``."""
+    if not MoeModel.objects.filter(model_id=model_id).exists():
+        raise PlacementError(f"model {model_id!r} is not published on this site")
+    blobs = [(b.layer, b.expert, b.blob_uri) for b in ExpertBlob.objects.filter(model_id=model_id)]
+    if not blobs:
+        raise PlacementError(f"model {model_id!r} has no published expert blobs")
+    providers = list(live_providers().values_list("provider", flat=True))
+    if not providers:
+        raise PlacementError("no live holder agents are connected")
+    return blobs, providers
+
+
+async def place_model(model_id: str, replication: int = 2, timeout: float = 120.0) -> dict:
+    """Ask live agents to load ``model_id``'s experts, each on its top-``replication`` providers by HRW.
+
+    Returns ``{model_id, replication, assignments: {provider: count}, failed: [...]}``.
+    Raises ``PlacementError``. Agents fetch the blobs themselves and declare them on their
+    next heartbeat; this waits for every load to be acknowledged (or fail).
+    """
+    from holders.transports.ws import AgentLink, AgentUnavailable
+
+    blobs, providers = await database_sync_to_async(placement_inputs)(model_id)
+    uri_of = {(layer, expert): uri for layer, expert, uri in blobs}
+    plan = repair.place(model_id, sorted(uri_of), providers, replication)
+    link = await AgentLink.get()
+    failed: list[dict] = []
+
+    async def load(provider: str, layer: int, expert: int):
+        try:
+            await link.request(provider, {"type": "load", "model_id": model_id, "layer": layer,
+                                          "expert": expert, "uri": uri_of[(layer, expert)]}, timeout=timeout)
+        except AgentUnavailable as exc:
+            failed.append({"provider": provider, "layer": layer, "expert": expert, "error": str(exc)})
+
+    sem = asyncio.Semaphore(16)
+
+    async def bounded(*args):
+        async with sem:
+            await load(*args)
+
+    await asyncio.gather(*(bounded(p, layer, e) for p, keys in plan.items() for layer, e in keys))
+    return {"model_id": model_id, "replication": min(replication, len(providers)),
+            "assignments": {p: len(keys) for p, keys in sorted(plan.items())}, "failed": failed,
+            "heartbeat_interval_s": settings.TENZRO["HEARTBEAT_INTERVAL_S"]}

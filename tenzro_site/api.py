@@ -1,0 +1,20 @@
+"""REST plumbing shared by the apps: an exception handler that never leaks a traceback."""
+from __future__ import annotations
+
+import logging
+
+from rest_framework.response import Response
+from rest_framework.views import exception_handler as drf_exception_handler
+
+log = logging.getLogger(__name__)
+
+
+def exception_handler(exc, context):
+    """DRF errors as ``{"error": message}`` with their status; anything else a logged 500 without details."""
+    response = drf_exception_handler(exc, context)
+    if response is None:
+        log.exception("unhandled API error", exc_info=exc)
+        return Response({"error": "internal error; the site log has the details"}, status=500)
+    detail = response.data.get("detail") if isinstance(response.data, dict) else None
+    response.data = {"error": str(detail) if detail is not None else response.data}
+    return response

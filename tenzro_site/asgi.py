@@ -1,0 +1,18 @@
+"""ASGI entry point (daphne): HTTP through Django, ``/ws/agent/`` to the holder-agent consumer."""
+import os
+
+from django.core.asgi import get_asgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tenzro_site.settings")
+django_asgi_app = get_asgi_application()  # before importing consumers (they import models)
+
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from django.urls import path  # noqa: E402
+
+from holders.consumers import AgentConsumer  # noqa: E402
+
+# Agents send no Origin header and prove their identity by signature, so no origin validator here.
+application = ProtocolTypeRouter({
+    "http": django_asgi_app,
+    "websocket": URLRouter([path("ws/agent/", AgentConsumer.as_asgi())]),
+})

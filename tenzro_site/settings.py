@@ -1,0 +1,187 @@
+"""Settings for the Tenzro distributed MoE site, driven by environment variables.
+
+One place maps the environment to backends (DESIGN §4):
+
+- ``DATABASE_URL``: any dj-database-url URL; default an SQLite file ``db.sqlite3`` in the
+  project root (IMMEDIATE transactions, WAL, busy timeout).
+- ``REDIS_URL``: present → channels-redis channel layer, Redis cache, Celery broker and
+  result backend on it; absent → in-memory channel layer, local-memory cache and Celery
+  tasks run inline in the calling process.
+- ``TENZRO_VAR_DIR`` (default ``var/``): keys, blobs, operator token, secret key.
+- ``TENZRO_BLOB_DIR`` (default ``$TENZRO_VAR_DIR/blobs``), ``TENZRO_MEMORY_BUDGET`` (bytes),
+  ``TENZRO_KEY_FILE``, ``TENZRO_OPERATOR_TOKEN``, ``TENZRO_ALLOWED_HOSTS`` (comma list),
+  ``TENZRO_DEBUG`` (0/1), ``TENZRO_WS_MAX_MESSAGE`` (bytes, default 1 MiB),
+  ``TENZRO_HEARTBEAT_INTERVAL`` (seconds, default 15), ``TENZRO_MAX_BODY`` (bytes).
+"""
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(os.environ.get("TENZRO_VAR_DIR", BASE_DIR / "var")).resolve()
+VAR_DIR.mkdir(parents=True, exist_ok=True)
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return default
+    try:
+        return int(value)
+    except ValueError as exc:
+        raise RuntimeError(f"{name} must be an integer, got {value!r}") from exc
+
+
+def _secret_key() -> str:
+    """SECRET_KEY from the environment, or generated once and kept under ``VAR_DIR``."""
+    if os.environ.get("DJANGO_SECRET_KEY"):
+        return os.environ["DJANGO_SECRET_KEY"]
+    path = VAR_DIR / "secret_key"
+    if not path.exists():
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(secrets.token_urlsafe(50))
+        os.replace(tmp, path)
+    return path.read_text().strip()
+
+
+SECRET_KEY = _secret_key()
+DEBUG = _env_bool("TENZRO_DEBUG", False)
+ALLOWED_HOSTS = [
+    h.strip()
+    for h in os.environ.get("TENZRO_ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver").split(",")
+    if h.strip()
+]
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "channels",
+    "registry",
+    "holders",
+    "prepare",
+    "settlement",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "tenzro_site.urls"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "tenzro_site" / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+WSGI_APPLICATION = None
+ASGI_APPLICATION = "tenzro_site.asgi.application"
+
+DATABASES = {
+    "default": dj_database_url.parse(
+        os.environ.get("DATABASE_URL") or f"sqlite:///{BASE_DIR / 'db.sqlite3'}", conn_max_age=0
+    )
+}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # IMMEDIATE makes writers queue on the busy timeout instead of failing on lock upgrade.
+    DATABASES["default"]["OPTIONS"] = {
+        "transaction_mode": "IMMEDIATE",
+        "timeout": 30,
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }
+    DATABASES["default"].setdefault("TEST", {})
+    if os.environ.get("TENZRO_TEST_SQLITE_FILE"):
+        DATABASES["default"]["TEST"]["NAME"] = os.environ["TENZRO_TEST_SQLITE_FILE"]
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+
+REDIS_URL = os.environ.get("REDIS_URL", "").strip()
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL], "capacity": 1000, "expiry": 60,
+                       "prefix": os.environ.get("TENZRO_CHANNEL_PREFIX", "tenzro")},
+        }
+    }
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}}
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer", "CONFIG": {"capacity": 1000}}}
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+
+# Celery: a real broker when REDIS_URL is set, otherwise tasks run inline (eager).
+CELERY_BROKER_URL = REDIS_URL or "memory://"
+CELERY_RESULT_BACKEND = REDIS_URL or "cache+memory://"
+CELERY_TASK_ALWAYS_EAGER = not bool(REDIS_URL)
+CELERY_TASK_EAGER_PROPAGATES = True
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_TIME_LIMIT = 3600
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+
+# Request bodies: JSON-RPC carries base64 hidden states, so the cap is explicit.
+DATA_UPLOAD_MAX_MEMORY_SIZE = _env_int("TENZRO_MAX_BODY", 64 * 1024 * 1024)
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.AllowAny"],
+    "UNAUTHENTICATED_USER": None,
+    "EXCEPTION_HANDLER": "tenzro_site.api.exception_handler",
+}
+
+TENZRO = {
+    "BLOB_DIR": Path(os.environ.get("TENZRO_BLOB_DIR", VAR_DIR / "blobs")).resolve(),
+    "HEARTBEAT_INTERVAL_S": _env_int("TENZRO_HEARTBEAT_INTERVAL", 15),
+    "MISSED_HEARTBEATS": 3,
+    "CLOCK_SKEW_S": 60,
+    # Daphne's WebSocket message cap (set explicitly when we start daphne); frames stay below it.
+    "WS_MAX_MESSAGE": _env_int("TENZRO_WS_MAX_MESSAGE", 1024 * 1024),
+    "AGENT_HELLO_TIMEOUT_S": 10,
+    "BATCH_TIMEOUT_S": float(os.environ.get("TENZRO_BATCH_TIMEOUT", "30")),
+    "RPC_RATE_PER_MINUTE": _env_int("TENZRO_RPC_RATE", 6000),
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": os.environ.get("TENZRO_LOG_LEVEL", "WARNING")},
+}

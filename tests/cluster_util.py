@@ -1,0 +1,89 @@
+"""Running real site/agent/worker processes from tests."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def env_for(tmp: Path, database_url: str | None = None, redis_url: str | None = None) -> dict:
+    """Environment of a child process: its own var dir and database; Redis only when given."""
+    env = {k: v for k, v in os.environ.items() if k not in {"REDIS_URL", "DATABASE_URL", "TENZRO_OPERATOR_TOKEN"}}
+    env.update({"TENZRO_VAR_DIR": str(tmp / "var"), "PYTHONUNBUFFERED": "1", "DJANGO_SETTINGS_MODULE": "tenzro_site.settings",
+                "DATABASE_URL": database_url or f"sqlite:///{tmp / 'db.sqlite3'}"})
+    if redis_url:
+        env["REDIS_URL"] = redis_url
+        env["TENZRO_CHANNEL_PREFIX"] = f"t{uuid.uuid4().hex[:8]}"
+    return env
+
+
+@contextmanager
+def running_cluster(tmp: Path, checkpoints: list[Path], holders: int = 3, env: dict | None = None,
+                    timeout: float = 180.0):
+    """Start ``manage.py tenzro_cluster``; yields (info dict, process). Stops it with SIGINT."""
+    env = env or env_for(tmp)
+    cmd = [sys.executable, str(ROOT / "manage.py"), "tenzro_cluster", "--holders", str(holders)]
+    for c in checkpoints:
+        cmd += ["--checkpoint", str(c)]
+    err = open(tmp / "cluster.stderr", "wb")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        deadline = time.time() + timeout
+        line = ""
+        while time.time() < deadline and not line:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+        if not line:
+            raise AssertionError(f"cluster printed nothing; stderr:\n{(tmp / 'cluster.stderr').read_text()[-4000:]}")
+        yield json.loads(line), proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def rpc(url: str, method: str, params: dict, token: str | None = None, timeout: float = 120.0) -> dict:
+    """One JSON-RPC call; returns the whole response object."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.post(url, json={"jsonrpc": "2.0", "id": 1, "method": method, "params": params},
+                      headers=headers, timeout=timeout).json()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process id still runs (zombies count as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@contextmanager
+def fresh_postgres_db(admin_url: str):
+    """Create a throwaway PostgreSQL database; yields its URL; drops it afterwards."""
+    name = f"tenzro_test_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    parts = urlsplit(admin_url)
+    try:
+        yield urlunsplit((parts.scheme, parts.netloc, f"/{name}", "", ""))
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -1,0 +1,101 @@
+"""The agent WebSocket: nonce authentication (4401), heartbeats, and request relay by id."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from channels.db import database_sync_to_async
+from channels.layers import get_channel_layer
+from channels.testing import WebsocketCommunicator
+from nacl.signing import SigningKey
+
+from holders import wire
+from holders.identity import DOMAIN_HELLO, provider_id, sign
+from registry.models import Holding, Provider
+from tenzro_site.asgi import application
+from tests.conftest import holding, signed_heartbeat
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
+
+
+async def open_socket():
+    comm = WebsocketCommunicator(application, "/ws/agent/")
+    connected, _ = await comm.connect()
+    assert connected
+    challenge = await comm.receive_json_from()
+    assert challenge["type"] == "challenge" and len(challenge["nonce"]) == 64
+    return comm, bytes.fromhex(challenge["nonce"])
+
+
+async def authed(key):
+    comm, nonce = await open_socket()
+    await comm.send_json_to({"type": "hello", "provider": provider_id(key), "signature": sign(key, DOMAIN_HELLO, nonce)})
+    welcome = await comm.receive_json_from()
+    assert welcome["type"] == "welcome"
+    return comm
+
+
+async def test_bad_nonce_signature_closes_with_4401():
+    key, other = SigningKey.generate(), SigningKey.generate()
+    comm, nonce = await open_socket()
+    await comm.send_json_to({"type": "hello", "provider": provider_id(key),
+                             "signature": sign(other, DOMAIN_HELLO, nonce)})
+    assert (await comm.receive_json_from())["type"] == "error"
+    out = await comm.receive_output()
+    assert out == {"type": "websocket.close", "code": 4401}
+    assert not await database_sync_to_async(Provider.objects.exists)()
+
+
+async def test_signature_over_another_nonce_closes_with_4401():
+    key = SigningKey.generate()
+    comm, nonce = await open_socket()
+    await comm.send_json_to({"type": "hello", "provider": provider_id(key),
+                             "signature": sign(key, DOMAIN_HELLO, b"\x00" * 32)})
+    await comm.receive_json_from()
+    assert (await comm.receive_output())["code"] == 4401
+
+
+async def test_garbage_hello_closes_with_4401():
+    comm, _ = await open_socket()
+    await comm.send_to(text_data="not json")
+    await comm.receive_json_from()
+    assert (await comm.receive_output())["code"] == 4401
+
+
+async def test_heartbeat_over_socket_and_bad_heartbeat_changes_nothing():
+    key = SigningKey.generate()
+    comm = await authed(key)
+    await comm.send_json_to(signed_heartbeat(key, [holding(expert=1)]))
+    assert (await comm.receive_json_from())["type"] == "heartbeat_ack"
+    p = await database_sync_to_async(Provider.objects.get)(provider=provider_id(key))
+    assert p.connected
+    bad = signed_heartbeat(key, [holding(expert=2)])
+    bad["signature"] = "00" * 64
+    await comm.send_json_to(bad)
+    err = await comm.receive_json_from()
+    assert err["type"] == "error" and err["ref"] == "heartbeat"
+    experts = await database_sync_to_async(lambda: list(Holding.objects.values_list("expert", flat=True)))()
+    assert experts == [1]
+    await comm.disconnect()
+    p = await database_sync_to_async(Provider.objects.get)(provider=provider_id(key))
+    assert not p.connected
+
+
+async def test_requests_are_relayed_and_answers_matched_by_id():
+    key = SigningKey.generate()
+    comm = await authed(key)
+    layer = get_channel_layer()
+    reply = await layer.new_channel("test.")
+    await layer.group_send(f"agent.{provider_id(key)}", {
+        "type": "agent.request", "id": "r1", "reply_to": reply,
+        "header": {"id": "r1", "type": "execute"}, "payload": b"\x01\x02"})
+    frame = await comm.receive_from()
+    header, payload = wire.unpack_frame(frame)
+    assert header["id"] == "r1" and payload == b"\x01\x02"
+    # An answer for an id never sent is refused, the real one reaches the reply channel.
+    await comm.send_to(bytes_data=wire.pack_frame({"id": "nope", "ok": True}))
+    assert "unknown request id" in json.loads(await comm.receive_from())["message"]
+    await comm.send_to(bytes_data=wire.pack_frame({"id": "r1", "ok": True}, b"xyz"))
+    msg = await layer.receive(reply)
+    assert msg["header"]["id"] == "r1" and msg["payload"] == b"xyz"
+    await comm.disconnect()
