@@ -3,8 +3,9 @@
 Shard view: 61 MoE layers × 385 slots (384 routed + 1 shared), 3 replicas each, 500
 providers (HRW placement, mixed Warm/Cold, some GPU and hot holders); ``ShardView.build``
 and ``to_json``. Planner: 512 tokens × 9 slots (8 routed + shared) on one layer.
-Goals: build + to_json ≤ 0.5 s, one plan ≤ 10 ms. Prints one line per measurement with its
-ratio to the goal (< 1.0 is within the goal). Run: ``python bench/bench_registry.py``.
+Goals: build + to_json ≤ 0.5 s, one plan ≤ 10 ms. Prints one line per measurement (best
+of several runs) with its ratio to the goal (< 1.0 is within the goal). Run:
+``python bench/bench_registry.py``.
 """
 
 from __future__ import annotations
@@ -90,10 +91,12 @@ def main() -> int:
     assert doc["covered_experts"] == LAYERS * SLOTS
     rng = random.Random(11)
     routings = _routings(rng, 30)
-    fresh = ShardView.build(MODEL, providers, expected=expected)
-    t0 = time.perf_counter()
-    plan_dispatch(fresh, routings)
-    t_first = time.perf_counter() - t0
+    t_first = float("inf")  # the first plan on a view also materializes its HolderInfo objects
+    for _ in range(5):
+        fresh = ShardView.build(MODEL, providers, expected=expected)
+        t0 = time.perf_counter()
+        plan_dispatch(fresh, routings)
+        t_first = min(t_first, time.perf_counter() - t0)
     t_plan, plan = _best(lambda: plan_dispatch(view, routings), 20)
     t_split, _ = _best(lambda: plan_dispatch(view, routings, allow_cold=True, split_threshold=64), 20)
     t_plan_json, _ = _best(plan.to_json, 20)
@@ -102,6 +105,7 @@ def main() -> int:
     t_repair, rows = _best(lambda: plan_repair(view), 3)
 
     def line(name: str, seconds: float, goal: float | None) -> None:
+        """Print one timing row, with its ratio to the goal when there is one."""
         ratio = f"  ratio to goal {seconds / goal:.2f}" if goal else ""
         print(f"{name:<44} {seconds * 1e3:9.2f} ms{ratio}")
 

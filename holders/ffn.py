@@ -62,7 +62,8 @@ class ExpertWeights:
             setattr(self, name, a)
         f, h = self.gate_proj.shape
         if self.up_proj.shape != (f, h):
-            raise ValueError(f"up_proj.weight has shape {self.up_proj.shape}; gate_proj.weight is {(f, h)}, they must match")
+            raise ValueError(f"up_proj.weight has shape {self.up_proj.shape}; "
+                             f"gate_proj.weight is {(f, h)}, they must match")
         if self.down_proj.shape != (h, f):
             raise ValueError(f"down_proj.weight has shape {self.down_proj.shape}; expected {(h, f)} "
                              f"([d_model, d_ff] for gate_proj {(f, h)})")

@@ -96,7 +96,8 @@ class Gate:
         self.norm_topk_prob = bool(self.norm_topk_prob)
         rsf = float(self.routed_scaling_factor)
         if not np.isfinite(rsf) or rsf <= 0:
-            raise ValueError(f"gate routed_scaling_factor must be a positive number, got {self.routed_scaling_factor!r}")
+            raise ValueError(
+                f"gate routed_scaling_factor must be a positive number, got {self.routed_scaling_factor!r}")
         self.routed_scaling_factor = rsf
         self.n_group = _check_int(self.n_group, "n_group", 1)
         self.topk_group = _check_int(self.topk_group, "topk_group", 1)

@@ -15,19 +15,23 @@ How the bit-exactness is kept while staying vectorised:
 * Every C sum is a sequential float32 accumulation in index order.  Blocks are
   laid out transposed (``[elements_per_block, n_blocks]``, C-contiguous) and
   summed with ``np.add.reduce(axis=0)``, which accumulates row by row, i.e.
-  sequentially per block (numpy's pairwise summation only applies when the
-  reduced axis is the contiguous inner one; a single block is summed by an
-  explicit loop for that reason).
+  sequentially per block.  (numpy's pairwise summation only applies when the
+  reduced axis is the contiguous inner one, which happens if there is a single
+  block; that case is run with the block duplicated.)
 * ``nearest_int`` (the ``1.5*2**23`` magic-add trick) is emulated exactly on
-  the float32 bit pattern where its argument is not provably small; inside the
-  candidate searches, where the argument's range per block is known from the
-  block's extremes, ``np.rint`` (round half to even, identical there) is used.
-* Q8_0 uses C ``roundf`` (half away from zero), emulated exactly.
-* Searches loop over the ~20 candidate scales in Python; each iteration is
-  vectorised across all blocks of a chunk (chunks keep the working set in
-  cache).  The per-element quants chosen by the search are only needed for
-  sub-blocks whose integer scale ends up 0; those few are recomputed by running
-  the search again with quant tracking on just those sub-blocks.
+  the float32 bit pattern where its argument is not provably small.  Inside
+  the candidate searches ``np.rint`` (round half to even, identical for
+  ``|v| < 2**22``) is used after checking, per chunk, from each block's extremes
+  that the argument is in range; the clamps to the quant range are skipped
+  when those bounds show they cannot act.
+* Q8_0 uses C ``roundf`` (half away from zero): ``rint`` plus an exact fix of
+  the half-way cases.
+* Searches loop over the candidate scales in Python (21 for Q4_K, 19 for
+  Q6_K); each iteration is vectorised across all blocks of a chunk.  The
+  per-element quants chosen by the search are only stored when a sub-block's
+  integer scale ends up 0 (otherwise the block is re-quantized against the
+  stored scales); those few sub-blocks are found afterwards and their search
+  is re-run with quant tracking.
 
 Policy (DESIGN section 5, reference section 6): non-finite input raises; an
 input whose fp16 block scale would overflow (``|x|`` of roughly 8e6 and more
@@ -35,8 +39,6 @@ for Q8_0) raises instead of writing an infinite scale (ggml's
 ``ggml_validate_row_data`` would reject such a block).
 """
 from __future__ import annotations
-
-from typing import Iterable
 
 import numpy as np
 
@@ -62,10 +64,11 @@ _MAGIC = _F32(12582912.0)  # 1.5 * 2**23, ggml nearest_int
 _NEAREST_SAFE = _F32(4194303.0)  # |v| <= this: nearest_int == round half even
 _GROUP_MAX_EPS = _F32(1e-15)
 
-# Super-blocks per vectorised chunk (keeps the temporaries in L2 cache).
-_Q4K_CHUNK = 64
-_Q6K_CHUNK = 64
-_Q8_CHUNK_BLOCKS = 1 << 15
+# Super-blocks per vectorised chunk: amortises the per-call overhead of numpy
+# while bounding the temporaries (a few MB).
+_Q4K_CHUNK = 1024
+_Q6K_CHUNK = 1024
+_Q8_CHUNK_BLOCKS = 4096
 
 
 # --------------------------------------------------------------------------
@@ -130,12 +133,15 @@ def quantized_nbytes(shape, qtype: str) -> int:
 def _as_f32_rows(x, q: str) -> np.ndarray:
     """Validate an input array and return it as C-contiguous float32."""
     a = np.asarray(x)
-    if a.dtype == object or a.dtype.kind in "cUSVMmOb":
+    if a.dtype.kind in "bcUSOMm":
         raise TypeError(f"quantize expects a real float array, got dtype {a.dtype}")
     if a.ndim == 0:
         raise ValueError("quantize expects an array of shape (..., n), got a scalar")
     _check_row_length(a.shape[-1], q)
-    a = np.ascontiguousarray(a, dtype=np.float32)
+    try:
+        a = np.ascontiguousarray(a, dtype=np.float32)  # also bf16 (ml_dtypes), f16, f64
+    except (TypeError, ValueError):
+        raise TypeError(f"quantize expects a real float array, got dtype {a.dtype}") from None
     if a.size and not np.isfinite(a).all():
         bad = np.argwhere(~np.isfinite(a))[0]
         raise ValueError(
@@ -166,20 +172,6 @@ def _seqsum(a: np.ndarray) -> np.ndarray:
     return acc
 
 
-def _roundf(v: np.ndarray) -> np.ndarray:
-    """C ``roundf``: round half away from zero (float32 in, float32 out)."""
-    a = np.abs(v)
-    f = np.floor(a)
-    r = f + (np.subtract(a, f) >= _F32(0.5)).astype(np.float32)
-    return np.copysign(r, v)
-
-
-def _f16_bytes(v: np.ndarray) -> np.ndarray:
-    """float32 [..] -> little-endian fp16 bytes [.., 2] (RNE, like GGML_FP32_TO_FP16)."""
-    h = np.ascontiguousarray(v, dtype=np.float32).astype("<f2")
-    return h.view(np.uint8).reshape(v.shape + (2,))
-
-
 def _check_scale_overflow(h16: np.ndarray, q: str, what: str) -> None:
     if not np.isfinite(h16).all():
         raise ValueError(
@@ -193,24 +185,40 @@ def _check_scale_overflow(h16: np.ndarray, q: str, what: str) -> None:
 
 
 def _quantize_q8_0(a: np.ndarray) -> np.ndarray:
-    """a: float32 C-contiguous [..., n] (validated) -> uint8 [..., n//32*34]."""
+    """a: float32 C-contiguous [..., n] (validated, finite) -> uint8 [..., n//32*34]."""
     n = a.shape[-1]
     out = np.empty(a.shape[:-1] + (n // 32 * 34,), dtype=np.uint8)
     xb = a.reshape(-1, 32)
     ob = out.reshape(-1, 34)
+    half = _F32(0.5)
     for s in range(0, xb.shape[0], _Q8_CHUNK_BLOCKS):
         x = xb[s:s + _Q8_CHUNK_BLOCKS]
-        amax = np.abs(x).max(axis=1)
-        d = np.divide(amax, _F32(127), dtype=np.float32)
-        nz = d != 0
+        nb = x.shape[0]
+        # amax = fold(MAX, 0, |x|): on finite input the exact max of |x|; the bit
+        # patterns of non-negative floats order like int32, and reduceat over
+        # the flat array is much faster than a reduction over a 32-long axis.
+        bits = np.bitwise_and(x.view(np.int32), 0x7FFFFFFF).reshape(-1)
+        amax = np.maximum.reduceat(bits, np.arange(0, bits.size, 32)).view(np.float32)
+        d = np.divide(amax, _F32(127))
         idv = np.zeros_like(d)
-        np.divide(_F32(1), d, out=idv, where=nz)
-        h = d.astype("<f2")
+        np.divide(_F32(1), d, out=idv, where=d != 0)  # id = d ? 1/d : 0
+        with np.errstate(over="ignore"):
+            h = d.astype("<f2")
         _check_scale_overflow(h, "q8_0", "d")
-        v = np.multiply(x, idv[:, None], dtype=np.float32)
-        qs = _roundf(v).astype(np.int8)
-        ob[s:s + x.shape[0], 0:2] = h.view(np.uint8).reshape(-1, 2)
-        ob[s:s + x.shape[0], 2:] = qs.view(np.uint8)
+        v = np.multiply(x, np.repeat(idv, 32).reshape(nb, 32))  # x*id (f32)
+        if np.isinf(idv).any():
+            # d subnormal (amax < ~3.7e-37): id = inf and x*id is +-inf or NaN;
+            # the C float -> int8 store (cvttss2si, low byte) yields 0 there.
+            v[~np.isfinite(v)] = 0
+        # roundf (half away from zero) = rint (half to even) except on exact ties
+        r = np.rint(v)
+        t = np.subtract(v, r)
+        np.abs(t, out=t)
+        ties = t == half
+        if ties.any():
+            r = np.where(ties, v + np.copysign(half, v), r)
+        ob[s:s + nb, 0:2] = h.view(np.uint8).reshape(nb, 2)
+        ob[s:s + nb, 2:] = r.astype(np.int8).view(np.uint8)
     return out
 
 
@@ -227,7 +235,8 @@ def quantize_q8_0_rows(x: np.ndarray) -> np.ndarray:
     ("non-finite"), or a block's fp16 scale would overflow (|x| >~ 8.3e6).
     """
     a = _as_f32_rows(x, "q8_0")
-    return _quantize_q8_0(a)
+    with np.errstate(all="ignore"):  # IEEE special values are part of the algorithm
+        return _quantize_q8_0(a)
 
 
 # --------------------------------------------------------------------------
@@ -249,72 +258,110 @@ def _make_qkx2(X: np.ndarray, W: np.ndarray, track_L: bool):
     degenerate blocks (max == min after clamping min to <= 0) have L = 0.
     """
     n, B = X.shape
+    if B == 1:  # the axis-0 reduction must not collapse into a pairwise sum
+        r = _make_qkx2(np.repeat(X, 2, axis=1), np.repeat(W, 2, axis=1), track_L)
+        return r[0][:1], r[1][:1], (None if r[2] is None else r[2][:, :1]), r[3][:1]
+    f32 = np.float32
     nmax = _F32(15)
     zero = _F32(0)
+    add_reduce = np.add.reduce
     mx = X.max(axis=0)
     dmin_raw = X.min(axis=0)
-    sum_w = _seqsum(W)
+    sum_w = add_reduce(W, axis=0)
     T = np.multiply(W, X)
-    sum_x = _seqsum(T)
+    sum_x = add_reduce(T, axis=0)
     mn = np.minimum(dmin_raw, zero)  # if (min > 0) min = 0
     degen = mx == mn
     # Degenerate blocks return early in C; give them a harmless non-zero range
     # here (their results are discarded) so they never force the slow path.
-    mx_eff = np.where(degen, mn + np.abs(mn) + _F32(1), mx).astype(np.float32)
-    rng0 = np.subtract(mx_eff, mn)
-    iscale = np.divide(nmax, rng0)
+    mx_eff = np.where(degen, mn + np.abs(mn) + _F32(1), mx).astype(f32)
+    iscale = np.divide(nmax, np.subtract(mx_eff, mn))
     scale = np.divide(_F32(1), iscale)
 
     LA = np.empty_like(X)
     WL = np.empty_like(X)
-    # initial quants: the argument is within [0, 15*(1+eps)], so rint == nearest_int
+    # initial quants: with iscale finite the argument is within [0, 15*(1+eps)],
+    # so rint == nearest_int; a subnormal range makes iscale inf (exact path)
     np.subtract(X, mn, out=T)
     np.multiply(T, iscale, out=T)
-    np.rint(T, out=T)
-    np.clip(T, zero, nmax, out=LA)
+    if np.isfinite(iscale).all():
+        np.rint(T, out=T)
+        np.clip(T, zero, nmax, out=LA)
+    else:
+        li = _nearest_int(T)
+        np.clip(li, 0, 15, out=li)
+        LA[...] = li
     L = LA.copy() if track_L else None
     np.multiply(LA, scale, out=T)
     np.add(T, mn, out=T)
     np.subtract(T, X, out=T)
     np.multiply(T, T, out=T)
     np.multiply(W, T, out=T)
-    best = _seqsum(T)
+    best = add_reduce(T, axis=0)
 
+    C15 = None
+    C0 = None
     cur_min = mn.copy()
     dlo = np.subtract(dmin_raw, cur_min)  # lowest x - min of each block
+    dlo_neg = False
     lim = -_NEAREST_SAFE
     half = _F32(-0.5)
+    S = np.empty((3, B), f32)  # sum_l, sum_l2, sum_xl
+    sum_l, sum_l2, sum_xl = S[0], S[1], S[2]
+    A1 = np.empty((3, B), f32)
+    A2 = np.empty((3, B), f32)
+    A3 = np.empty((3, B), f32)
+    NUM = np.empty((2, B), f32)
+    D = np.empty(B, f32)
+    den = np.empty(B, f32)
+    isc = np.empty(B, f32)
+    err = np.empty(B, f32)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         for is_ in range(21):
             num = _QKX2_NUMS[is_]
-            den = np.subtract(mx_eff, cur_min)
-            isc = np.divide(num, den)
+            np.subtract(mx_eff, cur_min, out=den)
+            np.divide(num, den, out=isc)
             np.subtract(X, cur_min, out=T)
             np.multiply(T, isc, out=T)
-            # v = isc*(x - min) is monotone in x; with den > 0 and isc finite its
-            # maximum is isc*den ~= num <= 16 and its minimum is isc*dlo.  There
-            # rint equals nearest_int, and the clamps are only needed when the
-            # bounds can leave [0, 15].
-            lo = np.multiply(isc, dlo).min()
-            if isc.min() > zero and isc.max() < np.inf and lo >= lim:
+            # v = isc*(x - min) is monotone in x; with isc > 0 finite (den > 0)
+            # its maximum is isc*den ~= num <= 16 and its minimum isc*dlo (>= 0
+            # when dlo >= 0).  Within those bounds rint == nearest_int and the
+            # clamps are only needed when the bounds can leave [0, 15].
+            if dlo_neg:
+                lo = np.multiply(isc, dlo).min()
+            else:
+                lo = zero
+            if lo >= lim and isc.min() > zero and isc.max() < np.inf:
                 np.rint(T, out=LA)
                 if num >= _F32(15.5):
-                    np.minimum(LA, nmax, out=LA)
+                    if C15 is None:
+                        C15 = np.full_like(X, nmax)
+                    np.minimum(LA, C15, out=LA)
                 if lo < half:
-                    np.maximum(LA, zero, out=LA)
+                    if C0 is None:
+                        C0 = np.zeros_like(X)
+                    np.maximum(LA, C0, out=LA)
             else:
                 li = _nearest_int(T)
                 np.clip(li, 0, 15, out=li)
                 LA[...] = li
             np.multiply(W, LA, out=WL)
-            sum_l = _seqsum(WL)
+            add_reduce(WL, axis=0, out=sum_l)
             np.multiply(WL, LA, out=T)
-            sum_l2 = _seqsum(T)
+            add_reduce(T, axis=0, out=sum_l2)
             np.multiply(WL, X, out=WL)
-            sum_xl = _seqsum(WL)
-            D = np.subtract(np.multiply(sum_w, sum_l2), np.multiply(sum_l, sum_l))
-            ts = np.divide(np.subtract(np.multiply(sum_w, sum_xl), np.multiply(sum_x, sum_l)), D)
-            tm = np.divide(np.subtract(np.multiply(sum_l2, sum_x), np.multiply(sum_l, sum_xl)), D)
+            add_reduce(WL, axis=0, out=sum_xl)
+            # D = sum_w*sum_l2 - sum_l*sum_l
+            # this_scale = (sum_w*sum_xl - sum_x*sum_l)/D
+            # this_min   = (sum_l2*sum_x - sum_l*sum_xl)/D   (products commute exactly)
+            np.multiply(S, sum_w, out=A1)  # w*l, w*l2, w*xl
+            np.multiply(S, sum_l, out=A2)  # l*l, l2*l, xl*l
+            np.multiply(S, sum_x, out=A3)  # l*x, l2*x, xl*x
+            np.subtract(A1[1], A2[0], out=D)
+            np.subtract(A1[2], A3[0], out=NUM[0])
+            np.subtract(A3[1], A2[2], out=NUM[1])
+            np.divide(NUM, D, out=NUM)
+            ts, tm = NUM[0], NUM[1]
             cm = tm > zero
             if cm.any():
                 tm[cm] = zero
@@ -324,13 +371,15 @@ def _make_qkx2(X: np.ndarray, W: np.ndarray, track_L: bool):
             np.subtract(T, X, out=T)
             np.multiply(T, T, out=T)
             np.multiply(W, T, out=T)
-            err = _seqsum(T)
-            better = (err < best) & (D > zero)
+            add_reduce(T, axis=0, out=err)
+            better = err < best
+            better &= D > zero
             if better.any():
-                np.copyto(best, err, where=better)
-                np.copyto(scale, ts, where=better)
-                np.copyto(cur_min, tm, where=better)
+                np.putmask(best, better, err)
+                np.putmask(scale, better, ts)
+                np.putmask(cur_min, better, tm)
                 np.subtract(dmin_raw, cur_min, out=dlo)
+                dlo_neg = bool(dlo.min() < zero)
                 if track_L:
                     np.copyto(L, LA, where=better[None, :])
     scale[degen] = zero
@@ -368,8 +417,9 @@ def _quantize_q4_k_chunk(xs: np.ndarray) -> np.ndarray:
         inv_min = np.where(max_min > 0, np.divide(_F32(63), max_min, dtype=np.float32), _F32(0)).astype(np.float32)
     ls = np.minimum(_nearest_int(np.multiply(inv_scale[:, None], scales, dtype=np.float32)) & 0xFF, 63).astype(np.uint8)
     lm = np.minimum(_nearest_int(np.multiply(inv_min[:, None], mins, dtype=np.float32)) & 0xFF, 63).astype(np.uint8)
-    d16 = np.divide(max_scale, _F32(63), dtype=np.float32).astype("<f2")
-    m16 = np.divide(max_min, _F32(63), dtype=np.float32).astype("<f2")
+    with np.errstate(over="ignore"):
+        d16 = np.divide(max_scale, _F32(63), dtype=np.float32).astype("<f2")
+        m16 = np.divide(max_min, _F32(63), dtype=np.float32).astype("<f2")
     _check_scale_overflow(d16, "q4_k", "d")
     _check_scale_overflow(m16, "q4_k", "dmin")
 
@@ -409,61 +459,91 @@ def _quantize_q4_k_chunk(xs: np.ndarray) -> np.ndarray:
 # Q6_K: make_qx_quants(rmse_type=1) + quantize_row_q6_K_ref
 
 
+_QX_NUMS = [
+    (i, np.negative(_F32(_F32(32) + _F32(_F32(0.1) * _F32(i))))) for i in range(-9, 10) if i != 0
+]
+
+
 def _make_qx(X: np.ndarray, track_L: bool):
     """Vectorised ``make_qx_quants(n=16, nmax=32, rmse_type=1, qw=NULL)``.
 
     X: float32 C-contiguous [16, B].  Returns (scale [B], L uint8 [16, B] or None).
+    L holds the stored quants ``l + 32`` (all 0 for an all-zero sub-block).
     """
     n, B = X.shape
+    if B == 1:  # the axis-0 reduction must not collapse into a pairwise sum
+        sc, L = _make_qx(np.repeat(X, 2, axis=1), track_L)
+        return sc[:1], (None if L is None else L[:, :1])
+    f32 = np.float32
     nmax = _F32(32)
+    zero = _F32(0)
+    add_reduce = np.add.reduce
     AX = np.abs(X)
     im = AX.argmax(axis=0)  # first index of the largest |x| (strict '>' scan)
     cols = np.arange(B)
     amax = AX[im, cols]
     mxv = X[im, cols]
-    zero = amax < _GROUP_MAX_EPS
-    maxs = np.where(zero, _F32(1), mxv).astype(np.float32)
+    zero_blk = amax < _GROUP_MAX_EPS
+    maxs = np.where(zero_blk, _F32(1), mxv).astype(f32)
+    xhi = X.max(axis=0)
+    xlo = X.min(axis=0)
 
-    Wx = np.multiply(X, X)
-    np.multiply(Wx, X, out=Wx)  # (x*x)*x
-    W = np.multiply(X, X)
+    W = np.multiply(X, X)  # w = x*x (rmse_type 1)
+    Wx = np.multiply(W, X)  # w*x
     Lf = np.empty_like(X)
     T = np.empty_like(X)
+    C31 = None
+    Cm32 = None
+    sumlx = np.empty(B, f32)
+    suml2 = np.empty(B, f32)
+    isc = np.empty(B, f32)
+    e1 = np.empty(B, f32)
+    e2 = np.empty(B, f32)
 
-    def quants(isc):
-        np.multiply(X, isc, out=T)  # iscale*x: |.| <= 33, rint is exact nearest_int
-        np.rint(T, out=T)
-        np.clip(T, -nmax, _F32(31), out=Lf)
+    def quants():
+        # iscale*x: |.| <= 33, so rint is exactly nearest_int; v = isc*x is
+        # monotone in x, so the block extremes tell whether a clamp can act.
+        nonlocal C31, Cm32
+        np.multiply(X, isc, out=T)
+        np.rint(T, out=Lf)
+        np.multiply(isc, xhi, out=e1)
+        np.multiply(isc, xlo, out=e2)
+        hi = max(e1.max(), e2.max())
+        lo = min(e1.min(), e2.min())
+        if hi >= _F32(31.5):
+            if C31 is None:
+                C31 = np.full_like(X, _F32(31))
+            np.minimum(Lf, C31, out=Lf)
+        if lo < _F32(-32.5):
+            if Cm32 is None:
+                Cm32 = np.full_like(X, -nmax)
+            np.maximum(Lf, Cm32, out=Lf)
         np.multiply(Wx, Lf, out=T)
-        sumlx = _seqsum(T)
+        add_reduce(T, axis=0, out=sumlx)
         np.multiply(W, Lf, out=T)
         np.multiply(T, Lf, out=T)
-        suml2 = _seqsum(T)
-        return sumlx, suml2
+        add_reduce(T, axis=0, out=suml2)
 
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        isc = np.divide(-nmax, maxs, dtype=np.float32)
-        sumlx, suml2 = quants(isc)
+        np.divide(-nmax, maxs, out=isc)
+        quants()
         L = (Lf + nmax).astype(np.uint8) if track_L else None
-        scale = np.where(suml2 != 0, np.divide(sumlx, suml2, dtype=np.float32), _F32(0)).astype(np.float32)
-        best = np.multiply(scale, sumlx, dtype=np.float32)
-        for is_ in range(-9, 10):
-            if is_ == 0:
-                continue
-            num = np.negative(_F32(nmax + _F32(_F32(0.1) * _F32(is_))))
-            isc = np.divide(num, maxs, dtype=np.float32)
-            sumlx, suml2 = quants(isc)
-            better = (suml2 > 0) & (np.multiply(sumlx, sumlx, dtype=np.float32)
-                                    > np.multiply(best, suml2, dtype=np.float32))
+        scale = np.where(suml2 != 0, np.divide(sumlx, suml2), zero).astype(f32)
+        best = np.multiply(scale, sumlx)
+        for is_, num in _QX_NUMS:
+            np.divide(num, maxs, out=isc)
+            quants()
+            better = np.multiply(sumlx, sumlx) > np.multiply(best, suml2)
+            better &= suml2 > zero
             if better.any():
-                ns = np.divide(sumlx, suml2, dtype=np.float32)
-                scale = np.where(better, ns, scale).astype(np.float32)
-                best = np.where(better, np.multiply(ns, sumlx, dtype=np.float32), best).astype(np.float32)
+                ns = np.divide(sumlx, suml2)
+                np.putmask(scale, better, ns)
+                np.putmask(best, better, np.multiply(ns, sumlx))
                 if track_L:
                     np.copyto(L, (Lf + nmax).astype(np.uint8), where=better[None, :])
-    scale = np.where(zero, _F32(0), scale).astype(np.float32)
+    scale[zero_blk] = zero
     if track_L:
-        L[:, zero] = 0
+        L[:, zero_blk] = 0
     return scale, L
 
 
@@ -554,11 +634,12 @@ def quantize(x: np.ndarray, qtype: str) -> np.ndarray:
     """
     q = normalize_qtype(qtype)
     a = _as_f32_rows(x, q)
-    if q == "q8_0":
-        return _quantize_q8_0(a)
-    if q == "q4_k":
-        return _quantize_k(a, _quantize_q4_k_chunk, 144, _Q4K_CHUNK)
-    return _quantize_k(a, _quantize_q6_k_chunk, 210, _Q6K_CHUNK)
+    with np.errstate(all="ignore"):  # IEEE special values are part of the algorithm
+        if q == "q8_0":
+            return _quantize_q8_0(a)
+        if q == "q4_k":
+            return _quantize_k(a, _quantize_q4_k_chunk, 144, _Q4K_CHUNK)
+        return _quantize_k(a, _quantize_q6_k_chunk, 210, _Q6K_CHUNK)
 
 
 def _as_u8(blocks) -> np.ndarray:
@@ -572,59 +653,64 @@ def _as_u8(blocks) -> np.ndarray:
     raise TypeError(f"quantized data must be uint8 bytes, got dtype {b.dtype}")
 
 
-def _deq_q8_0(b: np.ndarray) -> np.ndarray:
-    """b: uint8 [N, 34] -> float32 [N, 32] (gguf-py Q8_0.dequantize_blocks)."""
-    d = np.ascontiguousarray(b[:, :2]).view("<f2").astype(np.float32)  # [N,1]
-    qs = b[:, 2:].view(np.int8).astype(np.float32)
-    np.multiply(qs, d, out=qs)
-    return qs
+def _f16_field(b: np.ndarray, off: int) -> np.ndarray:
+    """The little-endian fp16 at byte offset ``off`` of each block, as float32 [N, 1]."""
+    return np.ascontiguousarray(b[:, off:off + 2]).view("<f2").astype(np.float32)
 
 
-def _deq_q4_k(b: np.ndarray) -> np.ndarray:
-    """b: uint8 [N, 144] -> float32 [N, 256] (gguf-py Q4_K.dequantize_blocks)."""
+def _deq_q8_0(b: np.ndarray, out: np.ndarray) -> None:
+    """b: uint8 [N, 34] -> out float32 [N, 32] (gguf-py Q8_0.dequantize_blocks:
+    ``qs * d``)."""
     N = b.shape[0]
-    d = np.ascontiguousarray(b[:, 0:2]).view("<f2").astype(np.float32)  # [N,1]
-    dmin = np.ascontiguousarray(b[:, 2:4]).view("<f2").astype(np.float32)
+    d = _f16_field(b, 0)  # [N, 1]
+    out[...] = b[:, 2:].view(np.int8)
+    np.multiply(out, np.repeat(d, 32, axis=1), out=out)
+
+
+def _deq_q4_k(b: np.ndarray, out: np.ndarray) -> None:
+    """b: uint8 [N, 144] -> out float32 [N, 256] (gguf-py Q4_K.dequantize_blocks:
+    ``(d*sc) * q - (dmin*m)`` per sub-block of 32, get_scale_min_k4 unpacking)."""
+    N = b.shape[0]
+    d = _f16_field(b, 0)
+    dmin = _f16_field(b, 2)
     s = b[:, 4:16]
     sc = np.empty((N, 8), dtype=np.uint8)
     mn = np.empty((N, 8), dtype=np.uint8)
-    sc[:, 0:4] = s[:, 0:4] & 0x3F
+    np.bitwise_and(s[:, 0:4], 0x3F, out=sc[:, 0:4])
     sc[:, 4:8] = (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 2) & 0x30)
-    mn[:, 0:4] = s[:, 4:8] & 0x3F
+    np.bitwise_and(s[:, 4:8], 0x3F, out=mn[:, 0:4])
     mn[:, 4:8] = (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 2) & 0x30)
     dl = np.multiply(d, sc.astype(np.float32))  # [N, 8]
     ml = np.multiply(dmin, mn.astype(np.float32))
-    qs = b[:, 16:144].reshape(N, 4, 1, 32)
-    q = np.empty((N, 4, 2, 32), dtype=np.uint8)
-    np.bitwise_and(qs[:, :, 0, :], 0x0F, out=q[:, :, 0, :])
-    np.right_shift(qs[:, :, 0, :], 4, out=q[:, :, 1, :])
-    y = q.reshape(N, 8, 32).astype(np.float32)
-    np.multiply(y, dl[:, :, None], out=y)
-    np.subtract(y, ml[:, :, None], out=y)
-    return y.reshape(N, 256)
+    qs = b[:, 16:144].reshape(N, 4, 32)
+    y = out.reshape(N, 4, 2, 32)
+    y[:, :, 0, :] = qs & 0x0F
+    y[:, :, 1, :] = qs >> 4
+    np.multiply(out, np.repeat(dl, 32, axis=1), out=out)
+    np.subtract(out, np.repeat(ml, 32, axis=1), out=out)
 
 
-def _deq_q6_k(b: np.ndarray) -> np.ndarray:
-    """b: uint8 [N, 210] -> float32 [N, 256] (gguf-py Q6_K.dequantize_blocks)."""
+def _deq_q6_k(b: np.ndarray, out: np.ndarray) -> None:
+    """b: uint8 [N, 210] -> out float32 [N, 256] (gguf-py Q6_K.dequantize_blocks:
+    ``(d*scales) * (q - 32)`` per sub-block of 16, int8 scales)."""
     N = b.shape[0]
     ql = b[:, 0:128].reshape(N, 2, 2, 32)
     qh = b[:, 128:192].reshape(N, 2, 32)
     sc = b[:, 192:208].view(np.int8).astype(np.float32)
-    d = np.ascontiguousarray(b[:, 208:210]).view("<f2").astype(np.float32)
+    d = _f16_field(b, 208)
     dl = np.multiply(d, sc)  # [N, 16]
     q = np.empty((N, 2, 4, 32), dtype=np.uint8)
     q[:, :, 0, :] = (ql[:, :, 0, :] & 0x0F) | ((qh & 0x03) << 4)
     q[:, :, 1, :] = (ql[:, :, 1, :] & 0x0F) | (((qh >> 2) & 0x03) << 4)
     q[:, :, 2, :] = (ql[:, :, 0, :] >> 4) | (((qh >> 4) & 0x03) << 4)
     q[:, :, 3, :] = (ql[:, :, 1, :] >> 4) | ((qh >> 6) << 4)
-    y = q.view(np.int8).reshape(N, 16, 16).astype(np.float32)
-    np.subtract(y, _F32(32), out=y)
-    np.multiply(y, dl[:, :, None], out=y)
-    return y.reshape(N, 256)
+    out[...] = q.reshape(N, 256)
+    np.subtract(out, _F32(32), out=out)
+    np.multiply(out, np.repeat(dl, 16, axis=1), out=out)
 
 
 _DEQ = {"q8_0": _deq_q8_0, "q4_k": _deq_q4_k, "q6_k": _deq_q6_k}
-_DEQ_CHUNK_BYTES = 1 << 20
+_DEQ_CHUNK_BYTES = 1 << 18  # bytes of blocks decoded per step (output ~7x that)
 
 
 def dequantize(blocks, qtype: str, shape) -> np.ndarray:
@@ -660,7 +746,7 @@ def dequantize(blocks, qtype: str, shape) -> np.ndarray:
     step = max(1, _DEQ_CHUNK_BYTES // bb)
     fn = _DEQ[q]
     for i in range(0, nblk, step):
-        out[i:i + step] = fn(flat[i:i + step])
+        fn(flat[i:i + step], out[i:i + step])
     return out.reshape(s)
 
 
@@ -697,8 +783,3 @@ def dequantize_rows(blocks, qtype: str, cols: int | None = None) -> np.ndarray:
             )
     rows = b.size // row_bytes if row_bytes else (b.shape[0] if b.ndim == 2 else 0)
     return dequantize(b, q, (rows, cols))
-
-
-def iter_supported() -> Iterable[str]:
-    """The supported qtype names (lower case)."""
-    return iter(QTYPES)

@@ -142,7 +142,8 @@ def parse_header(header: bytes, file_size: int, source: str) -> SafetensorsHeade
     expected = 0
     for name, e in sorted(tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
         if e.begin != expected:
-            kind = "overlaps the previous tensor" if e.begin < expected else f"leaves a hole of {e.begin - expected} bytes"
+            kind = ("overlaps the previous tensor" if e.begin < expected
+                    else f"leaves a hole of {e.begin - expected} bytes")
             raise CheckpointError(f"{source}: tensor {name!r} at data offset {e.begin} {kind}")
         expected = e.end
     if expected != data_size:
@@ -163,7 +164,8 @@ def require_float_dtype(dtype: str, name: str = "tensor", source: str = "") -> N
     if dtype.startswith("F8_"):
         raise CheckpointError(f"{where} has dtype {dtype}: FP8 checkpoints are not supported yet "
                               f"(supported dtypes: {supported})")
-    raise CheckpointError(f"{where} has dtype {dtype}, which cannot be decoded to float32 (supported dtypes: {supported})")
+    raise CheckpointError(f"{where} has dtype {dtype}, which cannot be decoded to float32 "
+                          f"(supported dtypes: {supported})")
 
 
 def decode_f32(raw: bytes | memoryview, dtype: str, shape: tuple[int, ...], *, name: str = "tensor",
@@ -347,7 +349,8 @@ class Checkpoint:
         out = {}
         for name, shard in wm.items():
             if Path(shard).name != shard:
-                raise CheckpointError(f"{index}: tensor {name!r} names shard {shard!r} outside the checkpoint directory")
+                raise CheckpointError(
+                    f"{index}: tensor {name!r} names shard {shard!r} outside the checkpoint directory")
             out[name] = index.parent / shard
         return out
 

@@ -41,8 +41,12 @@ class TokenRouting:
     def __post_init__(self) -> None:
         if not _is_int(self.token_index) or self.token_index < 0:
             raise PlanningError(f"token_index must be a non-negative integer, got {self.token_index!r}")
+        try:
+            items = list(self.experts)
+        except TypeError:
+            raise PlanningError(f"token {self.token_index}: experts must be a list of (layer, expert) pairs") from None
         out = []
-        for item in self.experts:
+        for item in items:
             if isinstance(item, dict):
                 item = (item.get("layer"), item.get("expert"))
             try:
@@ -138,11 +142,13 @@ def plan_dispatch(
     not on provider or routing input order.
 
     Raises :class:`PlanningError` for empty routings, a non-:class:`TokenRouting` entry, a
-    duplicate ``token_index``, a token listing the same expert twice, or a
-    ``split_threshold`` that is not a positive integer.
+    duplicate ``token_index``, a token listing the same expert twice, a non-bool
+    ``allow_cold``, or a ``split_threshold`` that is not a positive integer.
     """
     if not isinstance(view, ShardView):
         raise PlanningError(f"view must be a ShardView, got {type(view).__name__}")
+    if not isinstance(allow_cold, bool):
+        raise PlanningError(f"allow_cold must be a bool, got {allow_cold!r}")
     if split_threshold is not None and (not _is_int(split_threshold) or split_threshold < 1):
         raise PlanningError(f"split_threshold must be a positive integer or None, got {split_threshold!r}")
     routings = list(routings)

@@ -10,7 +10,8 @@ provider id has a fixed length of 64 characters, so the split point is unambiguo
              ‖ f"{model_id}/{layer}/{expert}".encode("utf-8")   # decimal layer/expert
              ‖ provider.encode("ascii") )                       # 64 lowercase hex chars
 
-Scores compare as raw big-endian bytes, highest first; ties (never seen in practice) go to
+Layer and expert are decimal and the last two ``/`` fields, so a model id containing ``/``
+(``org/name``) cannot collide with another key. Scores compare as raw big-endian bytes, highest first; ties (never seen in practice) go to
 the lower provider id. Unlike the reference (§14 item 9) the provider id is the same hex
 string the JSON carries, not a base58 re-encoding.
 """
@@ -23,11 +24,15 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable
 
-from registry.shardmap import ReplicationPolicy, ShardView, _check_provider_id, _expert_key, _is_int
+from registry.shardmap import ReplicationPolicy, ShardView, check_provider_id, expert_key
 
 __all__ = ["PLACEMENT_DOMAIN", "RepairRow", "placement_score", "rank_providers", "plan_repair", "rows_for", "place"]
 
 PLACEMENT_DOMAIN = b"tenzro/moe/placement"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _prefix(model_id: str, layer: int, expert: int) -> bytes:
@@ -43,7 +48,7 @@ def placement_score(model_id: str, layer: int, expert: int, provider: str) -> by
 
     Raises ``ValueError`` for a provider that is not 64 lowercase hex or a bad expert key.
     """
-    _check_provider_id(provider)
+    check_provider_id(provider)
     return hashlib.sha256(_prefix(model_id, layer, expert) + provider.encode("ascii")).digest()
 
 
@@ -71,7 +76,7 @@ def _unique_ids(providers: Iterable[str], field: str) -> list[str]:
         raise ValueError(f"{field} must be an iterable of provider ids, not a single string")
     out = list(dict.fromkeys(providers))
     for p in out:
-        _check_provider_id(p, field)
+        check_provider_id(p, field)
     return out
 
 
@@ -98,6 +103,17 @@ class RepairRow:
     provider: str
     blob_uri: str | None
     missing: int
+
+    def to_json(self) -> dict:
+        """``{model_id, layer, expert, provider, blob_uri, missing}`` (what the site offers an agent)."""
+        return {
+            "model_id": self.model_id,
+            "layer": self.layer,
+            "expert": self.expert,
+            "provider": self.provider,
+            "blob_uri": self.blob_uri,
+            "missing": self.missing,
+        }
 
 
 def _blob_source(view: ShardView, layer: int, expert: int) -> str | None:
@@ -136,7 +152,7 @@ def plan_repair(
     if expected is None:
         keys = sorted(view.expected) if view.expected is not None else view.covered_experts()
     else:
-        keys = sorted({_expert_key(item, "expected") for item in expected})
+        keys = sorted({expert_key(item, "expected") for item in expected})
     pool = _pool(view.distinct_providers() if candidates is None else candidates, "candidates")
     threshold = policy.hot_threshold_tps
     model_id = view.model_id
@@ -167,7 +183,7 @@ def rows_for(rows: Iterable[RepairRow], provider: str, max_repairs: int = Replic
 
     Raises ``ValueError`` for a malformed provider id or a negative ``max_repairs``.
     """
-    _check_provider_id(provider)
+    check_provider_id(provider)
     if not _is_int(max_repairs) or max_repairs < 0:
         raise ValueError(f"max_repairs must be a non-negative integer, got {max_repairs!r}")
     out: list[RepairRow] = []
@@ -194,7 +210,7 @@ def place(
     """
     if not _is_int(replication) or replication < 1:
         raise ValueError(f"replication must be a positive integer, got {replication!r}")
-    keys = sorted({_expert_key(item, "experts") for item in experts})
+    keys = sorted({expert_key(item, "experts") for item in experts})
     pool = _pool(providers, "providers")
     out: dict[str, list[tuple[int, int]]] = {p: [] for p, _ in pool}
     if keys and not pool:

@@ -26,6 +26,8 @@ __all__ = [
     "ProviderInfo",
     "HolderInfo",
     "ShardView",
+    "check_provider_id",
+    "expert_key",
 ]
 
 RESIDENCIES = ("Warm", "Cold", "Evicting")
@@ -39,12 +41,13 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_provider_id(value: object, field: str = "provider") -> None:
+def check_provider_id(value: object, field: str = "provider") -> None:
+    """Raise ``ValueError`` naming ``field`` unless ``value`` is a 64-char lowercase hex key."""
     if not isinstance(value, str) or _HEX64.fullmatch(value) is None:
         raise ValueError(f"{field} must be a 64-character lowercase hex ed25519 key, got {value!r}")
 
 
-def _expert_key(item: object, field: str) -> tuple[int, int]:
+def expert_key(item: object, field: str = "expert") -> tuple[int, int]:
     """Normalize ``(layer, expert)`` (pair of non-negative ints, or a dict) or raise ValueError."""
     if type(item) is tuple and len(item) == 2:
         layer, expert = item
@@ -169,7 +172,7 @@ class ProviderInfo:
     holdings: tuple[HoldingInfo, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_provider_id(self.provider)
+        check_provider_id(self.provider)
         roles = tuple(dict.fromkeys(self.roles))
         for role in roles:
             if role not in ROLES:
@@ -239,7 +242,7 @@ def _dedupe(holdings: list[HoldingInfo]) -> list[HoldingInfo]:
 # where "provider position" indexes the view's providers sorted by (-reputation, id). Plain
 # tuple order is then exactly the DESIGN §7 order for non-hot experts; hot experts sort with
 # the GPU flag inserted after the rank. HolderInfo objects are made on demand and cached.
-_R, _NT, _P, _B = 0, 1, 2, 3
+_R, _NT, _P = 0, 1, 2
 
 
 class ShardView:
@@ -312,7 +315,7 @@ class ShardView:
 
         exp: frozenset | None = None
         if expected is not None:
-            exp = frozenset([_expert_key(item, "expected") for item in expected])
+            exp = frozenset([expert_key(item, "expected") for item in expected])
 
         threshold = policy.hot_threshold_tps
         rank = _RANK
@@ -481,7 +484,7 @@ class ShardView:
                 raise ValueError("expected: covers() needs an expected expert set (none given, none in the view)")
             keys: Iterable[tuple[int, int]] = self.expected
         else:
-            keys = [_expert_key(item, "expected") for item in expected]
+            keys = [expert_key(item, "expected") for item in expected]
         need = self.policy.min_replication if min_replication is None else min_replication
         if not _is_int(need) or need < 1:
             raise ValueError(f"min_replication must be a positive integer, got {need!r}")

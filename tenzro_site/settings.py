@@ -136,7 +136,9 @@ if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL], "capacity": 1000, "expiry": 60,
+            # redis-py 8 reads with a 5 s socket timeout, the same as channels-redis's 5 s blocking
+            # pop: give reads room so an idle consumer does not die with a TimeoutError.
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}], "capacity": 1000, "expiry": 60,
                        "prefix": os.environ.get("TENZRO_CHANNEL_PREFIX", "tenzro")},
         }
     }

@@ -11,9 +11,12 @@ mode runs; with channels-redis it works across site processes.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 
 from channels.layers import get_channel_layer
+
+log = logging.getLogger(__name__)
 
 
 class AgentUnavailable(ConnectionError):
@@ -47,14 +50,23 @@ class AgentLink:
         link = cls._by_loop.get(id(loop))
         if link is None or link._reader is None or link._reader.done():
             link = cls()
-            link.reply_channel = await link.layer.new_channel("tenzro.router.")
+            # The layer's default prefix: channels-redis polls one key per process for all
+            # process-specific channels, and a custom prefix would be a second, unpolled key.
+            link.reply_channel = await link.layer.new_channel()
             link._reader = loop.create_task(link._read())
             cls._by_loop[id(loop)] = link
         return link
 
     async def _read(self) -> None:
         while True:
-            msg = await self.layer.receive(self.reply_channel)
+            try:
+                msg = await self.layer.receive(self.reply_channel)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a broken layer connection must not strand waiting requests
+                log.exception("channel layer receive failed; retrying")
+                await asyncio.sleep(0.5)
+                continue
             fut = self.pending.pop(msg.get("id", ""), None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
