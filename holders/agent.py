@@ -4,8 +4,10 @@ It connects to the site's ``/ws/agent/``, proves its ed25519 identity by signing
 nonce, sends signed heartbeats with its holdings every ``heartbeat_interval`` seconds (and
 right after every change), loads the experts it is asked to hold (fetching
 ``tenzro://blob/<hash>`` from the site's ``/blobs/<hash>`` and checking the BLAKE3 hash),
-and answers execute requests with the expert FFN's output rows. It reconnects with backoff
-when the site goes away. Imports nothing from Django.
+and answers execute requests with the expert FFN's output rows and a signed receipt
+(``holders.receipts``), over the socket or, with ``http_port``, over its own HTTP endpoint
+(``holders.transports.http``). It reconnects with backoff when the site goes away.
+Imports nothing from Django.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import asyncio
 import json
 import logging
 import secrets
+import struct
 import time
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -25,7 +28,9 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from holders import wire
 from holders.identity import DOMAIN_HEARTBEAT, DOMAIN_HELLO, provider_id, sign, sign_body
+from holders.receipts import make_receipt
 from holders.runtime import DimensionMismatch, ExpertNotLoaded, ExpertRuntime
+from holders.transports.http import RpcFailure, serve_http
 from prepare.blobs import BlobError, BlobStore, parse_blob_uri, verify_blob
 
 log = logging.getLogger("tenzro.agent")
@@ -46,11 +51,26 @@ def ws_url(site: str) -> str:
     return urlunsplit((scheme, parts.netloc, "/ws/agent/", "", ""))
 
 
+def blob_quant_kind(blob: bytes) -> str:
+    """The quant kind of an expert blob for receipts: its tensors' dtypes, lowercase, sorted, ``+``-joined."""
+    try:
+        (n,) = struct.unpack_from("<Q", blob)
+        header = json.loads(blob[8:8 + n])
+    except (struct.error, ValueError):
+        return "unknown"
+    return "+".join(sorted({str(v.get("dtype", "?")).lower() for k, v in header.items()
+                            if k != "__metadata__" and isinstance(v, dict)})) or "unknown"
+
+
 class HolderAgent:
-    """One holder process. ``run()`` runs until ``stop()`` or an authentication refusal."""
+    """One holder process. ``run()`` runs until ``stop()`` or an authentication refusal.
+
+    ``http_port``: also serve ``POST /rpc`` on ``http_host:http_port`` and advertise it.
+    """
 
     def __init__(self, site: str, key: SigningKey, blob_dir: str | Path, name: str = "",
-                 heartbeat_interval: float = 15.0, roles: tuple[str, ...] = ("ExpertHolder",)):
+                 heartbeat_interval: float = 15.0, roles: tuple[str, ...] = ("ExpertHolder",),
+                 http_port: int | None = None, http_host: str = "127.0.0.1"):
         self.site = site.rstrip("/")
         self.url = ws_url(site)
         self.key = key
@@ -64,6 +84,10 @@ class HolderAgent:
         self._ws = None
         self._send_lock = asyncio.Lock()
         self._last_ts = 0
+        self.http_port = http_port
+        self.http_host = http_host
+        self.http_endpoint = f"http://{http_host}:{http_port}/rpc" if http_port else ""
+        self._blob_meta: dict[tuple[str, int, int], tuple[str, str]] = {}  # → (blob hash, quant kind)
 
     def stop(self) -> None:
         """Ask ``run()`` to return after closing the socket."""
@@ -75,6 +99,15 @@ class HolderAgent:
         Raises ``AuthRefused`` when the site closes with 4401.
         """
         backoff = 1.0
+        server = (await serve_http(self._http_rpc, self.http_host, self.http_port, self._http_frame)
+                  if self.http_port else None)
+        try:
+            await self._run_socket(backoff)
+        finally:
+            if server is not None:
+                server.close()
+
+    async def _run_socket(self, backoff: float) -> None:
         while not self._stop.is_set():
             try:
                 async with connect(self.url, max_size=None, ping_interval=20, ping_timeout=60,
@@ -133,7 +166,7 @@ class HolderAgent:
         ts = max(int(time.time() * 1000), self._last_ts + 1)
         self._last_ts = ts
         body = {"provider": self.provider, "timestamp_ms": ts, "nonce": secrets.token_hex(16),
-                "name": self.name, "roles": list(self.roles), "http_endpoint": "", "iroh_endpoint_id": "",
+                "name": self.name, "roles": list(self.roles), "http_endpoint": self.http_endpoint, "iroh_endpoint_id": "",
                 "moe_gpu": False, "holdings": self.runtime.holdings()}
         return {"type": "heartbeat", "body": body, "signature": sign_body(self.key, DOMAIN_HEARTBEAT, body)}
 
@@ -162,9 +195,9 @@ class HolderAgent:
         try:
             kind = header.get("type")
             if kind == "execute":
-                out = await self._execute(header, payload)
-                await self._reply({"id": req_id, "ok": True, "rows": int(out.shape[0]),
-                                   "d_model": int(out.shape[1])}, wire.encode_f32(out))
+                answer, out = await self.execute_request({**header, "request_id": req_id},
+                                                         header.get("carrier", "f32"), payload)
+                await self._reply({"id": req_id, "ok": True, **answer}, out)
             elif kind == "load":
                 await self._load(header)
                 await self._reply({"id": req_id, "ok": True})
@@ -178,17 +211,75 @@ class HolderAgent:
         except ConnectionClosed:
             pass
 
-    async def _execute(self, header: dict, payload: bytes) -> np.ndarray:
-        tokens = header.get("token_indices")
-        if not isinstance(tokens, list):
-            raise wire.WireError("token_indices must be a list")
-        d_model = int(header.get("d_model", 0))
-        if header.get("carrier", "f32") != "f32":
-            raise wire.WireError(f"unsupported carrier {header.get('carrier')!r}")
-        rows = wire.decode_f32(payload, d_model, n_rows=len(tokens))
+    async def execute_request(self, req: dict, carrier: str, payload: bytes) -> tuple[dict, bytes]:
+        """Execute one batch and sign its receipt (both transports).
+
+        ``req``: ``request_id, model_id, layer, expert, token_indices, d_model, output?``;
+        ``payload`` the carrier bytes (``carrier`` "f32" or "q8_0"). Returns (answer fields
+        ``{rows, d_model, output, token_indices, receipt}``, output bytes). Raises
+        ``wire.WireError``, ``ExpertNotLoaded``, ``DimensionMismatch`` or ``ValueError``.
+        """
+        tokens = req.get("token_indices")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
+            raise wire.WireError("token_indices must be a list of non-negative integers")
+        if not isinstance(req.get("request_id"), str) or not req["request_id"]:
+            raise wire.WireError("request_id must be a non-empty string")
+        model_id, layer, expert = str(req["model_id"]), int(req["layer"]), int(req["expert"])
+        d_model = int(req.get("d_model", 0))
+        output = req.get("output", "f32")
+        if carrier not in wire.CARRIERS:
+            raise wire.WireError(f"unsupported carrier {carrier!r}")
+        if output not in wire.OUTPUTS:
+            raise wire.WireError(f"unsupported output encoding {output!r}")
+        rows = wire.decode_rows(payload, carrier, d_model, len(tokens))
         # numpy/BLAS releases the GIL: run off the event loop so heartbeats keep flowing.
-        return await asyncio.to_thread(self.runtime.execute, header["model_id"], int(header["layer"]),
-                                       int(header["expert"]), rows, len(tokens))
+        out = await asyncio.to_thread(self.runtime.execute, model_id, layer, expert, rows, len(tokens))
+
+        def encode_and_sign():
+            data = wire.encode_rows(out, output)
+            sent = out if output == "f32" else wire.decode_rows(data, output, d_model, len(tokens), "outputs")
+            blob_hash, quant = self._blob_meta.get((model_id, layer, expert), ("", "unknown"))
+            receipt = make_receipt(self.key, request_id=req["request_id"], model_id=model_id, layer=layer,
+                                   expert=expert, tokens=tokens, carrier_kind=carrier, carrier=payload, rows=sent,
+                                   blob_hash=blob_hash, quant=quant)
+            return data, receipt
+
+        data, receipt = await asyncio.to_thread(encode_and_sign)
+        return ({"rows": len(tokens), "d_model": d_model, "output": output, "token_indices": tokens,
+                 "receipt": receipt}, data)
+
+    async def _http_frame(self, header: dict, payload: bytes) -> tuple[dict, bytes]:
+        """Binary execute over HTTP (``POST /frame``): the socket's frame format, no base64."""
+        if header.get("type") != "execute":
+            raise RpcFailure(-32601, f"unknown request type {header.get('type')!r}")
+        try:
+            return await self.execute_request({**header, "request_id": header.get("id")},
+                                              header.get("carrier", "f32"), payload)
+        except (wire.WireError, DimensionMismatch, KeyError, TypeError, ValueError) as exc:
+            raise RpcFailure(-32602, str(exc)) from exc
+        except ExpertNotLoaded as exc:
+            raise RpcFailure(-32004, str(exc)) from exc
+
+    async def _http_rpc(self, method: str, params: dict) -> dict:
+        """JSON-RPC handler of the HTTP endpoint (``holders.transports.http``)."""
+        if method in ("tenzro_moeExecute", "moe/execute"):
+            q8 = params.get("hidden_q8")
+            try:
+                carrier = "q8_0" if q8 is not None else "f32"
+                payload = wire.b64decode(q8 if q8 is not None else params.get("hidden_states"),
+                                         "hidden_q8" if q8 is not None else "hidden_states")
+                answer, data = await self.execute_request(params, carrier, payload)
+            except (wire.WireError, DimensionMismatch, KeyError, TypeError, ValueError) as exc:
+                raise RpcFailure(-32602, str(exc), {"field": "params"}) from exc
+            except ExpertNotLoaded as exc:
+                raise RpcFailure(-32004, str(exc), {"field": "expert"}) from exc
+            return {"model_id": params["model_id"], "layer": params["layer"], "expert": params["expert"],
+                    "token_indices": answer["token_indices"], "d_model": answer["d_model"],
+                    "output": answer["output"], "outputs": wire.b64encode(data), "receipt": answer["receipt"]}
+        if method in ("moe/status", "tenzro_moeExpertStatus"):
+            return {"provider": self.provider, "experts": self.runtime.holdings(),
+                    "tokens_served": self.runtime.tokens_served}
+        raise RpcFailure(-32601, f"unknown method {method!r}", {"field": "method"})
 
     async def _load(self, header: dict) -> None:
         uri = header["uri"]
@@ -202,5 +293,6 @@ class HolderAgent:
                 data = resp.content
             verify_blob(data, h)
             self.store.put_verified(data, h)
-        await asyncio.to_thread(self.runtime.load, header["model_id"], int(header["layer"]),
-                                int(header["expert"]), data, uri)
+        key = (header["model_id"], int(header["layer"]), int(header["expert"]))
+        await asyncio.to_thread(self.runtime.load, *key, data, uri)
+        self._blob_meta[key] = (h, blob_quant_kind(data))

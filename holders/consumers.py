@@ -61,6 +61,20 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 "payload": b""})
         self.pending.clear()
 
+    async def dispatch(self, message):
+        """Data-plane messages (binary answers, relayed requests) skip channels' per-message
+        ``close_old_connections`` thread hop: they never touch the database, and that hop
+        was a large share of a small forward's time."""
+        kind = message.get("type")
+        if kind == "agent.request" or (kind == "websocket.receive" and self.provider is not None
+                                       and message.get("bytes") is not None):
+            if kind == "agent.request":
+                await self.agent_request(message)
+            else:
+                await self._answer(message["bytes"])
+            return
+        await super().dispatch(message)
+
     async def receive(self, text_data=None, bytes_data=None):
         """Dispatch one frame: the hello first, then heartbeats (text) and answers (binary)."""
         if self.provider is None:

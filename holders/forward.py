@@ -1,27 +1,45 @@
 """The router's MoE layer forward over remote holders (DESIGN §7), free of Django.
 
-gate locally → per-token routings → planner over the live shard view → one batch per
-(expert, holder) → ``send`` each batch (primary first, then its backups in order) → fold
-the returned rows into the gate-weighted combine (``holders.ffn.combine``), which sums each
-token's slots in ascending expert id with the shared slot last, exactly as the monolithic
-forward does, so both agree bit for bit on the same backend.
+gate locally → per-token routings → readahead hook → planner over the live shard view →
+batches cut to fit one message → each batch to its primary under a deadline; when the
+primary errs, answers badly (rows or receipt) or stalls past the deadline, the next warm
+backup gets it → when every known holder of an expert failed, the remaining (expert,
+token) pairs are replanned over a view without any provider that failed, at most
+``MAX_REPLANS`` times; rows already received stay. Every answer is matched to the request
+it answers by the router's own request id; an answer for a pair that was never sent or
+that is already filled is rejected. Rows are placed as they arrive; the final
+gate-weighted sum (``holders.ffn.combine``) adds each token's slots in ascending expert
+id with the shared slot last, exactly as the monolithic forward does, so both agree bit
+for bit on the same backend.
+
+Missing pairs after the last round fail the forward (``ForwardError`` naming the experts
+and tokens) unless ``allow_partial``: then each token's routed weights are renormalized
+over the routed experts that answered (the shared slot keeps weight 1.0; a missing shared
+expert is always fatal) and the pairs are reported in ``missing``.
+
+Source: reference §6.3 with its §14 fixes 5 (request-keyed combine, duplicate guard),
+11 (shared slot never renormalized), 12 (zero-holder experts handled by ``allow_partial``),
+23 (per-batch deadline, warm backup), 24 (batches cut below the message size), 25 (large
+batches split over warm replicas by the planner's ``split_threshold``).
 """
 from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 import numpy as np
 
+from holders import wire
 from holders.ffn import combine
 from holders.gating import Gate, Routing, route
+from holders.receipts import ReceiptError, verify_receipt
 from registry.planner import DispatchPlan, PlanningError, TokenRouting, plan_dispatch
 from registry.shardmap import ShardView
 
-# send(provider, layer, expert, token_indices, rows f32 [n, H]) -> output rows f32 [n, H]
-Send = Callable[[str, int, int, list[int], np.ndarray], Awaitable[np.ndarray]]
+MAX_REPLANS = 2
 
 
 class ForwardError(Exception):
@@ -35,86 +53,265 @@ class ForwardError(Exception):
         self.data = data or {}
 
 
+class HolderFault(Exception):
+    """A holder answered wrongly or not at all (counts against its reputation)."""
+
+
+class AuthRefusal(Exception):
+    """A holder refused our credentials: try the next holder, but do not penalize this one."""
+
+
+@dataclass
+class BatchRequest:
+    """One request to one holder: rows f32 ``[n, H]`` of ``tokens``, encoded once as ``payload``.
+
+    ``request_id`` is fresh for every attempt (the router's own id; answers are matched by it).
+    """
+
+    request_id: str
+    model_id: str
+    layer: int
+    expert: int
+    tokens: list[int]
+    carrier: str
+    payload: bytes
+    output: str
+    d_model: int
+
+
+@dataclass
+class BatchAnswer:
+    """A holder's answer: rows f32 ``[n, H]`` decoded from ``payload`` (``output`` encoding),
+    the receipt (None for a local call), transport name and bytes each way."""
+
+    rows: np.ndarray
+    receipt: dict | None
+    transport: str
+    bytes_out: int
+    bytes_back: int
+
+
+# send(holder provider id, holder info or None, request) -> answer; raises HolderFault,
+# AuthRefusal, ConnectionError, asyncio.TimeoutError or ValueError.
+Send = Callable[[str, object, BatchRequest], Awaitable[BatchAnswer]]
+
+
 @dataclass
 class ForwardResult:
     """Output of a distributed forward: ``output`` f32 [T, H] plus what it took."""
 
     output: np.ndarray
     routing: Routing
-    plan: DispatchPlan
     holders: list[str]
+    batches: int
+    replans: int
+    missing: list[dict]
     failures: list[dict] = field(default_factory=list)
+    latencies_ms: dict = field(default_factory=dict)
+    transports: dict = field(default_factory=dict)
+    bytes_out: int = 0
+    bytes_back: int = 0
+    receipts: list[dict] = field(default_factory=list)
     timings_ms: dict = field(default_factory=dict)
 
 
-def token_routings(routing: Routing, layer: int) -> list[TokenRouting]:
-    """Planner input from a routing: per token its (layer, expert) slots, shared slot included."""
-    return [TokenRouting(t, tuple((layer, int(e)) for e in routing.expert_ids[t]))
-            for t in range(routing.expert_ids.shape[0])]
+def token_routings(pairs: dict[int, list[int]], layer: int) -> list[TokenRouting]:
+    """Planner input from outstanding pairs ``{expert: [tokens]}``, grouped by token ascending."""
+    by_token: dict[int, list[int]] = {}
+    for e in sorted(pairs):
+        for t in pairs[e]:
+            by_token.setdefault(int(t), []).append(int(e))
+    return [TokenRouting(t, tuple((layer, e) for e in by_token[t])) for t in sorted(by_token)]
 
 
-async def distributed_forward(*, gate: Gate, layer: int, hidden_states: np.ndarray, view: ShardView,
-                              send: Send, top_k: int | None = None, allow_cold: bool = False) -> ForwardResult:
-    """One MoE layer forward with experts executed by remote holders.
+def renormalized(routing: Routing, missing: dict[int, set[int]]) -> Routing:
+    """``routing`` with, per token, the missing routed slots at weight 0 and the routed
+    weights that answered scaled so their sum is unchanged (the shared slot untouched).
 
-    ``hidden_states`` f32 [T, H] with H == gate.d_model. Raises ``ValueError`` for bad
-    input (from ``route``) and ``ForwardError`` when an expert has no eligible holder
-    (kind "planning", ``data["missing"]``) or every holder of a batch failed (kind
-    "execution", ``data["missing"]`` and ``data["failures"]``).
+    Raises ``ValueError`` when the shared slot is missing or a token lost every routed expert.
+    """
+    w = routing.weights.copy()
+    ids = routing.expert_ids
+    for e, toks in missing.items():
+        if routing.shared_slot is not None and e == routing.shared_slot:
+            raise ValueError(f"the shared expert {e} is missing for tokens {sorted(toks)}")
+        for t in toks:
+            w[t, ids[t] == e] = 0.0
+    routed = ids != (routing.shared_slot if routing.shared_slot is not None else -1)
+    touched = sorted({t for toks in missing.values() for t in toks})
+    for t in touched:
+        total = float(routing.weights[t][routed[t]].astype(np.float64).sum())
+        kept = float(w[t][routed[t]].astype(np.float64).sum())
+        if kept <= 0:
+            raise ValueError(f"token {t} lost every routed expert")
+        w[t, routed[t]] = (w[t, routed[t]].astype(np.float64) * (total / kept)).astype(np.float32)
+    return Routing(ids, w, routing.router_logits, routing.top_k, routing.shared_slot)
+
+
+class _Rows:
+    """Per-expert row buffers filled as answers arrive; refuses pairs not routed or already filled."""
+
+    def __init__(self, routing: Routing, d_model: int):
+        self.tokens = {e: t for e, t in routing.tokens_by_expert().items()}
+        self.pos = {e: {int(t): i for i, t in enumerate(toks)} for e, toks in self.tokens.items()}
+        self.rows = {e: np.zeros((len(t), d_model), dtype=np.float32) for e, t in self.tokens.items()}
+        self.filled = {e: np.zeros(len(t), dtype=bool) for e, t in self.tokens.items()}
+
+    def check(self, expert: int, tokens: list[int]) -> None:
+        pos = self.pos.get(expert)
+        if pos is None or any(t not in pos for t in tokens):
+            raise HolderFault(f"answer for pairs of expert {expert} that were never routed")
+        if self.filled[expert][[pos[t] for t in tokens]].any():
+            raise HolderFault(f"answer for pairs of expert {expert} that are already filled")
+
+    def put(self, expert: int, tokens: list[int], rows: np.ndarray) -> None:
+        self.check(expert, tokens)
+        idx = [self.pos[expert][t] for t in tokens]
+        self.rows[expert][idx] = rows
+        self.filled[expert][idx] = True
+
+    def outstanding(self) -> dict[int, list[int]]:
+        return {e: self.tokens[e][~f].tolist() for e, f in self.filled.items() if not f.all()}
+
+
+async def distributed_forward(*, gate: Gate, model_id: str, layer: int, hidden_states: np.ndarray,
+                              get_view: Callable[[frozenset], Awaitable[ShardView]], send: Send,
+                              top_k: int | None = None, allow_cold: bool = False, allow_partial: bool = False,
+                              carrier: str = "auto", deadline_s: float = 10.0, max_message: int = 1 << 20,
+                              split_threshold: int | None = None,
+                              readahead: Callable[[list[int]], Awaitable[None]] | None = None,
+                              verify: bool = True) -> ForwardResult:
+    """One MoE layer forward with experts executed by remote holders (module docstring).
+
+    ``hidden_states`` f32 [T, H] with H == gate.d_model. ``get_view(excluded)`` returns the
+    live shard view without the ``excluded`` providers; ``send`` executes one request on
+    one holder. ``deadline_s``: seconds a holder has for one request before the backup
+    gets it. ``verify``: check receipts of remote answers (local answers carry none).
+
+    Raises ``ValueError`` for bad input (from ``route``, ``wire.choose_carrier``) and
+    ``ForwardError`` with ``data["missing"] = [{layer, expert, tokens}]`` when pairs stay
+    unserved and ``allow_partial`` is false, or the shared expert is missing.
     """
     t0 = time.perf_counter()
     routing = route(gate, hidden_states, top_k)
+    d_model = gate.d_model
+    carrier_kind, output_kind = wire.choose_carrier(carrier, d_model)
+    x = np.ascontiguousarray(hidden_states, dtype=np.float32)
     t_gate = time.perf_counter()
-    try:
-        plan = plan_dispatch(view, token_routings(routing, layer), allow_cold=allow_cold)
-    except PlanningError as exc:
-        raise ForwardError("planning", str(exc)) from exc
-    if plan.unplanned:
-        first = plan.unplanned[0]
-        raise ForwardError("planning", f"no live holder for expert l{first['layer']}/e{first['expert']} "
-                           f"(tokens {first['tokens']}); {len(plan.unplanned)} expert(s) unplanned",
-                           {"missing": plan.unplanned})
+    if readahead is not None:
+        await readahead(sorted(routing.tokens_by_expert()))
+    rows = _Rows(routing, d_model)
+    per_msg = min(1024, wire.rows_per_frame(d_model, max_message, max(wire.BYTES_PER_VALUE[carrier_kind],
+                                                                        wire.BYTES_PER_VALUE[output_kind])))
+    excluded: set[str] = set()
     failures: list[dict] = []
+    latencies: dict[str, list[float]] = {}
+    transports: dict[str, int] = {"local": 0, "ws": 0, "http": 0, "iroh": 0}
+    receipts: list[dict] = []
     used: set[str] = set()
+    stats = {"batches": 0, "out": 0, "back": 0}
+    replans = 0
 
-    async def run_batch(batch):
-        tokens = list(batch.token_indices)
-        rows = hidden_states[np.asarray(tokens, dtype=np.int64)]
-        for provider in [batch.provider] + [b.provider for b in batch.backups]:
-            try:
-                out = await send(provider, batch.layer, batch.expert, tokens, rows)
-            except (ConnectionError, ValueError, asyncio.TimeoutError) as exc:
-                failures.append({"provider": provider, "layer": batch.layer, "expert": batch.expert,
-                                 "error": str(exc)})
-                continue
-            if out.shape != rows.shape:
-                failures.append({"provider": provider, "layer": batch.layer, "expert": batch.expert,
-                                 "error": f"returned shape {out.shape}, expected {rows.shape}"})
-                continue
-            used.add(provider)
-            return batch.expert, np.asarray(tokens, dtype=np.int64), out
-        return batch.expert, np.asarray(tokens, dtype=np.int64), None
+    async def attempt(provider: str, info, expert: int, tokens: list[int], payload: bytes) -> str:
+        req = BatchRequest(uuid.uuid4().hex, model_id, layer, expert, tokens, carrier_kind, payload, output_kind,
+                           d_model)
+        t = time.perf_counter()
+        try:
+            ans = await asyncio.wait_for(send(provider, info, req), deadline_s)
+            if ans.rows.shape != (len(tokens), d_model):
+                raise HolderFault(f"returned rows of shape {ans.rows.shape}, expected {(len(tokens), d_model)}")
+            rows.check(expert, tokens)
+            if verify and ans.transport != "local":
+                verify_receipt(ans.receipt, provider=provider, request_id=req.request_id, model_id=model_id,
+                               layer=layer, expert=expert, tokens=tokens, carrier_kind=carrier_kind,
+                               carrier=payload, rows=ans.rows)
+        except AuthRefusal as exc:
+            failures.append({"provider": provider, "expert": expert, "error": f"auth refused: {exc}", "fault": False})
+            return "refused"
+        except asyncio.TimeoutError:
+            failures.append({"provider": provider, "expert": expert, "fault": True,
+                             "error": f"no answer within the {deadline_s:g} s deadline"})
+            return "fault"
+        except (HolderFault, ReceiptError, ConnectionError, ValueError, OSError) as exc:
+            failures.append({"provider": provider, "expert": expert, "error": str(exc) or type(exc).__name__,
+                             "fault": True})
+            return "fault"
+        try:
+            rows.put(expert, tokens, ans.rows)
+        except HolderFault as exc:  # a concurrent answer filled the pairs first
+            failures.append({"provider": provider, "expert": expert, "error": str(exc), "fault": False})
+            return "late"
+        latencies.setdefault(provider, []).append((time.perf_counter() - t) * 1e3)
+        transports[ans.transport] = transports.get(ans.transport, 0) + 1
+        stats["out"] += ans.bytes_out
+        stats["back"] += ans.bytes_back
+        used.add(provider)
+        if ans.receipt is not None:
+            receipts.append({"provider": provider, "expert": expert, "tokens": len(tokens),
+                             "commitment": ans.receipt["commitment"]})
+        return "ok"
 
-    results = await asyncio.gather(*(run_batch(b) for b in plan.batches))
+    async def run_batch(batch, tokens: list[int]) -> None:
+        payload = wire.encode_rows(x[np.asarray(tokens, dtype=np.int64)], carrier_kind)
+        stats["batches"] += 1
+        targets = [(batch.provider, None)] + [(b.provider, b) for b in batch.backups]
+        for provider, info in targets:
+            if provider in excluded:
+                continue
+            outcome = await attempt(provider, info or batch, batch.expert, tokens, payload)
+            if outcome in ("ok", "late"):
+                return
+            if outcome == "fault":
+                excluded.add(provider)
+
+    while True:
+        todo = rows.outstanding()
+        if not todo:
+            break
+        view = await get_view(frozenset(excluded))
+        try:
+            plan: DispatchPlan = plan_dispatch(view, token_routings(todo, layer), allow_cold=allow_cold,
+                                               split_threshold=split_threshold)
+        except PlanningError as exc:
+            raise ForwardError("planning", str(exc)) from exc
+        jobs = [run_batch(b, b.token_indices[i:i + per_msg])
+                for b in plan.batches for i in range(0, len(b.token_indices), per_msg)]
+        await asyncio.gather(*jobs)
+        if not rows.outstanding() or replans == MAX_REPLANS:
+            break
+        if not plan.batches:
+            break  # nothing was plannable: another round cannot change that
+        replans += 1
     t_exec = time.perf_counter()
-    missing = [{"layer": layer, "expert": int(e), "tokens": [int(t) for t in toks]}
-               for e, toks, out in results if out is None]
+
+    todo = rows.outstanding()
+    missing = [{"layer": layer, "expert": int(e), "tokens": [int(t) for t in toks]} for e, toks in sorted(todo.items())]
+    use = routing
     if missing:
-        m = missing[0]
-        raise ForwardError("execution", f"every holder of expert l{m['layer']}/e{m['expert']} failed "
-                           f"(tokens {m['tokens']}): {failures[-1]['error'] if failures else 'no holder'}",
-                           {"missing": missing, "failures": failures})
-    by_expert: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    for e, toks, out in results:
-        if e in by_expert:  # a split batch: join the parts, tokens ascending
-            t_all = np.concatenate([by_expert[e][0], toks])
-            r_all = np.concatenate([by_expert[e][1], out])
-            order = np.argsort(t_all, kind="stable")
-            by_expert[e] = (t_all[order], r_all[order])
-        else:
-            by_expert[e] = (toks, out)
-    output = combine(routing, by_expert, gate.d_model)
+        shared_missing = routing.shared_slot is not None and routing.shared_slot in todo
+        if not allow_partial or shared_missing:
+            m = next((m for m in missing if m["expert"] == routing.shared_slot), missing[0]) if shared_missing \
+                else missing[0]
+            last = next((f["error"] for f in reversed(failures) if f["expert"] == m["expert"]), None)
+            what = "the shared expert" if shared_missing else "expert"
+            if last is None:
+                raise ForwardError("planning", f"no live holder for {what} l{layer}/e{m['expert']} (tokens "
+                                   f"{m['tokens']}); {len(missing)} expert(s) unserved",
+                                   {"missing": missing, "failures": failures})
+            raise ForwardError("execution", f"every holder of {what} l{layer}/e{m['expert']} failed (tokens "
+                               f"{m['tokens']}) after {replans} replan(s): {last}",
+                               {"missing": missing, "failures": failures})
+        try:
+            use = renormalized(routing, {e: set(t) for e, t in todo.items()})
+        except ValueError as exc:
+            raise ForwardError("execution", str(exc), {"missing": missing, "failures": failures}) from exc
+        for e, toks in todo.items():
+            rows.put(e, toks, np.zeros((len(toks), d_model), dtype=np.float32))
+    output = combine(use, {e: (rows.tokens[e], rows.rows[e]) for e in rows.tokens}, d_model)
     t_end = time.perf_counter()
-    return ForwardResult(output=output, routing=routing, plan=plan, holders=sorted(used), failures=failures,
-                         timings_ms={"gate": round((t_gate - t0) * 1e3, 3), "execute": round((t_exec - t_gate) * 1e3, 3),
-                                     "combine": round((t_end - t_exec) * 1e3, 3), "total": round((t_end - t0) * 1e3, 3)})
+    return ForwardResult(
+        output=output, routing=use, holders=sorted(used), batches=stats["batches"], replans=replans, missing=missing,
+        failures=failures, latencies_ms={p: v for p, v in latencies.items()}, transports=transports,
+        bytes_out=stats["out"], bytes_back=stats["back"], receipts=receipts,
+        timings_ms={"gate": round((t_gate - t0) * 1e3, 3), "execute": round((t_exec - t_gate) * 1e3, 3),
+                    "combine": round((t_end - t_exec) * 1e3, 3), "total": round((t_end - t0) * 1e3, 3)})

@@ -1,20 +1,31 @@
-"""Router services of the site: gate lookup and ``tenzro_moeForward`` over agent sockets."""
+"""Router services of the site: gate lookup and ``tenzro_moeForward`` over the holders' transports.
+
+Transports (DESIGN §6): a holder advertising an HTTP endpoint is reached there with binary
+frames when ``TENZRO["DATA_TRANSPORT"]`` is ``"http"``; otherwise (and as the fallback when
+the other path cannot connect) over its agent WebSocket through the channel layer. The
+site holds no experts itself, so there is no local call here; ``holders.forward`` takes a
+``local`` path for routers that do (the bench's in-process router).
+"""
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 from channels.db import database_sync_to_async
 from django.conf import settings
 
 from holders import wire
-from holders.forward import ForwardError, distributed_forward
+from holders.forward import BatchAnswer, BatchRequest, ForwardError, distributed_forward
 from holders.gating import Gate
+from holders.transports.http import HttpHolderClient, answer_to_batch
 from holders.transports.ws import AgentLink
 from prepare.blobs import BlobStore
 from prepare.models import GateBlob
-from registry.selectors import shard_view
+from registry.selectors import expected_experts, provider_infos
+from registry.services import record_holder_outcomes
+from registry.shardmap import ReplicationPolicy, ShardView
 
 
 class GateNotLoaded(LookupError):
@@ -23,6 +34,20 @@ class GateNotLoaded(LookupError):
 
 _gate_cache: dict[str, Gate] = {}
 _gate_lock = threading.Lock()
+_ttl_cache: dict[tuple, tuple[float, object]] = {}
+
+
+def _cached(key: tuple, fn):
+    """``fn()`` memoized for ``TENZRO["VIEW_CACHE_S"]`` seconds: per-forward DB reads of the
+    shard view were most of a small forward's time; failover covers a view this stale."""
+    ttl = settings.TENZRO["VIEW_CACHE_S"]
+    hit = _ttl_cache.get(key)
+    now = time.monotonic()
+    if hit is not None and now - hit[0] < ttl:
+        return hit[1]
+    value = fn()
+    _ttl_cache[key] = (now, value)
+    return value
 
 
 def load_gate(model_id: str, layer: int) -> Gate:
@@ -30,67 +55,119 @@ def load_gate(model_id: str, layer: int) -> Gate:
 
     Raises ``GateNotLoaded`` when no gate blob is published for that layer.
     """
-    row = GateBlob.objects.filter(model_id=model_id, layer=layer).first()
-    if row is None:
+    h = _cached(("gate", model_id, layer),
+                lambda: GateBlob.objects.filter(model_id=model_id, layer=layer).values_list("blob_hash", flat=True)
+                .first())
+    if h is None:
+        _ttl_cache.pop(("gate", model_id, layer), None)
         raise GateNotLoaded(f"no gate is loaded for model {model_id!r} layer {layer}")
     with _gate_lock:
-        gate = _gate_cache.get(row.blob_hash)
+        gate = _gate_cache.get(h)
         if gate is None:
-            gate = Gate.from_blob(BlobStore(settings.TENZRO["BLOB_DIR"]).get(row.blob_hash, verify=True))
-            _gate_cache[row.blob_hash] = gate
+            gate = Gate.from_blob(BlobStore(settings.TENZRO["BLOB_DIR"]).get(h, verify=True))
+            _gate_cache[h] = gate
     return gate
 
 
-async def send_to_agent(model_id: str, provider: str, layer: int, expert: int, tokens: list[int],
-                        rows: np.ndarray) -> np.ndarray:
-    """Execute one batch on ``provider``'s agent over its socket, split into frames below the cap.
+def live_view(model_id: str, exclude: frozenset = frozenset()) -> ShardView:
+    """The live shard view of ``model_id`` without ``exclude`` (provider rows cached briefly)."""
+    infos = _cached(("infos", model_id), lambda: (provider_infos(model_id), expected_experts(model_id)))
+    return ShardView.build(model_id, [p for p in infos[0] if p.provider not in exclude],
+                           policy=ReplicationPolicy(), expected=infos[1])
 
-    Returns f32 rows [n, H]. Raises ``AgentUnavailable`` (a ``ConnectionError``) or
-    ``wire.WireError`` (a ``ValueError``) for a malformed answer.
+
+async def send_ws(provider: str, req: BatchRequest) -> BatchAnswer:
+    """One request over ``provider``'s agent socket (binary frame through the channel layer).
+
+    Raises ``AgentUnavailable`` (a ``ConnectionError``), ``HolderFault`` or ``AuthRefusal``.
     """
     link = await AgentLink.get()
-    d_model = rows.shape[1]
-    per = wire.rows_per_frame(d_model, settings.TENZRO["WS_MAX_MESSAGE"])
-    timeout = settings.TENZRO["BATCH_TIMEOUT_S"]
+    header = {"type": "execute", "model_id": req.model_id, "layer": req.layer, "expert": req.expert,
+              "token_indices": req.tokens, "d_model": req.d_model, "carrier": req.carrier, "output": req.output}
+    answer, payload = await link.request(provider, header, req.payload, settings.TENZRO["BATCH_TIMEOUT_S"],
+                                         req_id=req.request_id)
+    return answer_to_batch(answer, payload, req, "ws", len(req.payload), len(payload))
 
-    async def one(lo: int):
-        chunk = tokens[lo:lo + per]
-        header = {"type": "execute", "model_id": model_id, "layer": layer, "expert": expert,
-                  "token_indices": chunk, "d_model": d_model, "carrier": "f32"}
-        answer, payload = await link.request(provider, header, wire.encode_f32(rows[lo:lo + per]), timeout)
-        return wire.decode_f32(payload, d_model, n_rows=len(chunk), field="outputs")
 
-    parts = await asyncio.gather(*(one(lo) for lo in range(0, len(tokens), per)))
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+_http_clients: dict[int, HttpHolderClient] = {}
+
+
+def _http_client() -> HttpHolderClient:
+    loop = id(asyncio.get_running_loop())
+    client = _http_clients.get(loop)
+    if client is None:
+        client = _http_clients[loop] = HttpHolderClient(settings.TENZRO["BATCH_TIMEOUT_S"])
+    return client
+
+
+async def send_batch(provider: str, holder, req: BatchRequest) -> BatchAnswer:
+    """Send one request by the holder's advertised transport, falling back when it cannot connect."""
+    endpoint = getattr(holder, "http_endpoint", None)
+    if endpoint and settings.TENZRO["DATA_TRANSPORT"] == "http":
+        try:
+            return await _http_client().execute_frame(endpoint, req)
+        except ConnectionError:
+            return await send_ws(provider, req)
+    try:
+        return await send_ws(provider, req)
+    except ConnectionError:
+        if not endpoint:
+            raise
+        return await _http_client().execute_frame(endpoint, req)
 
 
 async def forward(model_id: str, layer: int, d_model: int, hidden_states: np.ndarray, top_k: int | None = None,
-                  allow_cold: bool = False) -> dict:
-    """``tenzro_moeForward``: returns the reference's result fields plus ``holders`` and ``timings_ms``.
+                  allow_cold: bool = False, allow_partial: bool = False, carrier: str = "auto") -> dict:
+    """``tenzro_moeForward``: the reference's result fields plus ``holders``, ``failures``,
+    ``wire`` (bytes each way, per element), ``receipts`` (verified count) and ``timings_ms``.
 
-    Raises ``GateNotLoaded``, ``ValueError`` (input does not fit the gate) and ``ForwardError``.
+    Records each holder failure (reputation) and success (latency) through
+    ``registry.services.record_holder_outcomes``. Raises ``GateNotLoaded``, ``ValueError``
+    (input does not fit the gate, bad carrier) and ``ForwardError``.
     """
     gate = await database_sync_to_async(load_gate)(model_id, layer)
     if d_model != gate.d_model:
         raise ValueError(f"d_model is {d_model} but the gate of layer {layer} has d_model {gate.d_model}")
-    view = await database_sync_to_async(shard_view)(model_id)
+    t = settings.TENZRO
 
-    async def send(provider, lyr, expert, tokens, rows):
-        return await send_to_agent(model_id, provider, lyr, expert, tokens, rows)
+    async def get_view(excluded):
+        return await database_sync_to_async(live_view)(model_id, excluded)
 
-    res = await distributed_forward(gate=gate, layer=layer, hidden_states=hidden_states, view=view, send=send,
-                                    top_k=top_k, allow_cold=allow_cold)
+    try:
+        res = await distributed_forward(gate=gate, model_id=model_id, layer=layer, hidden_states=hidden_states,
+                                        get_view=get_view, send=send_batch, top_k=top_k, allow_cold=allow_cold,
+                                        allow_partial=allow_partial, carrier=carrier,
+                                        deadline_s=t["BATCH_DEADLINE_S"], max_message=t["WS_MAX_MESSAGE"],
+                                        split_threshold=t["SPLIT_THRESHOLD"])
+    except ForwardError as exc:
+        await _record(exc.data.get("failures", []), {})
+        raise
+    await _record(res.failures, res.latencies_ms)
     r = res.routing
+    elems = int(hidden_states.shape[0]) * d_model
     return {
         "model_id": model_id, "layer": layer, "d_model": d_model, "top_k": r.top_k,
-        "tokens": int(hidden_states.shape[0]), "batches": len(res.plan.batches), "replans": 0, "missing": [],
-        "transports": {"local": 0, "ws": len(res.plan.batches), "http": 0, "iroh": 0},
-        "routed": [{"token_index": t, "slots": [{"layer": layer, "expert": int(e), "weight": float(w)}
-                                                for e, w in zip(r.expert_ids[t], r.weights[t])]}
-                   for t in range(r.expert_ids.shape[0])],
-        "holders": res.holders, "failures": res.failures, "timings_ms": res.timings_ms,
+        "tokens": int(hidden_states.shape[0]), "batches": res.batches, "replans": res.replans,
+        "missing": res.missing, "transports": res.transports,
+        "routed": [{"token_index": tk, "slots": [{"layer": layer, "expert": int(e), "weight": float(w)}
+                                                 for e, w in zip(r.expert_ids[tk], r.weights[tk])]}
+                   for tk in range(r.expert_ids.shape[0])],
+        "holders": res.holders, "failures": res.failures, "receipts": len(res.receipts),
+        "wire": {"bytes_out": res.bytes_out, "bytes_back": res.bytes_back,
+                 "routed_elements": int(sum(len(toks) for toks in r.tokens_by_expert().values())) * d_model,
+                 "input_elements": elems},
+        "timings_ms": res.timings_ms,
         "outputs": wire.b64encode(wire.encode_f32(res.output)),
     }
 
 
-__all__ = ["ForwardError", "GateNotLoaded", "forward", "load_gate", "send_to_agent"]
+async def _record(failures: list[dict], latencies: dict) -> None:
+    counts: dict[str, int] = {}
+    for f in failures:
+        if f.get("fault"):
+            counts[f["provider"]] = counts.get(f["provider"], 0) + 1
+    if counts or latencies:
+        await database_sync_to_async(record_holder_outcomes)(counts, latencies)
+
+
+__all__ = ["ForwardError", "GateNotLoaded", "forward", "live_view", "load_gate", "send_batch", "send_ws"]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import load_file
+from threadpoolctl import threadpool_limits
 
 from holders import wire
 from holders.ffn import moe_layer_forward
@@ -30,10 +31,15 @@ def reference_layers(reference: str | Path) -> tuple[dict[str, np.ndarray], list
 
 
 def monolithic(checkpoint: Checkpoint, layer: int, hidden_states: np.ndarray) -> np.ndarray:
-    """The in-process layer forward straight from the checkpoint (gate and every expert local)."""
+    """The in-process layer forward straight from the checkpoint (gate and every expert local).
+
+    Runs BLAS single-threaded, as holder agents do by default (``--blas-threads 1``): the
+    same backend configuration, so both sum in the same order and agree bit for bit.
+    """
     spec = spec_from_config(checkpoint.config)
     gate = load_gate(checkpoint, spec, layer)
-    out, _ = moe_layer_forward(gate, lambda e: load_expert(checkpoint, spec, layer, e), hidden_states)
+    with threadpool_limits(limits=1):
+        out, _ = moe_layer_forward(gate, lambda e: load_expert(checkpoint, spec, layer, e), hidden_states)
     return out
 
 
@@ -64,7 +70,21 @@ def verify_layers(rpc, model_id: str, checkpoint: str | Path, reference: str | P
         mono = monolithic(ckpt, layer, x)
         rel = max_rel_err(out, ref)
         absdiff = float(np.max(np.abs(out - mono)))
+        # The compact wire (Q8_0 rows when d_model % 32 == 0, bf16 outputs): reported, not gated.
+        q = rpc("tenzro_moeForward", {"model_id": model_id, "layer": layer, "d_model": int(x.shape[1]),
+                                      "hidden_states": wire.b64encode(wire.encode_f32(x)), "carrier": "auto"})
+        out_q = wire.decode_f32(wire.b64decode(q["outputs"], "outputs"), int(x.shape[1]), field="outputs")
         rows.append({"layer": layer, "tokens": int(x.shape[0]), "holders": len(res["holders"]),
                      "max_rel_err_vs_reference": rel, "max_abs_diff_vs_monolithic": absdiff,
+                     "compact_wire_rel_err": max_rel_err(out_q, ref),
+                     "bytes_per_element": {"f32": _per_elem(res), "compact": _per_elem(q)},
+                     "receipts": res.get("receipts", 0),
                      "ms": round(ms, 1), "ok": rel <= REL_TOLERANCE and absdiff == 0.0})
     return rows
+
+
+def _per_elem(res: dict) -> dict:
+    """Wire bytes per routed element each way from a forward result's ``wire`` field."""
+    w = res.get("wire") or {}
+    n = max(1, w.get("routed_elements", 0))
+    return {"out": round(w.get("bytes_out", 0) / n, 4), "back": round(w.get("bytes_back", 0) / n, 4)}

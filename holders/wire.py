@@ -1,8 +1,10 @@
 """Wire formats of the data plane: activation carriers and binary WebSocket frames.
 
 Frame (DESIGN §6): ``u32 LE header length ‖ JSON header (UTF-8) ‖ raw payload``. The
-payload is a carrier: little-endian float32 rows ``[n, d_model]`` (``"f32"``). Every
-request carries an ``id``; results are matched by it, never by fields the holder returns.
+payload is a carrier of rows ``[n, d_model]``: ``"f32"`` (little-endian float32),
+``"q8_0"`` (GGUF Q8_0 blocks row after row, 34 bytes per 32 values, via ``holders.quant``)
+or, for outputs only, ``"bf16"`` (round to nearest even). Every request carries an
+``id``; results are matched by it, never by fields the holder returns.
 
 Pure Python + numpy; imports nothing from Django.
 """
@@ -15,7 +17,13 @@ import struct
 
 import numpy as np
 
+from holders import quant
+from prepare.checkpoint import encode_bf16
+
 FRAME_HEADER_MAX = 64 * 1024
+CARRIERS = ("f32", "q8_0")
+OUTPUTS = ("f32", "bf16", "q8_0")
+BYTES_PER_VALUE = {"f32": 4.0, "bf16": 2.0, "q8_0": 34 / 32}
 
 
 class WireError(ValueError):
@@ -90,13 +98,86 @@ def b64encode(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-def rows_per_frame(d_model: int, max_message: int, bytes_per_value: int = 4) -> int:
+def rows_per_frame(d_model: int, max_message: int, bytes_per_value: float = 4) -> int:
     """How many rows of ``d_model`` values fit one frame below ``max_message`` bytes.
 
     Leaves room for the header. Raises ``WireError`` when not even one row fits.
     """
     budget = max_message - FRAME_HEADER_MAX - 1024
-    n = budget // (d_model * bytes_per_value)
+    n = int(budget // (d_model * bytes_per_value + 64))  # + per-row receipt sketch
     if n < 1:
         raise WireError(f"one row of d_model={d_model} does not fit a {max_message}-byte message")
     return int(n)
+
+
+def choose_carrier(requested: str, d_model: int) -> tuple[str, str]:
+    """(input carrier, output encoding) for a forward's ``carrier`` parameter.
+
+    ``"auto"``: Q8_0 rows when ``d_model % 32 == 0`` (f32 otherwise) and bf16 outputs;
+    ``"f32"``: exact rows both ways; ``"q8_0"``: Q8_0 both ways. Raises ``WireError`` for an
+    unknown value or ``"q8_0"`` with ``d_model % 32 != 0``.
+    """
+    if requested == "auto":
+        return ("q8_0" if d_model % 32 == 0 else "f32"), "bf16"
+    if requested == "f32":
+        return "f32", "f32"
+    if requested == "q8_0":
+        if d_model % 32:
+            raise WireError(f"carrier q8_0 needs d_model divisible by 32, got {d_model}")
+        return "q8_0", "q8_0"
+    raise WireError(f"carrier must be one of auto, f32, q8_0; got {requested!r}")
+
+
+def encode_rows(rows: np.ndarray, kind: str) -> bytes:
+    """Encode f32 rows ``[n, H]`` as ``kind`` ("f32", "bf16" or "q8_0"); raises ``WireError``."""
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    if kind == "f32":
+        return rows.astype("<f4", copy=False).tobytes()
+    if kind == "bf16":
+        try:
+            return encode_bf16(rows).astype("<u2", copy=False).tobytes()
+        except ValueError as exc:
+            raise WireError(str(exc)) from exc
+    if kind == "q8_0":
+        if rows.shape[-1] % 32:
+            raise WireError(f"q8_0 rows need d_model divisible by 32, got {rows.shape[-1]}")
+        try:
+            return quant.quantize(rows, "q8_0").tobytes()
+        except ValueError as exc:
+            raise WireError(str(exc)) from exc
+    raise WireError(f"unknown row encoding {kind!r}")
+
+
+def decode_rows(data: bytes, kind: str, d_model: int, n_rows: int, field: str = "hidden_states") -> np.ndarray:
+    """Decode ``n_rows`` rows of ``d_model`` encoded as ``kind`` into float32 ``[n_rows, d_model]``.
+
+    Raises ``WireError`` naming ``field`` for a byte length that is not exactly
+    ``n_rows`` rows, an unknown kind, or non-finite values.
+    """
+    if kind == "f32":
+        return decode_f32(data, d_model, n_rows, field)
+    if d_model <= 0 or n_rows < 0:
+        raise WireError(f"{field}: bad shape [{n_rows}, {d_model}]")
+    if kind == "bf16":
+        if len(data) != 2 * n_rows * d_model:
+            raise WireError(f"{field}: {len(data)} bytes is not {n_rows} bf16 rows of d_model={d_model}")
+        bits = np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16
+        arr = bits.view(np.float32).reshape(n_rows, d_model)
+    elif kind == "q8_0":
+        if d_model % 32:
+            raise WireError(f"{field}: q8_0 rows need d_model divisible by 32, got {d_model}")
+        want = n_rows * (d_model // 32) * 34
+        if len(data) != want:
+            raise WireError(f"{field}: {len(data)} bytes of q8_0 blocks; {n_rows} rows of d_model={d_model} "
+                            f"take {want}")
+        arr = quant.dequantize(np.frombuffer(data, dtype=np.uint8), "q8_0", (n_rows, d_model))
+    else:
+        raise WireError(f"{field}: unknown row encoding {kind!r}")
+    if not np.isfinite(arr).all():
+        raise WireError(f"{field} holds non-finite values (NaN or Inf)")
+    return arr
+
+
+def encoded_nbytes(kind: str, n_rows: int, d_model: int) -> int:
+    """Bytes of ``n_rows`` rows of ``d_model`` encoded as ``kind``."""
+    return int(round(BYTES_PER_VALUE[kind] * n_rows * d_model))

@@ -28,6 +28,10 @@ class Provider(models.Model):
     price_per_input_token = models.BigIntegerField(default=10)
     minimum_price = models.BigIntegerField(default=100)
     reputation = models.IntegerField(default=500)
+    # Data-plane record of this provider as a holder (written by record_holder_outcomes).
+    batches_served = models.BigIntegerField(default=0, db_default=0)
+    batch_failures = models.BigIntegerField(default=0, db_default=0)
+    latency_ms_ewma = models.FloatField(default=0.0, db_default=0.0)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.ACTIVE)
     connected = models.BooleanField(default=False)
     agent_channel = models.CharField(max_length=200, blank=True, default="")

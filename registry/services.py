@@ -11,6 +11,9 @@ from registry import heartbeat, repair
 from registry.models import MoeModel, Provider
 from registry.selectors import live_providers
 
+FAILURE_PENALTY = 5
+LATENCY_EWMA_ALPHA = 0.2
+
 
 def ingest_heartbeat(message: dict, expected_provider: str | None = None) -> Provider:
     """Verify and apply a signed heartbeat (see ``registry.heartbeat.ingest``)."""
@@ -77,3 +80,25 @@ async def place_model(model_id: str, replication: int = 2, timeout: float = 120.
     return {"model_id": model_id, "replication": min(replication, len(providers)),
             "assignments": {p: len(keys) for p, keys in sorted(plan.items())}, "failed": failed,
             "heartbeat_interval_s": settings.TENZRO["HEARTBEAT_INTERVAL_S"]}
+
+
+def record_holder_outcomes(failures: dict[str, int], latencies_ms: dict[str, list[float]]) -> None:
+    """Record a forward's holder outcomes: each failure costs ``FAILURE_PENALTY`` reputation
+    (reference §7.6, −5 per call failure) and counts in ``batch_failures``; each success
+    counts in ``batches_served`` and moves ``latency_ms_ewma`` (α = ``LATENCY_EWMA_ALPHA``).
+    Unknown providers are ignored. Reputation only falls here; settlement raises it.
+    """
+    from django.db import transaction
+    from django.db.models import F
+
+    with transaction.atomic():
+        for provider, n in failures.items():
+            Provider.objects.filter(provider=provider).update(reputation=F("reputation") - FAILURE_PENALTY * n,
+                                                              batch_failures=F("batch_failures") + n)
+        for p in Provider.objects.select_for_update().filter(provider__in=list(latencies_ms)):
+            lat = p.latency_ms_ewma
+            for ms in latencies_ms[p.provider]:
+                lat = ms if lat == 0 else (1 - LATENCY_EWMA_ALPHA) * lat + LATENCY_EWMA_ALPHA * ms
+            p.latency_ms_ewma = lat
+            p.batches_served += len(latencies_ms[p.provider])
+            p.save(update_fields=["latency_ms_ewma", "batches_served"])

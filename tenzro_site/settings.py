@@ -179,6 +179,14 @@ TENZRO = {
     "AGENT_HELLO_TIMEOUT_S": 10,
     "BATCH_TIMEOUT_S": float(os.environ.get("TENZRO_BATCH_TIMEOUT", "30")),
     "RPC_RATE_PER_MINUTE": _env_int("TENZRO_RPC_RATE", 6000),
+    # Data plane of tenzro_moeForward (DESIGN §7): seconds one holder has for one batch before
+    # its warm backup gets it; "ws" (agent sockets, HTTP fallback) or "http" (advertised
+    # endpoints with binary frames, socket fallback); tokens per batch before an expert's
+    # tokens are split over its warm replicas; seconds the shard view read is reused.
+    "BATCH_DEADLINE_S": float(os.environ.get("TENZRO_BATCH_DEADLINE", "10")),
+    "DATA_TRANSPORT": os.environ.get("TENZRO_DATA_TRANSPORT", "ws"),
+    "SPLIT_THRESHOLD": _env_int("TENZRO_SPLIT_THRESHOLD", 256),
+    "VIEW_CACHE_S": float(os.environ.get("TENZRO_VIEW_CACHE", "1.0")),
 }
 
 LOGGING = {

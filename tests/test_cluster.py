@@ -22,7 +22,7 @@ def forward_matches_reference(info: dict, model_id: str, ckpt, layer: int) -> fl
     ref = load_file(str(ckpt / "reference.safetensors"))
     x = ref[f"layer{layer}.hidden_states"]
     resp = rpc(info["rpc"], "tenzro_moeForward", {"model_id": model_id, "layer": layer, "d_model": x.shape[1],
-                                                  "hidden_states": wire.b64encode(wire.encode_f32(x))})
+                                                  "carrier": "f32", "hidden_states": wire.b64encode(wire.encode_f32(x))})
     assert "result" in resp, resp
     out = wire.decode_f32(wire.b64decode(resp["result"]["outputs"], "outputs"), x.shape[1])
     assert len(resp["result"]["holders"]) >= 2

@@ -72,13 +72,16 @@ class AgentLink:
                 fut.set_result(msg)
 
     async def request(self, provider: str, header: dict, payload: bytes = b"",
-                      timeout: float = 30.0) -> tuple[dict, bytes]:
+                      timeout: float = 30.0, req_id: str | None = None) -> tuple[dict, bytes]:
         """Send ``header``/``payload`` to ``provider``'s agent and wait for its answer.
 
+        ``req_id``: the caller's request id (default: a fresh one); answers are matched by it.
         Returns (answer header, answer payload). Raises ``AgentUnavailable`` on timeout,
         disconnect, or an answer with ``ok: false`` (its ``code`` and ``message`` kept).
         """
-        req_id = uuid.uuid4().hex
+        req_id = req_id or uuid.uuid4().hex
+        if req_id in self.pending:
+            raise ValueError(f"request id {req_id} is already in flight")
         fut = asyncio.get_running_loop().create_future()
         self.pending[req_id] = fut
         try:

@@ -34,13 +34,16 @@ class Command(BaseCommand):
         finally:
             cluster.stop()
         self.stdout.write(f"{'layer':>5} {'tokens':>6} {'holders':>7} {'max rel err vs ref':>19} "
-                          f"{'max |Δ| vs mono':>16}  ok")
+                          f"{'max |Δ| vs mono':>16} {'compact-wire rel err':>21} {'B/elem out,back':>16}  ok")
         for r in rows:
             self.stdout.write(f"{r['layer']:>5} {r['tokens']:>6} {r['holders']:>7} "
-                              f"{r['max_rel_err_vs_reference']:>19.3e} {r['max_abs_diff_vs_monolithic']:>16.3e}  "
+                              f"{r['max_rel_err_vs_reference']:>19.3e} {r['max_abs_diff_vs_monolithic']:>16.3e} "
+                              f"{r['compact_wire_rel_err']:>21.3e} "
+                              f"{r['bytes_per_element']['compact']['out']:>7.3f},{r['bytes_per_element']['compact']['back']:<8.3f}  "
                               f"{'yes' if r['ok'] else 'NO'}")
         if opts["json"]:
-            keys = ("layer", "max_rel_err_vs_reference", "max_abs_diff_vs_monolithic", "tokens", "holders")
+            keys = ("layer", "max_rel_err_vs_reference", "max_abs_diff_vs_monolithic", "tokens", "holders",
+                    "compact_wire_rel_err", "bytes_per_element", "receipts")
             self.stdout.write(json.dumps({"layers": [{k: r[k] for k in keys} for r in rows]}))
         if not all(r["ok"] for r in rows):
             self.stderr.write(f"FAILED: relative error above {REL_TOLERANCE:g} or sharded differs from monolithic")

@@ -1,0 +1,193 @@
+"""Inline execution receipts: carrier hash, output commitment, signing and verification (DESIGN §7).
+
+A holder that executed one batch signs, with its provider key, the request identity
+(request id, model, layer, expert, token indices), the SHA-256 of the exact carrier bytes
+it received, a commitment to the output rows it returned, ``d_model``, the hash of the
+blob it executed and its quant kind. The router checks the receipt inline before folding
+the rows into the combine; any failure is a holder failure.
+
+Commitment (reference §7.1 with §14 fix 2): per output row the top-8 features by
+``|value|`` (descending, ties to the lower index; ``(index u32, value f32)``) as the
+reference does, plus ``SKETCH_PROJECTIONS`` random ±1 projections of the whole row, the
+signs expanded with SHAKE-256 from the input hash (so the holder cannot choose them
+before it has the input, and every machine derives the same signs). Projections are
+float64 sums; BLAS summation order may differ between machines, so the holder ships its
+projection values in the receipt (``sketch``) and the router accepts them when they agree
+with its own within ``SKETCH_RTOL × Σ|row|`` (far below one f32 ulp of any element that
+matters), then hashes the holder's canonical bytes. Changing any output element by more
+than that moves every projection and fails the check.
+
+Canonical commitment bytes: ``b"tenzro/moe/activation/v2" ‖ k:u8 ‖ p:u8 ‖ n:u32 ‖ per row:
+token:u32 ‖ k × (index:u32 ‖ value:f32) ‖ p × projection:f64`` (all little-endian);
+commitment = SHA-256 of those bytes. Carrier hash (reference §7.2):
+``SHA-256(b"tenzro/moe/carrier" ‖ tag ‖ payload)`` with tag 0 = f32, 1 = Q8_0 blocks.
+
+Pure Python + numpy + PyNaCl; imports nothing from Django.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import re
+import struct
+
+import numpy as np
+from nacl.signing import SigningKey
+
+from holders.identity import SignatureError, provider_id, sign_body, verify_body
+
+DOMAIN_RECEIPT = b"tenzro/moe/receipt/v2"
+ACTIVATION_DOMAIN = b"tenzro/moe/activation/v2"
+CARRIER_DOMAIN = b"tenzro/moe/carrier"
+SKETCH_DOMAIN = b"tenzro/moe/sketch"
+TOP_K = 8
+SKETCH_PROJECTIONS = 4
+SKETCH_RTOL = 1e-9
+CARRIER_TAGS = {"f32": 0, "q8_0": 1}
+_HEX32 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class ReceiptError(ValueError):
+    """A receipt is missing, malformed, or does not match the request, the rows or the key."""
+
+
+def carrier_hash(kind: str, payload: bytes) -> bytes:
+    """SHA-256 (32 bytes) of ``b"tenzro/moe/carrier" ‖ tag ‖ payload``; ``kind`` "f32" or "q8_0".
+
+    Raises ``ReceiptError`` for another kind.
+    """
+    tag = CARRIER_TAGS.get(kind)
+    if tag is None:
+        raise ReceiptError(f"unknown carrier kind {kind!r}")
+    return hashlib.sha256(CARRIER_DOMAIN + bytes([tag]) + payload).digest()
+
+
+def sketch_signs(input_hash: bytes, d_model: int, p: int = SKETCH_PROJECTIONS) -> np.ndarray:
+    """The ±1 projection matrix float64 ``[p, d_model]`` expanded from ``input_hash`` with SHAKE-256."""
+    n = p * d_model
+    bits = np.unpackbits(np.frombuffer(hashlib.shake_256(SKETCH_DOMAIN + input_hash).digest((n + 7) // 8),
+                                       dtype=np.uint8), bitorder="little")[:n]
+    return (bits.astype(np.float64) * 2.0 - 1.0).reshape(p, d_model)
+
+
+def sketch(rows: np.ndarray, input_hash: bytes) -> np.ndarray:
+    """Projections float64 ``[n, p]`` of rows f32 ``[n, H]`` onto the signs of ``input_hash``."""
+    return np.ascontiguousarray(rows, dtype=np.float64) @ sketch_signs(input_hash, rows.shape[1]).T
+
+
+def top_features(rows: np.ndarray, k: int = TOP_K) -> tuple[np.ndarray, np.ndarray]:
+    """Per row the top-``k`` features by |value| (descending, ties to the lower index).
+
+    Returns (indices uint32 ``[n, k]``, values float32 ``[n, k]``); ``k`` is clamped to H.
+    """
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    k = min(k, rows.shape[1])
+    # Stable sort of −|x| keeps ascending index order among equal magnitudes.
+    idx = np.argsort(-np.abs(rows), axis=1, kind="stable")[:, :k]
+    return idx.astype(np.uint32), np.take_along_axis(rows, idx, axis=1)
+
+
+def commitment_bytes(tokens: list[int], rows: np.ndarray, projections: np.ndarray, k: int = TOP_K) -> bytes:
+    """Canonical commitment bytes (module docstring) of rows f32 ``[n, H]`` and projections f64 ``[n, p]``.
+
+    Raises ``ReceiptError`` when the shapes disagree with the token count.
+    """
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    n = len(tokens)
+    if rows.ndim != 2 or rows.shape[0] != n or rows.shape[1] == 0:
+        raise ReceiptError(f"output rows have shape {rows.shape}; expected [{n}, d_model]")
+    projections = np.ascontiguousarray(projections, dtype="<f8")
+    if projections.ndim != 2 or projections.shape[0] != n:
+        raise ReceiptError(f"sketch has shape {projections.shape}; expected [{n}, p]")
+    idx, val = top_features(rows, k)
+    kk, p = idx.shape[1], projections.shape[1]
+    rec = np.zeros(n, dtype=[("t", "<u4"), ("f", [("i", "<u4"), ("v", "<f4")], (kk,)), ("s", "<f8", (p,))])
+    rec["t"] = np.asarray(tokens, dtype=np.uint32)
+    rec["f"]["i"] = idx
+    rec["f"]["v"] = val
+    rec["s"] = projections
+    return ACTIVATION_DOMAIN + struct.pack("<BBI", kk, p, n) + rec.tobytes()
+
+
+def _body(*, request_id: str, model_id: str, layer: int, expert: int, tokens: list[int], input_hash: str,
+          commitment: str, d_model: int, blob_hash: str, quant: str, provider: str) -> dict:
+    return {"request_id": request_id, "model_id": model_id, "layer": int(layer), "expert": int(expert),
+            "tokens": [int(t) for t in tokens], "input_hash": input_hash, "commitment": commitment,
+            "d_model": int(d_model), "blob_hash": blob_hash, "quant": quant, "provider": provider}
+
+
+def make_receipt(key: SigningKey, *, request_id: str, model_id: str, layer: int, expert: int, tokens: list[int],
+                 carrier_kind: str, carrier: bytes, rows: np.ndarray, blob_hash: str, quant: str) -> dict:
+    """Sign a receipt for one executed batch (holder side).
+
+    ``carrier`` is the exact payload received (kind "f32" or "q8_0"), ``rows`` f32 ``[n, H]``
+    the output rows exactly as the router will decode them. Returns
+    ``{provider, request_id, input_hash, commitment, d_model, blob_hash, quant, sketch, signature}``
+    (hashes hex, ``sketch`` base64 of f64 LE ``[n, p]``).
+    """
+    ih = carrier_hash(carrier_kind, carrier)
+    proj = sketch(rows, ih)
+    commit = hashlib.sha256(commitment_bytes(tokens, rows, proj)).hexdigest()
+    provider = provider_id(key)
+    body = _body(request_id=request_id, model_id=model_id, layer=layer, expert=expert, tokens=tokens,
+                 input_hash=ih.hex(), commitment=commit, d_model=rows.shape[1], blob_hash=blob_hash,
+                 quant=quant, provider=provider)
+    return {"provider": provider, "request_id": request_id, "input_hash": ih.hex(), "commitment": commit,
+            "d_model": int(rows.shape[1]), "blob_hash": blob_hash, "quant": quant,
+            "sketch": base64.b64encode(np.ascontiguousarray(proj, dtype="<f8").tobytes()).decode(),
+            "signature": sign_body(key, DOMAIN_RECEIPT, body)}
+
+
+def verify_receipt(receipt: dict | None, *, provider: str, request_id: str, model_id: str, layer: int, expert: int,
+                   tokens: list[int], carrier_kind: str, carrier: bytes, rows: np.ndarray) -> dict:
+    """Check a holder's receipt inline (router side); returns the verified receipt.
+
+    ``provider`` is the registered key of the holder the batch was sent to; the other
+    arguments are what the router sent (its own request id, tokens and carrier bytes) and
+    the rows it decoded. Checks, in order: present and well formed; signer == ``provider``;
+    request id; ``d_model``; input hash == hash of the sent carrier; sketch shape and
+    agreement with the rows; commitment recomputed from the rows; signature. Raises
+    ``ReceiptError`` naming the first check that failed.
+    """
+    if not isinstance(receipt, dict):
+        raise ReceiptError("the holder sent no receipt")
+    for name in ("provider", "request_id", "input_hash", "commitment", "blob_hash", "quant", "sketch", "signature"):
+        if not isinstance(receipt.get(name), str):
+            raise ReceiptError(f"receipt.{name} is missing or not a string")
+    if receipt["provider"] != provider:
+        raise ReceiptError("receipt is signed by another key than the provider's registered key")
+    if receipt["request_id"] != request_id:
+        raise ReceiptError("receipt is for another request")
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    if receipt.get("d_model") != rows.shape[1]:
+        raise ReceiptError(f"receipt.d_model is {receipt.get('d_model')!r}, rows have {rows.shape[1]}")
+    ih = carrier_hash(carrier_kind, carrier)
+    if receipt["input_hash"] != ih.hex():
+        raise ReceiptError("receipt.input_hash is not the hash of the carrier that was sent")
+    if not _HEX32.match(receipt["commitment"]):
+        raise ReceiptError("receipt.commitment must be 64 hex characters")
+    try:
+        raw = base64.b64decode(receipt["sketch"], validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ReceiptError(f"receipt.sketch is not base64: {exc}") from exc
+    n = len(tokens)
+    if len(raw) != n * SKETCH_PROJECTIONS * 8:
+        raise ReceiptError(f"receipt.sketch holds {len(raw)} bytes; expected {n * SKETCH_PROJECTIONS * 8}")
+    theirs = np.frombuffer(raw, dtype="<f8").reshape(n, SKETCH_PROJECTIONS)
+    if rows.shape[0] != n:
+        raise ReceiptError(f"{rows.shape[0]} output rows for {n} tokens")
+    ours = sketch(rows, ih)
+    tol = SKETCH_RTOL * np.abs(rows.astype(np.float64)).sum(axis=1, keepdims=True) + 1e-30
+    if not np.isfinite(theirs).all() or (np.abs(theirs - ours) > tol).any():
+        raise ReceiptError("output rows do not match the receipt's sketch")
+    if hashlib.sha256(commitment_bytes(tokens, rows, theirs)).hexdigest() != receipt["commitment"]:
+        raise ReceiptError("output rows do not match the receipt's commitment")
+    body = _body(request_id=request_id, model_id=model_id, layer=layer, expert=expert, tokens=tokens,
+                 input_hash=ih.hex(), commitment=receipt["commitment"], d_model=rows.shape[1],
+                 blob_hash=receipt["blob_hash"], quant=receipt["quant"], provider=provider)
+    try:
+        verify_body(provider, DOMAIN_RECEIPT, body, receipt["signature"])
+    except SignatureError as exc:
+        raise ReceiptError(f"receipt signature: {exc}") from exc
+    return receipt

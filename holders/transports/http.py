@@ -1,0 +1,239 @@
+"""HTTP transport of the data plane: a holder's ``POST /rpc`` endpoint and the router's client.
+
+Server (holder side, ``holder_agent --http-port``): a small HTTP/1.1 server on asyncio
+streams (keep-alive, ``Content-Length`` bodies only) answering JSON-RPC 2.0 at ``POST /rpc``
+with ``tenzro_moeExecute`` (alias ``moe/execute``) and ``moe/status`` (alias
+``tenzro_moeExpertStatus``). Requests follow the reference's ``ExpertExecuteRequest``
+(§6.1: ``hidden_states`` base64 f32 or ``hidden_q8`` base64 Q8_0 blocks) plus our
+``request_id`` and ``output`` (``f32`` default, ``bf16``, ``q8_0``); the result mirrors the
+request and carries ``outputs`` (base64 in ``output`` encoding) and the signed ``receipt``.
+Bodies above ``MAX_BODY`` are refused with 413.
+
+Client (router side): ``HttpHolderClient.execute`` sends one ``BatchRequest`` and returns a
+``BatchAnswer``; a JSON-RPC ``-32001`` answer is an ``AuthRefusal`` (not the holder's
+fault), any other error envelope a ``HolderFault``, and connection trouble a
+``ConnectionError``. Pure Python + httpx; imports nothing from Django.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Awaitable, Callable
+
+import httpx
+
+from holders import wire
+from holders.forward import AuthRefusal, BatchAnswer, BatchRequest, HolderFault
+
+log = logging.getLogger(__name__)
+
+MAX_BODY = 256 * 1024 * 1024
+AUTH_REFUSED = -32001
+
+# handler(method, params) -> result dict; raises RpcFailure for an error envelope.
+Handler = Callable[[str, dict], Awaitable[dict]]
+# frame_handler(header, payload) -> (answer header, payload): the binary path POST /frame.
+FrameHandler = Callable[[dict, bytes], Awaitable[tuple[dict, bytes]]]
+
+
+class RpcFailure(Exception):
+    """A JSON-RPC error to send back: ``code``, ``message``, ``data``."""
+
+    def __init__(self, code: int, message: str, data: dict | None = None):
+        super().__init__(message)
+        self.code, self.message, self.data = code, message, data or {}
+
+
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 411: "Length Required",
+            413: "Payload Too Large"}
+
+
+async def _respond(writer: asyncio.StreamWriter, status: int, body: dict | bytes, keep_alive: bool) -> None:
+    binary = isinstance(body, bytes)
+    data = body if binary else json.dumps(body, separators=(",", ":")).encode()
+    ctype = "application/octet-stream" if binary else "application/json"
+    head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: {ctype}\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: {'keep-alive' if keep_alive else 'close'}\r\n\r\n")
+    writer.write(head.encode() + data)
+    await writer.drain()
+
+
+async def _rpc(handler: Handler, body: bytes) -> dict:
+    try:
+        msg = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return {"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": f"parse error: {exc}",
+                                                        "data": {"field": "body"}}}
+    if not isinstance(msg, dict) or not isinstance(msg.get("method"), str):
+        return {"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "expected a JSON-RPC 2.0 request",
+                                                        "data": {"field": "method"}}}
+    rid, params = msg.get("id"), msg.get("params") or {}
+    if not isinstance(params, dict):
+        return {"jsonrpc": "2.0", "id": rid, "error": {"code": -32602, "message": "params must be an object",
+                                                       "data": {"field": "params"}}}
+    try:
+        return {"jsonrpc": "2.0", "id": rid, "result": await handler(msg["method"], params)}
+    except RpcFailure as exc:
+        return {"jsonrpc": "2.0", "id": rid, "error": {"code": exc.code, "message": exc.message, "data": exc.data}}
+
+
+async def _frame(frame_handler: FrameHandler, body: bytes) -> bytes:
+    try:
+        header, payload = wire.unpack_frame(body)
+    except wire.WireError as exc:
+        return wire.pack_frame({"ok": False, "code": -32700, "message": str(exc)})
+    try:
+        answer, out = await frame_handler(header, payload)
+    except RpcFailure as exc:
+        return wire.pack_frame({"id": header.get("id"), "ok": False, "code": exc.code, "message": exc.message})
+    return wire.pack_frame({"id": header.get("id"), "ok": True, **answer}, out)
+
+
+async def serve_http(handler: Handler, host: str, port: int,
+                     frame_handler: FrameHandler | None = None) -> asyncio.AbstractServer:
+    """Start the holder's HTTP endpoint on ``host:port``; returns the asyncio server (close it to stop).
+
+    ``POST /rpc``: JSON-RPC through ``handler``. ``POST /frame`` (when ``frame_handler`` is
+    given): one binary frame (``wire.pack_frame``, DESIGN §6) in, one frame out; errors come
+    back as a frame with ``ok: false``.
+    """
+
+    async def conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                line = await reader.readline()
+                if not line:
+                    return
+                parts = line.decode("latin-1").split()
+                headers = {}
+                while True:
+                    h = await reader.readline()
+                    if h in (b"\r\n", b"\n", b""):
+                        break
+                    k, _, v = h.decode("latin-1").partition(":")
+                    headers[k.strip().lower()] = v.strip()
+                keep = headers.get("connection", "").lower() != "close"
+                if len(parts) < 2:
+                    await _respond(writer, 400, {"error": "malformed request line"}, False)
+                    return
+                method, path = parts[0], parts[1]
+                if path not in ("/rpc", "/frame") or (path == "/frame" and frame_handler is None):
+                    await _respond(writer, 404, {"error": f"no such path {path}; use POST /rpc"}, keep)
+                    if "content-length" in headers:
+                        await reader.readexactly(int(headers["content-length"]))
+                    continue
+                if method != "POST":
+                    await _respond(writer, 405, {"error": "use POST /rpc"}, keep)
+                    continue
+                try:
+                    n = int(headers["content-length"])
+                except (KeyError, ValueError):
+                    await _respond(writer, 411, {"error": "Content-Length is required"}, False)
+                    return
+                if n < 0 or n > MAX_BODY:
+                    await _respond(writer, 413, {"error": f"body of {n} bytes; the limit is {MAX_BODY}"}, False)
+                    return
+                body = await reader.readexactly(n)
+                if path == "/frame":
+                    await _respond(writer, 200, await _frame(frame_handler, body), keep)
+                else:
+                    await _respond(writer, 200, await _rpc(handler, body), keep)
+                if not keep:
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(conn, host, port)
+
+
+class HttpHolderClient:
+    """Router-side client of holders' HTTP endpoints (one pooled ``httpx.AsyncClient``)."""
+
+    def __init__(self, timeout: float = 60.0):
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0),
+                                        limits=httpx.Limits(max_keepalive_connections=32))
+
+    async def close(self) -> None:
+        """Close pooled connections."""
+        await self.client.aclose()
+
+    async def call(self, endpoint: str, method: str, params: dict) -> dict:
+        """One JSON-RPC call to ``endpoint`` (``http://host:port/rpc``); returns ``result``.
+
+        Raises ``AuthRefusal`` (-32001), ``HolderFault`` (another error envelope or no
+        result) and ``ConnectionError`` (transport).
+        """
+        try:
+            resp = await self.client.post(endpoint, json={"jsonrpc": "2.0", "id": 1, "method": method,
+                                                          "params": params})
+            body = resp.json()
+        except httpx.HTTPError as exc:
+            raise ConnectionError(f"{endpoint}: {exc}") from exc
+        except ValueError as exc:
+            raise HolderFault(f"{endpoint} answered with non-JSON (HTTP {resp.status_code})") from exc
+        if not isinstance(body, dict):
+            raise HolderFault(f"{endpoint} answered with a non-object")
+        err = body.get("error")
+        if isinstance(err, dict):
+            if err.get("code") == AUTH_REFUSED:
+                raise AuthRefusal(str(err.get("message")))
+            raise HolderFault(f"holder error {err.get('code')}: {err.get('message')}")
+        if not isinstance(body.get("result"), dict):
+            raise HolderFault(f"{endpoint} answered without a result")
+        return body["result"]
+
+    async def execute(self, endpoint: str, req: BatchRequest) -> BatchAnswer:
+        """``tenzro_moeExecute`` of one request over HTTP (JSON + base64); raises as ``call``."""
+        params = {"request_id": req.request_id, "model_id": req.model_id, "layer": req.layer, "expert": req.expert,
+                  "token_indices": req.tokens, "d_model": req.d_model, "output": req.output,
+                  ("hidden_q8" if req.carrier == "q8_0" else "hidden_states"): wire.b64encode(req.payload)}
+        res = await self.call(endpoint, "tenzro_moeExecute", params)
+        if res.get("token_indices") != req.tokens:
+            raise HolderFault("answer's token_indices differ from the request's")
+        enc = res.get("output", "f32")
+        try:
+            data = wire.b64decode(res.get("outputs"), "outputs")
+            rows = wire.decode_rows(data, enc, req.d_model, len(req.tokens), field="outputs")
+        except wire.WireError as exc:
+            raise HolderFault(str(exc)) from exc
+        return BatchAnswer(rows, res.get("receipt"), "http", len(req.payload), len(data))
+
+    async def execute_frame(self, endpoint: str, req: BatchRequest) -> BatchAnswer:
+        """One request as a binary frame to ``POST /frame`` (``endpoint`` is the advertised
+        ``…/rpc`` URL); raises as ``call``."""
+        url = endpoint[: -len("/rpc")] + "/frame" if endpoint.endswith("/rpc") else endpoint.rstrip("/") + "/frame"
+        header = {"type": "execute", "id": req.request_id, "model_id": req.model_id, "layer": req.layer,
+                  "expert": req.expert, "token_indices": req.tokens, "d_model": req.d_model,
+                  "carrier": req.carrier, "output": req.output}
+        body = wire.pack_frame(header, req.payload)
+        try:
+            resp = await self.client.post(url, content=body, headers={"Content-Type": "application/octet-stream"})
+        except httpx.HTTPError as exc:
+            raise ConnectionError(f"{url}: {exc}") from exc
+        if resp.status_code != 200:
+            raise ConnectionError(f"{url}: HTTP {resp.status_code}")
+        try:
+            answer, data = wire.unpack_frame(resp.content)
+        except wire.WireError as exc:
+            raise HolderFault(f"{url}: {exc}") from exc
+        return answer_to_batch(answer, data, req, "http", len(body), len(resp.content))
+
+
+def answer_to_batch(answer: dict, data: bytes, req: BatchRequest, transport: str, bytes_out: int,
+                    bytes_back: int) -> BatchAnswer:
+    """Decode a holder's binary answer (header + output bytes) to a request; raises
+    ``AuthRefusal`` (code -32001), ``HolderFault`` (refusal, wrong tokens, bad rows)."""
+    if not answer.get("ok"):
+        if answer.get("code") == AUTH_REFUSED:
+            raise AuthRefusal(str(answer.get("message")))
+        raise HolderFault(f"holder error {answer.get('code')}: {answer.get('message')}")
+    if answer.get("token_indices", req.tokens) != req.tokens:
+        raise HolderFault("answer's token_indices differ from the request's")
+    try:
+        rows = wire.decode_rows(data, answer.get("output", "f32"), req.d_model, len(req.tokens), field="outputs")
+    except wire.WireError as exc:
+        raise HolderFault(str(exc)) from exc
+    return BatchAnswer(rows, answer.get("receipt"), transport, bytes_out, bytes_back)
