@@ -21,7 +21,6 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
-import numpy as np
 from nacl.signing import SigningKey
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus

@@ -1,0 +1,307 @@
+"""The distributed forward's data plane in one process: receipts, wire, failover, replans, partial.
+
+Holders here are real ``HolderAgent`` execute paths (decode carrier → expert FFN → encode →
+sign) called through an in-process ``send``; the failure modes are injected around them.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from nacl.signing import SigningKey
+from safetensors.numpy import load_file
+from threadpoolctl import threadpool_limits
+
+from holders import wire
+from holders.agent import HolderAgent
+from holders.ffn import expert_forward
+from holders.forward import (BatchAnswer, ForwardError, HolderFault, _Rows, distributed_forward,
+                             renormalized)
+from holders.gating import route
+from holders.identity import provider_id
+from holders.receipts import ReceiptError, make_receipt, verify_receipt
+from holders.verify import monolithic
+from prepare.checkpoint import Checkpoint
+from prepare.layouts import load_expert, load_gate, spec_from_config
+from registry.shardmap import HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView
+from tests.conftest import DEEPSEEK, QWEN
+
+MODEL = "m"
+
+
+# -- receipts ------------------------------------------------------------------------------
+def _signed(rows, key=None, request_id="r1", tokens=(3, 5, 9), carrier=b"abc"):
+    key = key or SigningKey.generate()
+    rec = make_receipt(key, request_id=request_id, model_id=MODEL, layer=1, expert=4, tokens=list(tokens),
+                       carrier_kind="f32", carrier=carrier, rows=rows, blob_hash="ab" * 32, quant="bf16")
+    return key, rec
+
+
+def _check(rec, key, rows, request_id="r1", tokens=(3, 5, 9), carrier=b"abc"):
+    return verify_receipt(rec, provider=provider_id(key), request_id=request_id, model_id=MODEL, layer=1, expert=4,
+                          tokens=list(tokens), carrier_kind="f32", carrier=carrier, rows=rows)
+
+
+@pytest.fixture
+def out_rows():
+    return np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
+
+
+def test_receipt_round_trip(out_rows):
+    key, rec = _signed(out_rows)
+    assert _check(rec, key, out_rows) is rec
+    assert rec["d_model"] == 64 and len(rec["commitment"]) == 64
+
+
+@pytest.mark.parametrize("where", ["top", "tail"])
+def test_tampered_rows_are_rejected(out_rows, where):
+    key, rec = _signed(out_rows)
+    bad = out_rows.copy()
+    j = int(np.argmax(np.abs(bad[1]))) if where == "top" else int(np.argmin(np.abs(bad[1])))
+    bad[1, j] = np.nextafter(bad[1, j], np.float32(np.inf)) if where == "top" else bad[1, j] + np.float32(1e-3)
+    with pytest.raises(ReceiptError, match="sketch|commitment"):
+        _check(rec, key, bad)
+
+
+def test_receipt_signed_by_another_key_is_rejected(out_rows):
+    key, rec = _signed(out_rows)
+    other, forged = _signed(out_rows)
+    with pytest.raises(ReceiptError, match="another key"):
+        _check(forged, key, out_rows)
+    forged["provider"] = provider_id(key)  # claims the right provider, signature is still the other key's
+    with pytest.raises(ReceiptError, match="signature"):
+        _check(forged, key, out_rows)
+
+
+def test_missing_receipt_is_rejected(out_rows):
+    key, _ = _signed(out_rows)
+    with pytest.raises(ReceiptError, match="no receipt"):
+        _check(None, key, out_rows)
+
+
+def test_replayed_receipt_for_another_request_is_rejected(out_rows):
+    key, rec = _signed(out_rows, request_id="r1")
+    with pytest.raises(ReceiptError, match="another request"):
+        _check(rec, key, out_rows, request_id="r2")
+    rec2 = {**rec, "request_id": "r2"}  # relabelled: the signature binds the id
+    with pytest.raises(ReceiptError, match="signature"):
+        _check(rec2, key, out_rows, request_id="r2")
+
+
+def test_receipt_binds_tokens_and_carrier(out_rows):
+    key, rec = _signed(out_rows)
+    with pytest.raises(ReceiptError):
+        _check(rec, key, out_rows, tokens=(3, 5, 10))
+    with pytest.raises(ReceiptError, match="input_hash"):
+        _check(rec, key, out_rows, carrier=b"abd")
+
+
+# -- wire ---------------------------------------------------------------------------------
+def test_carrier_choice_and_q8_rows():
+    assert wire.choose_carrier("auto", 256) == ("q8_0", "bf16")
+    assert wire.choose_carrier("auto", 100) == ("f32", "bf16")
+    assert wire.choose_carrier("f32", 256) == ("f32", "f32")
+    with pytest.raises(wire.WireError, match="divisible by 32"):
+        wire.choose_carrier("q8_0", 100)
+    x = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+    data = wire.encode_rows(x, "q8_0")
+    assert len(data) == 4 * 2 * 34
+    assert np.abs(wire.decode_rows(data, "q8_0", 64, 4) - x).max() < 0.02
+    with pytest.raises(wire.WireError, match="take"):
+        wire.decode_rows(data + bytes(34), "q8_0", 64, 4)
+    with pytest.raises(wire.WireError, match="bf16 rows"):
+        wire.decode_rows(b"\0" * 10, "bf16", 64, 4)
+
+
+# -- forward with in-process holders --------------------------------------------------------
+class Fixture:
+    def __init__(self, ckpt, layer, n_holders=3, replication=2):
+        self.ckpt = Checkpoint(ckpt)
+        self.spec = spec_from_config(self.ckpt.config)
+        self.layer = layer
+        self.gate = load_gate(self.ckpt, self.spec, layer)
+        ref = load_file(str(ckpt / "reference.safetensors"))
+        self.x = ref[f"layer{layer}.hidden_states"].astype(np.float32)
+        slots = self.gate.num_experts + (1 if self.spec.n_shared_experts else 0)
+        self.weights = {e: load_expert(self.ckpt, self.spec, layer, e) for e in range(slots)}
+        self.agents = [HolderAgent("http://127.0.0.1:1", SigningKey.generate(), "/tmp/unused", name=f"h{i}")
+                       for i in range(n_holders)]
+        self.by_id = {a.provider: a for a in self.agents}
+        self.held: dict[str, list[int]] = {a.provider: [] for a in self.agents}
+        for e in range(slots):
+            for r in range(replication):
+                a = self.agents[(e + r) % n_holders]
+                a.runtime.load(MODEL, layer, e, self.weights[e].to_blob("f32"), "tenzro://blob/" + "0" * 64)
+                self.held[a.provider].append(e)
+        self.views = 0
+
+    def view(self, excluded=frozenset(), gone=()):
+        infos = [ProviderInfo(p, roles=("ExpertHolder",), holdings=tuple(
+            HoldingInfo(MODEL, self.layer, e, "Warm", 0, None) for e in es if (p, e) not in gone and e not in gone))
+            for p, es in self.held.items() if p not in excluded]
+        return ShardView.build(MODEL, infos, policy=ReplicationPolicy())
+
+    def monolithic(self):
+        with threadpool_limits(limits=1):
+            return monolithic(self.ckpt, self.layer, self.x)
+
+    async def honest(self, provider, _info, req):
+        answer, data = await self.by_id[provider].execute_request(
+            {"request_id": req.request_id, "model_id": req.model_id, "layer": req.layer, "expert": req.expert,
+             "token_indices": req.tokens, "d_model": req.d_model, "output": req.output}, req.carrier, req.payload)
+        rows = wire.decode_rows(data, answer["output"], req.d_model, len(req.tokens), "outputs")
+        return BatchAnswer(rows, answer["receipt"], "ws", len(req.payload), len(data))
+
+    def run(self, send=None, gone=(), **kw):
+        async def get_view(excluded):
+            self.views += 1
+            return self.view(excluded, gone)
+
+        async def go():
+            with threadpool_limits(limits=1):
+                return await distributed_forward(gate=self.gate, model_id=MODEL, layer=self.layer,
+                                                 hidden_states=self.x, get_view=get_view, send=send or self.honest,
+                                                 **{"carrier": "f32", "deadline_s": 5.0, **kw})
+        return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return Fixture(QWEN, 1)
+
+
+def test_forward_matches_monolithic_bit_for_bit(qwen):
+    res = qwen.run()
+    assert np.array_equal(res.output, qwen.monolithic())
+    assert res.replans == 0 and not res.missing and not res.failures
+    assert len(res.receipts) == res.batches and res.bytes_out > 0
+
+
+def test_compact_wire_is_close_and_smaller(qwen):
+    exact = qwen.run()
+    res = qwen.run(carrier="auto")
+    rel = np.abs(res.output - exact.output).max() / np.abs(exact.output).max()
+    assert 0 < rel < 2e-2
+    assert res.bytes_out < exact.bytes_out * 0.3 and res.bytes_back == exact.bytes_back // 2
+
+
+def _faulty(fx, bad: str, mode: str):
+    async def send(provider, info, req):
+        if provider == bad:
+            if mode == "error":
+                raise ConnectionError("holder went away")
+            if mode == "stall":
+                await asyncio.sleep(30)
+            ans = await fx.honest(provider, info, req)
+            if mode == "tamper":
+                ans.rows = ans.rows.copy()
+                ans.rows[0, -1] += np.float32(1e-3)
+            elif mode == "no_receipt":
+                ans.receipt = None
+            elif mode == "other_key":
+                ans.receipt = make_receipt(SigningKey.generate(), request_id=req.request_id, model_id=MODEL,
+                                           layer=req.layer, expert=req.expert, tokens=req.tokens,
+                                           carrier_kind=req.carrier, carrier=req.payload, rows=ans.rows,
+                                           blob_hash="", quant="f32")
+            elif mode == "replay":
+                ans.receipt = {**ans.receipt, "request_id": "someone-else"}
+            return ans
+        return await fx.honest(provider, info, req)
+    return send
+
+
+@pytest.mark.parametrize("mode", ["error", "tamper", "no_receipt", "other_key", "replay", "stall"])
+def test_failing_holder_falls_over_to_backup_with_identical_output(qwen, mode):
+    bad = min(qwen.by_id)  # the planner's primary for the experts it holds (ties go to the lower id)
+    res = qwen.run(send=_faulty(qwen, bad, mode), deadline_s=1.0 if mode == "stall" else 5.0)
+    assert np.array_equal(res.output, qwen.monolithic())
+    assert res.failures and all(f["provider"] == bad and f["fault"] for f in res.failures)
+    assert bad not in res.holders and not res.missing
+    if mode == "stall":
+        assert res.timings_ms["execute"] < 1000 * 3  # one deadline, then the backups answer
+
+
+def test_every_holder_of_an_expert_gone_fails_closed_naming_the_pairs(qwen):
+    with pytest.raises(ForwardError) as ei:
+        qwen.run(gone=(3,))
+    assert ei.value.kind == "planning"
+    assert ei.value.data["missing"][0]["expert"] == 3 and "l1/e3" in ei.value.message
+
+
+def test_allow_partial_equals_the_reference_without_those_experts(qwen):
+    res = qwen.run(gone=(3, 7), allow_partial=True)
+    assert [m["expert"] for m in res.missing] == [3, 7]
+    # Reference: every other expert's rows, each token's routed weights renormalized over the rest.
+    routing = route(qwen.gate, qwen.x)
+    outs = {}
+    with threadpool_limits(limits=1):
+        for e, tok in routing.tokens_by_expert().items():
+            outs[e] = (tok, np.zeros((len(tok), qwen.x.shape[1]), np.float32) if e in (3, 7)
+                       else expert_forward(qwen.weights[e], qwen.x[tok]))
+    w = routing.weights.astype(np.float64)
+    keep = ~np.isin(routing.expert_ids, [3, 7])
+    w_new = np.where(keep, w * (w.sum(1, keepdims=True) / (w * keep).sum(1, keepdims=True)), 0.0)
+    ref = np.zeros_like(qwen.x)
+    for t in range(qwen.x.shape[0]):
+        for s in range(routing.expert_ids.shape[1]):
+            e = int(routing.expert_ids[t, s])
+            ref[t] += np.float32(w_new[t, s]) * outs[e][1][list(outs[e][0]).index(t)]
+    assert np.abs(res.output - ref).max() <= 1e-6 * np.abs(ref).max()
+    touched = {t for m in res.missing for t in m["tokens"]}
+    untouched = [t for t in range(qwen.x.shape[0]) if t not in touched]
+    assert np.array_equal(res.output[untouched], qwen.monolithic()[untouched])
+
+
+def test_replan_reaches_a_holder_that_appears_after_the_first_round(qwen):
+    # Round 1: expert 5 is held only by agent 0, which fails; the replanned view adds agent 2.
+    bad, other, late = sorted(qwen.by_id)
+    assert 5 in qwen.held[bad] or 5 in qwen.held[other]
+
+    async def get_view(excluded):
+        qwen.views += 1
+        # first round: expert 5 only on `bad`; after `bad` is excluded, `late` holds it too
+        return qwen.view(excluded, gone=() if excluded else ((other, 5), (late, 5)))
+
+    async def send(provider, info, req):
+        if provider == bad:
+            raise ConnectionError("down")
+        return await qwen.honest(provider, info, req)
+
+    if 5 not in qwen.held[bad]:
+        qwen.by_id[bad].runtime.load(MODEL, 1, 5, qwen.weights[5].to_blob("f32"), "tenzro://blob/" + "0" * 64)
+        qwen.held[bad].append(5)
+    qwen.by_id[late].runtime.load(MODEL, 1, 5, qwen.weights[5].to_blob("f32"), "tenzro://blob/" + "0" * 64)
+    qwen.held[late].append(5)
+
+    async def go():
+        with threadpool_limits(limits=1):
+            return await distributed_forward(gate=qwen.gate, model_id=MODEL, layer=1, hidden_states=qwen.x,
+                                             get_view=get_view, send=send, carrier="f32")
+    res = asyncio.run(go())
+    qwen.held[late].remove(5)
+    assert res.replans >= 1 and np.array_equal(res.output, qwen.monolithic())
+
+
+def test_rows_refuse_unsent_and_duplicate_pairs(qwen):
+    routing = route(qwen.gate, qwen.x)
+    rows = _Rows(routing, qwen.x.shape[1])
+    e, tok = next(iter(routing.tokens_by_expert().items()))
+    not_routed = next(t for t in range(qwen.x.shape[0]) if t not in set(tok.tolist()))
+    with pytest.raises(HolderFault, match="never routed"):
+        rows.put(e, [not_routed], np.zeros((1, qwen.x.shape[1]), np.float32))
+    rows.put(e, [int(tok[0])], np.ones((1, qwen.x.shape[1]), np.float32))
+    with pytest.raises(HolderFault, match="already filled"):
+        rows.put(e, [int(tok[0])], np.ones((1, qwen.x.shape[1]), np.float32))
+
+
+def test_missing_shared_expert_is_fatal_even_with_allow_partial():
+    fx = Fixture(DEEPSEEK, 2)
+    shared = fx.gate.num_experts
+    assert fx.spec.n_shared_experts
+    with pytest.raises(ForwardError, match="shared expert"):
+        fx.run(gone=(shared,), allow_partial=True)
+    routing = route(fx.gate, fx.x)
+    with pytest.raises(ValueError, match="shared"):
+        renormalized(routing, {shared: {0}})
+    assert np.array_equal(fx.run().output, fx.monolithic())
