@@ -1,0 +1,152 @@
+"""Chaos with real processes: a ``tenzro_cluster`` (site + 4 agents, replication 2) under faults.
+
+One cluster, scenes in order: 20 concurrent forwards while holders stall and come back
+(SIGSTOP/SIGCONT); a stalled holder (its backup answers within the deadline); a holder
+SIGKILLed while its batches are in flight (output identical to the no-fault run); every
+holder of some experts gone (fail closed naming them; ``allow_partial`` equals the
+reference computed without them).
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from holders import wire
+from holders.ffn import expert_forward
+from holders.gating import route
+from prepare.checkpoint import Checkpoint
+from prepare.layouts import load_expert, load_gate, spec_from_config
+from tests.cluster_util import env_for, rpc, running_cluster
+from tests.conftest import QWEN
+
+pytestmark = pytest.mark.cluster
+
+MODEL = "qwen3-moe-tiny"
+LAYER = 1
+DEADLINE_S = 2.0
+
+
+def forward(info, x, **extra):
+    return rpc(info["rpc"], "tenzro_moeForward", {"model_id": MODEL, "layer": LAYER, "d_model": int(x.shape[1]),
+                                                  "carrier": "f32", "hidden_states": wire.b64encode(wire.encode_f32(x)),
+                                                  **extra}, timeout=120)
+
+
+def outputs(resp, d):
+    assert "result" in resp, resp
+    return wire.decode_f32(wire.b64decode(resp["result"]["outputs"], "outputs"), d)
+
+
+def reference_without(x, experts_gone):
+    """The layer output with ``experts_gone`` removed: routed weights renormalized over the rest."""
+    ck = Checkpoint(QWEN)
+    spec = spec_from_config(ck.config)
+    gate = load_gate(ck, spec, LAYER)
+    r = route(gate, x)
+    w = r.weights.astype(np.float64)
+    keep = ~np.isin(r.expert_ids, list(experts_gone))
+    w = np.where(keep, w * (w.sum(1, keepdims=True) / (w * keep).sum(1, keepdims=True)), 0.0)
+    out = np.zeros_like(x)
+    for e, tok in r.tokens_by_expert().items():
+        if e in experts_gone:
+            continue
+        rows = expert_forward(load_expert(ck, spec, LAYER, e), x[tok])
+        for i, t in enumerate(tok):
+            out[t] += np.float32(w[t, list(r.expert_ids[t]).index(e)]) * rows[i]
+    return out
+
+
+def test_chaos_scenes(tmp_path):
+    env = env_for(tmp_path)
+    env.update({"TENZRO_BATCH_DEADLINE": str(DEADLINE_S), "TENZRO_VIEW_CACHE": "0"})
+    x = load_file(str(QWEN / "reference.safetensors"))[f"layer{LAYER}.hidden_states"].astype(np.float32)
+    d = x.shape[1]
+    inputs = [x * np.float32(1 + i / 16) for i in range(20)]
+    with running_cluster(tmp_path, [QWEN], holders=4, env=env) as (info, _):
+        agents = {a["provider"]: a["pid"] for a in info["agents"]}
+        base = [outputs(forward(info, xi), d) for xi in inputs]
+
+        # 1. 20 concurrent forwards while one holder at a time stalls and comes back.
+        stop = threading.Event()
+
+        def churn():
+            rnd = random.Random(7)
+            while not stop.is_set():
+                pid = rnd.choice(list(agents.values()))
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(rnd.uniform(0.2, 1.0))
+                os.kill(pid, signal.SIGCONT)
+                time.sleep(rnd.uniform(0.05, 0.3))
+
+        churner = threading.Thread(target=churn)
+        churner.start()
+        try:
+            with ThreadPoolExecutor(20) as pool:
+                got = list(pool.map(lambda xi: outputs(forward(info, xi), d), inputs))
+        finally:
+            stop.set()
+            churner.join()
+            for pid in agents.values():
+                os.kill(pid, signal.SIGCONT)
+        for i in range(20):
+            assert np.array_equal(got[i], base[i]), f"forward {i} differs from its no-fault result"
+
+        # 2. A stalled holder: its batches go to the backups after one deadline.
+        def busiest_primary():
+            shard = rpc(info["rpc"], "tenzro_moeShardMap", {"model_id": MODEL})["result"]
+            primaries = [h["holders"][0]["provider"] for h in shard["holders"] if h["layer"] == LAYER]
+            return shard, max(sorted(set(primaries)), key=primaries.count)
+
+        shard, stalled = busiest_primary()
+        os.kill(agents[stalled], signal.SIGSTOP)
+        try:
+            t0 = time.perf_counter()
+            resp = forward(info, x)
+            took = time.perf_counter() - t0
+        finally:
+            os.kill(agents[stalled], signal.SIGCONT)
+        assert np.array_equal(outputs(resp, d), base[0])
+        fails = resp["result"]["failures"]
+        assert fails and all(f["provider"] == stalled and "deadline" in f["error"] for f in fails)
+        assert took < DEADLINE_S * 3, f"backup took over after {took:.2f} s"
+
+        # 3. SIGKILL a holder while its batches are in flight: identical output.
+        shard, victim = busiest_primary()  # reputation moved: the stalled holder may no longer lead
+        os.kill(agents[victim], signal.SIGSTOP)  # hold its batches in flight ...
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(forward, info, x)
+            time.sleep(DEADLINE_S / 4)
+            os.kill(agents[victim], signal.SIGKILL)  # ... and kill it mid-forward
+            resp = fut.result()
+        assert np.array_equal(outputs(resp, d), base[0])
+        assert any(f["provider"] == victim for f in resp["result"]["failures"])
+        time.sleep(0.5)
+        assert np.array_equal(outputs(forward(info, x), d), base[0])
+
+        # 4. Every holder of some experts gone: fail closed; allow_partial = reference without them.
+        held = {(h["expert"]): {p["provider"] for p in h["holders"]} for h in shard["holders"] if h["layer"] == LAYER}
+        partner = max((p for p in agents if p != victim),
+                      key=lambda p: sum(1 for hs in held.values() if hs == {victim, p}))
+        gone = sorted(e for e, hs in held.items() if hs <= {victim, partner})
+        routed = set(route(load_gate(Checkpoint(QWEN), spec_from_config(Checkpoint(QWEN).config), LAYER),
+                           x).expert_ids.ravel().tolist())
+        assert gone and set(gone) & routed, "the placement left no expert on exactly these two holders"
+        os.kill(agents[partner], signal.SIGKILL)
+        time.sleep(1.0)
+        err = forward(info, x)["error"]
+        assert err["code"] in (-32000, -32004)
+        missing = {m["expert"] for m in err["data"]["missing"]}
+        assert missing == set(gone) & routed and f"e{min(missing)}" in err["message"]
+        res = forward(info, x, allow_partial=True)
+        out = outputs(res, d)
+        assert {m["expert"] for m in res["result"]["missing"]} == missing
+        ref = reference_without(x, missing)
+        assert np.abs(out - ref).max() <= 1e-6 * np.abs(ref).max()
