@@ -17,6 +17,7 @@ import logging
 import secrets
 import struct
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -65,11 +66,13 @@ class HolderAgent:
     """One holder process. ``run()`` runs until ``stop()`` or an authentication refusal.
 
     ``http_port``: also serve ``POST /rpc`` on ``http_host:http_port`` and advertise it.
+    ``compute_threads``: threads running batches (decode, FFN, encode, receipt); one per
+    core is plenty, and more only contend.
     """
 
     def __init__(self, site: str, key: SigningKey, blob_dir: str | Path, name: str = "",
                  heartbeat_interval: float = 15.0, roles: tuple[str, ...] = ("ExpertHolder",),
-                 http_port: int | None = None, http_host: str = "127.0.0.1"):
+                 http_port: int | None = None, http_host: str = "127.0.0.1", compute_threads: int = 1):
         self.site = site.rstrip("/")
         self.url = ws_url(site)
         self.key = key
@@ -87,6 +90,7 @@ class HolderAgent:
         self.http_host = http_host
         self.http_endpoint = f"http://{http_host}:{http_port}/rpc" if http_port else ""
         self._blob_meta: dict[tuple[str, int, int], tuple[str, str]] = {}  # → (blob hash, quant kind)
+        self._compute = ThreadPoolExecutor(max_workers=compute_threads, thread_name_prefix="compute")
 
     def stop(self) -> None:
         """Ask ``run()`` to return after closing the socket."""
@@ -230,11 +234,10 @@ class HolderAgent:
             raise wire.WireError(f"unsupported carrier {carrier!r}")
         if output not in wire.OUTPUTS:
             raise wire.WireError(f"unsupported output encoding {output!r}")
-        rows = wire.decode_rows(payload, carrier, d_model, len(tokens))
-        # numpy/BLAS releases the GIL: run off the event loop so heartbeats keep flowing.
-        out = await asyncio.to_thread(self.runtime.execute, model_id, layer, expert, rows, len(tokens))
 
-        def encode_and_sign():
+        def run():
+            rows = wire.decode_rows(payload, carrier, d_model, len(tokens))
+            out = self.runtime.execute(model_id, layer, expert, rows, len(tokens))
             data = wire.encode_rows(out, output)
             sent = out if output == "f32" else wire.decode_rows(data, output, d_model, len(tokens), "outputs")
             blob_hash, quant = self._blob_meta.get((model_id, layer, expert), ("", "unknown"))
@@ -243,7 +246,8 @@ class HolderAgent:
                                    blob_hash=blob_hash, quant=quant)
             return data, receipt
 
-        data, receipt = await asyncio.to_thread(encode_and_sign)
+        # numpy/BLAS releases the GIL: run off the event loop so heartbeats keep flowing.
+        data, receipt = await asyncio.get_running_loop().run_in_executor(self._compute, run)
         return ({"rows": len(tokens), "d_model": d_model, "output": output, "token_indices": tokens,
                  "receipt": receipt}, data)
 

@@ -40,17 +40,19 @@ def free_port() -> int:
 class LocalCluster:
     """Site + ``holders`` agents on 127.0.0.1, each checkpoint published and placed with ``replication``.
 
-    ``say`` receives progress lines (default: silent).
+    ``say`` receives progress lines (default: silent). ``agent_http``: each agent also
+    serves its HTTP endpoint (``--http-port``) on a free port and advertises it.
     """
 
     def __init__(self, checkpoints: list[str | Path], holders: int = 4, port: int = 0, replication: int = 2,
                  heartbeat_interval: int = 5, say: Callable[[str], None] | None = None,
-                 model_ids: list[str | None] | None = None):
+                 model_ids: list[str | None] | None = None, agent_http: bool = False):
         if holders < 1:
             raise ClusterError("--holders must be at least 1")
         self.checkpoints = [Path(c) for c in checkpoints]
         self.model_id_overrides = model_ids or [None] * len(self.checkpoints)
         self.holders = holders
+        self.agent_http = agent_http
         self.port = port or free_port()
         self.replication = replication
         self.heartbeat_interval = heartbeat_interval
@@ -90,7 +92,8 @@ class LocalCluster:
             proc = self._spawn(f"agent-{i}", [sys.executable, str(settings.BASE_DIR / "manage.py"), "holder_agent",
                                               "--site", self.url, "--key", str(key_path), "--name", f"agent-{i}",
                                               "--blob-dir", str(settings.VAR_DIR / "agents" / f"agent-{i}" / "blobs"),
-                                              "--heartbeat-interval", str(self.heartbeat_interval)], env)
+                                              "--heartbeat-interval", str(self.heartbeat_interval)]
+                               + (["--http-port", str(free_port())] if self.agent_http else []), env)
             self.agents.append((pid, proc))
         self._wait(lambda: Provider.objects.filter(provider__in=ids, connected=True,
                                                    last_heartbeat__isnull=False).count() == len(ids),

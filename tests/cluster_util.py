@@ -31,10 +31,11 @@ def env_for(tmp: Path, database_url: str | None = None, redis_url: str | None = 
 
 @contextmanager
 def running_cluster(tmp: Path, checkpoints: list[Path], holders: int = 3, env: dict | None = None,
-                    timeout: float = 180.0):
-    """Start ``manage.py tenzro_cluster``; yields (info dict, process). Stops it with SIGINT."""
+                    timeout: float = 180.0, extra: tuple[str, ...] = ()):
+    """Start ``manage.py tenzro_cluster`` (``extra`` flags appended); yields (info dict, process).
+    Stops it with SIGINT."""
     env = env or env_for(tmp)
-    cmd = [sys.executable, str(ROOT / "manage.py"), "tenzro_cluster", "--holders", str(holders)]
+    cmd = [sys.executable, str(ROOT / "manage.py"), "tenzro_cluster", "--holders", str(holders), *extra]
     for c in checkpoints:
         cmd += ["--checkpoint", str(c)]
     err = open(tmp / "cluster.stderr", "wb")

@@ -20,13 +20,15 @@ class Command(BaseCommand):
                             help="HF checkpoint directory (repeat for several models)")
         parser.add_argument("--holders", type=int, default=4)
         parser.add_argument("--port", type=int, default=0, help="site port (default: a free one)")
+        parser.add_argument("--agent-http", action="store_true",
+                            help="agents also serve POST /rpc on free ports (--http-port) and advertise them")
         parser.add_argument("--model-id", action="append", default=None,
                             help="model id per checkpoint (default: from the directory name)")
 
     def handle(self, *args, **opts):
         say = (lambda s: print(s, file=sys.stderr, flush=True))
         cluster = LocalCluster(opts["checkpoint"], holders=opts["holders"], port=opts["port"], say=say,
-                               model_ids=opts["model_id"])
+                               model_ids=opts["model_id"], agent_http=opts["agent_http"])
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())

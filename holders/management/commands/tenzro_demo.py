@@ -1,13 +1,19 @@
 """``python manage.py tenzro_demo``: the main job — distributed MoE forwards on real checkpoints."""
 from __future__ import annotations
 
+import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from holders import wire
 from holders.cluster import ClusterError, LocalCluster
 from holders.verify import REL_TOLERANCE, verify_layers
 from registry.selectors import shard_view
@@ -36,6 +42,7 @@ class Command(BaseCommand):
         say = (lambda s: self.stdout.write(f"· {s}"))
         cluster = LocalCluster(ckpts, holders=opts["holders"], say=say)
         results = []
+        failover = None
         try:
             cluster.start()
             t_up = time.perf_counter()
@@ -43,6 +50,7 @@ class Command(BaseCommand):
                 view = shard_view(model_id).to_json()
                 rows = verify_layers(cluster.rpc, model_id, ckpt, ckpt / "reference.safetensors")
                 results.append((model_id, view, rows))
+            failover = self._failover_scene(cluster, cluster.model_ids[0], ckpts[0])
             if opts["keep_running"]:
                 self.stdout.write(f"cluster running at {cluster.url} (Ctrl-C to stop)")
                 while cluster.site and cluster.site.poll() is None:
@@ -53,11 +61,39 @@ class Command(BaseCommand):
             pass
         finally:
             cluster.stop()
-        ok = self._summary(results, t_up - t0, time.perf_counter() - t0, opts["holders"])
+        ok = self._summary(results, t_up - t0, time.perf_counter() - t0, opts["holders"], failover)
         if not ok:
             sys.exit(1)
 
-    def _summary(self, results, t_start: float, t_total: float, holders: int) -> bool:
+    def _failover_scene(self, cluster: LocalCluster, model_id: str, ckpt: Path) -> dict:
+        """Kill the busiest primary holder of the first MoE layer in the middle of that layer's
+        forward: the backups take over and the output must equal the no-fault output exactly."""
+        tensors = load_file(str(ckpt / "reference.safetensors"))
+        layer = min(int(k[len("layer"):].split(".")[0]) for k in tensors if k.endswith(".hidden_states"))
+        x = tensors[f"layer{layer}.hidden_states"].astype(np.float32)
+        params = {"model_id": model_id, "layer": layer, "d_model": int(x.shape[1]), "carrier": "f32",
+                  "hidden_states": wire.b64encode(wire.encode_f32(x))}
+        before = cluster.rpc("tenzro_moeForward", params)
+        view = shard_view(model_id).to_json()
+        primaries = [h["holders"][0]["provider"] for h in view["holders"] if h["layer"] == layer]
+        victim = max(sorted(set(primaries)), key=primaries.count)
+        proc = next(p for pid, p in cluster.agents if pid == victim)
+        self.stdout.write(f"· failover: holder {victim[:12]}… (primary of {primaries.count(victim)} experts of "
+                          f"layer {layer}) is SIGKILLed while its batches are in flight")
+        proc.send_signal(signal.SIGSTOP)  # hold its batches in flight, then kill it mid-forward
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(cluster.rpc, "tenzro_moeForward", params)
+            time.sleep(0.5)
+            proc.kill()
+            proc.wait()
+            after = fut.result()
+        same = np.array_equal(wire.decode_f32(wire.b64decode(before["outputs"], "outputs"), x.shape[1]),
+                              wire.decode_f32(wire.b64decode(after["outputs"], "outputs"), x.shape[1]))
+        return {"model_id": model_id, "layer": layer, "victim": victim, "identical": same,
+                "failures": len(after["failures"]), "replans": after["replans"], "holders": len(after["holders"]),
+                "ms": after["timings_ms"]["total"]}
+
+    def _summary(self, results, t_start: float, t_total: float, holders: int, failover: dict | None = None) -> bool:
         w = self.stdout.write
         w("")
         w(f"{'model':<18} {'layer':>5} {'tokens':>6} {'holders':>7} {'rel err vs transformers':>24} "
@@ -69,6 +105,21 @@ class Command(BaseCommand):
                 w(f"{model_id:<18} {r['layer']:>5} {r['tokens']:>6} {r['holders']:>7} "
                   f"{r['max_rel_err_vs_reference']:>24.3e} {r['max_abs_diff_vs_monolithic']:>22.3e} "
                   f"{r['ms']:>7.1f}  {'ok' if r['ok'] else 'FAILED'}")
+        w("")
+        w(f"{'wire (compact: Q8_0 rows out, bf16 back)':<44} {'B/elem out':>10} {'B/elem back':>11} "
+          f"{'f32 out':>8} {'f32 back':>8} {'rel err vs transformers':>24} {'receipts':>8}")
+        for model_id, view, rows in results:
+            for r in rows:
+                b = r["bytes_per_element"]
+                w(f"{model_id + ' layer ' + str(r['layer']):<44} {b['compact']['out']:>10.3f} "
+                  f"{b['compact']['back']:>11.3f} {b['f32']['out']:>8.3f} {b['f32']['back']:>8.3f} "
+                  f"{r['compact_wire_rel_err']:>24.3e} {r['receipts']:>8}")
+        if failover is not None:
+            all_ok &= failover["identical"] and failover["failures"] > 0
+            w(f"failover {failover['model_id']} layer {failover['layer']}: holder {failover['victim'][:12]}… killed; "
+              f"{failover['failures']} batch failure(s) fell over to backups ({failover['replans']} replans, "
+              f"{failover['holders']} holders answered, {failover['ms']:.1f} ms); output "
+              f"{'identical to the no-fault run' if failover['identical'] else 'DIFFERS from the no-fault run'}")
         w("")
         for model_id, view, rows in results:
             min_rep = min((h["replication"] for h in view["holders"]), default=0)

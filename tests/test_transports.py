@@ -1,0 +1,51 @@
+"""Transports with real processes: agents' HTTP endpoints (JSON-RPC + binary frames) and the
+router following what holders advertise."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from holders import wire
+from holders.receipts import verify_receipt
+from holders.verify import max_rel_err
+from tests.cluster_util import env_for, rpc, running_cluster
+from tests.conftest import QWEN
+
+pytestmark = pytest.mark.cluster
+
+
+def test_forward_over_agent_http_endpoints_and_direct_execute(tmp_path):
+    env = env_for(tmp_path)
+    env["TENZRO_DATA_TRANSPORT"] = "http"
+    ref = load_file(str(QWEN / "reference.safetensors"))
+    x, want = ref["layer0.hidden_states"].astype(np.float32), ref["layer0.output"]
+    with running_cluster(tmp_path, [QWEN], holders=3, env=env, extra=("--agent-http",)) as (info, _):
+        res = rpc(info["rpc"], "tenzro_moeForward", {"model_id": "qwen3-moe-tiny", "layer": 0, "d_model": 256,
+                                                     "carrier": "f32", "hidden_states": wire.b64encode(wire.encode_f32(x))})
+        r = res["result"]
+        assert r["transports"]["http"] == r["batches"] and r["transports"]["ws"] == 0
+        assert r["receipts"] == r["batches"]
+        assert max_rel_err(wire.decode_f32(wire.b64decode(r["outputs"], "outputs"), 256), want) <= 1e-5
+
+        # A client talking JSON-RPC to a holder directly (reference §6.1 request, base64 Q8_0 rows).
+        shard = rpc(info["rpc"], "tenzro_moeShardMap", {"model_id": "qwen3-moe-tiny"})["result"]
+        h = next(h for h in shard["holders"] if h["layer"] == 0)
+        holder = h["holders"][0]
+        endpoint = holder["http_endpoint"]
+        assert endpoint.startswith("http://127.0.0.1:") and endpoint.endswith("/rpc")
+        rows = x[:5]
+        q8 = wire.encode_rows(rows, "q8_0")
+        direct = rpc(endpoint, "tenzro_moeExecute", {"request_id": "abc", "model_id": "qwen3-moe-tiny", "layer": 0,
+                                                     "expert": h["expert"], "token_indices": [0, 1, 2, 3, 4],
+                                                     "d_model": 256, "hidden_q8": wire.b64encode(q8)})["result"]
+        out = wire.decode_rows(wire.b64decode(direct["outputs"], "outputs"), direct["output"], 256, 5)
+        verify_receipt(direct["receipt"], provider=holder["provider"], request_id="abc", model_id="qwen3-moe-tiny",
+                       layer=0, expert=h["expert"], tokens=[0, 1, 2, 3, 4], carrier_kind="q8_0", carrier=q8, rows=out)
+        status = rpc(endpoint, "moe/status", {})["result"]
+        assert status["provider"] == holder["provider"] and status["experts"]
+        bad = rpc(endpoint, "tenzro_moeExecute", {"request_id": "x", "model_id": "qwen3-moe-tiny", "layer": 0,
+                                                  "expert": h["expert"], "token_indices": [0], "d_model": 256,
+                                                  "hidden_states": "!!"})
+        assert bad["error"]["code"] == -32602
+        assert rpc(endpoint, "nope", {})["error"]["code"] == -32601
