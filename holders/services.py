@@ -9,6 +9,7 @@ site holds no experts itself, so there is no local call here; ``holders.forward`
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -86,7 +87,10 @@ async def send_ws(provider: str, req: BatchRequest) -> BatchAnswer:
               "token_indices": req.tokens, "d_model": req.d_model, "carrier": req.carrier, "output": req.output}
     answer, payload = await link.request(provider, header, req.payload, settings.TENZRO["BATCH_TIMEOUT_S"],
                                          req_id=req.request_id)
-    return answer_to_batch(answer, payload, req, "ws", len(req.payload), len(payload))
+    # Bytes on the agent's socket: frame length prefix + JSON header + payload, each way.
+    out = 4 + len(json.dumps({**header, "id": req.request_id}, separators=(",", ":"))) + len(req.payload)
+    back = 4 + len(json.dumps(answer, separators=(",", ":"))) + len(payload)
+    return answer_to_batch(answer, payload, req, "ws", out, back)
 
 
 _http_clients: dict[int, HttpHolderClient] = {}
@@ -140,9 +144,9 @@ async def forward(model_id: str, layer: int, d_model: int, hidden_states: np.nda
                                         deadline_s=t["BATCH_DEADLINE_S"], max_message=t["WS_MAX_MESSAGE"],
                                         split_threshold=t["SPLIT_THRESHOLD"])
     except ForwardError as exc:
-        await _record(exc.data.get("failures", []), {})
+        _record_later(exc.data.get("failures", []), {})
         raise
-    await _record(res.failures, res.latencies_ms)
+    _record_later(res.failures, res.latencies_ms)
     r = res.routing
     elems = int(hidden_states.shape[0]) * d_model
     return {
@@ -161,13 +165,19 @@ async def forward(model_id: str, layer: int, d_model: int, hidden_states: np.nda
     }
 
 
-async def _record(failures: list[dict], latencies: dict) -> None:
+_recording: set[asyncio.Task] = set()
+
+
+def _record_later(failures: list[dict], latencies: dict) -> None:
+    """Record holder outcomes in the background: the caller's answer does not wait on the DB."""
     counts: dict[str, int] = {}
     for f in failures:
         if f.get("fault"):
             counts[f["provider"]] = counts.get(f["provider"], 0) + 1
     if counts or latencies:
-        await database_sync_to_async(record_holder_outcomes)(counts, latencies)
+        task = asyncio.get_running_loop().create_task(database_sync_to_async(record_holder_outcomes)(counts, latencies))
+        _recording.add(task)
+        task.add_done_callback(_recording.discard)
 
 
 __all__ = ["ForwardError", "GateNotLoaded", "forward", "live_view", "load_gate", "send_batch", "send_ws"]
