@@ -509,7 +509,8 @@ def test_decode_matches_gguf_py_on_arbitrary_bytes():
         assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32)), qt
 
 
-@pytest.mark.parametrize("fam", FAMILIES)
+# "subnormal" is left out: there gguf-py casts NaN to int8 (platform-defined).
+@pytest.mark.parametrize("fam", [f for f in FAMILIES if f != "subnormal"])
 def test_q8_0_matches_gguf_py_quantizer(fam):
     gq, G = _gguf()
     x = _family(fam, 8, seed=11).reshape(8, -1)
