@@ -41,7 +41,7 @@ def golden():
 
 
 def _gguf():
-    gguf = pytest.importorskip("gguf")
+    pytest.importorskip("gguf")
     from gguf import GGMLQuantizationType as G
     from gguf import quants as gq
 
