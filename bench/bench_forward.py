@@ -56,7 +56,8 @@ def q8_matrix(rng: np.random.Generator, rows: int, cols: int, scale: float) -> n
 def expert(e: int, hidden: int, ffn: int) -> ExpertWeights:
     """Synthetic Q8_0 expert ``e`` (deterministic in ``e``)."""
     rng = np.random.default_rng(1000 + e)
-    return ExpertWeights(q8_matrix(rng, ffn, hidden, 2 / np.sqrt(hidden)), q8_matrix(rng, ffn, hidden, 2 / np.sqrt(hidden)),
+    s_in = 2 / np.sqrt(hidden)
+    return ExpertWeights(q8_matrix(rng, ffn, hidden, s_in), q8_matrix(rng, ffn, hidden, s_in),
                          q8_matrix(rng, hidden, ffn, 2 / np.sqrt(ffn)))
 
 
@@ -165,7 +166,8 @@ def main() -> None:
         err = float(np.abs(res.output - exact).max() / np.abs(exact).max())
         report = {"shape": {"experts": a.experts, "top_k": a.top_k, "hidden": a.hidden, "ffn": a.ffn,
                             "tokens": a.tokens, "agents": a.agents}, "cpu_cores": os.cpu_count(),
-                  "carrier": a.carrier, "baseline_blas_threads": a.baseline_threads, "in_process_s": round(m, 4), "distributed_s": round(dd, 4),
+                  "carrier": a.carrier, "baseline_blas_threads": a.baseline_threads,
+                  "in_process_s": round(m, 4), "distributed_s": round(dd, 4),
                   "time_ratio": round(dd / m, 3), "bytes_per_element_out": round(res.bytes_out / routed, 4),
                   "bytes_per_element_back": round(res.bytes_back / routed, 4), "batches": res.batches,
                   "receipts_verified": len(res.receipts), "max_rel_err_vs_in_process": err,

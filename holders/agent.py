@@ -120,7 +120,7 @@ class HolderAgent:
                     await self._session(ws)
             except ConnectionClosed as exc:
                 if exc.rcvd is not None and exc.rcvd.code == CLOSE_AUTH:
-                    raise AuthRefused(f"site refused this agent's identity: {exc.rcvd.reason or 'code 4401'}")
+                    raise AuthRefused(f"site refused this agent's identity: {exc.rcvd.reason or 'code 4401'}") from exc
                 log.warning("socket closed: %s", exc)
             except (OSError, InvalidStatus, asyncio.TimeoutError) as exc:
                 log.warning("cannot reach %s: %s", self.url, exc)
@@ -169,7 +169,8 @@ class HolderAgent:
         ts = max(int(time.time() * 1000), self._last_ts + 1)
         self._last_ts = ts
         body = {"provider": self.provider, "timestamp_ms": ts, "nonce": secrets.token_hex(16),
-                "name": self.name, "roles": list(self.roles), "http_endpoint": self.http_endpoint, "iroh_endpoint_id": "",
+                "name": self.name, "roles": list(self.roles), "http_endpoint": self.http_endpoint,
+                "iroh_endpoint_id": "",
                 "moe_gpu": False, "holdings": self.runtime.holdings()}
         return {"type": "heartbeat", "body": body, "signature": sign_body(self.key, DOMAIN_HEARTBEAT, body)}
 

@@ -23,7 +23,9 @@ class Command(BaseCommand):
         parser.add_argument("--json", action="store_true", help="last line: one JSON object with every layer")
 
     def handle(self, *args, **opts):
-        say = (lambda s: print(s, file=sys.stderr, flush=True))
+        def say(line: str) -> None:
+            print(line, file=sys.stderr, flush=True)
+
         cluster = LocalCluster([opts["checkpoint"]], holders=opts["holders"], say=say,
                                model_ids=[opts["model_id"]])
         try:
@@ -36,10 +38,11 @@ class Command(BaseCommand):
         self.stdout.write(f"{'layer':>5} {'tokens':>6} {'holders':>7} {'max rel err vs ref':>19} "
                           f"{'max |Δ| vs mono':>16} {'compact-wire rel err':>21} {'B/elem out,back':>16}  ok")
         for r in rows:
+            compact = r["bytes_per_element"]["compact"]
             self.stdout.write(f"{r['layer']:>5} {r['tokens']:>6} {r['holders']:>7} "
                               f"{r['max_rel_err_vs_reference']:>19.3e} {r['max_abs_diff_vs_monolithic']:>16.3e} "
                               f"{r['compact_wire_rel_err']:>21.3e} "
-                              f"{r['bytes_per_element']['compact']['out']:>7.3f},{r['bytes_per_element']['compact']['back']:<8.3f}  "
+                              f"{compact['out']:>7.3f},{compact['back']:<8.3f}  "
                               f"{'yes' if r['ok'] else 'NO'}")
         if opts["json"]:
             keys = ("layer", "max_rel_err_vs_reference", "max_abs_diff_vs_monolithic", "tokens", "holders",
