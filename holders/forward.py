@@ -180,13 +180,17 @@ async def distributed_forward(*, gate: Gate, model_id: str, layer: int, hidden_s
                               carrier: str = "auto", deadline_s: float = 10.0, max_message: int = 1 << 20,
                               split_threshold: int | None = None,
                               readahead: Callable[[list[int]], Awaitable[None]] | None = None,
-                              verify: bool = True) -> ForwardResult:
+                              verify: bool = True,
+                              local: Callable[[int, np.ndarray], np.ndarray | None] | None = None) -> ForwardResult:
     """One MoE layer forward with experts executed by remote holders (module docstring).
 
     ``hidden_states`` f32 [T, H] with H == gate.d_model. ``get_view(excluded)`` returns the
     live shard view without the ``excluded`` providers; ``send`` executes one request on
     one holder. ``deadline_s``: seconds a holder has for one request before the backup
     gets it. ``verify``: check receipts of remote answers (local answers carry none).
+    ``local(expert, rows f32 [n, H])``: the router's own runtime; returns the expert's
+    output rows when it holds that expert (exact f32, no wire, no receipt), else None. A
+    local error sends those pairs to the remote holders in the next round.
 
     Raises ``ValueError`` for bad input (from ``route``, ``wire.choose_carrier``) and
     ``ForwardError`` with ``data["missing"] = [{layer, expert, tokens}]`` when pairs stay
@@ -211,6 +215,23 @@ async def distributed_forward(*, gate: Gate, model_id: str, layer: int, hidden_s
     used: set[str] = set()
     stats = {"batches": 0, "out": 0, "back": 0}
     replans = 0
+    local_ok = local is not None
+
+    async def run_local(expert: int, tokens: list[int]) -> None:
+        nonlocal local_ok
+        t = time.perf_counter()
+        try:
+            out = await asyncio.to_thread(local, expert, x[np.asarray(tokens, dtype=np.int64)])
+            if out is None:
+                return
+            rows.put(expert, tokens, np.asarray(out, dtype=np.float32).reshape(len(tokens), d_model))
+        except (ValueError, LookupError, HolderFault) as exc:
+            local_ok = False
+            failures.append({"provider": "local", "expert": expert, "error": str(exc), "fault": False})
+            return
+        latencies.setdefault("local", []).append((time.perf_counter() - t) * 1e3)
+        transports["local"] += 1
+        stats["batches"] += 1
 
     async def attempt(provider: str, info, expert: int, tokens: list[int], payload: bytes) -> str:
         req = BatchRequest(uuid.uuid4().hex, model_id, layer, expert, tokens, carrier_kind, payload, output_kind,
@@ -265,6 +286,8 @@ async def distributed_forward(*, gate: Gate, model_id: str, layer: int, hidden_s
                 excluded.add(provider)
 
     while True:
+        if local_ok:  # experts the router holds itself: no wire, no receipt
+            await asyncio.gather(*(run_local(e, toks) for e, toks in sorted(rows.outstanding().items())))
         todo = rows.outstanding()
         if not todo:
             break

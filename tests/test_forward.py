@@ -305,3 +305,22 @@ def test_missing_shared_expert_is_fatal_even_with_allow_partial():
     with pytest.raises(ValueError, match="shared"):
         renormalized(routing, {shared: {0}})
     assert np.array_equal(fx.run().output, fx.monolithic())
+
+
+def test_router_holding_experts_runs_them_locally(qwen):
+    held = {0, 2, 5}
+
+    def local(expert, rows):
+        if expert not in held:
+            return None
+        return expert_forward(qwen.weights[expert], rows)
+
+    res = qwen.run(local=local)
+    assert res.transports["local"] == 3 and len(res.receipts) == res.batches - 3
+    assert np.array_equal(res.output, qwen.monolithic())
+
+    def broken(expert, rows):
+        raise ValueError("local runtime lost its weights")
+
+    res = qwen.run(local=broken)  # falls back to the remote holders
+    assert res.transports["local"] == 0 and np.array_equal(res.output, qwen.monolithic())
