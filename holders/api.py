@@ -61,3 +61,34 @@ async def moe_forward(p: dict) -> dict:
         field = ("carrier" if "carrier" in msg else "d_model" if "d_model" in msg else "top_k" if "top_k" in msg
                  else "hidden_states")
         raise RpcError(INVALID_PARAMS, str(exc), {"field": field}) from exc
+
+
+class DenseForwardParams(serializers.Serializer):
+    """Params of ``tenzro_moeDenseForward``: a dense MLP layer split over holders."""
+
+    model_id = serializers.CharField(max_length=200)
+    layer = serializers.IntegerField(min_value=0)
+    d_model = serializers.IntegerField(min_value=1, max_value=1 << 20)
+    hidden_states = Base64Field(help_text="base64 of little-endian f32 [T, d_model]")
+    carrier = serializers.ChoiceField(["auto", "f32", "q8_0"], required=False, default="auto")
+
+
+@rpc_method("tenzro_moeDenseForward", params=DenseForwardParams)
+async def moe_dense_forward(p: dict) -> dict:
+    """Distributed forward of a dense MLP layer split by intermediate slices across holders."""
+    try:
+        x = wire.decode_f32(wire.b64decode(p["hidden_states"], "hidden_states"), p["d_model"])
+    except wire.WireError as exc:
+        raise RpcError(INVALID_PARAMS, str(exc), {"field": "hidden_states"}) from exc
+    if x.shape[0] == 0:
+        raise RpcError(INVALID_PARAMS, "hidden_states holds no rows", {"field": "hidden_states"})
+    try:
+        return await services.dense_forward(p["model_id"], p["layer"], p["d_model"], x, p["carrier"])
+    except services.GateNotLoaded as exc:
+        raise RpcError(EXECUTION_ERROR, str(exc), {"field": "layer", "model_id": p["model_id"],
+                                                   "layer": p["layer"]}) from exc
+    except ForwardError as exc:
+        code = PLANNING_ERROR if exc.kind == "planning" else EXECUTION_ERROR
+        raise RpcError(code, exc.message, {"field": "hidden_states", **exc.data}) from exc
+    except ValueError as exc:
+        raise RpcError(INVALID_PARAMS, str(exc), {"field": "carrier" if "carrier" in str(exc) else "d_model"}) from exc

@@ -20,7 +20,7 @@ from django.conf import settings
 from django.core.management import call_command
 
 from holders.identity import load_or_create_key, provider_id
-from prepare.services import publish_checkpoint
+from prepare.services import publish_checkpoint, publish_dense
 from registry.models import Provider
 from registry.selectors import shard_view
 from tenzro_site.operator import operator_token
@@ -42,11 +42,13 @@ class LocalCluster:
 
     ``say`` receives progress lines (default: silent). ``agent_http``: each agent also
     serves its HTTP endpoint (``--http-port``) on a free port and advertises it.
+    ``dense_parts``: dense MLP layers are split into this many intermediate slices and
+    placed like experts (``holders.dense``; model ids in ``dense_ids``).
     """
 
     def __init__(self, checkpoints: list[str | Path], holders: int = 4, port: int = 0, replication: int = 2,
                  heartbeat_interval: int = 5, say: Callable[[str], None] | None = None,
-                 model_ids: list[str | None] | None = None, agent_http: bool = False):
+                 model_ids: list[str | None] | None = None, agent_http: bool = False, dense_parts: int = 2):
         if holders < 1:
             raise ClusterError("--holders must be at least 1")
         self.checkpoints = [Path(c) for c in checkpoints]
@@ -63,6 +65,8 @@ class LocalCluster:
         self.site: subprocess.Popen | None = None
         self.agents: list[tuple[str, subprocess.Popen]] = []
         self.model_ids: list[str] = []
+        self.dense_ids: list[str] = []
+        self.dense_parts = dense_parts
         self._req_id = 0
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -76,6 +80,9 @@ class LocalCluster:
         for ckpt, mid in zip(self.checkpoints, self.model_id_overrides):
             self.say(f"publishing {ckpt} ...")
             self.model_ids.append(publish_checkpoint(ckpt, mid).model_id)
+            dense = publish_dense(ckpt, self.model_ids[-1], self.dense_parts)
+            if dense is not None:
+                self.dense_ids.append(dense.model_id)
         env = {**os.environ, "TENZRO_HEARTBEAT_INTERVAL": str(self.heartbeat_interval),
                "TENZRO_VAR_DIR": str(settings.VAR_DIR), "TENZRO_BLOB_DIR": str(settings.TENZRO["BLOB_DIR"]),
                "TENZRO_OPERATOR_TOKEN": operator_token(), "PYTHONUNBUFFERED": "1"}
@@ -98,7 +105,7 @@ class LocalCluster:
         self._wait(lambda: Provider.objects.filter(provider__in=ids, connected=True,
                                                    last_heartbeat__isnull=False).count() == len(ids),
                    timeout, "not every agent connected and sent a heartbeat")
-        for mid in self.model_ids:
+        for mid in self.model_ids + self.dense_ids:
             res = self.rpc("tenzro_moePlaceModel", {"model_id": mid, "replication": self.replication}, operator=True)
             if res["failed"]:
                 raise ClusterError(f"placing {mid}: {len(res['failed'])} loads failed, first: {res['failed'][0]}")

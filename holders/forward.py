@@ -174,14 +174,15 @@ class _Rows:
         return {e: self.tokens[e][~f].tolist() for e, f in self.filled.items() if not f.all()}
 
 
-async def distributed_forward(*, gate: Gate, model_id: str, layer: int, hidden_states: np.ndarray,
+async def distributed_forward(*, gate: Gate | None, model_id: str, layer: int, hidden_states: np.ndarray,
                               get_view: Callable[[frozenset], Awaitable[ShardView]], send: Send,
                               top_k: int | None = None, allow_cold: bool = False, allow_partial: bool = False,
                               carrier: str = "auto", deadline_s: float = 10.0, max_message: int = 1 << 20,
                               split_threshold: int | None = None,
                               readahead: Callable[[list[int]], Awaitable[None]] | None = None,
                               verify: bool = True,
-                              local: Callable[[int, np.ndarray], np.ndarray | None] | None = None) -> ForwardResult:
+                              local: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
+                              routing: Routing | None = None) -> ForwardResult:
     """One MoE layer forward with experts executed by remote holders (module docstring).
 
     ``hidden_states`` f32 [T, H] with H == gate.d_model. ``get_view(excluded)`` returns the
@@ -190,15 +191,23 @@ async def distributed_forward(*, gate: Gate, model_id: str, layer: int, hidden_s
     gets it. ``verify``: check receipts of remote answers (local answers carry none).
     ``local(expert, rows f32 [n, H])``: the router's own runtime; returns the expert's
     output rows when it holds that expert (exact f32, no wire, no receipt), else None. A
-    local error sends those pairs to the remote holders in the next round.
+    local error sends those pairs to the remote holders in the next round. ``routing``:
+    use this routing instead of the gate's (``gate`` may then be None; a split dense layer
+    routes every token to every slice, ``holders.dense.dense_routing``).
 
     Raises ``ValueError`` for bad input (from ``route``, ``wire.choose_carrier``) and
     ``ForwardError`` with ``data["missing"] = [{layer, expert, tokens}]`` when pairs stay
     unserved and ``allow_partial`` is false, or the shared expert is missing.
     """
     t0 = time.perf_counter()
-    routing = route(gate, hidden_states, top_k)
-    d_model = gate.d_model
+    if routing is None:
+        routing = route(gate, hidden_states, top_k)
+        d_model = gate.d_model
+    else:
+        d_model = int(hidden_states.shape[1])
+        if routing.expert_ids.shape[0] != hidden_states.shape[0]:
+            raise ValueError(f"routing has {routing.expert_ids.shape[0]} tokens, "
+                             f"hidden_states {hidden_states.shape[0]}")
     carrier_kind, output_kind = wire.choose_carrier(carrier, d_model)
     x = np.ascontiguousarray(hidden_states, dtype=np.float32)
     t_gate = time.perf_counter()

@@ -18,12 +18,14 @@ from channels.db import database_sync_to_async
 from django.conf import settings
 
 from holders import wire
+from holders.dense import dense_model_id, dense_routing
 from holders.forward import BatchAnswer, BatchRequest, ForwardError, distributed_forward
 from holders.gating import Gate
 from holders.transports.http import HttpHolderClient, answer_to_batch
 from holders.transports.ws import AgentLink
 from prepare.blobs import BlobStore
 from prepare.models import GateBlob
+from registry.models import MoeModel
 from registry.selectors import expected_experts, provider_infos
 from registry.services import record_holder_outcomes
 from registry.shardmap import ReplicationPolicy, ShardView
@@ -165,6 +167,48 @@ async def forward(model_id: str, layer: int, d_model: int, hidden_states: np.nda
     }
 
 
+async def dense_forward(model_id: str, layer: int, d_model: int, hidden_states: np.ndarray,
+                        carrier: str = "auto") -> dict:
+    """``tenzro_moeDenseForward``: a dense MLP layer split by intermediate slices over holders
+    (``holders.dense``), recombined in slice order. ``model_id`` is the checkpoint's model;
+    its slices are the experts of ``dense_model_id(model_id)``. Returns ``{model_id, layer,
+    d_model, tokens, parts, batches, replans, transports, holders, failures, receipts, wire,
+    timings_ms, outputs}``. Raises ``GateNotLoaded`` when no dense slices are published for
+    the layer, ``ValueError`` and ``ForwardError``.
+    """
+    dense_id = dense_model_id(model_id)
+
+    def parts_of() -> int | None:
+        m = MoeModel.objects.filter(model_id=dense_id).first()
+        return m.num_experts if m is not None and layer in m.moe_layers and m.hidden_size == d_model else None
+
+    parts = await database_sync_to_async(parts_of)()
+    if parts is None:
+        raise GateNotLoaded(f"no dense slices of model {model_id!r} layer {layer} with d_model {d_model} are "
+                            f"published")
+    t = settings.TENZRO
+
+    async def get_view(excluded):
+        return await database_sync_to_async(live_view)(dense_id, excluded)
+
+    try:
+        res = await distributed_forward(gate=None, routing=dense_routing(int(hidden_states.shape[0]), parts),
+                                        model_id=dense_id, layer=layer, hidden_states=hidden_states,
+                                        get_view=get_view, send=send_batch, carrier=carrier,
+                                        deadline_s=t["BATCH_DEADLINE_S"], max_message=t["WS_MAX_MESSAGE"],
+                                        split_threshold=t["SPLIT_THRESHOLD"])
+    except ForwardError as exc:
+        _record_later(exc.data.get("failures", []), {})
+        raise
+    _record_later(res.failures, res.latencies_ms)
+    return {"model_id": model_id, "layer": layer, "d_model": d_model, "tokens": int(hidden_states.shape[0]),
+            "parts": parts, "batches": res.batches, "replans": res.replans, "transports": res.transports,
+            "holders": res.holders, "failures": res.failures, "receipts": len(res.receipts),
+            "wire": {"bytes_out": res.bytes_out, "bytes_back": res.bytes_back,
+                     "routed_elements": int(hidden_states.shape[0]) * parts * d_model},
+            "timings_ms": res.timings_ms, "outputs": wire.b64encode(wire.encode_f32(res.output))}
+
+
 _recording: set[asyncio.Task] = set()
 
 
@@ -180,4 +224,5 @@ def _record_later(failures: list[dict], latencies: dict) -> None:
         task.add_done_callback(_recording.discard)
 
 
-__all__ = ["ForwardError", "GateNotLoaded", "forward", "live_view", "load_gate", "send_batch", "send_ws"]
+__all__ = ["ForwardError", "GateNotLoaded", "dense_forward", "forward", "live_view", "load_gate", "send_batch",
+           "send_ws"]

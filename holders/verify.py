@@ -9,7 +9,7 @@ from safetensors.numpy import load_file
 from threadpoolctl import threadpool_limits
 
 from holders import wire
-from holders.ffn import moe_layer_forward
+from holders.ffn import expert_forward, moe_layer_forward
 from prepare.checkpoint import Checkpoint
 from prepare.layouts import load_expert, load_gate, spec_from_config
 
@@ -88,3 +88,36 @@ def _per_elem(res: dict) -> dict:
     w = res.get("wire") or {}
     n = max(1, w.get("routed_elements", 0))
     return {"out": round(w.get("bytes_out", 0) / n, 4), "back": round(w.get("bytes_back", 0) / n, 4)}
+
+
+def verify_dense_layers(rpc, model_id: str, checkpoint: str | Path, reference: str | Path, parts: int) -> list[dict]:
+    """Run ``tenzro_moeDenseForward`` for every dense MLP layer of the checkpoint and compare.
+
+    The bundle holds no dense-layer output, so the input is the first MoE layer's hidden
+    states (activations of the right width and scale) and the checks are against the
+    unsplit MLP in process (``max_rel_err_vs_unsplit`` ≤ ``REL_TOLERANCE``: regrouped f32
+    sums) and the same split summed in process (``max_abs_diff_vs_split`` exactly 0).
+    """
+    from holders.dense import split_dense, split_forward
+    from prepare.services import dense_layers, load_dense
+
+    ckpt = Checkpoint(checkpoint)
+    tensors, moe = reference_layers(reference)
+    x = tensors[f"layer{moe[0]}.hidden_states"].astype(np.float32)
+    rows = []
+    for layer in dense_layers(ckpt):
+        w = load_dense(ckpt, layer)
+        t0 = time.perf_counter()
+        res = rpc("tenzro_moeDenseForward", {"model_id": model_id, "layer": layer, "d_model": int(x.shape[1]),
+                                             "hidden_states": wire.b64encode(wire.encode_f32(x)), "carrier": "f32"})
+        ms = (time.perf_counter() - t0) * 1e3
+        out = wire.decode_f32(wire.b64decode(res["outputs"], "outputs"), int(x.shape[1]), field="outputs")
+        with threadpool_limits(limits=1):
+            whole = expert_forward(w, x)
+            split = split_forward(split_dense(w, parts), x)
+        rel = max_rel_err(out, whole)
+        absdiff = float(np.max(np.abs(out - split)))
+        rows.append({"layer": layer, "tokens": int(x.shape[0]), "parts": res["parts"], "holders": len(res["holders"]),
+                     "max_rel_err_vs_unsplit": rel, "max_abs_diff_vs_split": absdiff, "ms": round(ms, 1),
+                     "ok": rel <= REL_TOLERANCE and absdiff == 0.0 and res["parts"] == parts})
+    return rows

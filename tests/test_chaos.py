@@ -101,7 +101,9 @@ def test_chaos_scenes(tmp_path):
 
         # 2. A stalled holder: its batches go to the backups after one deadline.
         def busiest_primary():
-            shard = rpc(info["rpc"], "tenzro_moeShardMap", {"model_id": MODEL})["result"]
+            resp = rpc(info["rpc"], "tenzro_moeShardMap", {"model_id": MODEL})
+            assert "result" in resp, resp
+            shard = resp["result"]
             primaries = [h["holders"][0]["provider"] for h in shard["holders"] if h["layer"] == LAYER]
             return shard, max(sorted(set(primaries)), key=primaries.count)
 

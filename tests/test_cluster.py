@@ -58,6 +58,11 @@ def test_verify_forward_passes_on_fixture(tmp_path, ckpt):
         assert r["max_rel_err_vs_reference"] <= 1e-5
         assert r["max_abs_diff_vs_monolithic"] == 0.0
         assert r["holders"] >= 2 and r["tokens"] == 48
+    dense = report["dense_layers"]
+    assert [r["layer"] for r in dense] == ([0] if ckpt == DEEPSEEK else [])
+    for r in dense:  # DeepSeek's leading dense MLP, split by intermediate slices over holders
+        assert r["ok"] and r["parts"] == 2 and r["holders"] >= 1
+        assert r["max_abs_diff_vs_split"] == 0.0 and r["max_rel_err_vs_unsplit"] <= 1e-5
 
 
 SYNTHETIC = {

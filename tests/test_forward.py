@@ -324,3 +324,45 @@ def test_router_holding_experts_runs_them_locally(qwen):
 
     res = qwen.run(local=broken)  # falls back to the remote holders
     assert res.transports["local"] == 0 and np.array_equal(res.output, qwen.monolithic())
+
+
+def test_dense_layer_split_over_holders_recombines_exactly():
+    from holders.dense import dense_routing, slice_bounds, split_dense, split_forward
+    from prepare.services import dense_layers, load_dense
+
+    ck = Checkpoint(DEEPSEEK)
+    assert dense_layers(ck) == [0]
+    w = load_dense(ck, 0)
+    x = load_file(str(DEEPSEEK / "reference.safetensors"))["layer1.hidden_states"].astype(np.float32)
+    assert slice_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    with pytest.raises(ValueError, match="parts"):
+        slice_bounds(4, 5)
+    parts = split_dense(w, 3)
+    agents = [HolderAgent("http://127.0.0.1:1", SigningKey.generate(), "/tmp/unused") for _ in range(3)]
+    for i, a in enumerate(agents):
+        a.runtime.load(MODEL, 0, i, parts[i].to_blob("f32"))
+        a.runtime.load(MODEL, 0, (i + 1) % 3, parts[(i + 1) % 3].to_blob("f32"))
+    by_id = {a.provider: a for a in agents}
+    infos = [ProviderInfo(a.provider, roles=("ExpertHolder",), holdings=tuple(
+        HoldingInfo(MODEL, 0, e, "Warm", 0, None) for e in (i, (i + 1) % 3))) for i, a in enumerate(agents)]
+
+    async def get_view(excluded):
+        return ShardView.build(MODEL, [p for p in infos if p.provider not in excluded], policy=ReplicationPolicy())
+
+    async def send(provider, info, req):
+        answer, data = await by_id[provider].execute_request(
+            {"request_id": req.request_id, "model_id": req.model_id, "layer": req.layer, "expert": req.expert,
+             "token_indices": req.tokens, "d_model": req.d_model, "output": req.output}, req.carrier, req.payload)
+        return BatchAnswer(wire.decode_rows(data, answer["output"], req.d_model, len(req.tokens)), answer["receipt"],
+                           "ws", len(req.payload), len(data))
+
+    async def go():
+        with threadpool_limits(limits=1):
+            return await distributed_forward(gate=None, routing=dense_routing(x.shape[0], 3), model_id=MODEL,
+                                             layer=0, hidden_states=x, get_view=get_view, send=send, carrier="f32")
+    res = asyncio.run(go())
+    with threadpool_limits(limits=1):
+        assert np.array_equal(res.output, split_forward(parts, x))
+        whole = expert_forward(w, x)
+    assert np.abs(res.output - whole).max() <= 1e-5 * np.abs(whole).max()
+    assert len(res.holders) >= 2 and len(res.receipts) == 3

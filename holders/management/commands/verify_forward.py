@@ -7,7 +7,7 @@ import sys
 from django.core.management.base import BaseCommand, CommandError
 
 from holders.cluster import ClusterError, LocalCluster
-from holders.verify import REL_TOLERANCE, verify_layers
+from holders.verify import REL_TOLERANCE, verify_dense_layers, verify_layers
 from prepare.checkpoint import CheckpointError
 
 
@@ -31,6 +31,8 @@ class Command(BaseCommand):
         try:
             cluster.start()
             rows = verify_layers(cluster.rpc, cluster.model_ids[0], opts["checkpoint"], opts["reference"])
+            dense = verify_dense_layers(cluster.rpc, cluster.model_ids[0], opts["checkpoint"], opts["reference"],
+                                        cluster.dense_parts) if cluster.dense_ids else []
         except (ClusterError, CheckpointError, ValueError, OSError) as exc:
             raise CommandError(str(exc)) from exc
         finally:
@@ -44,10 +46,14 @@ class Command(BaseCommand):
                               f"{r['compact_wire_rel_err']:>21.3e} "
                               f"{compact['out']:>7.3f},{compact['back']:<8.3f}  "
                               f"{'yes' if r['ok'] else 'NO'}")
+        for r in dense:
+            self.stdout.write(f"dense layer {r['layer']} split in {r['parts']} over {r['holders']} holders: "
+                              f"max rel err vs unsplit MLP {r['max_rel_err_vs_unsplit']:.3e}, max |Δ| vs the "
+                              f"split in process {r['max_abs_diff_vs_split']:.3e}  {'yes' if r['ok'] else 'NO'}")
         if opts["json"]:
             keys = ("layer", "max_rel_err_vs_reference", "max_abs_diff_vs_monolithic", "tokens", "holders",
                     "compact_wire_rel_err", "bytes_per_element", "receipts")
-            self.stdout.write(json.dumps({"layers": [{k: r[k] for k in keys} for r in rows]}))
-        if not all(r["ok"] for r in rows):
+            self.stdout.write(json.dumps({"layers": [{k: r[k] for k in keys} for r in rows], "dense_layers": dense}))
+        if not all(r["ok"] for r in rows + dense):
             self.stderr.write(f"FAILED: relative error above {REL_TOLERANCE:g} or sharded differs from monolithic")
             sys.exit(1)
