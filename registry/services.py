@@ -86,14 +86,17 @@ def record_holder_outcomes(failures: dict[str, int], latencies_ms: dict[str, lis
     """Record a forward's holder outcomes: each failure costs ``FAILURE_PENALTY`` reputation
     (reference §7.6, −5 per call failure) and counts in ``batch_failures``; each success
     counts in ``batches_served`` and moves ``latency_ms_ewma`` (α = ``LATENCY_EWMA_ALPHA``).
-    Unknown providers are ignored. Reputation only falls here; settlement raises it.
+    Unknown providers are ignored. Reputation only falls here (never below 0, the
+    planner's floor); settlement raises it.
     """
     from django.db import transaction
-    from django.db.models import F
+    from django.db.models import F, Value
+    from django.db.models.functions import Greatest
 
     with transaction.atomic():
         for provider, n in failures.items():
-            Provider.objects.filter(provider=provider).update(reputation=F("reputation") - FAILURE_PENALTY * n,
+            Provider.objects.filter(provider=provider).update(reputation=Greatest(F("reputation") - FAILURE_PENALTY * n,
+                                                                                   Value(0)),
                                                               batch_failures=F("batch_failures") + n)
         for p in Provider.objects.select_for_update().filter(provider__in=list(latencies_ms)):
             lat = p.latency_ms_ewma

@@ -15,7 +15,8 @@ from django.core.management.base import BaseCommand, CommandError
 
 from holders import wire
 from holders.cluster import ClusterError, LocalCluster
-from holders.verify import REL_TOLERANCE, verify_layers
+from holders.dense import dense_model_id
+from holders.verify import REL_TOLERANCE, verify_dense_layers, verify_layers
 from registry.selectors import shard_view
 
 FIXTURES = ("qwen3_moe_tiny", "deepseek_v3_tiny")
@@ -45,6 +46,7 @@ class Command(BaseCommand):
         cluster = LocalCluster(ckpts, holders=opts["holders"], say=say)
         results = []
         failover = None
+        dense: list[tuple[str, dict]] = []
         try:
             cluster.start()
             t_up = time.perf_counter()
@@ -52,6 +54,9 @@ class Command(BaseCommand):
                 view = shard_view(model_id).to_json()
                 rows = verify_layers(cluster.rpc, model_id, ckpt, ckpt / "reference.safetensors")
                 results.append((model_id, view, rows))
+                if dense_model_id(model_id) in cluster.dense_ids:
+                    dense += [(model_id, r) for r in verify_dense_layers(
+                        cluster.rpc, model_id, ckpt, ckpt / "reference.safetensors", cluster.dense_parts)]
             failover = self._failover_scene(cluster, cluster.model_ids[0], ckpts[0])
             if opts["keep_running"]:
                 self.stdout.write(f"cluster running at {cluster.url} (Ctrl-C to stop)")
@@ -63,7 +68,7 @@ class Command(BaseCommand):
             pass
         finally:
             cluster.stop()
-        ok = self._summary(results, t_up - t0, time.perf_counter() - t0, opts["holders"], failover)
+        ok = self._summary(results, t_up - t0, time.perf_counter() - t0, opts["holders"], failover, dense)
         if not ok:
             sys.exit(1)
 
@@ -95,7 +100,8 @@ class Command(BaseCommand):
                 "failures": len(after["failures"]), "replans": after["replans"], "holders": len(after["holders"]),
                 "ms": after["timings_ms"]["total"]}
 
-    def _summary(self, results, t_start: float, t_total: float, holders: int, failover: dict | None = None) -> bool:
+    def _summary(self, results, t_start: float, t_total: float, holders: int, failover: dict | None = None,
+                 dense: list[tuple[str, dict]] = ()) -> bool:
         w = self.stdout.write
         w("")
         w(f"{'model':<18} {'layer':>5} {'tokens':>6} {'holders':>7} {'rel err vs transformers':>24} "
@@ -116,6 +122,11 @@ class Command(BaseCommand):
                 w(f"{model_id + ' layer ' + str(r['layer']):<44} {b['compact']['out']:>10.3f} "
                   f"{b['compact']['back']:>11.3f} {b['f32']['out']:>8.3f} {b['f32']['back']:>8.3f} "
                   f"{r['compact_wire_rel_err']:>24.3e} {r['receipts']:>8}")
+        for model_id, r in dense:
+            all_ok &= r["ok"]
+            w(f"dense {model_id} layer {r['layer']}: MLP split in {r['parts']} intermediate slices over "
+              f"{r['holders']} holder(s); rel err vs unsplit {r['max_rel_err_vs_unsplit']:.3e}, |Δ| vs split in "
+              f"process {r['max_abs_diff_vs_split']:.3e}  {'ok' if r['ok'] else 'FAILED'}")
         if failover is not None:
             all_ok &= failover["identical"] and failover["failures"] > 0
             w(f"failover {failover['model_id']} layer {failover['layer']}: holder {failover['victim'][:12]}… killed; "
