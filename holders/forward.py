@@ -252,9 +252,10 @@ async def distributed_forward(*, gate: Gate | None, model_id: str, layer: int, h
                 raise HolderFault(f"returned rows of shape {ans.rows.shape}, expected {(len(tokens), d_model)}")
             rows.check(expert, tokens)
             if verify and ans.transport != "local":
-                verify_receipt(ans.receipt, provider=provider, request_id=req.request_id, model_id=model_id,
-                               layer=layer, expert=expert, tokens=tokens, carrier_kind=carrier_kind,
-                               carrier=payload, rows=ans.rows)
+                # numpy work releases the GIL: verify off the loop so other answers keep flowing.
+                await asyncio.to_thread(verify_receipt, ans.receipt, provider=provider, request_id=req.request_id,
+                                        model_id=model_id, layer=layer, expert=expert, tokens=tokens,
+                                        carrier_kind=carrier_kind, carrier=payload, rows=ans.rows)
         except AuthRefusal as exc:
             failures.append({"provider": provider, "expert": expert, "error": f"auth refused: {exc}", "fault": False})
             return "refused"
@@ -281,8 +282,12 @@ async def distributed_forward(*, gate: Gate | None, model_id: str, layer: int, h
                              "commitment": ans.receipt["commitment"]})
         return "ok"
 
+    # Rows encode independently, so each token's carrier row is encoded once and batches
+    # gather their rows' bytes (a token routed to k experts is not quantized k times).
+    encoded = np.frombuffer(wire.encode_rows(x, carrier_kind), dtype=np.uint8).reshape(x.shape[0], -1)
+
     async def run_batch(batch, tokens: list[int]) -> None:
-        payload = wire.encode_rows(x[np.asarray(tokens, dtype=np.int64)], carrier_kind)
+        payload = encoded[np.asarray(tokens, dtype=np.int64)].tobytes()
         stats["batches"] += 1
         targets = [(batch.provider, None)] + [(b.provider, b) for b in batch.backups]
         for provider, info in targets:
