@@ -315,6 +315,8 @@ def load_gate(ckpt: Checkpoint, spec: MoeSpec, layer: int) -> Gate:
     missing or unreadable tensor.
     """
     names = spec.gate_tensor_names(layer)
+    if spec.family == "mixtral" and not ckpt.has(names["weight"]):
+        names["weight"] = f"model.layers.{layer}.mlp.gate.weight"  # transformers 5 renames block_sparse_moe
     weight = _read(ckpt, spec, names["weight"], (spec.num_experts, spec.hidden_size))
     bias = _read(ckpt, spec, names["bias"], (spec.num_experts,)) if "bias" in names else None
     sgate = _read(ckpt, spec, names["shared_gate"], (1, spec.hidden_size)) if "shared_gate" in names else None
