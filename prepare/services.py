@@ -49,3 +49,24 @@ def publish_checkpoint(checkpoint: str | Path, model_id: str | None = None,
         detail = f"; first: layer {first.layer} expert {first.expert}: {first.error}" if first else ""
         raise PublishError(f"publishing {checkpoint}: {job.error}{detail}")
     return MoeModel.objects.get(model_id=model_id)
+
+
+def blob_endpoints(uri: str, site_url: str | None = None) -> list[str]:
+    """HTTP endpoints that may serve ``uri``: ``site_url`` first, then the ``http_endpoint``
+    of live providers declaring a holding with that ``blob_uri`` (best reputation first)."""
+    from registry.models import Holding
+
+    rows = (Holding.objects.filter(blob_uri=uri).exclude(provider__http_endpoint="")
+            .order_by("-provider__reputation", "provider_id").values_list("provider__http_endpoint", flat=True))
+    return [e for e in [site_url, *rows] if e]
+
+
+def resolve_blob(uri: str, store=None, site_url: str | None = None) -> bytes:
+    """The bytes of ``tenzro://blob/<hash>``: the site's store, else fetched (and verified)
+    from the holders that declare it. Raises ``prepare.blobs.BlobError``."""
+    from django.conf import settings
+
+    from prepare.blobs import BlobStore, fetch_blob
+
+    store = store or BlobStore(settings.TENZRO["BLOB_DIR"])
+    return fetch_blob(uri, store, blob_endpoints(uri, site_url))
