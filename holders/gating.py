@@ -8,7 +8,8 @@ Families (config ``model_type``):
 * ``qwen2_moe``: the same softmax router plus a shared expert scaled per token by
   ``sigmoid(shared_expert_gate · x)`` (HF ``qwen2_moe/modular_qwen2_moe.py``); ``mixtral``:
   softmax over all, top-k, always renormalized (HF ``mixtral/modular_mixtral.py``).
-* ``deepseek_v3``, ``kimi_k2`` and ``glm4_moe`` (HF ``glm4_moe``: the DeepSeek-V3 router): sigmoid scores; selection on score + correction bias,
+* ``deepseek_v3``, ``kimi_k2`` and ``glm4_moe`` (HF ``glm4_moe``: the DeepSeek-V3 router):
+  sigmoid scores; selection on score + correction bias,
   group-limited (keep ``topk_group`` of ``n_group`` groups ranked by the sum of each
   group's top-2 biased scores, the rest masked with -inf as the official DeepSeek code does,
   not HF's 0.0); weights are the unbiased sigmoid of the selected, divided by
@@ -294,9 +295,10 @@ def route(gate: Gate, hidden_states: np.ndarray, top_k: int | None = None) -> Ro
     ``DeepseekV3MoE.route_tokens_to_experts``.
 
     The shared slot gets weight 1.0, or ``sigmoid(x · shared_gateᵀ)`` (float32) when the
-    gate has a ``shared_gate`` (qwen2_moe). ``top_k`` defaults to ``gate.top_k``. Raises ``ValueError`` when ``hidden_states`` is not
-    2-D, its width differs from ``gate.d_model``, it holds NaN/inf (or the logits overflow),
-    or k is missing or outside ``1..gate.max_top_k``.
+    gate has a ``shared_gate`` (qwen2_moe). ``top_k`` defaults to ``gate.top_k``. Raises
+    ``ValueError`` when ``hidden_states`` is not 2-D, its width differs from
+    ``gate.d_model``, it holds NaN/inf (or the logits overflow), or k is missing or outside
+    ``1..gate.max_top_k``.
     """
     x = np.asarray(hidden_states)
     if x.ndim != 2:

@@ -367,7 +367,8 @@ def _load_fused(ckpt: Checkpoint, spec: MoeSpec, layer: int, expert: int) -> Exp
     elif d_shape == (e, f, h):
         down = ckpt.read_slab(names["down"], expert).T
     else:
-        raise ValueError(f"tensor {names['down']!r} has shape {d_shape}; the config implies {(e, h, f)} (or {(e, f, h)})")
+        raise ValueError(f"tensor {names['down']!r} has shape {d_shape}; the config implies {(e, h, f)} "
+                         f"(or {(e, f, h)})")
     where = f"{names['gate_up']}[{expert}]"
     _check(where, gate_up, (2 * f, h))
     _check(f"{names['down']}[{expert}]", down, (h, f))

@@ -70,7 +70,8 @@ class HttpCheckpoint(Checkpoint):
             base = f"https://huggingface.co/{hf.group(1)}/resolve/{revision or 'main'}/"
         else:
             if revision:
-                raise CheckpointError(f"{url}: revision is only understood for https://huggingface.co/<org>/<repo> URLs")
+                raise CheckpointError(f"{url}: revision is only understood for "
+                                      f"https://huggingface.co/<org>/<repo> URLs")
             base = url.rstrip("/") + "/"
         self.path = url
         self.base = base

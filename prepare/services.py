@@ -17,7 +17,8 @@ class PublishError(ValueError):
 
 def default_model_id(checkpoint: str | Path) -> str:
     """A model id from a checkpoint directory name or URL: ``qwen3_moe_tiny`` → ``qwen3-moe-tiny``."""
-    name = str(checkpoint).rstrip("/").rsplit("/", 1)[-1] if is_url(str(checkpoint)) else Path(checkpoint).resolve().name
+    text = str(checkpoint)
+    name = text.rstrip("/").rsplit("/", 1)[-1] if is_url(text) else Path(checkpoint).resolve().name
     return re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-") or "model"
 
 

@@ -33,7 +33,10 @@ class Command(BaseCommand):
             raise CommandError(f"--quant: {exc}") from exc
         if opts["model_id"] and len(opts["model_id"]) != len(opts["checkpoint"]):
             raise CommandError("--model-id: give one per --checkpoint")
-        say = (lambda s: print(s, file=sys.stderr, flush=True))
+
+        def say(line: str) -> None:
+            print(line, file=sys.stderr, flush=True)
+
         cluster = LocalCluster(opts["checkpoint"], holders=opts["holders"], port=opts["port"], say=say,
                                model_ids=opts["model_id"],
                                quants=[plan.to_json() if plan else None] * len(opts["checkpoint"]))

@@ -47,7 +47,10 @@ class Command(BaseCommand):
         if quant:
             label = plan.label if isinstance(quant, str) else "quant"
             runs += [(c, f"{default_model_id(c)}-{label.replace('_', '-')}", quant) for c in ckpts]
-        say = (lambda s: self.stdout.write(f"· {s}"))
+
+        def say(line: str) -> None:
+            self.stdout.write(f"· {line}")
+
         cluster = LocalCluster([c for c, _, _ in runs], holders=opts["holders"], say=say,
                                model_ids=[m for _, m, _ in runs], quants=[q for _, _, q in runs])
         results = []
@@ -78,7 +81,7 @@ class Command(BaseCommand):
         w(f"{'model':<26} {'layer':>5} {'tokens':>6} {'holders':>7} {'rel err vs transformers':>24} "
           f"{'max |Δ| vs monolithic':>22} {'rel err vs dense':>17} {'ms':>7}  check")
         all_ok = True
-        for model_id, view, rows in results:
+        for model_id, _view, rows in results:
             for r in rows:
                 all_ok &= r["ok"]
                 vs_dense = f"{r['max_rel_err_vs_dense']:>17.3e}" if "max_rel_err_vs_dense" in r else f"{'(dense)':>17}"
@@ -86,12 +89,12 @@ class Command(BaseCommand):
                   f"{r['max_rel_err_vs_reference']:>24.3e} {r['max_abs_diff_vs_monolithic']:>22.3e} "
                   f"{vs_dense} {r['ms']:>7.1f}  {'ok' if r['ok'] else 'FAILED'}")
         w("")
-        for model_id, view, rows in results:
+        for model_id, view, _rows in results:
             min_rep = min((h["replication"] for h in view["holders"]), default=0)
             covered_ok = not view["under_replicated_experts"]
             all_ok &= covered_ok
             w(f"coverage {model_id}: {view['covered_experts']} expert slots held by "
-              f"{view['distinct_providers'] if isinstance(view['distinct_providers'], int) else len(view['distinct_providers'])} "
+              f"{view['distinct_providers']} "
               f"providers, min replication {min_rep}, under-replicated {len(view['under_replicated_experts'])}")
         w(f"{holders} holder agents; cluster up in {t_start:.1f} s; total {t_total:.1f} s; "
           f"tolerance {REL_TOLERANCE:g} relative vs transformers for dense experts, exactly 0 vs monolithic "

@@ -33,7 +33,10 @@ class Command(BaseCommand):
         except QuantPlanError as exc:
             raise CommandError(f"--quant: {exc}") from exc
         quant = quant.to_json() if quant else None
-        say = (lambda s: print(s, file=sys.stderr, flush=True))
+
+        def say(line: str) -> None:
+            print(line, file=sys.stderr, flush=True)
+
         cluster = LocalCluster([opts["checkpoint"]], holders=opts["holders"], say=say,
                                model_ids=[opts["model_id"]], quants=[quant])
         try:
