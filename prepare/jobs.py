@@ -147,6 +147,14 @@ def run_job(job_id, progress: Callable[[PrepareJob], None] | None = None) -> Pre
         ckpt, spec = _open(job.source, job.revision)
     except (JobParamError, QuantPlanError) as exc:
         return _finish(job, PrepareJob.State.FAILED, str(exc))
+    try:
+        return _run(job, ckpt, spec, plan, progress)
+    finally:
+        if hasattr(ckpt, "close"):
+            ckpt.close()  # HTTP connection pool of a remote checkpoint
+
+
+def _run(job: PrepareJob, ckpt, spec: MoeSpec, plan, progress) -> PrepareJob:
     store = BlobStore(settings.TENZRO["BLOB_DIR"])
     _register_model(job, spec, ckpt.config)
     done = {(i.layer, i.expert) for i in job.items.filter(state=PrepareItem.State.DONE) if store.has(i.blob_hash)}

@@ -121,3 +121,86 @@ def make_checkpoint(path: Path, family: str, *, experts=4, hidden=64, inter=32, 
                 put(f"{pre}.experts.{e}.{names[p]}.weight", mat(*shp))
     write_checkpoint(path, cfg, tensors, shards)
     return cfg, values
+
+
+def expert_values(cfg: dict, values: dict, layer: int, e: int, fused: bool = False):
+    """(gate, up, down) float32 of expert ``e`` (``E`` = the shared expert) from ``values``."""
+    fam = cfg["model_type"]
+    n = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
+    if e == n:
+        sh = "shared_expert" if fam == "qwen2_moe" else "shared_experts"
+        return tuple(values[f"model.layers.{layer}.mlp.{sh}.{p}.weight"] for p in ("gate_proj", "up_proj", "down_proj"))
+    if fused:
+        f = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+        gu = values[f"model.layers.{layer}.mlp.experts.gate_up_proj"][e]
+        return gu[:f], gu[f:], values[f"model.layers.{layer}.mlp.experts.down_proj"][e]
+    if fam == "mixtral":
+        pre = f"model.layers.{layer}.block_sparse_moe.experts.{e}"
+        return tuple(values[f"{pre}.{w}.weight"] for w in ("w1", "w3", "w2"))
+    pre = f"model.layers.{layer}.mlp.experts.{e}"
+    return tuple(values[f"{pre}.{p}.weight"] for p in ("gate_proj", "up_proj", "down_proj"))
+
+
+def write_reference(path: Path, cfg: dict, values: dict, fused: bool = False, tokens: int = 16, seed: int = 5):
+    """Write ``reference.safetensors`` / ``reference.json`` (DESIGN §4 bundle format) beside a
+    checkpoint made by ``make_checkpoint``, computed per token in float64 from the decoded
+    values with a second, loop-based reading of each family's MoE block (HF modeling code for
+    qwen2_moe / mixtral / glm4_moe; −inf group masking). Returns the MoE layers."""
+    from safetensors.numpy import save_file
+
+    fam = cfg["model_type"]
+    rng = np.random.default_rng(seed)
+    n = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
+    k = cfg["num_experts_per_tok"]
+    sigmoid_family = fam in ("deepseek_v3", "kimi_k2", "glm4_moe")
+    layers = list(range(1 if sigmoid_family else 0, cfg["num_hidden_layers"]))
+
+    def ffn(w, x):
+        g, u, d = (a.astype(np.float64) for a in w)
+        h = g @ x
+        return d @ (h / (1 + np.exp(-h)) * (u @ x))
+
+    ref = {}
+    for layer in layers:
+        pre = f"model.layers.{layer}." + ("block_sparse_moe" if fam == "mixtral" and not fused else "mlp")
+        W = values[f"{pre}.gate.weight"].astype(np.float64)
+        X = rng.standard_normal((tokens, cfg["hidden_size"])).astype(np.float32)
+        out = np.zeros((tokens, cfg["hidden_size"]))
+        ids, wts = [], []
+        for t in range(tokens):
+            x = X[t].astype(np.float64)
+            logits = W @ x
+            if sigmoid_family:
+                s = 1 / (1 + np.exp(-logits))
+                b = s + values[f"{pre}.gate.e_score_correction_bias"]
+                per = n // cfg["n_group"]
+                gs = [sum(sorted(b[g * per:(g + 1) * per])[-2:]) for g in range(cfg["n_group"])]
+                keep = sorted(range(cfg["n_group"]), key=lambda g: (-gs[g], g))[:cfg["topk_group"]]
+                masked = [b[e] if e // per in keep else -np.inf for e in range(n)]
+                sel = sorted(sorted(range(n), key=lambda e: (-masked[e], e))[:k])
+                w = np.array([s[e] for e in sel])
+                w = w / (w.sum() + 1e-20) * cfg["routed_scaling_factor"]
+            else:
+                p = np.exp(logits - logits.max())
+                p /= p.sum()
+                sel = sorted(sorted(range(n), key=lambda e: (-p[e], e))[:k])
+                w = np.array([p[e] for e in sel])
+                if fam == "mixtral" or cfg.get("norm_topk_prob"):
+                    w = w / w.sum()
+            for e, we in zip(sel, w):
+                out[t] += we * ffn(expert_values(cfg, values, layer, e, fused), x)
+            if sigmoid_family:
+                out[t] += ffn(expert_values(cfg, values, layer, n), x)
+            elif fam == "qwen2_moe":
+                sg = 1 / (1 + np.exp(-(values[f"{pre}.shared_expert_gate.weight"][0].astype(np.float64) @ x)))
+                out[t] += sg * ffn(expert_values(cfg, values, layer, n), x)
+            ids.append(sel)
+            wts.append(w)
+        ref[f"layer{layer}.hidden_states"] = X
+        ref[f"layer{layer}.output"] = out.astype(np.float32)
+        ref[f"layer{layer}.topk_ids"] = np.array(ids, dtype=np.int64)
+        ref[f"layer{layer}.topk_weights"] = np.array(wts, dtype=np.float32)
+    save_file(ref, str(path / "reference.safetensors"))
+    (path / "reference.json").write_text(json.dumps({"family": fam, "moe_layers": layers, "config": cfg,
+                                                     "made_with": "tests/ckpt_util.py"}))
+    return layers
