@@ -13,7 +13,7 @@ Pure Python + numpy; imports nothing from Django.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -22,6 +22,10 @@ from holders.quant import QTYPES, QuantizedMatrix
 from prepare.checkpoint import dumps_safetensors, encode_bf16, loads_safetensors
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+BIASES = ("gate_bias", "up_bias", "down_bias")
+# "silu": SwiGLU of Qwen/DeepSeek/Mixtral; "swiglu_oss": gpt-oss's clamped SwiGLU with biases
+# (HF gpt_oss/modular_gpt_oss.py GptOssExperts: gate ≤ limit, |up| ≤ limit, gate·σ(alpha·gate)·(up+1)).
+ACTIVATIONS = ("silu", "swiglu_oss")
 BLOB_DTYPES = {"f32": "F32", "bf16": "BF16", "f16": "F16"}
 # Aliases the reference system accepts in `<name>.quant` (tenzro_reference_system.md §4.1).
 _QUANT_ALIASES = {"q4_k_m": "q4_k", "q4_k_s": "q4_k"}
@@ -48,13 +52,23 @@ class ExpertWeights:
     ``[F, H]``, ``down_proj`` ``[H, F]``. Each projection is a float32 array (made
     C-contiguous) or a ``holders.quant.QuantizedMatrix`` (GGUF blocks).
 
+    Optional (gpt-oss): ``gate_bias``/``up_bias`` float32 ``[F]``, ``down_bias`` ``[H]``,
+    ``activation`` ``"swiglu_oss"`` with ``swiglu_limit`` and ``swiglu_alpha``; the default
+    ``"silu"`` without biases is the plain SwiGLU.
+
     Raises ``ValueError`` naming the projection for a non-2-D or mismatched shape or for
-    non-finite dense values.
+    non-finite dense values, and for a bias of the wrong shape or an unknown activation.
     """
 
     gate_proj: np.ndarray | QuantizedMatrix
     up_proj: np.ndarray | QuantizedMatrix
     down_proj: np.ndarray | QuantizedMatrix
+    gate_bias: np.ndarray | None = None
+    up_bias: np.ndarray | None = None
+    down_bias: np.ndarray | None = None
+    activation: str = "silu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
         for name in PROJECTIONS:
@@ -74,6 +88,17 @@ class ExpertWeights:
         if tuple(self.down_proj.shape) != (h, f):
             raise ValueError(f"down_proj.weight has shape {tuple(self.down_proj.shape)}; expected {(h, f)} "
                              f"([d_model, d_ff] for gate_proj {(f, h)})")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        for name, n in zip(BIASES, (f, f, h)):
+            b = getattr(self, name)
+            if b is None:
+                continue
+            b = np.ascontiguousarray(b, dtype=np.float32)
+            if b.shape != (n,) or not np.isfinite(b).all():
+                raise ValueError(f"{name.replace('_bias', '_proj')}.bias must be finite with shape ({n},), "
+                                 f"got shape {b.shape}")
+            setattr(self, name, b)
 
     @property
     def d_model(self) -> int:
@@ -87,8 +112,9 @@ class ExpertWeights:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the three projections (float32 arrays or quantized blocks)."""
-        return int(self.gate_proj.nbytes + self.up_proj.nbytes + self.down_proj.nbytes)
+        """Bytes held by the three projections (float32 arrays or quantized blocks) and biases."""
+        return int(sum(a.nbytes for a in (self.gate_proj, self.up_proj, self.down_proj, self.gate_bias,
+                                          self.up_bias, self.down_bias) if a is not None))
 
     def quant_kinds(self) -> dict[str, str]:
         """Per projection: its qtype (``"q4_k"`` ...) or ``"f32"`` for a dense array."""
@@ -99,7 +125,7 @@ class ExpertWeights:
         """This expert with every quantized projection decoded to float32 (itself if none is)."""
         if not any(isinstance(getattr(self, p), QuantizedMatrix) for p in PROJECTIONS):
             return self
-        return ExpertWeights(*(_as_dense(getattr(self, p)) for p in PROJECTIONS))
+        return replace(self, **{p: _as_dense(getattr(self, p)) for p in PROJECTIONS})
 
     def to_blob(self, dtype: str = "f32", metadata: Mapping[str, str] | None = None) -> bytes:
         """Serialize to canonical safetensors bytes (reference system §4.1): dense
@@ -108,7 +134,9 @@ class ExpertWeights:
         came from such a source); a ``QuantizedMatrix`` projection as a flat 1-D ``U8``
         tensor of its blocks plus ``__metadata__`` ``"<name>.quant"`` (qtype) and
         ``"<name>.shape"`` (``"rows,cols"``). ``metadata`` adds further string keys (e.g.
-        ``"<name>.fallback"`` notes). Same content → same bytes.
+        ``"<name>.fallback"`` notes). Biases are ``gate_proj.bias``, ``up_proj.bias``,
+        ``down_proj.bias`` in ``dtype``; a non-default activation is recorded as metadata
+        ``activation``, ``swiglu_limit``, ``swiglu_alpha``. Same content → same bytes.
 
         Raises ``ValueError`` for another dtype, a non-string metadata entry, or a dense
         value out of range for ``dtype``.
@@ -133,6 +161,15 @@ class ExpertWeights:
                 tensors[key] = h
             else:
                 tensors[key] = ("BF16", a.shape, encode_bf16(a).tobytes())
+        for name in BIASES:
+            b = getattr(self, name)
+            if b is not None:
+                key = name.replace("_bias", "_proj.bias")
+                tensors[key] = (b if dtype == "f32" else b.astype("<f2") if dtype == "f16"
+                                else ("BF16", b.shape, encode_bf16(b).tobytes()))
+        if self.activation != "silu":
+            meta.update(activation=self.activation, swiglu_limit=repr(float(self.swiglu_limit)),
+                        swiglu_alpha=repr(float(self.swiglu_alpha)))
         return dumps_safetensors(tensors, meta)
 
     @classmethod
@@ -146,10 +183,21 @@ class ExpertWeights:
         """
         tensors, meta = loads_safetensors(data, source="expert blob")
         expected = {f"{p}.weight" for p in PROJECTIONS}
-        unknown = sorted(set(tensors) - expected)
+        biases = {f"{p}.bias" for p in PROJECTIONS}
+        unknown = sorted(set(tensors) - expected - biases)
         if unknown:
             raise ValueError(f"expert blob has unsupported tensors {unknown} (expected {sorted(expected)})")
-        return cls(**{p: _decode_projection(tensors, meta, f"{p}.weight") for p in PROJECTIONS})
+        extra = {}
+        for p, name in zip(PROJECTIONS, BIASES):
+            if f"{p}.bias" in tensors:
+                extra[name] = tensors[f"{p}.bias"].to_f32(f"{p}.bias", "expert blob")
+        if "activation" in meta:
+            try:
+                extra.update(activation=meta["activation"], swiglu_limit=float(meta.get("swiglu_limit", 7.0)),
+                             swiglu_alpha=float(meta.get("swiglu_alpha", 1.702)))
+            except ValueError:
+                raise ValueError("expert blob: swiglu_limit / swiglu_alpha metadata must be numbers") from None
+        return cls(**{p: _decode_projection(tensors, meta, f"{p}.weight") for p in PROJECTIONS}, **extra)
 
 
 def _as_dense(a) -> np.ndarray:
@@ -199,6 +247,8 @@ def expert_forward(w: ExpertWeights, x: np.ndarray) -> np.ndarray:
 
     Quantized projections are decoded to float32 first (bit-identical to gguf-py), so
     a quantized expert computes exactly what its dense decode computes.
+    Biases, when present, are added after each matmul; ``activation == "swiglu_oss"`` runs
+    gpt-oss's clamped SwiGLU instead (``_swiglu_oss``).
 
     Raises ``ValueError`` when ``x`` is not ``[n, w.d_model]``.
     """
@@ -206,13 +256,41 @@ def expert_forward(w: ExpertWeights, x: np.ndarray) -> np.ndarray:
     w = w.dense()  # quantized projections are decoded per call until the compute seam lands
     g = x @ w.gate_proj.T
     u = x @ w.up_proj.T
+    if w.gate_bias is not None:
+        g += w.gate_bias
+    if w.up_bias is not None:
+        u += w.up_bias
+    if w.activation == "swiglu_oss":
+        return _swiglu_oss(w, g, u)
     t = np.negative(g)
     with np.errstate(over="ignore", under="ignore"):
         np.exp(t, out=t)
     t += np.float32(1)
     np.divide(g, t, out=g)
     g *= u
-    return g @ w.down_proj.T
+    out = g @ w.down_proj.T
+    if w.down_bias is not None:
+        out += w.down_bias
+    return out
+
+
+def _swiglu_oss(w: ExpertWeights, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """gpt-oss expert tail (HF ``GptOssExperts.forward``) on biased ``g``/``u``:
+    ``gate = min(gate, limit)``, ``up = clip(up, -limit, limit)``, ``glu = gate · σ(alpha · gate)``,
+    ``((up + 1) · glu)·Wdᵀ + bd``."""
+    lim = np.float32(w.swiglu_limit)
+    np.minimum(g, lim, out=g)
+    np.clip(u, -lim, lim, out=u)
+    t = g * np.float32(-w.swiglu_alpha)
+    with np.errstate(over="ignore", under="ignore"):
+        np.exp(t, out=t)
+    t += np.float32(1)
+    glu = g / t
+    u += np.float32(1)
+    out = (u * glu) @ w.down_proj.T
+    if w.down_bias is not None:
+        out += w.down_bias
+    return out
 
 
 def combine(routing: Routing, expert_outputs: Mapping[int, tuple[np.ndarray, np.ndarray]],

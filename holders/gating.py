@@ -7,7 +7,9 @@ Families (config ``model_type``):
   ``Qwen3MoeTopKRouter``).
 * ``qwen2_moe``: the same softmax router plus a shared expert scaled per token by
   ``sigmoid(shared_expert_gate · x)`` (HF ``qwen2_moe/modular_qwen2_moe.py``); ``mixtral``:
-  softmax over all, top-k, always renormalized (HF ``mixtral/modular_mixtral.py``).
+  softmax over all, top-k, always renormalized (HF ``mixtral/modular_mixtral.py``);
+  ``gpt_oss``: ``logits = x·Wᵀ + b``, top-k of the logits, softmax over those k (HF
+  ``gpt_oss/modular_gpt_oss.py`` ``GptOssTopKRouter``).
 * ``deepseek_v3``, ``kimi_k2`` and ``glm4_moe`` (HF ``glm4_moe``: the DeepSeek-V3 router):
   sigmoid scores; selection on score + correction bias,
   group-limited (keep ``topk_group`` of ``n_group`` groups ranked by the sum of each
@@ -34,11 +36,12 @@ from prepare.checkpoint import dumps_safetensors, loads_safetensors
 
 SOFTMAX_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 SIGMOID_FAMILIES = ("deepseek_v3", "kimi_k2", "glm4_moe")
-SUPPORTED_FAMILIES = SOFTMAX_FAMILIES + SIGMOID_FAMILIES
+TOPK_SOFTMAX_FAMILIES = ("gpt_oss",)  # top-k of the (biased) logits, softmax over those k
+SUPPORTED_FAMILIES = SOFTMAX_FAMILIES + SIGMOID_FAMILIES + TOPK_SOFTMAX_FAMILIES
 # HF config class defaults; Mixtral always renormalizes (it has no norm_topk_prob).
 _DEFAULT_NORM = {"qwen3_moe": False, "qwen2_moe": False, "mixtral": True,
-                 "deepseek_v3": True, "kimi_k2": True, "glm4_moe": True}
-_GATE_TENSORS = ("router.weight", "router.bias", "shared_gate.weight")
+                 "deepseek_v3": True, "kimi_k2": True, "glm4_moe": True, "gpt_oss": True}
+_GATE_TENSORS = ("router.weight", "router.bias", "router.logit_bias", "shared_gate.weight")
 
 
 def _check_int(value, field: str, lo: int) -> int:
@@ -58,7 +61,8 @@ class Gate:
     False, deepseek/kimi True); ``routed_scaling_factor``; ``n_group``; ``topk_group``;
     ``n_shared_experts`` (> 0 adds the shared slot); ``num_experts`` (None → ``E``);
     ``shared_gate`` float32 ``[1, H]`` or None (qwen2_moe: the shared slot's weight is
-    ``sigmoid(shared_gate · x)`` per token instead of 1.0).
+    ``sigmoid(shared_gate · x)`` per token instead of 1.0); ``logit_bias`` float32 ``[E]`` or
+    None (gpt_oss: the router's bias, added to the logits).
 
     Arrays are converted to C-contiguous float32. Raises ``ValueError`` for an unsupported
     family, bad shapes, non-finite values, or inconsistent routing parameters.
@@ -75,6 +79,7 @@ class Gate:
     n_shared_experts: int = 0
     num_experts: int | None = None
     shared_gate: np.ndarray | None = None
+    logit_bias: np.ndarray | None = None
 
     def __post_init__(self):
         if self.family not in SUPPORTED_FAMILIES:
@@ -122,6 +127,13 @@ class Gate:
                              f"(num_experts={e}, n_group={self.n_group})")
         if self.top_k is not None:
             self.top_k = self.check_top_k(self.top_k)
+        if self.logit_bias is not None:
+            if self.family not in TOPK_SOFTMAX_FAMILIES:
+                raise ValueError(f"family {self.family} has no router.logit_bias (only gpt_oss)")
+            lb = np.ascontiguousarray(self.logit_bias, dtype=np.float32)
+            if lb.shape != (e,) or not np.isfinite(lb).all():
+                raise ValueError(f"gate logit_bias must be finite with shape ({e},), got {lb.shape}")
+            self.logit_bias = lb
         if self.shared_gate is not None:
             g = np.ascontiguousarray(self.shared_gate, dtype=np.float32)
             if g.shape != (1, w.shape[1]):
@@ -170,6 +182,8 @@ class Gate:
             tensors["router.bias"] = self.correction_bias
         if self.shared_gate is not None:
             tensors["shared_gate.weight"] = self.shared_gate
+        if self.logit_bias is not None:
+            tensors["router.logit_bias"] = self.logit_bias
         meta = {
             "family": self.family,
             "norm_topk_prob": "true" if self.norm_topk_prob else "false",
@@ -209,6 +223,8 @@ class Gate:
         bias = tensors["router.bias"].to_f32("router.bias", "gate blob") if "router.bias" in tensors else None
         sgate = (tensors["shared_gate.weight"].to_f32("shared_gate.weight", "gate blob")
                  if "shared_gate.weight" in tensors else None)
+        lbias = (tensors["router.logit_bias"].to_f32("router.logit_bias", "gate blob")
+                 if "router.logit_bias" in tensors else None)
         if bias is not None and bias.shape != (weight.shape[0],):
             raise ValueError(f"gate blob 'router.bias' has shape {bias.shape}; expected ({weight.shape[0]},)")
 
@@ -233,8 +249,11 @@ class Gate:
                 routed_scaling_factor=num("routed_scaling_factor", float, 1.0, "number"),
                 n_group=num("n_group", int, 1, "integer"), topk_group=num("topk_group", int, 1, "integer"),
                 n_shared_experts=num("n_shared_experts", int, 0, "integer"),
-                num_experts=num("num_experts", int, None, "integer"), shared_gate=sgate,
+                num_experts=num("num_experts", int, None, "integer"), shared_gate=sgate, logit_bias=lbias,
             )
+        for name, t in (("router.logit_bias", lbias), ("shared_gate.weight", sgate)):
+            if t is not None:
+                raise ValueError(f"gate blob has {name!r} but no 'family' metadata saying how to use it")
         shared = num("shared_experts", int, num("n_shared_experts", int, 0, "integer"), "integer")
         if bias is not None:
             return cls(family="deepseek_v3", weight=weight, correction_bias=bias, top_k=top_k,
@@ -316,11 +335,19 @@ def route(gate: Gate, hidden_states: np.ndarray, top_k: int | None = None) -> Ro
     t, e = x.shape[0], gate.num_experts
     with np.errstate(over="ignore"):  # reported just below
         logits = x @ gate.weight.T
+        if gate.logit_bias is not None:
+            logits += gate.logit_bias
     if not np.isfinite(logits).all():
         raise ValueError("router logits overflow float32: hidden_states are too large for this gate")
     with np.errstate(over="ignore", under="ignore"):
         if t == 0:
             sel, w = np.zeros((0, k), dtype=np.int64), np.zeros((0, k), dtype=np.float32)
+        elif gate.family in TOPK_SOFTMAX_FAMILIES:
+            sel = _topk_desc(logits, k)
+            w = np.take_along_axis(logits, sel, axis=1)
+            w = w - w[:, :1]  # the largest selected logit comes first
+            np.exp(w, out=w)
+            w *= np.float32(1) / w.sum(axis=1, keepdims=True)
         elif gate.family in SOFTMAX_FAMILIES:
             probs = logits - logits.max(axis=1, keepdims=True)
             np.exp(probs, out=probs)

@@ -198,6 +198,30 @@ def apply_block_scale(w: np.ndarray, scale: np.ndarray, block: tuple[int, int], 
     return np.multiply(w, full, dtype=np.float32)
 
 
+# E2M1 values of the 16 FP4 codes (transformers integrations/mxfp4.py FP4_VALUES).
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      dtype=np.float32)
+
+
+def decode_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str = "tensor") -> np.ndarray:
+    """HF/OpenAI MXFP4 → float32 (reference ``gguf_quant_and_routing.md`` §4.2,
+    ``transformers`` ``convert_moe_packed_tensors``): ``blocks`` uint8 ``[R, G, 16]`` (byte j
+    holds element 2j in its low nibble, 2j+1 in its high nibble), ``scales`` uint8 ``[R, G]``
+    (E8M0: value × 2^(s − 127)) → ``[R, 32·G]``, group g covering columns 32g..32g+31.
+    Raises ``CheckpointError`` naming the tensor for mismatched shapes or the NaN scale 255."""
+    if blocks.ndim != 3 or blocks.shape[2] != 16 or scales.shape != blocks.shape[:2]:
+        raise CheckpointError(f"tensor {name!r}: MXFP4 blocks {list(blocks.shape)} and scales "
+                              f"{list(scales.shape)} do not fit ([R, G, 16] and [R, G])")
+    if (scales == 255).any():
+        raise CheckpointError(f"tensor {name!r}: MXFP4 scale 255 is NaN: non-finite weights are refused")
+    r, g, _ = blocks.shape
+    vals = np.empty((r, g, 16, 2), dtype=np.float32)
+    vals[..., 0] = FP4_VALUES[blocks & 0x0F]
+    vals[..., 1] = FP4_VALUES[blocks >> 4]
+    exp = scales.astype(np.int32) - 127
+    return np.ldexp(vals.reshape(r, g, 32), exp[:, :, None]).astype(np.float32).reshape(r, g * 32)
+
+
 def require_float_dtype(dtype: str, name: str = "tensor", source: str = "") -> None:
     """Raise ``CheckpointError`` unless ``dtype`` is one ``decode_f32`` handles (BF16, F16,
     F32); FP8 other than e4m3-with-scales gets its own message. The message names the tensor."""
@@ -520,6 +544,17 @@ class Checkpoint:
         require_float_dtype(e.dtype, name, str(shard))
         raw = self._read_range(shard, base + e.begin, e.end - e.begin) if e.end > e.begin else b""
         return decode_f32(raw, e.dtype, e.shape, name=name, source=str(shard))
+
+    def read_slab_u8(self, name: str, index: int) -> np.ndarray:
+        """Slab ``[index]`` of a ``U8`` tensor (MXFP4 blocks or scales) as uint8 ``shape[1:]``;
+        reads only that range. Raises ``CheckpointError`` for another dtype or index."""
+        shard, e, base = self._locate(name)
+        if e.dtype != "U8" or len(e.shape) < 2 or not 0 <= index < e.shape[0]:
+            raise CheckpointError(f"{shard}: tensor {name!r} ({e.dtype} {list(e.shape)}) has no U8 slab [{index}]")
+        inner = tuple(e.shape[1:])
+        size = math.prod(inner)
+        raw = self._read_range(shard, base + e.begin + index * size, size) if size else b""
+        return np.frombuffer(raw, dtype=np.uint8).reshape(inner)
 
     def read_slab(self, name: str, index: int) -> np.ndarray:
         """Slab ``[index]`` of a tensor of 2 or more dimensions (expert ``index`` of a fused

@@ -24,6 +24,13 @@ Tensor names (as on the Hub; reference ``gguf_quant_and_routing.md`` §4):
   Qwen2 ``mlp.shared_expert.{p}.weight`` (width ``shared_expert_intermediate_size``) with its
   gate ``mlp.shared_expert_gate.weight`` ``[1, H]``.
 
+* gpt-oss (every layer MoE): router ``mlp.router.weight`` + ``mlp.router.bias`` (added to
+  the logits); experts fused MXFP4 ``mlp.experts.gate_up_proj_blocks`` ``[E, 2F, H/32, 16]`` +
+  ``_scales`` ``[E, 2F, H/32]`` and ``down_proj_blocks``/``_scales`` (or the dequantized HF
+  layout ``gate_up_proj`` ``[E, H, 2F]``, ``down_proj`` ``[E, F, H]``), biases
+  ``gate_up_proj_bias`` ``[E, 2F]`` / ``down_proj_bias`` ``[E, H]``; gate/up rows are
+  interleaved (even = gate, odd = up); the FFN is the clamped SwiGLU (``swiglu_limit``).
+
 Source dtypes: BF16, F16, F32 and FP8 e4m3 with ``weight_scale_inv`` block scales (decoded
 by ``Checkpoint.read``). Checkpoints whose ``quantization_config`` names another method
 (e.g. compressed-tensors INT4) are refused.
@@ -38,9 +45,9 @@ import numpy as np
 
 from holders.ffn import PROJECTIONS, ExpertWeights
 from holders.gating import Gate
-from prepare.checkpoint import Checkpoint, CheckpointError
+from prepare.checkpoint import Checkpoint, CheckpointError, decode_mxfp4
 
-SUPPORTED_FAMILIES = ("qwen3_moe", "deepseek_v3", "kimi_k2", "qwen2_moe", "mixtral", "glm4_moe")
+SUPPORTED_FAMILIES = ("qwen3_moe", "deepseek_v3", "kimi_k2", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss")
 _DEEPSEEK_LIKE = ("deepseek_v3", "kimi_k2", "glm4_moe")
 _QWEN_LIKE = ("qwen3_moe", "qwen2_moe")
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -79,6 +86,7 @@ class MoeSpec:
     mlp_only_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0
     fp8_block: tuple[int, int] = (128, 128)
+    swiglu_limit: float = 7.0
 
     @property
     def shared_slot(self) -> int | None:
@@ -104,7 +112,7 @@ class MoeSpec:
             return False
         if self.family in _QWEN_LIKE:
             return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
-        if self.family == "mixtral":
+        if self.family in ("mixtral", "gpt_oss"):
             return True
         return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
 
@@ -153,6 +161,8 @@ class MoeSpec:
         ``ValueError`` for a non-MoE layer."""
         self.check_layer(layer)
         pre = self.prefix.format(layer=layer)
+        if self.family == "gpt_oss":
+            return {"weight": f"{pre}.router.weight", "logit_bias": f"{pre}.router.bias"}
         names = {"weight": f"{pre}.gate.weight"}
         if self.family in _DEEPSEEK_LIKE:
             names["bias"] = f"{pre}.gate.e_score_correction_bias"
@@ -201,6 +211,8 @@ def _fp8_block(config: dict) -> tuple[int, int]:
     if not isinstance(qc, dict):
         raise ValueError("config.json field 'quantization_config' must be an object")
     method = qc.get("quant_method")
+    if method == "mxfp4" and config.get("model_type") == "gpt_oss":
+        return (128, 128)  # MXFP4 expert blocks are decoded by the gpt-oss layout
     if method != "fp8":
         raise ValueError(f"config.json quantization_config.quant_method={method!r} is not supported; "
                          f"supported: unquantized (bf16/f16/f32) or 'fp8' (e4m3 with weight_scale_inv)")
@@ -244,7 +256,7 @@ def spec_from_config(config: dict) -> MoeSpec:
     num_experts = _get_int(config, key, None, 1)
     deepseek = family in _DEEPSEEK_LIKE
     qwen = family in _QWEN_LIKE
-    if family == "mixtral":
+    if family in ("mixtral", "gpt_oss"):
         norm = True
     else:
         norm = config.get("norm_topk_prob", deepseek)
@@ -261,7 +273,10 @@ def spec_from_config(config: dict) -> MoeSpec:
         n_shared = _get_int(config, "n_shared_experts", 0, 0)
     else:
         n_shared = 1 if shared_width > 0 else 0
-    width_key = "intermediate_size" if family == "mixtral" else "moe_intermediate_size"
+    width_key = "intermediate_size" if family in ("mixtral", "gpt_oss") else "moe_intermediate_size"
+    limit = config.get("swiglu_limit", 7.0) if family == "gpt_oss" else 7.0
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
+        raise ValueError(f"config.json field 'swiglu_limit' must be a positive number, got {limit!r}")
     spec = MoeSpec(
         family=family,
         num_experts=num_experts,
@@ -280,6 +295,7 @@ def spec_from_config(config: dict) -> MoeSpec:
         mlp_only_layers=tuple(sorted(set(mlp_only))) if qwen else (),
         shared_expert_intermediate_size=shared_width,
         fp8_block=_fp8_block(config),
+        swiglu_limit=float(limit),
     )
     if spec.num_experts % spec.n_group:
         raise ValueError(f"config.json: {key}={spec.num_experts} is not divisible by n_group={spec.n_group}")
@@ -320,10 +336,12 @@ def load_gate(ckpt: Checkpoint, spec: MoeSpec, layer: int) -> Gate:
     weight = _read(ckpt, spec, names["weight"], (spec.num_experts, spec.hidden_size))
     bias = _read(ckpt, spec, names["bias"], (spec.num_experts,)) if "bias" in names else None
     sgate = _read(ckpt, spec, names["shared_gate"], (1, spec.hidden_size)) if "shared_gate" in names else None
+    lbias = _read(ckpt, spec, names["logit_bias"], (spec.num_experts,)) if "logit_bias" in names else None
     return Gate(family=spec.family, weight=weight, correction_bias=bias, top_k=spec.top_k,
                 norm_topk_prob=spec.norm_topk_prob, routed_scaling_factor=spec.routed_scaling_factor,
                 n_group=spec.n_group, topk_group=spec.topk_group,
-                n_shared_experts=spec.n_shared_experts, num_experts=spec.num_experts, shared_gate=sgate)
+                n_shared_experts=spec.n_shared_experts, num_experts=spec.num_experts, shared_gate=sgate,
+                logit_bias=lbias)
 
 
 def is_fused(ckpt: Checkpoint, spec: MoeSpec, layer: int) -> bool:
@@ -331,8 +349,41 @@ def is_fused(ckpt: Checkpoint, spec: MoeSpec, layer: int) -> bool:
     return ckpt.has(spec.fused_tensor_names(layer)["gate_up"])
 
 
+def _oss_names(ckpt: Checkpoint, layer: int) -> dict[str, str]:
+    pre = f"model.layers.{layer}.mlp.experts"
+    if ckpt.has(f"{pre}.gate_up_proj_blocks"):
+        return {k: f"{pre}.{k}" for k in ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
+                                          "down_proj_blocks", "down_proj_scales", "down_proj_bias")}
+    return {k: f"{pre}.{k}" for k in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
+
+
+def _load_gpt_oss(ckpt: Checkpoint, spec: MoeSpec, layer: int, expert: int) -> ExpertWeights:
+    """gpt-oss expert ``expert``: MXFP4 blocks (``[E, 2F, H/32, 16]`` + scales) or the
+    dequantized HF layout (``gate_up_proj`` ``[E, H, 2F]``, ``down_proj`` ``[E, F, H]``);
+    gate = rows 0::2, up = rows 1::2 of the ``[2F, H]`` matrix (interleaved), with biases."""
+    n = _oss_names(ckpt, layer)
+    f, h = spec.moe_intermediate_size, spec.hidden_size
+    if "gate_up_proj_blocks" in n:
+        gu = decode_mxfp4(ckpt.read_slab_u8(n["gate_up_proj_blocks"], expert),
+                          ckpt.read_slab_u8(n["gate_up_proj_scales"], expert), n["gate_up_proj_blocks"])
+        down = decode_mxfp4(ckpt.read_slab_u8(n["down_proj_blocks"], expert),
+                            ckpt.read_slab_u8(n["down_proj_scales"], expert), n["down_proj_blocks"])
+    else:
+        gu = ckpt.read_slab(n["gate_up_proj"], expert).T
+        down = ckpt.read_slab(n["down_proj"], expert).T
+    _check(f"{n.get('gate_up_proj_blocks', n.get('gate_up_proj'))}[{expert}]", gu, (2 * f, h))
+    _check(f"{n.get('down_proj_blocks', n.get('down_proj'))}[{expert}]", down, (h, f))
+    gub = _check(f"{n['gate_up_proj_bias']}[{expert}]", ckpt.read_slab(n["gate_up_proj_bias"], expert), (2 * f,))
+    db = _check(f"{n['down_proj_bias']}[{expert}]", ckpt.read_slab(n["down_proj_bias"], expert), (h,))
+    return ExpertWeights(gate_proj=gu[0::2], up_proj=gu[1::2], down_proj=down, gate_bias=gub[0::2],
+                         up_bias=gub[1::2], down_bias=db, activation="swiglu_oss", swiglu_limit=spec.swiglu_limit)
+
+
 def expert_sources(ckpt: Checkpoint, spec: MoeSpec, layer: int, expert: int) -> list[str]:
     """The checkpoint tensors expert ``expert`` of ``layer`` is read from (for progress)."""
+    if spec.family == "gpt_oss":
+        spec.check_expert(layer, expert)
+        return list(_oss_names(ckpt, layer).values())
     if expert != spec.shared_slot and is_fused(ckpt, spec, layer):
         spec.check_expert(layer, expert)
         return list(spec.fused_tensor_names(layer).values())
@@ -386,6 +437,8 @@ def load_expert(ckpt: Checkpoint, spec: MoeSpec, layer: int, expert: int) -> Exp
     """
     spec.check_layer(layer)
     spec.check_expert(layer, expert)
+    if spec.family == "gpt_oss":
+        return _load_gpt_oss(ckpt, spec, layer, expert)
     if expert != spec.shared_slot and is_fused(ckpt, spec, layer):
         return _load_fused(ckpt, spec, layer, expert)
     names = spec.expert_tensor_names(layer, expert)

@@ -13,7 +13,7 @@ Pure Python + numpy; imports nothing from Django.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from holders.ffn import PROJECTIONS, ExpertWeights
 from holders.quant import BLOCK_SIZE, QTYPES, QuantizedMatrix, normalize_qtype
@@ -140,7 +140,7 @@ def quantize_expert(w: ExpertWeights, plan: QuantPlan | None, name: str = "exper
             out[proj] = QuantizedMatrix.from_dense(a, q)
         except ValueError as exc:
             raise ValueError(f"{name} {proj}.weight: {exc}") from None
-    return ExpertWeights(**out), fallbacks
+    return replace(w, **out), fallbacks
 
 
 def blob_quant_tag(w: ExpertWeights, dense_dtype: str = "f32") -> str:

@@ -204,3 +204,90 @@ def write_reference(path: Path, cfg: dict, values: dict, fused: bool = False, to
     (path / "reference.json").write_text(json.dumps({"family": fam, "moe_layers": layers, "config": cfg,
                                                      "made_with": "tests/ckpt_util.py"}))
     return layers
+
+
+def _e2m1(code: np.ndarray) -> np.ndarray:
+    """E2M1 value of 4-bit codes from the format itself (sign bit 3, exponent bits 2..1 with
+    bias 1, mantissa bit 0; exponent 0 is subnormal m·0.5) — independent of FP4_VALUES."""
+    sign = np.where(code & 8, -1.0, 1.0)
+    e, m = (code >> 1) & 3, code & 1
+    return sign * np.where(e == 0, m * 0.5, (1 + m / 2) * 2.0 ** (e - 1.0))
+
+
+def make_gpt_oss(path: Path, *, experts=4, hidden=64, inter=64, layers=2, top_k=2, mxfp4=True, seed=0):
+    """A random gpt-oss checkpoint (MXFP4 expert blocks, or the dequantized bf16 HF layout);
+    returns ``(config, values)`` with the experts in HF orientation: ``...gate_up_proj``
+    ``[E, H, 2F]`` and ``...down_proj`` ``[E, F, H]`` (float32), biases, router."""
+    rng = np.random.default_rng(seed)
+    cfg = {"model_type": "gpt_oss", "hidden_size": hidden, "intermediate_size": inter, "num_local_experts": experts,
+           "num_experts_per_tok": top_k, "num_hidden_layers": layers, "swiglu_limit": 7.0}
+    if mxfp4:
+        cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    tensors, values = {}, {}
+
+    def bf(name, arr):
+        trip, dec = bf16_tensor(arr)
+        tensors[name], values[name] = trip, dec
+
+    for layer in range(layers):
+        pre = f"model.layers.{layer}.mlp"
+        bf(f"{pre}.router.weight", rng.standard_normal((experts, hidden)).astype(np.float32) * 0.2)
+        bf(f"{pre}.router.bias", rng.standard_normal(experts).astype(np.float32) * 0.1)
+        bf(f"{pre}.experts.gate_up_proj_bias", rng.standard_normal((experts, 2 * inter)).astype(np.float32) * 0.1)
+        bf(f"{pre}.experts.down_proj_bias", rng.standard_normal((experts, hidden)).astype(np.float32) * 0.1)
+        for kind, (rows, cols) in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
+            if mxfp4:
+                blocks = rng.integers(0, 256, (experts, rows, cols // 32, 16), dtype=np.uint8)
+                scales = rng.integers(120, 126, (experts, rows, cols // 32), dtype=np.uint8)
+                tensors[f"{pre}.experts.{kind}_blocks"] = blocks
+                tensors[f"{pre}.experts.{kind}_scales"] = scales
+                codes = np.stack((blocks & 15, blocks >> 4), axis=-1).reshape(experts, rows, cols)
+                dense = _e2m1(codes) * 2.0 ** (np.repeat(scales, 32, axis=2).astype(np.float64) - 127)
+                values[f"{pre}.experts.{kind}"] = dense.astype(np.float32).transpose(0, 2, 1)  # HF [E, in, out]
+            else:
+                bf(f"{pre}.experts.{kind}",
+                   rng.standard_normal((experts, cols, rows)).astype(np.float32) * 0.1)
+    write_checkpoint(path, cfg, tensors)
+    return cfg, values
+
+
+def write_gpt_oss_reference(path: Path, cfg: dict, values: dict, tokens: int = 16, seed: int = 5):
+    """Reference bundle for ``make_gpt_oss`` computed per token in float64 from HF's
+    ``GptOssTopKRouter`` / ``GptOssExperts`` (top-k of biased logits, softmax over k;
+    interleaved gate/up columns, clamped SwiGLU with alpha 1.702, biases). Returns the layers."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    k, lim = cfg["num_experts_per_tok"], cfg["swiglu_limit"]
+    layers = list(range(cfg["num_hidden_layers"]))
+    ref = {}
+    for layer in layers:
+        pre = f"model.layers.{layer}.mlp"
+        W, b = values[f"{pre}.router.weight"].astype(np.float64), values[f"{pre}.router.bias"]
+        X = rng.standard_normal((tokens, cfg["hidden_size"])).astype(np.float32)
+        out = np.zeros(X.shape)
+        ids, wts = [], []
+        for t in range(tokens):
+            x = X[t].astype(np.float64)
+            logits = W @ x + b
+            top = sorted(range(len(logits)), key=lambda e: (-logits[e], e))[:k]
+            p = np.exp(logits[top] - logits[top].max())
+            p /= p.sum()
+            for e, we in zip(top, p):
+                gu = x @ values[f"{pre}.experts.gate_up_proj"][e].astype(np.float64) + \
+                    values[f"{pre}.experts.gate_up_proj_bias"][e]
+                gate, up = np.minimum(gu[0::2], lim), np.clip(gu[1::2], -lim, lim)
+                h = (up + 1) * gate / (1 + np.exp(-1.702 * gate))
+                out[t] += we * (h @ values[f"{pre}.experts.down_proj"][e].astype(np.float64) +
+                                values[f"{pre}.experts.down_proj_bias"][e])
+            order = np.argsort(top)
+            ids.append([top[i] for i in order])
+            wts.append(p[order])
+        ref[f"layer{layer}.hidden_states"] = X
+        ref[f"layer{layer}.output"] = out.astype(np.float32)
+        ref[f"layer{layer}.topk_ids"] = np.array(ids, dtype=np.int64)
+        ref[f"layer{layer}.topk_weights"] = np.array(wts, dtype=np.float32)
+    save_file(ref, str(path / "reference.safetensors"))
+    (path / "reference.json").write_text(json.dumps({"family": "gpt_oss", "moe_layers": layers, "config": cfg,
+                                                     "made_with": "tests/ckpt_util.py"}))
+    return layers

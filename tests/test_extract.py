@@ -248,3 +248,33 @@ def test_bad_quantized_blobs_are_refused():
         ExpertWeights.from_blob(dumps_safetensors(raw, no_meta))
     assert isinstance(ExpertWeights.from_blob(blob).gate_proj, QuantizedMatrix)
     assert json.loads(json.dumps(meta))  # metadata is plain strings
+
+
+def test_gpt_oss_mxfp4_extraction_biases_blob_and_fallbacks(tmp_path):
+    from prepare.checkpoint import decode_mxfp4
+    from tests.ckpt_util import make_gpt_oss
+
+    cfg, values = make_gpt_oss(tmp_path / "oss", experts=3, hidden=96, inter=64)
+    ckpt = Checkpoint(tmp_path / "oss")
+    spec = spec_from_config(ckpt.config)
+    assert spec.moe_layers() == [0, 1] and spec.num_experts == 3 and source_dtype(ckpt, spec, 1, 2) == "f32"
+    w = load_expert(ckpt, spec, 1, 2)
+    gu = values["model.layers.1.mlp.experts.gate_up_proj"][2].T  # [2F, H]
+    np.testing.assert_array_equal(w.gate_proj, gu[0::2])
+    np.testing.assert_array_equal(w.up_proj, gu[1::2])
+    np.testing.assert_array_equal(w.down_proj, values["model.layers.1.mlp.experts.down_proj"][2].T)
+    np.testing.assert_array_equal(w.up_bias, values["model.layers.1.mlp.experts.gate_up_proj_bias"][2][1::2])
+    assert w.activation == "swiglu_oss"
+    g = load_gate(ckpt, spec, 1)
+    assert g.family == "gpt_oss" and g.logit_bias.shape == (3,)
+    assert Gate.from_blob(g.to_blob()).logit_bias.tolist() == g.logit_bias.tolist()
+    q, fb = quantize_expert(w, parse_quant_plan("q4_k_m"))
+    assert set(fb) == {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}  # 96 and 64 columns: all Q8_0
+    assert q.quant_kinds() == {"gate_proj": "q8_0", "up_proj": "q8_0", "down_proj": "q8_0"}
+    back = ExpertWeights.from_blob(q.to_blob("f32", {f"{k}.fallback": v for k, v in fb.items()}))
+    assert back.activation == "swiglu_oss" and back.swiglu_limit == 7.0
+    np.testing.assert_array_equal(back.down_bias, w.down_bias)
+    x = np.random.default_rng(0).standard_normal((4, 96)).astype(np.float32)
+    np.testing.assert_array_equal(expert_forward(back, x), expert_forward(q, x))
+    with pytest.raises(CheckpointError, match="MXFP4 scale 255 is NaN"):
+        decode_mxfp4(np.zeros((1, 1, 16), np.uint8), np.full((1, 1), 255, np.uint8), "t")

@@ -10,7 +10,7 @@ import pytest
 
 from holders.verify import max_rel_err, monolithic, reference_layers
 from prepare.checkpoint import Checkpoint
-from tests.ckpt_util import make_checkpoint, write_reference
+from tests.ckpt_util import make_checkpoint, make_gpt_oss, write_gpt_oss_reference, write_reference
 from tests.cluster_util import ROOT, env_for
 
 CASES = {
@@ -22,11 +22,18 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_monolithic_matches_independent_reference(tmp_path, name):
+def _make(path, name):
+    if name.startswith("gpt_oss"):
+        cfg, values = make_gpt_oss(path, mxfp4=name.endswith("mxfp4"))
+        return write_gpt_oss_reference(path, cfg, values)
     fam, kw = CASES[name]
-    cfg, values = make_checkpoint(tmp_path / name, fam, hidden=64, inter=32, **kw)
-    write_reference(tmp_path / name, cfg, values, fused=kw.get("fused", False))
+    cfg, values = make_checkpoint(path, fam, hidden=64, inter=32, **kw)
+    return write_reference(path, cfg, values, fused=kw.get("fused", False))
+
+
+@pytest.mark.parametrize("name", sorted(CASES) + ["gpt_oss-mxfp4", "gpt_oss-bf16"])
+def test_monolithic_matches_independent_reference(tmp_path, name):
+    _make(tmp_path / name, name)
     tensors, layers = reference_layers(tmp_path / name / "reference.safetensors")
     ck = Checkpoint(tmp_path / name)
     for layer in layers:
@@ -35,11 +42,10 @@ def test_monolithic_matches_independent_reference(tmp_path, name):
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("name,quant", [("qwen2_moe", None), ("glm4_moe-fp8", None), ("mixtral-fused", "q8_0")])
+@pytest.mark.parametrize("name,quant", [("qwen2_moe", None), ("glm4_moe-fp8", None), ("mixtral-fused", "q8_0"),
+                                        ("gpt_oss-mxfp4", None)])
 def test_verify_forward_on_added_families(tmp_path, name, quant):
-    fam, kw = CASES[name]
-    cfg, values = make_checkpoint(tmp_path / name, fam, hidden=64, inter=32, **kw)
-    layers = write_reference(tmp_path / name, cfg, values, fused=kw.get("fused", False))
+    layers = _make(tmp_path / name, name)
     ckpt = tmp_path / name
     cmd = [sys.executable, str(ROOT / "manage.py"), "verify_forward", "--checkpoint", str(ckpt),
            "--reference", str(ckpt / "reference.safetensors"), "--holders", "2", "--json"]
