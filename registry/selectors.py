@@ -6,8 +6,10 @@ from datetime import timedelta
 from django.conf import settings
 from django.utils import timezone
 
+from registry import catalog
+from registry.governance import shard_policy
 from registry.models import MoeModel, Provider
-from registry.shardmap import HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView
+from registry.shardmap import HoldingInfo, ProviderInfo, ShardView
 
 
 def live_cutoff():
@@ -38,12 +40,19 @@ def provider_infos(model_id: str | None = None) -> list[ProviderInfo]:
 
 
 def expected_experts(model_id: str) -> list[tuple[int, int]] | None:
-    """Every (layer, expert) slot of a published model, or None when the site does not know it."""
+    """Every (layer, expert) slot of ``model_id``: from the published model, else from the seed
+    catalog when its layer map is known, else None (the view then knows only covered experts)."""
     m = MoeModel.objects.filter(model_id=model_id).first()
-    return m.expert_keys() if m else None
+    if m:
+        return m.expert_keys()
+    try:
+        shape = catalog.get(model_id)
+    except catalog.UnknownModelError:
+        return None
+    return list(shape.expert_keys()) if shape.is_moe and shape.moe_layers_known else None
 
 
 def shard_view(model_id: str, exclude: set[str] | frozenset = frozenset()) -> ShardView:
-    """The live shard view of ``model_id`` (catalog-aware when the model is published here)."""
+    """The live shard view of ``model_id`` under the policy in force (catalog-aware when the model is published here)."""
     infos = [p for p in provider_infos(model_id) if p.provider not in exclude]
-    return ShardView.build(model_id, infos, policy=ReplicationPolicy(), expected=expected_experts(model_id))
+    return ShardView.build(model_id, infos, policy=shard_policy(), expected=expected_experts(model_id))

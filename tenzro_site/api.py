@@ -10,11 +10,13 @@ log = logging.getLogger(__name__)
 
 
 def exception_handler(exc, context):
-    """DRF errors as ``{"error": message}`` with their status; anything else a logged 500 without details."""
+    """DRF errors as ``{"error": message}`` (plus ``field`` when the exception names one) with their status; anything else a logged 500 without details."""
     response = drf_exception_handler(exc, context)
     if response is None:
         log.exception("unhandled API error", exc_info=exc)
         return Response({"error": "internal error; the site log has the details"}, status=500)
     detail = response.data.get("detail") if isinstance(response.data, dict) else None
     response.data = {"error": str(detail) if detail is not None else response.data}
+    if getattr(exc, "field", None):
+        response.data["field"] = exc.field
     return response

@@ -60,15 +60,18 @@ class Method:
     func: Callable[[dict], Any]
     params: type[serializers.Serializer] | None
     operator: bool
+    pass_operator: bool = False
 
 
 METHODS: dict[str, Method] = {}
 
 
-def rpc_method(name: str, params: type[serializers.Serializer] | None = None, operator: bool = False):
-    """Register ``func`` as JSON-RPC method ``name``; ``operator`` requires the operator bearer token."""
+def rpc_method(name: str, params: type[serializers.Serializer] | None = None, operator: bool = False,
+               pass_operator: bool = False):
+    """Register ``func`` as JSON-RPC method ``name``; ``operator`` requires the operator bearer token;
+    ``pass_operator`` adds ``_operator: bool`` (whether the caller holds it) to the validated params."""
     def deco(func):
-        METHODS[name] = Method(name, func, params, operator)
+        METHODS[name] = Method(name, func, params, operator, pass_operator)
         return func
     return deco
 
@@ -132,7 +135,10 @@ async def handle_one(obj: Any, authorization: str | None) -> dict | None:
         if method.operator and not is_operator(authorization):
             raise RpcError(AUTH_REFUSED, f"{name} needs the operator credential: Authorization: Bearer <token>",
                            {"field": "Authorization"})
-        result = await _call(method, validate_params(method.params, params))
+        params = validate_params(method.params, params)
+        if method.pass_operator:
+            params["_operator"] = is_operator(authorization)
+        result = await _call(method, params)
     except RpcError as err:
         return None if is_notification else _error(req_id, err)
     except Exception:  # never leak a traceback to a client
