@@ -140,8 +140,11 @@ class ProposalAdmin(admin.ModelAdmin):
     list_display = ("id", "title", "status", "proposer", "changes", "tally", "created", "decided")
     list_filter = ("status",)
     search_fields = ("title", "proposer")
-    inlines = (VoteInline,)
     actions = ("vote_yes", "vote_no", "retally", "withdraw")
+
+    def get_inlines(self, request, obj):
+        """Votes exist only once the proposal does."""
+        return (VoteInline,) if obj else ()
 
     def get_readonly_fields(self, request, obj=None):
         """A proposal is immutable once opened."""

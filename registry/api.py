@@ -484,10 +484,11 @@ class ApiView(APIView):
             raise PayloadTooLarge(f"request body is {length} bytes, over this endpoint's {self.max_body}-byte limit")
         super().initial(request, *args, **kwargs)
 
-    def params(self, request, **extra) -> dict:
-        """Validated query (GET) or body (POST) params merged with URL ``extra``; 400 naming the field."""
+    def params(self, request, from_body: bool = True, **extra) -> dict:
+        """Validated query (GET) or body (POST, unless not ``from_body``) params merged with URL ``extra``;
+        400 naming the field."""
         ser_cls = self.query if request.method == "GET" else self.body
-        raw = request.query_params.dict() if request.method == "GET" else request.data
+        raw = request.query_params.dict() if request.method == "GET" or not from_body else request.data
         if not isinstance(raw, dict):
             raise _Bad("the request body must be a JSON object", "body")
         data = {**raw, **extra}
@@ -700,7 +701,7 @@ class WithdrawView(ApiView):
     @extend_schema(request=None, responses={200: JSON_OBJECT, 403: ERROR, 404: ERROR, 409: ERROR})
     def post(self, request, proposal_id: int):
         """Withdraw an open proposal."""
-        return self.run(op_withdraw, self.params(request, proposal_id=proposal_id))
+        return self.run(op_withdraw, self.params(request, from_body=False, proposal_id=proposal_id))
 
 
 class AuditView(ApiView):

@@ -80,6 +80,8 @@ def _first_error(errors, prefix: str = "") -> tuple[str, str]:
     """(field path, message) of the first DRF validation error, e.g. ("routings[2].experts", "...")."""
     if isinstance(errors, dict) and errors:
         key, value = next(iter(errors.items()))
+        if key == "non_field_errors":  # an error of the object itself: name the object
+            return _first_error(value, prefix)
         return _first_error(value, f"{prefix}.{key}" if prefix else str(key))
     if isinstance(errors, list):
         for i, item in enumerate(errors):

@@ -43,7 +43,7 @@ def coverage(request, model_id: str):
                                                           else "rok")
         layers.setdefault(layer, []).append((expert, n, cls))
     held = {p: len(view.held_by(p)) for p in view.distinct_providers()}
-    providers = [{"p": p, "held": held[p]} for p in Provider.objects.filter(provider__in=held)]
+    providers = [{"p": p, "held": held[p.provider]} for p in Provider.objects.filter(provider__in=held)]
     return render(request, "coverage.html", {
         "model_id": model_id, "rows": sorted(layers.items()), "policy": policy, "slots": len(keys),
         "covered": sum(1 for k in keys if view.replication(*k) > 0), "under": len(view.under_replicated()),
