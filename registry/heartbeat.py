@@ -208,7 +208,10 @@ def ingest(message: dict, expected_provider: str | None = None, now_ms: int | No
     if not isinstance(body, dict):
         raise HeartbeatError("body must be an object", "body")
     provider = body.get("provider")
-    verify_body(provider, DOMAIN_HEARTBEAT, body, signature if isinstance(signature, str) else "")
+    try:
+        verify_body(provider, DOMAIN_HEARTBEAT, body, signature if isinstance(signature, str) else "")
+    except RecursionError:
+        raise HeartbeatError("body is nested too deeply", "body") from None
     if expected_provider is not None and provider != expected_provider:
         raise HeartbeatError("heartbeat provider differs from the key proven on this socket", "body.provider")
     ts = _int(body, "timestamp_ms")

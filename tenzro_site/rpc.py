@@ -187,6 +187,9 @@ async def rpc_view(request: HttpRequest) -> HttpResponse:
         payload = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         return JsonResponse(_error(None, RpcError(PARSE_ERROR, f"parse error: {exc}", {"field": "body"})))
+    except RecursionError:
+        return JsonResponse(_error(None, RpcError(PARSE_ERROR, "parse error: JSON nested too deeply",
+                                                  {"field": "body"})))
     auth = request.headers.get("Authorization")
     if isinstance(payload, list):
         if not payload:

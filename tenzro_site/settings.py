@@ -173,7 +173,7 @@ REST_FRAMEWORK = {
     "UNAUTHENTICATED_USER": None,
     "EXCEPTION_HANDLER": "tenzro_site.api.exception_handler",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["tenzro_site.api.JSONParser"],
 }
 
 # OpenAPI at /api/schema/, Swagger UI at /api/docs/ from the sidecar's static files (no CDN).

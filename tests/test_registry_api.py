@@ -182,3 +182,18 @@ def test_coverage_page_colours_every_slot(client):
     assert "gpu-a" in html and "cpu-b" in html and "replica-c" in html
     kimi = client.get("/coverage/kimi-k2-instruct").content.decode()
     assert kimi.count('<td class="r0"') == 60 * 385  # catalog-aware: every slot shown, none held
+
+
+def test_deeply_nested_json_is_a_client_error(client):
+    deep = "[" * 50_000 + "]" * 50_000
+    for url in ("/api/v1/plan", "/api/v1/providers/heartbeat"):
+        r = client.post(url, deep, content_type="application/json")
+        assert r.status_code == 400 and "nested too deeply" in r.json()["error"]
+    assert client.post("/rpc", deep, content_type="application/json").json()["error"]["code"] == -32700
+    nested = {"a": None}
+    for _ in range(900):
+        nested = {"a": nested}
+    hb = signed_heartbeat(SigningKey.generate(), [])
+    hb["body"]["extra"] = nested
+    r = client.post("/api/v1/providers/heartbeat", json.dumps(hb), content_type="application/json")
+    assert r.status_code == 400 and not Provider.objects.exists()
