@@ -71,7 +71,7 @@ class ProviderQuery(serializers.Serializer):
     live = serializers.BooleanField(required=False, default=False)
     role = serializers.ChoiceField(choices=ROLES, required=False)
     limit = serializers.IntegerField(required=False, default=100, min_value=1, max_value=1000)
-    offset = serializers.IntegerField(required=False, default=0, min_value=0)
+    offset = serializers.IntegerField(required=False, default=0, min_value=0, max_value=2**31 - 1)
 
 
 class ProviderParams(serializers.Serializer):
@@ -87,7 +87,7 @@ class HoldingQuery(serializers.Serializer):
     model_id = serializers.CharField(max_length=200, required=False)
     compact = serializers.BooleanField(required=False, default=False)
     limit = serializers.IntegerField(required=False, default=1000, min_value=1, max_value=100_000)
-    offset = serializers.IntegerField(required=False, default=0, min_value=0)
+    offset = serializers.IntegerField(required=False, default=0, min_value=0, max_value=2**31 - 1)
 
 
 class ProposalCreate(serializers.Serializer):

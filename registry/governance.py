@@ -174,7 +174,7 @@ def create_proposal(title: str, changes: dict, proposer: str, description: str =
 def _open(proposal_id) -> Proposal:
     try:
         p = Proposal.objects.select_for_update().get(pk=proposal_id)
-    except (Proposal.DoesNotExist, ValueError, TypeError):
+    except (Proposal.DoesNotExist, ValueError, TypeError, OverflowError):
         raise GovernanceError(f"no proposal with id {proposal_id!r}", "proposal_id") from None
     if p.status != Proposal.Status.OPEN:
         raise GovernanceError(f"proposal #{p.pk} is {p.status}, not Open", "proposal_id")
@@ -246,7 +246,10 @@ def signed_vote(message, now_ms: int | None = None) -> Proposal:
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     if isinstance(ts, bool) or not isinstance(ts, int) or abs(now_ms - ts) > settings.TENZRO["CLOCK_SKEW_S"] * 1000:
         raise GovernanceError("timestamp_ms missing or too far from the site clock", "vote.body.timestamp_ms")
-    return vote(body.get("proposal_id"), f"provider:{body['provider']}", body.get("approve"))
+    pid = body.get("proposal_id")
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 1 <= pid < 2**31:
+        raise GovernanceError("proposal_id must be a positive integer", "vote.body.proposal_id")
+    return vote(pid, f"provider:{body['provider']}", body.get("approve"))
 
 
 def withdraw(proposal_id, actor: str) -> Proposal:

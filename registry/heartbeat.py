@@ -64,8 +64,8 @@ def _str(body: dict, field: str, max_len: int = 500) -> str:
     value = body.get(field, "")
     if value is None:
         value = ""
-    if not isinstance(value, str) or len(value) > max_len:
-        raise HeartbeatError(f"{field} must be a string of at most {max_len} characters", field)
+    if not isinstance(value, str) or len(value) > max_len or "\x00" in value:
+        raise HeartbeatError(f"{field} must be a string of at most {max_len} characters without NUL", field)
     return value
 
 
@@ -129,8 +129,9 @@ def parse_holdings(raw) -> list[dict]:
         if not isinstance(h, dict):
             raise HeartbeatError(f"{f} must be an object", f)
         model_id = h.get("model_id")
-        if not isinstance(model_id, str) or not 0 < len(model_id) <= 200:
-            raise HeartbeatError(f"{f}.model_id must be a non-empty string", f"{f}.model_id")
+        if not isinstance(model_id, str) or not 0 < len(model_id) <= 200 or "\x00" in model_id:
+            raise HeartbeatError(f"{f}.model_id must be a non-empty string of at most 200 characters "
+                                 "without NUL", f"{f}.model_id")
         residency = h.get("residency", "Warm")
         if residency not in RESIDENCIES:
             raise HeartbeatError(f"{f}.residency must be one of {', '.join(RESIDENCIES)}", f"{f}.residency")

@@ -138,6 +138,8 @@ def test_signed_votes_replayed_forged_or_stale_are_refused():
     assert Vote.objects.count() == 1
     with pytest.raises(GovernanceError, match="not in the electorate"):
         governance.signed_vote(signed_vote(other, p.pk, True))
+    with pytest.raises(GovernanceError, match="positive integer"):
+        governance.signed_vote(signed_vote(k1, 2**70, True))  # would overflow the id column
 
 
 def test_retally_after_the_electorate_shrinks_and_withdraw():

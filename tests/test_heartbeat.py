@@ -118,6 +118,7 @@ def test_compact_holdings_expand_and_fill_blob_uris():
     ({"model_id": "m", "layer": 0, "layers": "0", "experts": "0-3"}, "exactly one of layer and layers"),
     ({"model_id": "m", "layers": "0-99999", "experts": "0-999999"}, "more than"),
     ({"model_id": "m", "layer": 0, "experts": "0-3", "residency": "Hot"}, "residency"),
+    ({"model_id": "m\x00", "layer": 0, "experts": "0"}, "without NUL"),  # PostgreSQL text refuses NUL
 ])
 def test_bad_compact_entries_are_refused_and_change_nothing(entry, msg):
     key = SigningKey.generate()
