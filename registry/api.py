@@ -226,7 +226,7 @@ def op_holdings(p: dict) -> dict:
 
 def op_shard_map(p: dict) -> dict:
     """The ``tenzro_moeShardMap`` result (see ``ShardView.to_json``)."""
-    return selectors.shard_view(p["model_id"]).to_json()
+    return selectors.shard_map_json(p["model_id"])
 
 
 def op_plan(p: dict) -> dict:

@@ -41,7 +41,7 @@ from django.db import connection, transaction
 
 from holders.identity import DOMAIN_HEARTBEAT, SignatureError, verify_body
 from prepare.blobs import URI_PREFIX, BlobError, parse_blob_uri
-from registry.models import Holding, Provider
+from registry.models import Holding, Provider, new_holdings_version
 from registry.shardmap import RESIDENCIES, ROLES
 
 
@@ -253,8 +253,9 @@ def _replace_holdings(provider: str, holdings: list[dict]) -> None:
     """Make ``provider``'s holding rows equal ``holdings`` (inside the caller's transaction).
 
     Diffs against the stored rows and writes only the difference with ``executemany``
-    (delete removed keys, update changed residency/tps/blob, insert new keys): a steady-state
-    heartbeat repeating its holdings costs one SELECT. Raw SQL because building 1,000 ORM
+    (delete removed keys, update changed residency/tps/blob, insert new keys) and then renews
+    the provider's ``holdings_version``: a steady-state heartbeat repeating its holdings costs
+    one SELECT and keeps the cached shard views valid. Raw SQL because building 1,000 ORM
     instances costs more than the writes themselves (see bench/bench_registry_db.py).
     """
     existing = {(m, layer, e): (pk, res, tps, blob) for pk, m, layer, e, res, tps, blob in
@@ -280,6 +281,8 @@ def _replace_holdings(provider: str, holdings: list[dict]) -> None:
             cols = ", ".join(q(c) for c in ("provider_id", "model_id", "layer", "expert", "residency",
                                             "committed_tps", "blob_uri"))
             cur.executemany(f"INSERT INTO {table} ({cols}) VALUES (%s, %s, %s, %s, %s, %s, %s)", inserts)
+    if existing or updates or inserts:
+        Provider.objects.filter(provider=provider).update(holdings_version=new_holdings_version())
 
 
 __all__ = ["HeartbeatError", "SignatureError", "ingest", "parse_holdings", "parse_ranges", "MAX_HOLDINGS"]

@@ -1,9 +1,16 @@
 """Registry records: providers, the experts they hold, and the models the site knows."""
 from __future__ import annotations
 
+import secrets
+
 from django.db import models
 
 from registry.shardmap import RESIDENCIES
+
+
+def new_holdings_version() -> int:
+    """A fresh random 62-bit token (unique across rows and across rolled-back transactions)."""
+    return secrets.randbits(62)
 
 
 class Provider(models.Model):
@@ -11,7 +18,9 @@ class Provider(models.Model):
 
     ``connected`` is true while the provider's agent WebSocket is open on some site process;
     ``last_heartbeat_ms`` (unix milliseconds of the last accepted signed heartbeat) is
-    strictly increasing, which rejects replays.
+    strictly increasing, which rejects replays. ``holdings_version`` is a random token replaced
+    whenever the provider's holding rows change (heartbeat ingest is their only writer); the
+    shard-view cache (``registry.selectors``) keys on it.
     """
 
     class Status(models.TextChoices):
@@ -33,6 +42,7 @@ class Provider(models.Model):
     agent_channel = models.CharField(max_length=200, blank=True, default="")
     last_heartbeat = models.DateTimeField(null=True, blank=True)
     last_heartbeat_ms = models.BigIntegerField(default=0)
+    holdings_version = models.BigIntegerField(default=new_holdings_version)
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -19,7 +19,7 @@ def index(request):
     for m in MoeModel.objects.all():
         view = selectors.shard_view(m.model_id)
         slots = len(m.expert_keys())
-        models.append({"model": m, "slots": slots, "covered": view.to_json()["covered_experts"],
+        models.append({"model": m, "slots": slots, "covered": len(view.covered_experts()),
                        "under": len(view.under_replicated())})
     return render(request, "index.html", {"providers": Provider.objects.all(),
                                           "live": set(selectors.live_providers().values_list("provider", flat=True)),

@@ -197,3 +197,29 @@ def test_deeply_nested_json_is_a_client_error(client):
     hb["body"]["extra"] = nested
     r = client.post("/api/v1/providers/heartbeat", json.dumps(hb), content_type="application/json")
     assert r.status_code == 400 and not Provider.objects.exists()
+
+
+def test_cached_shard_view_follows_every_input():
+    from registry import selectors
+
+    registry()
+    first = selectors.shard_view("m")
+    assert selectors.shard_view("m") is first  # nothing changed: served from the cache
+    ingest(signed_heartbeat(KEYS[2], [{"model_id": "m", "layer": 1, "experts": "0,3", "committed_tps": 10}],
+                            name="replica-c", roles=["Replica", "ExpertHolder", "PrefillDecode"]))
+    assert selectors.shard_view("m") is first  # a heartbeat repeating its holdings changes nothing
+    ingest(signed_heartbeat(KEYS[2], [{"model_id": "m", "layer": 1, "experts": "0-3"}],
+                            ts_ms=int(time.time() * 1000) + 50, roles=["ExpertHolder"]))
+    second = selectors.shard_view("m")
+    assert second is not first and second.replication(1, 2) == 2 and second.role_count["Replica"] == 0
+    Provider.objects.filter(provider=provider_id(KEYS[0])).update(reputation=1)
+    third = selectors.shard_view("m")
+    assert third is not second and third.provider(provider_id(KEYS[0])).reputation == 1
+    p = governance.create_proposal("min 1", {"min_replication": 1}, "operator")
+    governance.vote(p.pk, "operator", True)
+    governance.vote(p.pk, f"provider:{provider_id(KEYS[1])}", True)  # reputation 900: an elector
+    assert selectors.shard_view("m").policy.min_replication == 1
+    Provider.objects.filter(provider=provider_id(KEYS[1])).update(connected=False)
+    assert provider_id(KEYS[1]) not in selectors.shard_view("m").distinct_providers()
+    assert selectors.shard_map_json("m") == selectors.shard_view("m").to_json()
+    assert provider_id(KEYS[0]) not in selectors.shard_view("m", exclude={provider_id(KEYS[0])}).distinct_providers()
