@@ -23,7 +23,7 @@ from registry.models import Holding, Provider, Proposal
 from registry.planner import PlanningError, TokenRouting, plan_dispatch
 from registry.shardmap import ROLES
 from tenzro_site.operator import is_operator
-from tenzro_site.rpc import AUTH_REFUSED, INVALID_PARAMS, PLANNING_ERROR, RpcError, rpc_method
+from tenzro_site.rpc import AUTH_REFUSED, INVALID_PARAMS, PLANNING_ERROR, RpcError, first_error, rpc_method
 
 # --------------------------------------------------------------------------- serializers
 
@@ -496,9 +496,7 @@ class ApiView(APIView):
             return data
         ser = ser_cls(data=data)
         if not ser.is_valid():
-            from tenzro_site.rpc import _first_error
-
-            field, msg = _first_error(ser.errors)
+            field, msg = first_error(ser.errors)
             raise _Bad(f"{field}: {msg}" if field else msg, field or "body")
         return dict(ser.validated_data)
 

@@ -76,17 +76,17 @@ def rpc_method(name: str, params: type[serializers.Serializer] | None = None, op
     return deco
 
 
-def _first_error(errors, prefix: str = "") -> tuple[str, str]:
+def first_error(errors, prefix: str = "") -> tuple[str, str]:
     """(field path, message) of the first DRF validation error, e.g. ("routings[2].experts", "...")."""
     if isinstance(errors, dict) and errors:
         key, value = next(iter(errors.items()))
         if key == "non_field_errors":  # an error of the object itself: name the object
-            return _first_error(value, prefix)
-        return _first_error(value, f"{prefix}.{key}" if prefix else str(key))
+            return first_error(value, prefix)
+        return first_error(value, f"{prefix}.{key}" if prefix else str(key))
     if isinstance(errors, list):
         for i, item in enumerate(errors):
             if item:  # DRF reports valid list items as empty dicts
-                return _first_error(item, prefix if isinstance(item, str) else f"{prefix}[{i}]")
+                return first_error(item, prefix if isinstance(item, str) else f"{prefix}[{i}]")
     return prefix, str(errors)
 
 
@@ -96,7 +96,7 @@ def validate_params(serializer_cls, params: dict) -> dict:
         return params
     ser = serializer_cls(data=params)
     if not ser.is_valid():
-        field, msg = _first_error(ser.errors)
+        field, msg = first_error(ser.errors)
         raise RpcError(INVALID_PARAMS, f"invalid params: {field}: {msg}" if field else f"invalid params: {msg}",
                        {"field": field, "errors": json.loads(json.dumps(ser.errors, default=str))})
     unknown = sorted(set(params) - set(ser.fields))
