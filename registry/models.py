@@ -19,8 +19,8 @@ class Provider(models.Model):
     ``connected`` is true while the provider's agent WebSocket is open on some site process;
     ``last_heartbeat_ms`` (unix milliseconds of the last accepted signed heartbeat) is
     strictly increasing, which rejects replays. ``holdings_version`` is a random token replaced
-    whenever the provider's holding rows change (heartbeat ingest is their only writer); the
-    shard-view cache (``registry.selectors``) keys on it.
+    whenever the provider's holding rows change (heartbeat ingest is their only writer; rows
+    inserted outside Django get 0); the shard-view cache (``registry.selectors``) keys on it.
     """
 
     class Status(models.TextChoices):
@@ -42,7 +42,7 @@ class Provider(models.Model):
     agent_channel = models.CharField(max_length=200, blank=True, default="")
     last_heartbeat = models.DateTimeField(null=True, blank=True)
     last_heartbeat_ms = models.BigIntegerField(default=0)
-    holdings_version = models.BigIntegerField(default=new_holdings_version)
+    holdings_version = models.BigIntegerField(default=new_holdings_version, db_default=0)
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:

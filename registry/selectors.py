@@ -49,12 +49,13 @@ def provider_infos(model_id: str | None = None, rows: tuple[tuple, ...] | None =
     if model_id is not None:
         holdings = holdings.filter(model_id=model_id)
     by_provider: dict[str, list[HoldingInfo]] = {p[0]: [] for p in live}
+    unchecked = HoldingInfo.unchecked
     for pid, mid, layer, expert, res, tps, blob in holdings.values_list(
             "provider_id", "model_id", "layer", "expert", "residency", "committed_tps", "blob_uri").iterator(
-            chunk_size=10_000):
+            chunk_size=20_000):
         lst = by_provider.get(pid)
         if lst is not None:  # a provider that turned live between the two reads waits for the next view
-            lst.append(HoldingInfo.unchecked(mid, layer, expert, res, tps, blob or None))
+            lst.append(unchecked(mid, layer, expert, res, tps, blob or None))
     return [ProviderInfo(provider=pid, roles=roles, status=status, gpu=gpu,
                          iroh_endpoint_id=iroh or None, http_endpoint=http or None, reputation=rep,
                          holdings=tuple(by_provider[pid]))
