@@ -22,6 +22,7 @@ from django.core.management import call_command
 from holders.identity import load_or_create_key, provider_id
 from prepare.services import publish_checkpoint
 from registry.models import Provider
+from registry.services import reset_sessions
 from registry.selectors import shard_view
 from tenzro_site.operator import operator_token
 
@@ -75,7 +76,7 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         call_command("migrate", verbosity=0, interactive=False)
         # This cluster owns its site: sockets left marked open by an earlier run are gone.
-        Provider.objects.update(connected=False, agent_channel="")
+        reset_sessions()
         for ckpt, mid, quant in zip(self.checkpoints, self.model_id_overrides, self.quants):
             self.say(f"publishing {ckpt}{f' as {quant}' if quant else ''} ...")
             self.model_ids.append(publish_checkpoint(ckpt, mid, quant=quant).model_id)

@@ -203,3 +203,18 @@ class AuditEntry(models.Model):
 
     def __str__(self) -> str:
         return f"{self.at:%Y-%m-%d %H:%M:%S} {self.actor} {self.action}"
+
+
+class AgentSession(models.Model):
+    """One open agent WebSocket of a provider (a provider may briefly have two while it reconnects).
+
+    ``Provider.connected`` is true exactly while at least one session exists, so closing a
+    duplicate socket never drops a provider whose other socket is still open.
+    """
+
+    provider = models.ForeignKey(Provider, on_delete=models.CASCADE, related_name="sessions")
+    channel_name = models.CharField(max_length=200, unique=True)
+    opened = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"{self.provider_id[:12]}… on {self.channel_name}"

@@ -90,11 +90,51 @@ def first_error(errors, prefix: str = "") -> tuple[str, str]:
     return prefix, str(errors)
 
 
+_JSON_TYPES = (
+    (serializers.BooleanField, (bool,), "a boolean (true or false)"),
+    (serializers.IntegerField, (int,), "an integer"),
+    (serializers.FloatField, (int, float), "a number"),
+    (serializers.ChoiceField, None, None),
+    (serializers.CharField, (str,), "a string"),
+)
+
+
+def strict_types(fields, data, prefix: str = "") -> None:
+    """Refuse JSON values of the wrong type before DRF coerces them ("0" → 0, "yes" → True).
+
+    Walks nested serializers and lists. Raises ``RpcError(-32602)`` naming the field.
+    """
+    if not isinstance(data, dict):
+        return
+    for name, field in fields.items():
+        if name not in data or data[name] is None:
+            continue
+        value, path = data[name], f"{prefix}{name}"
+        if isinstance(field, serializers.ListSerializer) and isinstance(value, list):
+            for i, item in enumerate(value):
+                strict_types(field.child.fields, item, f"{path}[{i}].")
+            continue
+        if isinstance(field, serializers.Serializer):
+            strict_types(field.fields, value, f"{path}.")
+            continue
+        for cls, types, what in _JSON_TYPES:
+            if isinstance(field, cls):
+                ok = types is None or (isinstance(value, types) and not (bool not in types and isinstance(value, bool)))
+                if not ok:
+                    raise RpcError(INVALID_PARAMS, f"invalid params: {path} must be {what}, got {type(value).__name__}",
+                                   {"field": path})
+                break
+
+
 def validate_params(serializer_cls, params: dict) -> dict:
-    """Validate ``params`` with a DRF serializer; raises ``RpcError(-32602)`` naming the field."""
+    """Validate ``params`` with a DRF serializer; raises ``RpcError(-32602)`` naming the field.
+
+    JSON types are checked strictly first (see ``strict_types``); unknown fields are refused.
+    """
     if serializer_cls is None:
         return params
     ser = serializer_cls(data=params)
+    strict_types(ser.fields, params)
     if not ser.is_valid():
         field, msg = first_error(ser.errors)
         raise RpcError(INVALID_PARAMS, f"invalid params: {field}: {msg}" if field else f"invalid params: {msg}",
@@ -111,29 +151,42 @@ async def _call(method: Method, params: dict) -> Any:
     return await sync_to_async(method.func, thread_sensitive=True)(params)
 
 
+def _envelope(obj: dict) -> tuple[str, dict]:
+    """(method name, params) of a request object; raises ``RpcError`` for a malformed envelope."""
+    if obj.get("jsonrpc") != "2.0":
+        raise RpcError(INVALID_REQUEST, 'jsonrpc must be exactly "2.0"', {"field": "jsonrpc"})
+    name = obj.get("method")
+    if not isinstance(name, str) or not name:
+        raise RpcError(INVALID_REQUEST, "method must be a non-empty string", {"field": "method"})
+    params = obj.get("params", {})
+    if params == []:
+        params = {}
+    if not isinstance(params, dict):
+        raise RpcError(INVALID_PARAMS, "params must be an object (by-name parameters) or an empty array",
+                       {"field": "params"})
+    return name, params
+
+
 async def handle_one(obj: Any, authorization: str | None) -> dict | None:
-    """Handle one request object; returns the response object, or None for a notification."""
+    """Handle one request object; returns the response object, or None for a notification.
+
+    A malformed request is always answered (JSON-RPC 2.0 §5: it is not a valid notification).
+    """
     if not isinstance(obj, dict):
         return _error(None, RpcError(INVALID_REQUEST, "a request must be a JSON object", {"field": "request"}))
-    is_notification = "id" not in obj
     req_id = obj.get("id")
     if req_id is not None and (isinstance(req_id, bool) or not isinstance(req_id, (str, int, float))):
         return _error(None, RpcError(INVALID_REQUEST, "id must be a string, a number or null", {"field": "id"}))
     try:
-        if obj.get("jsonrpc") != "2.0":
-            raise RpcError(INVALID_REQUEST, 'jsonrpc must be exactly "2.0"', {"field": "jsonrpc"})
-        name = obj.get("method")
-        if not isinstance(name, str) or not name:
-            raise RpcError(INVALID_REQUEST, "method must be a non-empty string", {"field": "method"})
-        params = obj.get("params", {})
-        if params == []:
-            params = {}
-        if not isinstance(params, dict):
-            raise RpcError(INVALID_PARAMS, "params must be an object (by-name parameters) or an empty array",
-                           {"field": "params"})
+        name, params = _envelope(obj)
+    except RpcError as err:
+        return _error(req_id, err)
+    is_notification = "id" not in obj
+    try:
         method = METHODS.get(name)
         if method is None:
-            raise RpcError(METHOD_NOT_FOUND, f"method {name!r} not found", {"field": "method", "method": name})
+            raise RpcError(METHOD_NOT_FOUND, f"method {name!r} not found; methods: {', '.join(sorted(METHODS))}",
+                           {"field": "method", "method": name})
         if method.operator and not is_operator(authorization):
             raise RpcError(AUTH_REFUSED, f"{name} needs the operator credential: Authorization: Bearer <token>",
                            {"field": "Authorization"})
