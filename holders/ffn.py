@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from holders.compute import matmul_xt
 from holders.gating import Gate, Routing, route
+from holders.quant import QuantizedMatrix
 from prepare.checkpoint import dumps_safetensors, encode_bf16, loads_safetensors
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -41,8 +43,9 @@ class MissingExpertRows(KeyError):
 
 @dataclass(eq=False)
 class ExpertWeights:
-    """One expert's SwiGLU weights, float32, HF ``[out, in]`` layout: ``gate_proj`` and
-    ``up_proj`` ``[F, H]``, ``down_proj`` ``[H, F]``. Arrays are made C-contiguous float32.
+    """One expert's SwiGLU weights, HF ``[out, in]`` layout: ``gate_proj`` and
+    ``up_proj`` ``[F, H]``, ``down_proj`` ``[H, F]``. Each projection is a float32 array
+    (made C-contiguous) or a ``holders.quant.QuantizedMatrix`` (GGUF blocks).
 
     Raises ``ValueError`` naming the projection for a non-2-D or mismatched shape or for
     non-finite values.
@@ -54,6 +57,8 @@ class ExpertWeights:
 
     def __post_init__(self):
         for name in PROJECTIONS:
+            if isinstance(getattr(self, name), QuantizedMatrix):
+                continue
             a = np.ascontiguousarray(getattr(self, name), dtype=np.float32)
             if a.ndim != 2 or 0 in a.shape:
                 raise ValueError(f"{name}.weight must be a non-empty 2-D matrix, got shape {a.shape}")
@@ -80,8 +85,15 @@ class ExpertWeights:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the three float32 matrices."""
+        """Bytes held by the three projections (float32 elements × 4, or quantized block bytes)."""
         return int(self.gate_proj.nbytes + self.up_proj.nbytes + self.down_proj.nbytes)
+
+    @property
+    def quant(self) -> str | None:
+        """The coarsest quantization of the three projections (``q4_k`` < ``q6_k`` < ``q8_0``),
+        or None when all are dense (reference §4.4)."""
+        kinds = [getattr(self, p).qtype for p in PROJECTIONS if isinstance(getattr(self, p), QuantizedMatrix)]
+        return min(kinds, key=("q4_k", "q6_k", "q8_0").index) if kinds else None
 
     def to_blob(self, dtype: str = "f32") -> bytes:
         """Serialize to canonical safetensors bytes with ``gate_proj.weight``,
@@ -132,22 +144,24 @@ def _check_rows(x, d_model: int, what: str) -> np.ndarray:
 def expert_forward(w: ExpertWeights, x: np.ndarray) -> np.ndarray:
     """SwiGLU expert on rows ``x`` float32 ``[n, H]`` → float32 ``[n, H]``.
 
-    ``(silu(x·Wgᵀ) ⊙ (x·Wuᵀ))·Wdᵀ``, three float32 BLAS matmuls on transposed views;
+    ``(silu(x·Wgᵀ) ⊙ (x·Wuᵀ))·Wdᵀ``, three products through the compute seam
+    (``holders.compute.matmul_xt``: BLAS on the CPU for dense weights, bit-identical to
+    ``x @ w.T``; quantized kernels or a GPU backend otherwise);
     ``silu(g) = g / (1 + exp(-g))`` as torch's CPU kernel computes it (exp overflow gives
     ``-0.0``, the right limit, not NaN). Source: HF ``Qwen3MoeMLP`` / ``DeepseekV3MLP``.
 
     Raises ``ValueError`` when ``x`` is not ``[n, w.d_model]``.
     """
     x = _check_rows(x, w.d_model, "expert input rows")
-    g = x @ w.gate_proj.T
-    u = x @ w.up_proj.T
+    g = matmul_xt(x, w.gate_proj)
+    u = matmul_xt(x, w.up_proj)
     t = np.negative(g)
     with np.errstate(over="ignore", under="ignore"):
         np.exp(t, out=t)
     t += np.float32(1)
     np.divide(g, t, out=g)
     g *= u
-    return g @ w.down_proj.T
+    return matmul_xt(g, w.down_proj)
 
 
 def combine(routing: Routing, expert_outputs: Mapping[int, tuple[np.ndarray, np.ndarray]],

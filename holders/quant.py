@@ -783,3 +783,53 @@ def dequantize_rows(blocks, qtype: str, cols: int | None = None) -> np.ndarray:
             )
     rows = b.size // row_bytes if row_bytes else (b.shape[0] if b.ndim == 2 else 0)
     return dequantize(b, q, (rows, cols))
+
+
+# --------------------------------------------------------------------------
+# quantized weight matrix (the compute seam's quantized operand)
+
+from dataclasses import dataclass  # noqa: E402
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedMatrix:
+    """A weight matrix ``[rows, cols]`` (HF ``[out, in]``) stored as GGUF blocks.
+
+    qtype: ``"q8_0"``, ``"q4_k"`` or ``"q6_k"`` (canonical lower case).
+    shape: ``(rows, cols)``; ``cols`` a multiple of the block size (32 / 256).
+    blocks: uint8 ``[rows, cols // BLOCK_SIZE * BLOCK_BYTES]``, row after row.
+
+    Raises ValueError for an unknown qtype, a bad shape, or a block array that does not
+    match the shape.
+    """
+
+    qtype: str
+    shape: tuple[int, int]
+    blocks: np.ndarray
+
+    def __post_init__(self):
+        q = normalize_qtype(self.qtype)
+        shape = tuple(int(s) for s in self.shape)
+        if len(shape) != 2 or min(shape) <= 0:
+            raise ValueError(f"quantized matrix shape must be (rows, cols) > 0, got {self.shape}")
+        _check_row_length(shape[1], q)
+        b = np.ascontiguousarray(_as_u8(self.blocks))
+        row_bytes = shape[1] // BLOCK_SIZE[q] * BLOCK_BYTES[q]
+        if b.size != shape[0] * row_bytes:
+            raise ValueError(f"{q} blocks of {b.size} bytes do not match shape {shape} "
+                             f"({shape[0] * row_bytes} bytes expected)")
+        object.__setattr__(self, "qtype", q)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "blocks", b.reshape(shape[0], row_bytes))
+
+    def dequantize(self) -> np.ndarray:
+        """float32 ``[rows, cols]``, bit-identical to gguf-py's ``dequantize``."""
+        return dequantize(self.blocks, self.qtype, self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored blocks."""
+        return int(self.blocks.nbytes)
+
+
+__all__.append("QuantizedMatrix")
