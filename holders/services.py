@@ -104,12 +104,11 @@ _site_runtime_lock = threading.Lock()
 def site_runtime() -> ExpertRuntime:
     """This site process's own expert runtime (a router may hold experts itself), created on
     first use: budget ``TENZRO_MEMORY_BUDGET`` (or 60 % of available memory), disk tier
-    ``$TENZRO_VAR_DIR/site-tier/<pid>`` (one per process: processes do not share a tier)."""
+    ``$TENZRO_VAR_DIR/site-tier`` (re-indexed when the site restarts)."""
     global _site_runtime
     with _site_runtime_lock:
         if _site_runtime is None:
-            import os
-            _site_runtime = ExpertRuntime(disk_dir=settings.VAR_DIR / "site-tier" / str(os.getpid()))
+            _site_runtime = ExpertRuntime(disk_dir=settings.VAR_DIR / "site-tier")
     return _site_runtime
 
 

@@ -2,11 +2,12 @@
 
 - Dense float32: one BLAS GEMM (``x @ w.T``, numpy's OpenBLAS), bit-identical to the
   plain numpy pipeline.
-- Quantized (Q8_0 / Q4_K / Q6_K), small batches (``n <= small_batch``): a numba kernel,
-  parallel over output rows, that decodes one weight row at a time into an L1-sized f32
-  scratch and takes its dot products with every input row. Only the quantized bytes are
-  read from memory (Q4_K: 4.5 bits per weight instead of 32), which is what makes batch-1
-  latency lower than dense. Source of the block layouts and decode formulas: ggml
+- Quantized (Q8_0 / Q4_K / Q6_K), small batches (``n <= small_batch``): numba kernels,
+  parallel over output rows, that read the blocks directly: per sub-block
+  ``Σ (d·sc·q − dmin·m)·x = d·sc·Σ q·x − dmin·m·Σ x`` with ``Σ x`` per sub-block computed
+  once per call, so the inner loop is integer-to-float and multiply-add over 32 (16 for
+  Q6_K) values. Only the quantized bytes are read from memory (Q4_K: 4.5 bits per weight
+  instead of 32). Source of the block layouts and decode formulas: ggml
   ``ggml-common.h`` / ``dequantize_row_q8_0/q4_K/q6_K`` (as gguf-py ``quants.py``).
 - Quantized, larger batches: decode the whole matrix (``holders.quant.dequantize``,
   bit-identical to gguf-py) and run one BLAS GEMM; at these sizes the GEMM dominates and
@@ -46,78 +47,91 @@ def _f16(lo, hi):
     return np.float32(-v if (h >> 15) & 1 else v)
 
 
-@njit(inline="always", cache=True)
-def _row_q8_0(b, r, w, cols):
-    nb = cols // 32
-    for blk in range(nb):
-        o = blk * 34
-        d = _f16(b[r, o], b[r, o + 1])
-        for j in range(32):
-            q = np.int32(b[r, o + 2 + j])
-            if q > 127:
-                q -= 256
-            w[blk * 32 + j] = np.float32(q) * d
-
-
-@njit(inline="always", cache=True)
-def _row_q4_k(b, r, w, cols):
-    nb = cols // 256
-    for blk in range(nb):
-        o = blk * 144
-        d = _f16(b[r, o], b[r, o + 1])
-        dmin = _f16(b[r, o + 2], b[r, o + 3])
-        for s in range(8):
-            if s < 4:
-                sc = b[r, o + 4 + s] & 63
-                mn = b[r, o + 8 + s] & 63
-            else:
-                sc = (b[r, o + 8 + s] & 0x0F) | ((b[r, o + s] >> 6) << 4)
-                mn = (b[r, o + 8 + s] >> 4) | ((b[r, o + 4 + s] >> 6) << 4)
-            dl = d * np.float32(sc)
-            ml = dmin * np.float32(mn)
-            qo = o + 16 + (s // 2) * 32
-            shift = 4 * (s % 2)
-            base = blk * 256 + s * 32
-            for j in range(32):
-                w[base + j] = np.float32((b[r, qo + j] >> shift) & 0x0F) * dl - ml
-
-
-@njit(inline="always", cache=True)
-def _row_q6_k(b, r, w, cols):
-    nb = cols // 256
-    for blk in range(nb):
-        o = blk * 210
-        d = _f16(b[r, o + 208], b[r, o + 209])
-        for h in range(2):
-            for g in range(4):
-                base = blk * 256 + h * 128 + g * 32
-                for j in range(32):
-                    qlv = np.int64(b[r, o + h * 64 + (g % 2) * 32 + j])
-                    low = (qlv >> (4 * (g // 2))) & 0x0F
-                    hi = (np.int64(b[r, o + 128 + h * 32 + j]) >> (2 * g)) & 3
-                    sc = np.int32(b[r, o + 192 + (h * 128 + g * 32 + j) // 16])
-                    if sc > 127:
-                        sc -= 256
-                    w[base + j] = (np.float32(low | (hi << 4)) - np.float32(32)) * (d * np.float32(sc))
-
-
-def _make_kernel(row_decoder):
-    @njit(parallel=True, fastmath=True, cache=True)
-    def kernel(b, x, y):
-        rows = b.shape[0]
-        n, cols = x.shape
-        for r in prange(rows):
-            w = np.empty(cols, dtype=np.float32)
-            row_decoder(b, r, w, cols)
+@njit(parallel=True, fastmath=True, cache=True)
+def _mm_q8_0(b, x, y):
+    rows = b.shape[0]
+    n, cols = x.shape
+    for r in prange(rows):
+        br = b[r]
+        for i in range(n):
+            y[i, r] = 0
+        for blk in range(cols // 32):
+            o = blk * 34
+            d = _f16(br[o], br[o + 1])
+            q = br[o + 2:o + 34].view(np.int8)
             for i in range(n):
+                xi = x[i, blk * 32:blk * 32 + 32]
                 acc = np.float32(0)
-                for j in range(cols):
-                    acc += w[j] * x[i, j]
-                y[i, r] = acc
-    return kernel
+                for j in range(32):
+                    acc += np.float32(q[j]) * xi[j]
+                y[i, r] += d * acc
 
 
-_KERNELS = {"q8_0": _make_kernel(_row_q8_0), "q4_k": _make_kernel(_row_q4_k), "q6_k": _make_kernel(_row_q6_k)}
+@njit(parallel=True, fastmath=True, cache=True)
+def _mm_q4_k(b, x, xs, y):
+    """xs: f32 [n, cols // 32] sums of x over each 32-element sub-block."""
+    rows = b.shape[0]
+    n, cols = x.shape
+    for r in prange(rows):
+        br = b[r]
+        for i in range(n):
+            y[i, r] = 0
+        for blk in range(cols // 256):
+            o = blk * 144
+            d = _f16(br[o], br[o + 1])
+            dmin = _f16(br[o + 2], br[o + 3])
+            for s in range(8):
+                if s < 4:
+                    sc = br[o + 4 + s] & 63
+                    mn = br[o + 8 + s] & 63
+                else:
+                    sc = (br[o + 8 + s] & 0x0F) | ((br[o + s] >> 6) << 4)
+                    mn = (br[o + 8 + s] >> 4) | ((br[o + 4 + s] >> 6) << 4)
+                dl = d * np.float32(sc)
+                ml = dmin * np.float32(mn)
+                qo = o + 16 + (s // 2) * 32
+                shift = 4 * (s % 2)
+                base = blk * 256 + s * 32
+                q = br[qo:qo + 32]
+                for i in range(n):
+                    xi = x[i, base:base + 32]
+                    acc = np.float32(0)
+                    for j in range(32):
+                        acc += np.float32((q[j] >> shift) & 0x0F) * xi[j]
+                    y[i, r] += dl * acc - ml * xs[i, base // 32]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _mm_q6_k(b, x, xs, y):
+    """xs: f32 [n, cols // 16] sums of x over each 16-element sub-block."""
+    rows = b.shape[0]
+    n, cols = x.shape
+    for r in prange(rows):
+        br = b[r]
+        for i in range(n):
+            y[i, r] = 0
+        for blk in range(cols // 256):
+            o = blk * 210
+            d = _f16(br[o + 208], br[o + 209])
+            scales = br[o + 192:o + 208].view(np.int8)
+            for h in range(2):
+                ql = br[o + h * 64:o + h * 64 + 64]
+                qh = br[o + 128 + h * 32:o + 128 + h * 32 + 32]
+                for g in range(4):
+                    base = blk * 256 + h * 128 + g * 32
+                    lo_off = (g % 2) * 32
+                    lo_shift = 4 * (g // 2)
+                    for half in range(2):
+                        sidx = h * 8 + g * 2 + half
+                        dl = d * np.float32(scales[sidx])
+                        for i in range(n):
+                            xi = x[i, base + half * 16:base + half * 16 + 16]
+                            acc = np.float32(0)
+                            for j in range(16):
+                                jj = half * 16 + j
+                                qv = ((ql[lo_off + jj] >> lo_shift) & 0x0F) | (((qh[jj] >> (2 * g)) & 3) << 4)
+                                acc += np.float32(qv) * xi[j]
+                            y[i, r] += dl * (acc - np.float32(32) * xs[i, (base + half * 16) // 16])
 
 
 def quantized_matmul_xt(x: np.ndarray, w: QuantizedMatrix) -> np.ndarray:
@@ -127,7 +141,12 @@ def quantized_matmul_xt(x: np.ndarray, w: QuantizedMatrix) -> np.ndarray:
     chosen by the compiler), so results differ from the GEMM path in the last bits.
     """
     y = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
-    _KERNELS[w.qtype](w.blocks, x, y)
+    if w.qtype == "q8_0":
+        _mm_q8_0(w.blocks, x, y)
+    elif w.qtype == "q4_k":
+        _mm_q4_k(w.blocks, x, x.reshape(x.shape[0], -1, 32).sum(axis=2, dtype=np.float32), y)
+    else:
+        _mm_q6_k(w.blocks, x, x.reshape(x.shape[0], -1, 16).sum(axis=2, dtype=np.float32), y)
     return y
 
 
