@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from holders import compute, methods, quant, wire
-from holders.compute.cpu import CpuBackend, quantized_matmul_xt
+from holders.compute.cpu import CpuBackend, dequantize_parallel, quantized_matmul_xt
 from holders.ffn import ExpertWeights, expert_forward
 from holders.gating import Gate
 from holders.metering import Meter
@@ -395,6 +395,15 @@ def test_cpu_quantized_products_match_dequantized_gemm(qtype, cols, n):
     assert y.shape == (n, 24) and y.dtype == np.float32
     np.testing.assert_allclose(y, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
     np.testing.assert_allclose(quantized_matmul_xt(x, m), ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k"])
+def test_parallel_dequantize_is_bit_identical_to_quant_dequantize(qtype):
+    w = np.random.default_rng(4).standard_normal((12, 512), dtype=np.float32)
+    w[0, :40] = 0.0
+    w[1, :256] = 1e-7  # tiny scales: fp16 subnormals
+    m = QuantizedMatrix(qtype, w.shape, quant.quantize(w, qtype))
+    np.testing.assert_array_equal(dequantize_parallel(m).view(np.uint32), m.dequantize().view(np.uint32))
 
 
 def test_quantized_expert_forward_through_the_seam():

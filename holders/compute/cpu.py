@@ -9,9 +9,9 @@
   Q6_K) values. Only the quantized bytes are read from memory (Q4_K: 4.5 bits per weight
   instead of 32). Source of the block layouts and decode formulas: ggml
   ``ggml-common.h`` / ``dequantize_row_q8_0/q4_K/q6_K`` (as gguf-py ``quants.py``).
-- Quantized, larger batches: decode the whole matrix (``holders.quant.dequantize``,
-  bit-identical to gguf-py) and run one BLAS GEMM; at these sizes the GEMM dominates and
-  the decode is a few percent. Measured in ``bench/bench_expert.py``: a cache of decoded
+- Quantized, larger batches: decode the whole matrix (``dequantize_parallel``, a parallel
+  numba decoder bit-identical to gguf-py) and run one BLAS GEMM; at these sizes the GEMM
+  dominates and the decode is a few percent. Measured in ``bench/bench_expert.py``: a cache of decoded
   matrices would buy at most those few percent at the cost of 4 bytes per weight of
   extra memory, so none is kept.
 
@@ -134,6 +134,75 @@ def _mm_q6_k(b, x, xs, y):
                             y[i, r] += dl * (acc - np.float32(32) * xs[i, (base + half * 16) // 16])
 
 
+@njit(parallel=True, cache=True)
+def _deq_q8_0(b, out):
+    rows, cols = out.shape
+    for r in prange(rows):
+        br = b[r]
+        for blk in range(cols // 32):
+            o = blk * 34
+            d = _f16(br[o], br[o + 1])
+            q = br[o + 2:o + 34].view(np.int8)
+            for j in range(32):
+                out[r, blk * 32 + j] = np.float32(q[j]) * d
+
+
+@njit(parallel=True, cache=True)
+def _deq_q4_k(b, out):
+    rows, cols = out.shape
+    for r in prange(rows):
+        br = b[r]
+        for blk in range(cols // 256):
+            o = blk * 144
+            d = _f16(br[o], br[o + 1])
+            dmin = _f16(br[o + 2], br[o + 3])
+            for s in range(8):
+                if s < 4:
+                    sc = br[o + 4 + s] & 63
+                    mn = br[o + 8 + s] & 63
+                else:
+                    sc = (br[o + 8 + s] & 0x0F) | ((br[o + s] >> 6) << 4)
+                    mn = (br[o + 8 + s] >> 4) | ((br[o + 4 + s] >> 6) << 4)
+                dl = d * np.float32(sc)
+                ml = dmin * np.float32(mn)
+                qo = o + 16 + (s // 2) * 32
+                shift = 4 * (s % 2)
+                base = blk * 256 + s * 32
+                for j in range(32):
+                    out[r, base + j] = np.float32((br[qo + j] >> shift) & 0x0F) * dl - ml
+
+
+@njit(parallel=True, cache=True)
+def _deq_q6_k(b, out):
+    rows, cols = out.shape
+    for r in prange(rows):
+        br = b[r]
+        for blk in range(cols // 256):
+            o = blk * 210
+            d = _f16(br[o + 208], br[o + 209])
+            scales = br[o + 192:o + 208].view(np.int8)
+            for h in range(2):
+                for g in range(4):
+                    base = blk * 256 + h * 128 + g * 32
+                    for j in range(32):
+                        qv = ((br[o + h * 64 + (g % 2) * 32 + j] >> (4 * (g // 2))) & 0x0F) | \
+                            (((br[o + 128 + h * 32 + j] >> (2 * g)) & 3) << 4)
+                        dl = d * np.float32(scales[h * 8 + g * 2 + j // 16])
+                        out[r, base + j] = (np.float32(qv) - np.float32(32)) * dl
+
+
+_DEQ = {"q8_0": _deq_q8_0, "q4_k": _deq_q4_k, "q6_k": _deq_q6_k}
+
+
+def dequantize_parallel(w: QuantizedMatrix) -> np.ndarray:
+    """``w`` decoded to f32 ``[rows, cols]`` by a parallel numba kernel; the same float32
+    operations in the same order as ``holders.quant.dequantize`` (no fast-math), hence
+    bit-identical to gguf-py's ``dequantize``."""
+    out = np.empty(w.shape, dtype=np.float32)
+    _DEQ[w.qtype](w.blocks, out)
+    return out
+
+
 def quantized_matmul_xt(x: np.ndarray, w: QuantizedMatrix) -> np.ndarray:
     """``x`` f32 ``[n, cols]`` · dequantized ``w``ᵀ with the row-decoding kernel → f32 ``[n, rows]``.
 
@@ -164,7 +233,7 @@ class CpuBackend:
         if isinstance(w, QuantizedMatrix):
             if x.shape[0] <= self.small_batch:
                 return quantized_matmul_xt(np.ascontiguousarray(x, dtype=np.float32), w)
-            return x @ w.dequantize().T
+            return x @ dequantize_parallel(w).T
         return x @ w.T
 
     def release(self, w) -> None:

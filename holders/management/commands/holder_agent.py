@@ -23,10 +23,12 @@ class Command(BaseCommand):
                             help="ed25519 seed file (created on first run; default $TENZRO_KEY_FILE or var/agent.key)")
         parser.add_argument("--blob-dir", default=None, help="where fetched blobs are kept (default var/agent-blobs)")
         parser.add_argument("--budget", type=int, default=None,
-                            help="memory-tier budget in bytes (default $TENZRO_MEMORY_BUDGET or 60%% of available memory)")
+                            help="memory-tier budget in bytes "
+                                 "(default $TENZRO_MEMORY_BUDGET or 60%% of available memory)")
         parser.add_argument("--disk-dir", default=None, help="disk tier directory (default <blob-dir>/tier)")
         parser.add_argument("--compute", default=None, choices=["auto", "cpu", "cuda"],
-                            help="compute backend (default $TENZRO_COMPUTE_BACKEND or auto: CUDA when usable, else CPU)")
+                            help="compute backend "
+                                 "(default $TENZRO_COMPUTE_BACKEND or auto: CUDA when usable, else CPU)")
         parser.add_argument("--name", default="", help="a display name for this provider")
         parser.add_argument("--heartbeat-interval", type=float, default=None,
                             help="seconds between signed heartbeats (default $TENZRO_HEARTBEAT_INTERVAL or 15)")
