@@ -97,7 +97,7 @@ class HolderAgent:
                     await self._session(ws)
             except ConnectionClosed as exc:
                 if exc.rcvd is not None and exc.rcvd.code == CLOSE_AUTH:
-                    raise AuthRefused(f"site refused this agent's identity: {exc.rcvd.reason or 'code 4401'}")
+                    raise AuthRefused(f"site refused this agent's identity: {exc.rcvd.reason or 'code 4401'}") from exc
                 log.warning("socket closed: %s", exc)
             except (OSError, InvalidStatus, asyncio.TimeoutError) as exc:
                 log.warning("cannot reach %s: %s", self.url, exc)

@@ -100,7 +100,7 @@ class LocalCluster:
             if res["failed"]:
                 raise ClusterError(f"placing {mid}: {len(res['failed'])} loads failed, first: {res['failed'][0]}")
             want = min(self.replication, self.holders)
-            self._wait(lambda: shard_view(mid).covers(min_replication=want), timeout,
+            self._wait(lambda mid=mid, want=want: shard_view(mid).covers(min_replication=want), timeout,
                        f"{mid} did not reach replication {want} on every expert")
             self.say(f"{mid}: every expert held by {want} agents")
         return self

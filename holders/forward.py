@@ -115,6 +115,6 @@ async def distributed_forward(*, gate: Gate, layer: int, hidden_states: np.ndarr
             by_expert[e] = (toks, out)
     output = combine(routing, by_expert, gate.d_model)
     t_end = time.perf_counter()
+    timings = {"gate": t_gate - t0, "execute": t_exec - t_gate, "combine": t_end - t_exec, "total": t_end - t0}
     return ForwardResult(output=output, routing=routing, plan=plan, holders=sorted(used), failures=failures,
-                         timings_ms={"gate": round((t_gate - t0) * 1e3, 3), "execute": round((t_exec - t_gate) * 1e3, 3),
-                                     "combine": round((t_end - t_exec) * 1e3, 3), "total": round((t_end - t0) * 1e3, 3)})
+                         timings_ms={k: round(v * 1e3, 3) for k, v in timings.items()})

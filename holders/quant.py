@@ -257,7 +257,7 @@ def _make_qkx2(X: np.ndarray, W: np.ndarray, track_L: bool):
     Returns (scale [B], the_min [B], L uint8 [32, B] or None, degenerate [B]);
     degenerate blocks (max == min after clamping min to <= 0) have L = 0.
     """
-    n, B = X.shape
+    B = X.shape[1]
     if B == 1:  # the axis-0 reduction must not collapse into a pairwise sum
         r = _make_qkx2(np.repeat(X, 2, axis=1), np.repeat(W, 2, axis=1), track_L)
         return r[0][:1], r[1][:1], (None if r[2] is None else r[2][:, :1]), r[3][:1]
@@ -412,11 +412,12 @@ def _quantize_q4_k_chunk(xs: np.ndarray) -> np.ndarray:
 
     max_scale = np.where(scales > 0, scales, _F32(0)).max(axis=1).astype(np.float32)
     max_min = np.where(mins > 0, mins, _F32(0)).max(axis=1).astype(np.float32)
-    with np.errstate(divide="ignore"):
-        inv_scale = np.where(max_scale > 0, np.divide(_F32(63), max_scale, dtype=np.float32), _F32(0)).astype(np.float32)
-        inv_min = np.where(max_min > 0, np.divide(_F32(63), max_min, dtype=np.float32), _F32(0)).astype(np.float32)
-    ls = np.minimum(_nearest_int(np.multiply(inv_scale[:, None], scales, dtype=np.float32)) & 0xFF, 63).astype(np.uint8)
-    lm = np.minimum(_nearest_int(np.multiply(inv_min[:, None], mins, dtype=np.float32)) & 0xFF, 63).astype(np.uint8)
+    c63 = _F32(63)
+    inv_scale = np.where(max_scale > 0, np.divide(c63, max_scale), _F32(0)).astype(np.float32)
+    inv_min = np.where(max_min > 0, np.divide(c63, max_min), _F32(0)).astype(np.float32)
+    # uint8_t ls = nearest_int(...): wraps mod 256, then MIN(63, ls)
+    ls = np.minimum(_nearest_int(np.multiply(inv_scale[:, None], scales)) & 0xFF, 63).astype(np.uint8)
+    lm = np.minimum(_nearest_int(np.multiply(inv_min[:, None], mins)) & 0xFF, 63).astype(np.uint8)
     with np.errstate(over="ignore"):
         d16 = np.divide(max_scale, _F32(63), dtype=np.float32).astype("<f2")
         m16 = np.divide(max_min, _F32(63), dtype=np.float32).astype("<f2")
@@ -459,8 +460,9 @@ def _quantize_q4_k_chunk(xs: np.ndarray) -> np.ndarray:
 # Q6_K: make_qx_quants(rmse_type=1) + quantize_row_q6_K_ref
 
 
+# candidate -(nmax + 0.1f*is) of make_qx_quants for is = -9..9, is != 0 (float32 as in C)
 _QX_NUMS = [
-    (i, np.negative(_F32(_F32(32) + _F32(_F32(0.1) * _F32(i))))) for i in range(-9, 10) if i != 0
+    np.negative(_F32(_F32(32) + _F32(_F32(0.1) * _F32(i)))) for i in range(-9, 10) if i != 0
 ]
 
 
@@ -470,7 +472,7 @@ def _make_qx(X: np.ndarray, track_L: bool):
     X: float32 C-contiguous [16, B].  Returns (scale [B], L uint8 [16, B] or None).
     L holds the stored quants ``l + 32`` (all 0 for an all-zero sub-block).
     """
-    n, B = X.shape
+    B = X.shape[1]
     if B == 1:  # the axis-0 reduction must not collapse into a pairwise sum
         sc, L = _make_qx(np.repeat(X, 2, axis=1), track_L)
         return sc[:1], (None if L is None else L[:, :1])
@@ -530,7 +532,7 @@ def _make_qx(X: np.ndarray, track_L: bool):
         L = (Lf + nmax).astype(np.uint8) if track_L else None
         scale = np.where(suml2 != 0, np.divide(sumlx, suml2), zero).astype(f32)
         best = np.multiply(scale, sumlx)
-        for is_, num in _QX_NUMS:
+        for num in _QX_NUMS:
             np.divide(num, maxs, out=isc)
             quants()
             better = np.multiply(sumlx, sumlx) > np.multiply(best, suml2)
@@ -661,7 +663,6 @@ def _f16_field(b: np.ndarray, off: int) -> np.ndarray:
 def _deq_q8_0(b: np.ndarray, out: np.ndarray) -> None:
     """b: uint8 [N, 34] -> out float32 [N, 32] (gguf-py Q8_0.dequantize_blocks:
     ``qs * d``)."""
-    N = b.shape[0]
     d = _f16_field(b, 0)  # [N, 1]
     out[...] = b[:, 2:].view(np.int8)
     np.multiply(out, np.repeat(d, 32, axis=1), out=out)

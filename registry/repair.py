@@ -11,7 +11,8 @@ provider id has a fixed length of 64 characters, so the split point is unambiguo
              ‖ provider.encode("ascii") )                       # 64 lowercase hex chars
 
 Layer and expert are decimal and the last two ``/`` fields, so a model id containing ``/``
-(``org/name``) cannot collide with another key. Scores compare as raw big-endian bytes, highest first; ties (never seen in practice) go to
+(``org/name``) cannot collide with another key. Scores compare as raw big-endian bytes, highest first;
+ties (never seen in practice) go to
 the lower provider id. Unlike the reference (§14 item 9) the provider id is the same hex
 string the JSON carries, not a base58 re-encoding.
 """
@@ -178,7 +179,8 @@ def plan_repair(
     return [r for _, r in rows]
 
 
-def rows_for(rows: Iterable[RepairRow], provider: str, max_repairs: int = ReplicationPolicy().max_repairs_per_pass) -> list[RepairRow]:
+def rows_for(rows: Iterable[RepairRow], provider: str,
+             max_repairs: int = ReplicationPolicy().max_repairs_per_pass) -> list[RepairRow]:
     """The first ``max_repairs`` rows naming ``provider`` (the pull-only rule: ignore the rest).
 
     Raises ``ValueError`` for a malformed provider id or a negative ``max_repairs``.

@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def env_for(tmp: Path, database_url: str | None = None, redis_url: str | None = None) -> dict:
     """Environment of a child process: its own var dir and database; Redis only when given."""
     env = {k: v for k, v in os.environ.items() if k not in {"REDIS_URL", "DATABASE_URL", "TENZRO_OPERATOR_TOKEN"}}
-    env.update({"TENZRO_VAR_DIR": str(tmp / "var"), "PYTHONUNBUFFERED": "1", "DJANGO_SETTINGS_MODULE": "tenzro_site.settings",
+    env.update({"TENZRO_VAR_DIR": str(tmp / "var"), "PYTHONUNBUFFERED": "1",
+                "DJANGO_SETTINGS_MODULE": "tenzro_site.settings",
                 "DATABASE_URL": database_url or f"sqlite:///{tmp / 'db.sqlite3'}"})
     if redis_url:
         env["REDIS_URL"] = redis_url

@@ -58,3 +58,46 @@ def test_verify_forward_passes_on_fixture(tmp_path, ckpt):
         assert r["max_rel_err_vs_reference"] <= 1e-5
         assert r["max_abs_diff_vs_monolithic"] == 0.0
         assert r["holders"] >= 2 and r["tokens"] == 48
+
+
+SYNTHETIC = {
+    # qwen3_moe, raw softmax probabilities (norm_topk_prob false), f16 weights, 12 experts top-3
+    "qwen_raw_f16": dict(family="qwen3_moe", hidden=96, d_ff=48, experts=12, top_k=3, layers=2,
+                         norm_topk_prob=False, dtype="f16"),
+    # deepseek_v3, 4 groups keep 1, 2 fused shared experts, no renormalisation, scaling 1.5, sharded
+    "deepseek_groups_sharded": dict(family="deepseek_v3", hidden=64, d_ff=32, experts=16, top_k=3, layers=3,
+                                    n_group=4, topk_group=1, n_shared=2, norm_topk_prob=False, scale=1.5,
+                                    sharded=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SYNTHETIC))
+def test_verify_forward_on_other_checkpoints(tmp_path, name):
+    from tests.synth import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / name, **SYNTHETIC[name])
+    res = subprocess.run([sys.executable, str(ROOT / "manage.py"), "verify_forward", "--checkpoint", str(ckpt),
+                          "--reference", str(ckpt / "reference.safetensors"), "--holders", "2", "--json"],
+                         cwd=ROOT, env=env_for(tmp_path), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(report["layers"]) == 2
+    assert all(r["max_abs_diff_vs_monolithic"] == 0.0 for r in report["layers"])
+
+
+def test_verify_forward_exits_1_when_the_reference_disagrees(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    from tests.synth import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "bad", family="qwen3_moe", layers=1)
+    ref = load_file(str(ckpt / "reference.safetensors"))
+    ref["layer0.output"] = ref["layer0.output"] * np.float32(1.001)  # 1e-3 relative: far above 1e-5
+    save_file(ref, str(ckpt / "reference.safetensors"))
+    res = subprocess.run([sys.executable, str(ROOT / "manage.py"), "verify_forward", "--checkpoint", str(ckpt),
+                          "--reference", str(ckpt / "reference.safetensors"), "--holders", "1", "--json"],
+                         cwd=ROOT, env=env_for(tmp_path), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stdout + res.stderr
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["layers"][0]["max_rel_err_vs_reference"] > 1e-4
+    assert report["layers"][0]["max_abs_diff_vs_monolithic"] == 0.0

@@ -24,7 +24,9 @@ class Command(BaseCommand):
                             help="model id per checkpoint (default: from the directory name)")
 
     def handle(self, *args, **opts):
-        say = (lambda s: print(s, file=sys.stderr, flush=True))
+        def say(line: str) -> None:
+            print(line, file=sys.stderr, flush=True)
+
         cluster = LocalCluster(opts["checkpoint"], holders=opts["holders"], port=opts["port"], say=say,
                                model_ids=opts["model_id"])
         stop = threading.Event()

@@ -33,7 +33,9 @@ class Command(BaseCommand):
         for c in ckpts:
             if not (c / "reference.safetensors").is_file():
                 raise CommandError(f"--checkpoint {c}: no reference.safetensors beside the checkpoint")
-        say = (lambda s: self.stdout.write(f"· {s}"))
+        def say(line: str) -> None:
+            self.stdout.write(f"· {line}")
+
         cluster = LocalCluster(ckpts, holders=opts["holders"], say=say)
         results = []
         try:
@@ -63,19 +65,19 @@ class Command(BaseCommand):
         w(f"{'model':<18} {'layer':>5} {'tokens':>6} {'holders':>7} {'rel err vs transformers':>24} "
           f"{'max |Δ| vs monolithic':>22} {'ms':>7}  check")
         all_ok = True
-        for model_id, view, rows in results:
+        for model_id, _view, rows in results:
             for r in rows:
                 all_ok &= r["ok"]
                 w(f"{model_id:<18} {r['layer']:>5} {r['tokens']:>6} {r['holders']:>7} "
                   f"{r['max_rel_err_vs_reference']:>24.3e} {r['max_abs_diff_vs_monolithic']:>22.3e} "
                   f"{r['ms']:>7.1f}  {'ok' if r['ok'] else 'FAILED'}")
         w("")
-        for model_id, view, rows in results:
+        for model_id, view, _rows in results:
             min_rep = min((h["replication"] for h in view["holders"]), default=0)
             covered_ok = not view["under_replicated_experts"]
             all_ok &= covered_ok
             w(f"coverage {model_id}: {view['covered_experts']} expert slots held by "
-              f"{view['distinct_providers'] if isinstance(view['distinct_providers'], int) else len(view['distinct_providers'])} "
+              f"{view['distinct_providers']} "
               f"providers, min replication {min_rep}, under-replicated {len(view['under_replicated_experts'])}")
         w(f"{holders} holder agents; cluster up in {t_start:.1f} s; total {t_total:.1f} s; "
           f"tolerance {REL_TOLERANCE:g} relative vs transformers, exactly 0 vs monolithic")

@@ -23,7 +23,9 @@ class Command(BaseCommand):
         parser.add_argument("--json", action="store_true", help="last line: one JSON object with every layer")
 
     def handle(self, *args, **opts):
-        say = (lambda s: print(s, file=sys.stderr, flush=True))
+        def say(line: str) -> None:
+            print(line, file=sys.stderr, flush=True)
+
         cluster = LocalCluster([opts["checkpoint"]], holders=opts["holders"], say=say,
                                model_ids=[opts["model_id"]])
         try:
