@@ -15,12 +15,21 @@ Q4_K_M ≥ 0.8× dense throughput at batch 512 and ≤ 0.5× dense latency at ba
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
+# --threads must reach OpenBLAS and numba before they load.
+for _i, _a in enumerate(sys.argv):
+    _n = sys.argv[_i + 1] if _a == "--threads" and _i + 1 < len(sys.argv) else \
+        _a.split("=", 1)[1] if _a.startswith("--threads=") else None
+    if _n:
+        for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+            os.environ[_v] = _n
+
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -46,6 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--experts", type=int, default=4, help="distinct experts cycled through (defeats CPU caches)")
     ap.add_argument("--backend", default=None, help="compute backend (auto, cpu, cuda)")
+    ap.add_argument("--threads", type=int, default=None, help="BLAS and numba threads (default: all cores)")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     be = compute.select_backend(args.backend)
@@ -68,7 +78,7 @@ def main(argv=None) -> int:
         variants[p] = (lambda ws: lambda i, x: expert_forward(ws[i], x))(quant[p])
 
     print(f"expert {h}x{f} (gate/up [{f},{h}], down [{h},{f}]), backend {be.tag}, {args.experts} experts cycled, "
-          f"best of {args.repeat}")
+          f"best of {args.repeat}, threads {os.environ.get('OPENBLAS_NUM_THREADS', 'all')}")
     print(f"{'batch':>6} {'variant':>10} {'best ms':>9} {'median ms':>10} {'tok/s':>10} {'vs numpy':>9}")
     best: dict[tuple[int, str], float] = {}
     for n in batches:

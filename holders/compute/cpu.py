@@ -3,12 +3,12 @@
 - Dense float32: one BLAS GEMM (``x @ w.T``, numpy's OpenBLAS), bit-identical to the
   plain numpy pipeline.
 - Quantized (Q8_0 / Q4_K / Q6_K), small batches (``n <= small_batch``): numba kernels,
-  parallel over output rows, that read the blocks directly: per sub-block
-  ``Σ (d·sc·q − dmin·m)·x = d·sc·Σ q·x − dmin·m·Σ x`` with ``Σ x`` per sub-block computed
-  once per call, so the inner loop is integer-to-float and multiply-add over 32 (16 for
-  Q6_K) values. Only the quantized bytes are read from memory (Q4_K: 4.5 bits per weight
-  instead of 32). Source of the block layouts and decode formulas: ggml
-  ``ggml-common.h`` / ``dequantize_row_q8_0/q4_K/q6_K`` (as gguf-py ``quants.py``).
+  parallel over tasks of 16 output rows, that decode one weight row at a time into an
+  L1-resident f32 scratch (constant shifts so the decode vectorises, as ggml's
+  ``dequantize_row_*`` loops) and take its dot product with every input row. Only the
+  quantized bytes are read from memory (Q4_K: 4.5 bits per weight instead of 32). Source
+  of the block layouts and decode formulas: ggml ``ggml-common.h`` /
+  ``dequantize_row_q8_0/q4_K/q6_K`` (as gguf-py ``quants.py``).
 - Quantized, larger batches: decode the whole matrix (``dequantize_parallel``, a parallel
   numba decoder bit-identical to gguf-py) and run one BLAS GEMM; at these sizes the GEMM
   dominates and the decode is a few percent. Measured in ``bench/bench_expert.py``: a cache of decoded
@@ -19,7 +19,6 @@ Pure Python + numpy + numba; imports nothing from Django.
 """
 from __future__ import annotations
 
-import math
 import os
 
 import numba
@@ -29,109 +28,103 @@ from numba import njit, prange
 from holders.quant import QuantizedMatrix
 
 # Batch rows up to which the quantized kernel beats decode + GEMM (bench_expert.py).
-SMALL_BATCH = int(os.environ.get("TENZRO_QUANT_SMALL_BATCH", "16"))
+SMALL_BATCH = int(os.environ.get("TENZRO_QUANT_SMALL_BATCH", "8"))
+
+
+# Every IEEE half bit pattern → float32 (exact): one L2-resident lookup instead of bit fiddling.
+_F16_TABLE = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
 @njit(inline="always", cache=True)
 def _f16(lo, hi):
     """IEEE half (two little-endian bytes) → float32, exact."""
-    h = np.int64(lo) | (np.int64(hi) << 8)
-    e = (h >> 10) & 0x1F
-    m = h & 0x3FF
-    if e == 0:
-        v = math.ldexp(float(m), -24)
-    elif e == 31:
-        v = math.inf if m == 0 else math.nan
-    else:
-        v = math.ldexp(float(m + 1024), int(e) - 25)
-    return np.float32(-v if (h >> 15) & 1 else v)
+    return _F16_TABLE[np.int64(lo) | (np.int64(hi) << 8)]
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def _mm_q8_0(b, x, y):
-    rows = b.shape[0]
-    n, cols = x.shape
-    for r in prange(rows):
-        br = b[r]
-        for i in range(n):
-            y[i, r] = 0
-        for blk in range(cols // 32):
-            o = blk * 34
-            d = _f16(br[o], br[o + 1])
-            q = br[o + 2:o + 34].view(np.int8)
-            for i in range(n):
-                xi = x[i, blk * 32:blk * 32 + 32]
-                acc = np.float32(0)
-                for j in range(32):
-                    acc += np.float32(q[j]) * xi[j]
-                y[i, r] += d * acc
+@njit(inline="always", cache=True)
+def _scale_min_k4(br, o, s):
+    """ggml ``get_scale_min_k4``: 6-bit scale and min of sub-block ``s`` of the Q4_K block at ``o``."""
+    if s < 4:
+        return br[o + 4 + s] & 63, br[o + 8 + s] & 63
+    return ((br[o + 8 + s] & 0x0F) | ((br[o + s] >> 6) << 4)), ((br[o + 8 + s] >> 4) | ((br[o + 4 + s] >> 6) << 4))
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def _mm_q4_k(b, x, xs, y):
-    """xs: f32 [n, cols // 32] sums of x over each 32-element sub-block."""
-    rows = b.shape[0]
-    n, cols = x.shape
-    for r in prange(rows):
-        br = b[r]
-        for i in range(n):
-            y[i, r] = 0
-        for blk in range(cols // 256):
-            o = blk * 144
-            d = _f16(br[o], br[o + 1])
-            dmin = _f16(br[o + 2], br[o + 3])
-            for s in range(8):
-                if s < 4:
-                    sc = br[o + 4 + s] & 63
-                    mn = br[o + 8 + s] & 63
-                else:
-                    sc = (br[o + 8 + s] & 0x0F) | ((br[o + s] >> 6) << 4)
-                    mn = (br[o + 8 + s] >> 4) | ((br[o + 4 + s] >> 6) << 4)
-                dl = d * np.float32(sc)
-                ml = dmin * np.float32(mn)
-                qo = o + 16 + (s // 2) * 32
-                shift = 4 * (s % 2)
-                base = blk * 256 + s * 32
-                q = br[qo:qo + 32]
+@njit(inline="always", cache=True)
+def _row_q8_0(br, w, cols):
+    for blk in range(cols // 32):
+        o = blk * 34
+        d = _f16(br[o], br[o + 1])
+        for j in range(32):
+            q = np.int32(br[o + 2 + j])
+            w[blk * 32 + j] = np.float32(q - ((q >> 7) << 8)) * d  # two's complement int8
+
+
+@njit(inline="always", cache=True)
+def _row_q4_k(br, w, cols):
+    for blk in range(cols // 256):
+        o = blk * 144
+        d = _f16(br[o], br[o + 1])
+        dmin = _f16(br[o + 2], br[o + 3])
+        for p in range(4):  # sub-blocks 2p (low nibbles) and 2p+1 (high nibbles) share 32 bytes
+            sc0, mn0 = _scale_min_k4(br, o, 2 * p)
+            sc1, mn1 = _scale_min_k4(br, o, 2 * p + 1)
+            dl0, ml0 = d * np.float32(sc0), dmin * np.float32(mn0)
+            dl1, ml1 = d * np.float32(sc1), dmin * np.float32(mn1)
+            qo = o + 16 + p * 32
+            base = blk * 256 + p * 64
+            for j in range(32):
+                qb = br[qo + j]
+                w[base + j] = np.float32(qb & 0x0F) * dl0 - ml0
+                w[base + 32 + j] = np.float32(qb >> 4) * dl1 - ml1
+
+
+@njit(inline="always", cache=True)
+def _row_q6_k(br, w, cols):
+    sc = br.view(np.int8)
+    for blk in range(cols // 256):
+        o = blk * 210
+        d = _f16(br[o + 208], br[o + 209])
+        for h in range(2):
+            lo = o + h * 64
+            hi = o + 128 + h * 32
+            base = blk * 256 + h * 128
+            for half in range(2):
+                d0 = d * np.float32(sc[o + 192 + h * 8 + half])
+                d1 = d * np.float32(sc[o + 192 + h * 8 + 2 + half])
+                d2 = d * np.float32(sc[o + 192 + h * 8 + 4 + half])
+                d3 = d * np.float32(sc[o + 192 + h * 8 + 6 + half])
+                for jj in range(16):
+                    j = half * 16 + jj
+                    a = br[lo + j]
+                    b = br[lo + 32 + j]
+                    c = br[hi + j]
+                    w[base + j] = (np.float32((a & 0x0F) | ((c & 3) << 4)) - np.float32(32)) * d0
+                    w[base + 32 + j] = (np.float32((b & 0x0F) | (((c >> 2) & 3) << 4)) - np.float32(32)) * d1
+                    w[base + 64 + j] = (np.float32((a >> 4) | (((c >> 4) & 3) << 4)) - np.float32(32)) * d2
+                    w[base + 96 + j] = (np.float32((b >> 4) | ((c >> 6) << 4)) - np.float32(32)) * d3
+
+
+_ROWS_PER_TASK = 16
+
+
+def _make_kernel(row_decoder):
+    @njit(parallel=True, fastmath=True, cache=True)
+    def kernel(b, x, y):
+        rows = b.shape[0]
+        n, cols = x.shape
+        for t in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+            w = np.empty(cols, dtype=np.float32)  # one decoded weight row, L1-resident
+            for r in range(t * _ROWS_PER_TASK, min(rows, (t + 1) * _ROWS_PER_TASK)):
+                row_decoder(b[r], w, cols)
                 for i in range(n):
-                    xi = x[i, base:base + 32]
                     acc = np.float32(0)
-                    for j in range(32):
-                        acc += np.float32((q[j] >> shift) & 0x0F) * xi[j]
-                    y[i, r] += dl * acc - ml * xs[i, base // 32]
+                    for j in range(cols):
+                        acc += w[j] * x[i, j]
+                    y[i, r] = acc
+    return kernel
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def _mm_q6_k(b, x, xs, y):
-    """xs: f32 [n, cols // 16] sums of x over each 16-element sub-block."""
-    rows = b.shape[0]
-    n, cols = x.shape
-    for r in prange(rows):
-        br = b[r]
-        for i in range(n):
-            y[i, r] = 0
-        for blk in range(cols // 256):
-            o = blk * 210
-            d = _f16(br[o + 208], br[o + 209])
-            scales = br[o + 192:o + 208].view(np.int8)
-            for h in range(2):
-                ql = br[o + h * 64:o + h * 64 + 64]
-                qh = br[o + 128 + h * 32:o + 128 + h * 32 + 32]
-                for g in range(4):
-                    base = blk * 256 + h * 128 + g * 32
-                    lo_off = (g % 2) * 32
-                    lo_shift = 4 * (g // 2)
-                    for half in range(2):
-                        sidx = h * 8 + g * 2 + half
-                        dl = d * np.float32(scales[sidx])
-                        for i in range(n):
-                            xi = x[i, base + half * 16:base + half * 16 + 16]
-                            acc = np.float32(0)
-                            for j in range(16):
-                                jj = half * 16 + j
-                                qv = ((ql[lo_off + jj] >> lo_shift) & 0x0F) | (((qh[jj] >> (2 * g)) & 3) << 4)
-                                acc += np.float32(qv) * xi[j]
-                            y[i, r] += dl * (acc - np.float32(32) * xs[i, (base + half * 16) // 16])
+_KERNELS = {"q8_0": _make_kernel(_row_q8_0), "q4_k": _make_kernel(_row_q4_k), "q6_k": _make_kernel(_row_q6_k)}
 
 
 @njit(parallel=True, cache=True)
@@ -210,12 +203,7 @@ def quantized_matmul_xt(x: np.ndarray, w: QuantizedMatrix) -> np.ndarray:
     chosen by the compiler), so results differ from the GEMM path in the last bits.
     """
     y = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
-    if w.qtype == "q8_0":
-        _mm_q8_0(w.blocks, x, y)
-    elif w.qtype == "q4_k":
-        _mm_q4_k(w.blocks, x, x.reshape(x.shape[0], -1, 32).sum(axis=2, dtype=np.float32), y)
-    else:
-        _mm_q6_k(w.blocks, x, x.reshape(x.shape[0], -1, 16).sum(axis=2, dtype=np.float32), y)
+    _KERNELS[w.qtype](w.blocks, x, y)
     return y
 
 
