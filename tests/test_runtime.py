@@ -437,7 +437,9 @@ def test_quantized_matrix_and_expert_shape_errors():
 
 def test_backend_selection():
     assert compute.select_backend("cpu").tag == "cpu"
-    assert compute.select_backend("auto").tag in ("cpu", "cuda")
+    assert compute.select_backend("auto").tag in ("cpu", "cuda", "wgpu")
+    if compute.select_backend("auto").tag == "wgpu":
+        assert compute.select_backend("auto").gpu  # auto never takes a CPU-emulated adapter
     with pytest.raises(ValueError, match="unknown compute backend"):
         compute.select_backend("tpu")
 
@@ -464,3 +466,54 @@ def test_cuda_backend_keeps_weights_resident_and_matches_cpu():
 def test_cuda_backend_explains_why_it_is_unavailable():
     with pytest.raises(compute.BackendUnavailable, match="CuPy is not importable"):
         compute.select_backend("cuda")
+
+
+HAS_WGPU = importlib.util.find_spec("wgpu") is not None
+
+
+@pytest.fixture
+def wgpu_backend():
+    try:
+        return compute.make_backend("wgpu")
+    except compute.BackendUnavailable as exc:  # the package is there but no adapter (no Vulkan ICD)
+        pytest.skip(f"wgpu backend unavailable: {exc}")
+
+
+@pytest.mark.skipif(not HAS_WGPU, reason="wgpu-py is not installed (optional extra [wgpu]); no WebGPU backend here")
+def test_wgpu_backend_matches_numpy_and_keeps_weights_resident(wgpu_backend):
+    b = wgpu_backend
+    rng = np.random.default_rng(6)
+    for n, k, o in ((1, 64, 5), (19, 100, 37), (40, 512, 48)):
+        x = rng.standard_normal((n, k), dtype=np.float32)
+        w = rng.standard_normal((o, k), dtype=np.float32)
+        ref = x @ w.T
+        np.testing.assert_allclose(b.matmul_xt(x, w), ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+        resident = b.describe()["resident_bytes"]
+        b.matmul_xt(x, w)
+        assert b.describe()["resident_bytes"] == resident  # no second upload
+        b.release(w)
+        assert b.describe()["resident_bytes"] == resident - w.nbytes
+    m = QuantizedMatrix("q4_k", (24, 256), quant.quantize(rng.standard_normal((24, 256), dtype=np.float32), "q4_k"))
+    x = rng.standard_normal((3, 256), dtype=np.float32)
+    ref = x @ m.dequantize().T
+    np.testing.assert_allclose(b.matmul_xt(x, m), ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    assert b.describe()["gpu"] == (b.adapter_type.upper() != "CPU")
+
+
+@pytest.mark.skipif(not HAS_WGPU, reason="wgpu-py is not installed (optional extra [wgpu]); no WebGPU backend here")
+def test_runtime_reports_the_wgpu_backend_and_serves_through_it(tmp_path, wgpu_backend):
+    rt = ExpertRuntime(memory_budget=EXPERT_BYTES, disk_dir=tmp_path, backend=wgpu_backend)
+    previous = compute.backend()
+    compute.set_backend(wgpu_backend)
+    try:
+        rt.load_expert("m", 0, 0, expert(0).to_blob())
+        x = rows(5)
+        out = rt.execute("m", 0, 0, x, 5)
+        rt.load_expert("m", 0, 1, expert(1).to_blob())  # evicts 0: its device copies are released
+        assert wgpu_backend.describe()["resident_bytes"] == 0
+    finally:
+        compute.set_backend(previous)
+    ref = expert_forward(expert(0), x)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    st = rt.status()
+    assert st["compute_backend"] == "wgpu" and st["gpu"] == wgpu_backend.gpu

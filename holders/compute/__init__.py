@@ -6,9 +6,11 @@ weights resident on the device instead of uploading them per call):
 - ``cpu`` (``holders.compute.cpu``): always present.
 - ``cuda`` (``holders.compute.cuda``, CuPy; extra ``[cuda]``): selected when CuPy imports,
   a device is visible and a probe matmul agrees with the CPU.
+- ``wgpu`` (``holders.compute.wgpu``, wgpu-py + WGSL; extra ``[wgpu]``): any vendor's GPU;
+  ``auto`` takes it only on a real GPU adapter, ``wgpu`` also on a CPU emulation (lavapipe).
 
 ``select_backend()`` runs once per process (``TENZRO_COMPUTE_BACKEND`` = ``auto`` (default),
-``cpu`` or ``cuda``); ``backend()`` returns the selected one; status reports its ``tag`` and
+``cpu``, ``cuda`` or ``wgpu``; ``auto`` tries CUDA, then wgpu, then the CPU); ``backend()`` returns the selected one; status reports its ``tag`` and
 ``gpu`` flag and the agent advertises ``moe_gpu`` from it. Imports nothing from Django.
 """
 from __future__ import annotations
@@ -25,7 +27,7 @@ from holders.quant import QuantizedMatrix
 log = logging.getLogger(__name__)
 
 Weight = Union[np.ndarray, QuantizedMatrix]
-BACKENDS = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "cpu", "cuda", "wgpu")
 
 
 class ComputeBackend(Protocol):
@@ -59,8 +61,9 @@ def _probe(b) -> None:
         raise BackendUnavailable(f"{b.tag} probe matmul disagrees with numpy")
 
 
-def make_backend(name: str) -> ComputeBackend:
-    """Construct and probe backend ``name`` (``cpu`` or ``cuda``).
+def make_backend(name: str, allow_cpu_adapter: bool = True) -> ComputeBackend:
+    """Construct and probe backend ``name`` (``cpu``, ``cuda`` or ``wgpu``; ``allow_cpu_adapter``
+    lets wgpu run on a CPU emulation such as lavapipe).
 
     Raises ``BackendUnavailable`` with the reason (package missing, no device, probe failed)
     and ``ValueError`` for an unknown name.
@@ -73,12 +76,17 @@ def make_backend(name: str) -> ComputeBackend:
         b = CudaBackend()
         _probe(b)
         return b
+    if name == "wgpu":
+        from holders.compute.wgpu import WgpuBackend
+        b = WgpuBackend(allow_cpu=allow_cpu_adapter)
+        _probe(b)
+        return b
     raise ValueError(f"unknown compute backend {name!r}; choose one of {', '.join(BACKENDS)}")
 
 
 def select_backend(preference: str | None = None) -> ComputeBackend:
     """Pick the backend: an explicit ``preference`` (or ``TENZRO_COMPUTE_BACKEND``) must work,
-    ``auto`` tries CUDA and falls back to the CPU, logging why.
+    ``auto`` tries CUDA, then wgpu on a real GPU adapter, and falls back to the CPU, logging why.
 
     Raises ``BackendUnavailable`` when an explicitly requested GPU backend cannot run, and
     ``ValueError`` for an unknown name.
@@ -88,10 +96,11 @@ def select_backend(preference: str | None = None) -> ComputeBackend:
         raise ValueError(f"unknown compute backend {name!r}; choose one of {', '.join(BACKENDS)}")
     if name != "auto":
         return make_backend(name)
-    try:
-        return make_backend("cuda")
-    except Exception as exc:  # any import/driver failure means "not here": fall back
-        log.info("CUDA compute backend not used: %s", exc)
+    for gpu in ("cuda", "wgpu"):
+        try:
+            return make_backend(gpu, allow_cpu_adapter=False)
+        except Exception as exc:  # any import/driver failure means "not here": fall back
+            log.info("%s compute backend not used: %s", gpu, exc)
     return make_backend("cpu")
 
 

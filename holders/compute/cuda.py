@@ -48,7 +48,7 @@ class CudaBackend:
         self.cache_bytes = int(env) if env else (cache_bytes or free // 2)
         self._cache: OrderedDict[int, object] = OrderedDict()  # id(weight) → device f32 [out, in]
         self._bytes = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # weakref finalizers may run inside a locked section
 
     def _device_weight(self, w):
         key = id(w)

@@ -26,7 +26,7 @@ class Command(BaseCommand):
                             help="memory-tier budget in bytes "
                                  "(default $TENZRO_MEMORY_BUDGET or 60%% of available memory)")
         parser.add_argument("--disk-dir", default=None, help="disk tier directory (default <blob-dir>/tier)")
-        parser.add_argument("--compute", default=None, choices=["auto", "cpu", "cuda"],
+        parser.add_argument("--compute", default=None, choices=["auto", "cpu", "cuda", "wgpu"],
                             help="compute backend "
                                  "(default $TENZRO_COMPUTE_BACKEND or auto: CUDA when usable, else CPU)")
         parser.add_argument("--name", default="", help="a display name for this provider")
