@@ -10,8 +10,9 @@ weights resident on the device instead of uploading them per call):
   ``auto`` takes it only on a real GPU adapter, ``wgpu`` also on a CPU emulation (lavapipe).
 
 ``select_backend()`` runs once per process (``TENZRO_COMPUTE_BACKEND`` = ``auto`` (default),
-``cpu``, ``cuda`` or ``wgpu``; ``auto`` tries CUDA, then wgpu, then the CPU); ``backend()`` returns the selected one; status reports its ``tag`` and
-``gpu`` flag and the agent advertises ``moe_gpu`` from it. Imports nothing from Django.
+``cpu``, ``cuda`` or ``wgpu``; ``auto`` tries CUDA, then wgpu, then the CPU); ``backend()``
+returns the selected one; status reports its ``tag`` and ``gpu`` flag and the agent
+advertises ``moe_gpu`` from it. Imports nothing from Django.
 """
 from __future__ import annotations
 
