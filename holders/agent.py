@@ -76,6 +76,7 @@ class HolderAgent:
         self._ws = None
         self._send_lock = asyncio.Lock()
         self._last_ts = 0
+        self.max_message = 1 << 20  # the site's frame cap, updated from its welcome
 
     def stop(self) -> None:
         """Ask ``run()`` to return after closing the socket."""
@@ -121,6 +122,8 @@ class HolderAgent:
         welcome = json.loads(await ws.recv())
         if welcome.get("type") != "welcome":
             raise ConnectionError(f"site refused hello: {welcome.get('message', welcome)}")
+        if isinstance(welcome.get("max_message"), int) and welcome["max_message"] > 0:
+            self.max_message = welcome["max_message"]
         log.info("connected to %s as %s", self.site, self.provider)
         beat = asyncio.create_task(self._heartbeat_loop())
         stopper = asyncio.create_task(self._stop.wait())
@@ -193,7 +196,12 @@ class HolderAgent:
                 await self._load(header)
                 await self._reply({"id": req_id, "ok": True})
             elif kind == "rpc":
-                await self._reply({"id": req_id, "ok": True}, json.dumps(await self._rpc(header, payload)).encode())
+                body = json.dumps(await self._rpc(header, payload)).encode()
+                if len(body) > self.max_message - wire.FRAME_HEADER_MAX:  # the site would drop the socket
+                    body = json.dumps({"error": {"code": -32004, "data": {"field": "params"}, "message":
+                                                 f"the result is {len(body)} bytes, over the socket's "
+                                                 f"{self.max_message}-byte frame cap"}}).encode()
+                await self._reply({"id": req_id, "ok": True}, body)
             else:
                 await self._reply({"id": req_id, "ok": False, "code": "bad_request",
                                    "message": f"unknown request type {kind!r}"})
