@@ -60,28 +60,33 @@ class Method:
     func: Callable[[dict], Any]
     params: type[serializers.Serializer] | None
     operator: bool
+    pass_operator: bool = False
 
 
 METHODS: dict[str, Method] = {}
 
 
-def rpc_method(name: str, params: type[serializers.Serializer] | None = None, operator: bool = False):
-    """Register ``func`` as JSON-RPC method ``name``; ``operator`` requires the operator bearer token."""
+def rpc_method(name: str, params: type[serializers.Serializer] | None = None, operator: bool = False,
+               pass_operator: bool = False):
+    """Register ``func`` as JSON-RPC method ``name``; ``operator`` requires the operator bearer token;
+    ``pass_operator`` adds ``_operator: bool`` (whether the caller holds it) to the validated params."""
     def deco(func):
-        METHODS[name] = Method(name, func, params, operator)
+        METHODS[name] = Method(name, func, params, operator, pass_operator)
         return func
     return deco
 
 
-def _first_error(errors, prefix: str = "") -> tuple[str, str]:
+def first_error(errors, prefix: str = "") -> tuple[str, str]:
     """(field path, message) of the first DRF validation error, e.g. ("routings[2].experts", "...")."""
     if isinstance(errors, dict) and errors:
         key, value = next(iter(errors.items()))
-        return _first_error(value, f"{prefix}.{key}" if prefix else str(key))
+        if key == "non_field_errors":  # an error of the object itself: name the object
+            return first_error(value, prefix)
+        return first_error(value, f"{prefix}.{key}" if prefix else str(key))
     if isinstance(errors, list):
         for i, item in enumerate(errors):
             if item:  # DRF reports valid list items as empty dicts
-                return _first_error(item, prefix if isinstance(item, str) else f"{prefix}[{i}]")
+                return first_error(item, prefix if isinstance(item, str) else f"{prefix}[{i}]")
     return prefix, str(errors)
 
 
@@ -91,7 +96,7 @@ def validate_params(serializer_cls, params: dict) -> dict:
         return params
     ser = serializer_cls(data=params)
     if not ser.is_valid():
-        field, msg = _first_error(ser.errors)
+        field, msg = first_error(ser.errors)
         raise RpcError(INVALID_PARAMS, f"invalid params: {field}: {msg}" if field else f"invalid params: {msg}",
                        {"field": field, "errors": json.loads(json.dumps(ser.errors, default=str))})
     unknown = sorted(set(params) - set(ser.fields))
@@ -132,7 +137,10 @@ async def handle_one(obj: Any, authorization: str | None) -> dict | None:
         if method.operator and not is_operator(authorization):
             raise RpcError(AUTH_REFUSED, f"{name} needs the operator credential: Authorization: Bearer <token>",
                            {"field": "Authorization"})
-        result = await _call(method, validate_params(method.params, params))
+        params = validate_params(method.params, params)
+        if method.pass_operator:
+            params["_operator"] = is_operator(authorization)
+        result = await _call(method, params)
     except RpcError as err:
         return None if is_notification else _error(req_id, err)
     except Exception:  # never leak a traceback to a client
@@ -179,6 +187,9 @@ async def rpc_view(request: HttpRequest) -> HttpResponse:
         payload = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         return JsonResponse(_error(None, RpcError(PARSE_ERROR, f"parse error: {exc}", {"field": "body"})))
+    except RecursionError:
+        return JsonResponse(_error(None, RpcError(PARSE_ERROR, "parse error: JSON nested too deeply",
+                                                  {"field": "body"})))
     auth = request.headers.get("Authorization")
     if isinstance(payload, list):
         if not payload:

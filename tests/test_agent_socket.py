@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from channels.db import database_sync_to_async
@@ -76,6 +77,12 @@ async def test_heartbeat_over_socket_and_bad_heartbeat_changes_nothing():
     assert err["type"] == "error" and err["ref"] == "heartbeat"
     experts = await database_sync_to_async(lambda: list(Holding.objects.values_list("expert", flat=True)))()
     assert experts == [1]
+    # The compact form (expert ranges per layer) is accepted on the socket too.
+    await comm.send_json_to(signed_heartbeat(key, [{"model_id": "m", "layer": 0, "experts": "0-3,7"}],
+                                             ts_ms=int(time.time() * 1000) + 10))
+    assert (await comm.receive_json_from())["type"] == "heartbeat_ack"
+    experts = await database_sync_to_async(lambda: list(Holding.objects.values_list("expert", flat=True)))()
+    assert experts == [0, 1, 2, 3, 7]
     await comm.disconnect()
     p = await database_sync_to_async(Provider.objects.get)(provider=provider_id(key))
     assert not p.connected
