@@ -426,7 +426,7 @@ def test_dense_seam_is_bit_identical_to_numpy():
 
 
 def test_quantized_matrix_and_expert_shape_errors():
-    with pytest.raises(ValueError, match="do not match shape"):
+    with pytest.raises(ValueError, match="needs 136 bytes"):
         QuantizedMatrix("q8_0", (2, 64), np.zeros(10, np.uint8))
     with pytest.raises(ValueError, match="unsupported quantization"):
         QuantizedMatrix("q5_k", (2, 256), np.zeros(10, np.uint8))
