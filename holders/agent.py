@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import secrets
+import threading
 import time
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -67,6 +68,8 @@ class HolderAgent:
         self.heartbeat_interval = heartbeat_interval
         self.roles = roles
         self.backend = compute.backend()
+        if hasattr(self.backend, "warm"):  # JIT the quantized kernels while connecting, not on the first batch
+            threading.Thread(target=self.backend.warm, name="compute-warm", daemon=True).start()
         self.runtime = ExpertRuntime(memory_budget, Path(disk_dir) if disk_dir else Path(blob_dir) / "tier",
                                      backend=self.backend)
         self.runtime.add_listener(self._tier_changed)

@@ -107,24 +107,48 @@ def _row_q6_k(br, w, cols):
 _ROWS_PER_TASK = 16
 
 
-def _make_kernel(row_decoder):
-    @njit(parallel=True, fastmath=True, cache=True)
-    def kernel(b, x, y):
-        rows = b.shape[0]
-        n, cols = x.shape
-        for t in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-            w = np.empty(cols, dtype=np.float32)  # one decoded weight row, L1-resident
-            for r in range(t * _ROWS_PER_TASK, min(rows, (t + 1) * _ROWS_PER_TASK)):
-                row_decoder(b[r], w, cols)
-                for i in range(n):
-                    acc = np.float32(0)
-                    for j in range(cols):
-                        acc += w[j] * x[i, j]
-                    y[i, r] = acc
-    return kernel
+@njit(inline="always", cache=True)
+def _dots(w, x, y, r):
+    n, cols = x.shape
+    for i in range(n):
+        acc = np.float32(0)
+        for j in range(cols):
+            acc += w[j] * x[i, j]
+        y[i, r] = acc
 
 
-_KERNELS = {"q8_0": _make_kernel(_row_q8_0), "q4_k": _make_kernel(_row_q4_k), "q6_k": _make_kernel(_row_q6_k)}
+# One top-level kernel per type (numba caches top-level functions on disk, not closures).
+@njit(parallel=True, fastmath=True, cache=True)
+def _mm_q8_0(b, x, y):
+    rows, cols = b.shape[0], x.shape[1]
+    for t in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        w = np.empty(cols, dtype=np.float32)  # one decoded weight row, L1-resident
+        for r in range(t * _ROWS_PER_TASK, min(rows, (t + 1) * _ROWS_PER_TASK)):
+            _row_q8_0(b[r], w, cols)
+            _dots(w, x, y, r)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _mm_q4_k(b, x, y):
+    rows, cols = b.shape[0], x.shape[1]
+    for t in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        w = np.empty(cols, dtype=np.float32)
+        for r in range(t * _ROWS_PER_TASK, min(rows, (t + 1) * _ROWS_PER_TASK)):
+            _row_q4_k(b[r], w, cols)
+            _dots(w, x, y, r)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _mm_q6_k(b, x, y):
+    rows, cols = b.shape[0], x.shape[1]
+    for t in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        w = np.empty(cols, dtype=np.float32)
+        for r in range(t * _ROWS_PER_TASK, min(rows, (t + 1) * _ROWS_PER_TASK)):
+            _row_q6_k(b[r], w, cols)
+            _dots(w, x, y, r)
+
+
+_KERNELS = {"q8_0": _mm_q8_0, "q4_k": _mm_q4_k, "q6_k": _mm_q6_k}
 
 
 @njit(parallel=True, cache=True)
@@ -223,6 +247,15 @@ class CpuBackend:
                 return quantized_matmul_xt(np.ascontiguousarray(x, dtype=np.float32), w)
             return x @ dequantize_parallel(w).T
         return x @ w.T
+
+    def warm(self) -> None:
+        """Compile (or load from numba's on-disk cache) every quantized kernel on tiny inputs, so
+        the first real batch does not pay the JIT (seconds) inside a router's deadline."""
+        x = np.zeros((1, 256), dtype=np.float32)
+        for q, nbytes in (("q8_0", 8 * 34), ("q4_k", 144), ("q6_k", 210)):
+            w = QuantizedMatrix(q, (1, 256), np.zeros(nbytes, dtype=np.uint8))
+            quantized_matmul_xt(x, w)
+            dequantize_parallel(w)
 
     def release(self, w) -> None:
         """Nothing is cached per weight on the CPU."""
