@@ -4,8 +4,14 @@ It connects to the site's ``/ws/agent/``, proves its ed25519 identity by signing
 nonce, sends signed heartbeats with its holdings every ``heartbeat_interval`` seconds (and
 right after every change), loads the experts it is asked to hold (fetching
 ``tenzro://blob/<hash>`` from the site's ``/blobs/<hash>`` and checking the BLAKE3 hash),
-and answers execute requests with the expert FFN's output rows. It reconnects with backoff
-when the site goes away. Imports nothing from Django.
+and answers execute requests with the expert FFN's output rows. The site also relays the
+execution methods (``holders.methods``: load/unload of experts and gates, status, route,
+execute) as ``rpc`` frames, answered from this agent's runtime. The runtime's memory tier
+is bounded (``memory_budget``) over a disk tier (``disk_dir``, default ``<blob_dir>/tier``);
+every tier change triggers a heartbeat so residency (Warm/Cold) and per-expert
+``committed_tps`` reach the shard map at once. The compute backend is selected at start
+and ``moe_gpu`` advertised from it. It reconnects with backoff when the site goes away.
+Imports nothing from Django.
 """
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ import asyncio
 import json
 import logging
 import secrets
+import threading
 import time
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -23,9 +30,9 @@ from nacl.signing import SigningKey
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from holders import wire
+from holders import compute, methods, wire
 from holders.identity import DOMAIN_HEARTBEAT, DOMAIN_HELLO, provider_id, sign, sign_body
-from holders.runtime import DimensionMismatch, ExpertNotLoaded, ExpertRuntime
+from holders.runtime import ExpertRuntime, RuntimeFault
 from prepare.blobs import BlobError, BlobStore, parse_blob_uri, verify_blob
 
 log = logging.getLogger("tenzro.agent")
@@ -50,7 +57,8 @@ class HolderAgent:
     """One holder process. ``run()`` runs until ``stop()`` or an authentication refusal."""
 
     def __init__(self, site: str, key: SigningKey, blob_dir: str | Path, name: str = "",
-                 heartbeat_interval: float = 15.0, roles: tuple[str, ...] = ("ExpertHolder",)):
+                 heartbeat_interval: float = 15.0, roles: tuple[str, ...] = ("ExpertHolder",),
+                 memory_budget: int | None = None, disk_dir: str | Path | None = None):
         self.site = site.rstrip("/")
         self.url = ws_url(site)
         self.key = key
@@ -59,11 +67,19 @@ class HolderAgent:
         self.name = name
         self.heartbeat_interval = heartbeat_interval
         self.roles = roles
-        self.runtime = ExpertRuntime()
+        self.backend = compute.backend()
+        if hasattr(self.backend, "warm"):  # JIT the quantized kernels while connecting, not on the first batch
+            threading.Thread(target=self.backend.warm, name="compute-warm", daemon=True).start()
+        self.runtime = ExpertRuntime(memory_budget, Path(disk_dir) if disk_dir else Path(blob_dir) / "tier",
+                                     backend=self.backend)
+        self.runtime.add_listener(self._tier_changed)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed = asyncio.Event()
         self._stop = asyncio.Event()
         self._ws = None
         self._send_lock = asyncio.Lock()
         self._last_ts = 0
+        self.max_message = 1 << 20  # the site's frame cap, updated from its welcome
 
     def stop(self) -> None:
         """Ask ``run()`` to return after closing the socket."""
@@ -75,6 +91,7 @@ class HolderAgent:
         Raises ``AuthRefused`` when the site closes with 4401.
         """
         backoff = 1.0
+        self._loop = asyncio.get_running_loop()
         while not self._stop.is_set():
             try:
                 async with connect(self.url, max_size=None, ping_interval=20, ping_timeout=60,
@@ -108,6 +125,8 @@ class HolderAgent:
         welcome = json.loads(await ws.recv())
         if welcome.get("type") != "welcome":
             raise ConnectionError(f"site refused hello: {welcome.get('message', welcome)}")
+        if isinstance(welcome.get("max_message"), int) and welcome["max_message"] > 0:
+            self.max_message = welcome["max_message"]
         log.info("connected to %s as %s", self.site, self.provider)
         beat = asyncio.create_task(self._heartbeat_loop())
         stopper = asyncio.create_task(self._stop.wait())
@@ -134,7 +153,7 @@ class HolderAgent:
         self._last_ts = ts
         body = {"provider": self.provider, "timestamp_ms": ts, "nonce": secrets.token_hex(16),
                 "name": self.name, "roles": list(self.roles), "http_endpoint": "", "iroh_endpoint_id": "",
-                "moe_gpu": False, "holdings": self.runtime.holdings()}
+                "moe_gpu": bool(self.backend.gpu), "holdings": self.runtime.holdings()}
         return {"type": "heartbeat", "body": body, "signature": sign_body(self.key, DOMAIN_HEARTBEAT, body)}
 
     async def send_heartbeat(self) -> None:
@@ -143,10 +162,21 @@ class HolderAgent:
             async with self._send_lock:
                 await self._ws.send(json.dumps(self.heartbeat_message()))
 
+    def _tier_changed(self) -> None:
+        """Runtime listener (any thread): wake the heartbeat loop."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._changed.set)
+
     async def _heartbeat_loop(self) -> None:
+        """Heartbeat on the timer and soon after every tier change (bursts coalesced)."""
         while True:
+            self._changed.clear()
             await self.send_heartbeat()
-            await asyncio.sleep(self.heartbeat_interval)
+            try:
+                await asyncio.wait_for(self._changed.wait(), self.heartbeat_interval)
+                await asyncio.sleep(0.05)  # coalesce a burst of loads/evictions into one heartbeat
+            except asyncio.TimeoutError:
+                pass
 
     async def _reply(self, header: dict, payload: bytes = b"") -> None:
         async with self._send_lock:
@@ -168,15 +198,49 @@ class HolderAgent:
             elif kind == "load":
                 await self._load(header)
                 await self._reply({"id": req_id, "ok": True})
-                await self.send_heartbeat()
+            elif kind == "rpc":
+                body = json.dumps(await self._rpc(header, payload)).encode()
+                if len(body) > self.max_message - wire.FRAME_HEADER_MAX:  # the site would drop the socket
+                    body = json.dumps({"error": {"code": -32004, "data": {"field": "params"}, "message":
+                                                 f"the result is {len(body)} bytes, over the socket's "
+                                                 f"{self.max_message}-byte frame cap"}}).encode()
+                await self._reply({"id": req_id, "ok": True}, body)
             else:
                 await self._reply({"id": req_id, "ok": False, "code": "bad_request",
                                    "message": f"unknown request type {kind!r}"})
-        except (ExpertNotLoaded, DimensionMismatch, wire.WireError, BlobError, ValueError, KeyError,
-                httpx.HTTPError) as exc:
+        except (RuntimeFault, wire.WireError, BlobError, ValueError, KeyError, TypeError, httpx.HTTPError) as exc:
             await self._reply({"id": req_id, "ok": False, "code": type(exc).__name__, "message": str(exc)})
         except ConnectionClosed:
             pass
+
+    async def _rpc(self, header: dict, payload: bytes) -> dict:
+        """A relayed execution method: ``{"result": ...}`` or ``{"error": {code, message, data}}``."""
+        method = header.get("method")
+        if method not in methods.METHODS:
+            return {"error": {"code": -32601, "message": f"method {method!r} not found", "data": {"field": "method"}}}
+        try:
+            params = json.loads(payload or b"{}")
+            result = await asyncio.to_thread(methods.call, self.runtime, method, params, self.fetch)
+        except json.JSONDecodeError as exc:
+            return {"error": {"code": -32602, "message": f"params are not JSON: {exc}", "data": {"field": "params"}}}
+        except methods.MethodError as exc:
+            return {"error": exc.to_json()}
+        return {"result": result}
+
+    def fetch(self, uri: str) -> bytes:
+        """Blob bytes for ``tenzro://blob/<hash>``: the local store, else the site's ``/blobs/`` (hash checked).
+
+        Raises ``BlobError`` (bad URI, hash mismatch) or ``httpx.HTTPError``.
+        """
+        h = parse_blob_uri(uri)
+        if self.store.has(h):
+            return self.store.get(h, verify=True)
+        resp = httpx.get(f"{self.site}/blobs/{h}", timeout=60)
+        resp.raise_for_status()
+        data = resp.content
+        verify_blob(data, h)
+        self.store.put_verified(data, h)
+        return data
 
     async def _execute(self, header: dict, payload: bytes) -> np.ndarray:
         tokens = header.get("token_indices")
@@ -186,21 +250,13 @@ class HolderAgent:
         if header.get("carrier", "f32") != "f32":
             raise wire.WireError(f"unsupported carrier {header.get('carrier')!r}")
         rows = wire.decode_f32(payload, d_model, n_rows=len(tokens))
+        metered = header.get("purpose", "serve") == "serve"  # disputes and self-tests are not metered
         # numpy/BLAS releases the GIL: run off the event loop so heartbeats keep flowing.
         return await asyncio.to_thread(self.runtime.execute, header["model_id"], int(header["layer"]),
-                                       int(header["expert"]), rows, len(tokens))
+                                       int(header["expert"]), rows, len(tokens), d_model, metered)
 
     async def _load(self, header: dict) -> None:
         uri = header["uri"]
-        h = parse_blob_uri(uri)
-        if self.store.has(h):
-            data = self.store.get(h, verify=True)
-        else:
-            async with httpx.AsyncClient(timeout=60) as client:
-                resp = await client.get(f"{self.site}/blobs/{h}")
-                resp.raise_for_status()
-                data = resp.content
-            verify_blob(data, h)
-            self.store.put_verified(data, h)
-        await asyncio.to_thread(self.runtime.load, header["model_id"], int(header["layer"]),
+        data = await asyncio.to_thread(self.fetch, uri)
+        await asyncio.to_thread(self.runtime.load_expert, header["model_id"], int(header["layer"]),
                                 int(header["expert"]), data, uri)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from holders.compute import matmul_xt
 from holders.gating import Gate, Routing, route
 from holders.quant import QTYPES, QuantizedMatrix
 from prepare.checkpoint import dumps_safetensors, encode_bf16, loads_safetensors
@@ -109,6 +110,13 @@ class ExpertWeights:
     def d_ff(self) -> int:
         """F (the expert's intermediate width)."""
         return int(self.gate_proj.shape[0])
+
+    @property
+    def quant(self) -> str | None:
+        """The coarsest quantization of the three projections (``q4_k`` < ``q6_k`` < ``q8_0``),
+        or None when all are dense (reference §4.4, status ``quant``)."""
+        kinds = [k for k in self.quant_kinds().values() if k in QTYPES]
+        return min(kinds, key=("q4_k", "q6_k", "q8_0").index) if kinds else None
 
     @property
     def nbytes(self) -> int:
@@ -241,21 +249,24 @@ def _check_rows(x, d_model: int, what: str) -> np.ndarray:
 def expert_forward(w: ExpertWeights, x: np.ndarray) -> np.ndarray:
     """SwiGLU expert on rows ``x`` float32 ``[n, H]`` → float32 ``[n, H]``.
 
-    ``(silu(x·Wgᵀ) ⊙ (x·Wuᵀ))·Wdᵀ``, three float32 BLAS matmuls on transposed views;
+    ``(silu(x·Wgᵀ) ⊙ (x·Wuᵀ))·Wdᵀ``, three products through the compute seam
+    (``holders.compute.matmul_xt``: for dense weights on the CPU exactly ``x @ w.T``);
     ``silu(g) = g / (1 + exp(-g))`` as torch's CPU kernel computes it (exp overflow gives
     ``-0.0``, the right limit, not NaN). Source: HF ``Qwen3MoeMLP`` / ``DeepseekV3MLP``.
 
-    Quantized projections are decoded to float32 first (bit-identical to gguf-py), so
-    a quantized expert computes exactly what its dense decode computes.
+    Quantized projections go to the backend as blocks: on the CPU, batches above
+    ``TENZRO_QUANT_SMALL_BATCH`` rows decode them (bit-identical to gguf-py) and run the
+    dense product, exactly what the dense decode computes; smaller batches use a kernel
+    that reads the blocks directly (same values, f32 sums in another order: last-bit
+    differences). Each row's result depends only on that row and the batch-size class.
     Biases, when present, are added after each matmul; ``activation == "swiglu_oss"`` runs
     gpt-oss's clamped SwiGLU instead (``_swiglu_oss``).
 
     Raises ``ValueError`` when ``x`` is not ``[n, w.d_model]``.
     """
     x = _check_rows(x, w.d_model, "expert input rows")
-    w = w.dense()  # quantized projections are decoded per call until the compute seam lands
-    g = x @ w.gate_proj.T
-    u = x @ w.up_proj.T
+    g = matmul_xt(x, w.gate_proj)
+    u = matmul_xt(x, w.up_proj)
     if w.gate_bias is not None:
         g += w.gate_bias
     if w.up_bias is not None:
@@ -268,7 +279,7 @@ def expert_forward(w: ExpertWeights, x: np.ndarray) -> np.ndarray:
     t += np.float32(1)
     np.divide(g, t, out=g)
     g *= u
-    out = g @ w.down_proj.T
+    out = matmul_xt(g, w.down_proj)
     if w.down_bias is not None:
         out += w.down_bias
     return out
@@ -287,7 +298,7 @@ def _swiglu_oss(w: ExpertWeights, g: np.ndarray, u: np.ndarray) -> np.ndarray:
     t += np.float32(1)
     glu = g / t
     u += np.float32(1)
-    out = (u * glu) @ w.down_proj.T
+    out = matmul_xt(u * glu, w.down_proj)
     if w.down_bias is not None:
         out += w.down_bias
     return out
