@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import tempfile
 import json
 import os
 import statistics
@@ -67,12 +68,14 @@ def agent_main(port: int, experts: list[int], hidden: int, ffn: int) -> None:
     from threadpoolctl import threadpool_limits
 
     from holders.agent import HolderAgent
+    from holders.runtime import ExpertRuntime
     from holders.transports.http import serve_http
 
     threadpool_limits(limits=1)
-    agent = HolderAgent("http://127.0.0.1:9", SigningKey.generate(), "/tmp/tenzro-bench-unused")
+    agent = HolderAgent("http://127.0.0.1:9", SigningKey.generate(), tempfile.mkdtemp(prefix="tenzro-bench-holder-"))
+    agent.runtime = ExpertRuntime(backend=agent.backend)  # memory tier only: no disk copies of the experts
     for e in experts:
-        agent.runtime.load(MODEL, LAYER, e, expert(e, hidden, ffn).to_blob("f32"), "tenzro://blob/" + "0" * 64)
+        agent.runtime.load_expert(MODEL, LAYER, e, expert(e, hidden, ffn).to_blob("f32"))
 
     async def main():
         server = await serve_http(agent._http_rpc, "127.0.0.1", port, agent._http_frame)

@@ -4,8 +4,14 @@ It connects to the site's ``/ws/agent/``, proves its ed25519 identity by signing
 nonce, sends signed heartbeats with its holdings every ``heartbeat_interval`` seconds (and
 right after every change), loads the experts it is asked to hold (fetching
 ``tenzro://blob/<hash>`` from the site's ``/blobs/<hash>`` and checking the BLAKE3 hash),
-and answers execute requests with the expert FFN's output rows and a signed receipt
-(``holders.receipts``), over the socket or, with ``http_port``, over its own HTTP endpoint
+and answers execute requests with the expert FFN's output rows. The site also relays the
+execution methods (``holders.methods``: load/unload of experts and gates, status, route,
+execute) as ``rpc`` frames, answered from this agent's runtime. The runtime's memory tier
+is bounded (``memory_budget``) over a disk tier (``disk_dir``, default ``<blob_dir>/tier``);
+every tier change triggers a heartbeat so residency (Warm/Cold) and per-expert
+``committed_tps`` reach the shard map at once. The compute backend is selected at start
+and ``moe_gpu`` advertised from it. Execute answers carry a signed receipt
+(``holders.receipts``); with ``http_port`` the agent also serves its own HTTP endpoint
 (``holders.transports.http``). It reconnects with backoff when the site goes away.
 Imports nothing from Django.
 """
@@ -15,7 +21,7 @@ import asyncio
 import json
 import logging
 import secrets
-import struct
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,10 +32,10 @@ from nacl.signing import SigningKey
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from holders import wire
+from holders import compute, methods, wire
 from holders.identity import DOMAIN_HEARTBEAT, DOMAIN_HELLO, provider_id, sign, sign_body
 from holders.receipts import make_receipt
-from holders.runtime import DimensionMismatch, ExpertNotLoaded, ExpertRuntime
+from holders.runtime import ExpertNotLoaded, ExpertRuntime, RuntimeFault
 from holders.transports.http import RpcFailure, serve_http
 from prepare.blobs import BlobError, BlobStore, parse_blob_uri, verify_blob
 
@@ -51,27 +57,16 @@ def ws_url(site: str) -> str:
     return urlunsplit((scheme, parts.netloc, "/ws/agent/", "", ""))
 
 
-def blob_quant_kind(blob: bytes) -> str:
-    """The quant kind of an expert blob for receipts: its tensors' dtypes, lowercase, sorted, ``+``-joined."""
-    try:
-        (n,) = struct.unpack_from("<Q", blob)
-        header = json.loads(blob[8:8 + n])
-    except (struct.error, ValueError):
-        return "unknown"
-    return "+".join(sorted({str(v.get("dtype", "?")).lower() for k, v in header.items()
-                            if k != "__metadata__" and isinstance(v, dict)})) or "unknown"
-
-
 class HolderAgent:
     """One holder process. ``run()`` runs until ``stop()`` or an authentication refusal.
 
-    ``http_port``: also serve ``POST /rpc`` on ``http_host:http_port`` and advertise it.
-    ``compute_threads``: threads running batches (decode, FFN, encode, receipt); one per
-    core is plenty, and more only contend.
-    """
+    ``http_port``: also serve ``POST /rpc`` and ``POST /frame`` on ``http_host:http_port``
+    and advertise it. ``compute_threads``: threads running batches (decode, FFN, encode,
+    receipt); one per core is plenty, and more only contend."""
 
     def __init__(self, site: str, key: SigningKey, blob_dir: str | Path, name: str = "",
                  heartbeat_interval: float = 15.0, roles: tuple[str, ...] = ("ExpertHolder",),
+                 memory_budget: int | None = None, disk_dir: str | Path | None = None,
                  http_port: int | None = None, http_host: str = "127.0.0.1", compute_threads: int = 1):
         self.site = site.rstrip("/")
         self.url = ws_url(site)
@@ -81,15 +76,22 @@ class HolderAgent:
         self.name = name
         self.heartbeat_interval = heartbeat_interval
         self.roles = roles
-        self.runtime = ExpertRuntime()
+        self.backend = compute.backend()
+        if hasattr(self.backend, "warm"):  # JIT the quantized kernels while connecting, not on the first batch
+            threading.Thread(target=self.backend.warm, name="compute-warm", daemon=True).start()
+        self.runtime = ExpertRuntime(memory_budget, Path(disk_dir) if disk_dir else Path(blob_dir) / "tier",
+                                     backend=self.backend)
+        self.runtime.add_listener(self._tier_changed)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed = asyncio.Event()
         self._stop = asyncio.Event()
         self._ws = None
         self._send_lock = asyncio.Lock()
         self._last_ts = 0
+        self.max_message = 1 << 20  # the site's frame cap, updated from its welcome
         self.http_port = http_port
         self.http_host = http_host
         self.http_endpoint = f"http://{http_host}:{http_port}/rpc" if http_port else ""
-        self._blob_meta: dict[tuple[str, int, int], tuple[str, str]] = {}  # → (blob hash, quant kind)
         self._compute = ThreadPoolExecutor(max_workers=compute_threads, thread_name_prefix="compute")
 
     def stop(self) -> None:
@@ -101,16 +103,17 @@ class HolderAgent:
 
         Raises ``AuthRefused`` when the site closes with 4401.
         """
-        backoff = 1.0
+        self._loop = asyncio.get_running_loop()
         server = (await serve_http(self._http_rpc, self.http_host, self.http_port, self._http_frame)
                   if self.http_port else None)
         try:
-            await self._run_socket(backoff)
+            await self._run_socket()
         finally:
             if server is not None:
                 server.close()
 
-    async def _run_socket(self, backoff: float) -> None:
+    async def _run_socket(self) -> None:
+        backoff = 1.0
         while not self._stop.is_set():
             try:
                 async with connect(self.url, max_size=None, ping_interval=20, ping_timeout=60,
@@ -144,6 +147,8 @@ class HolderAgent:
         welcome = json.loads(await ws.recv())
         if welcome.get("type") != "welcome":
             raise ConnectionError(f"site refused hello: {welcome.get('message', welcome)}")
+        if isinstance(welcome.get("max_message"), int) and welcome["max_message"] > 0:
+            self.max_message = welcome["max_message"]
         log.info("connected to %s as %s", self.site, self.provider)
         beat = asyncio.create_task(self._heartbeat_loop())
         stopper = asyncio.create_task(self._stop.wait())
@@ -171,7 +176,7 @@ class HolderAgent:
         body = {"provider": self.provider, "timestamp_ms": ts, "nonce": secrets.token_hex(16),
                 "name": self.name, "roles": list(self.roles), "http_endpoint": self.http_endpoint,
                 "iroh_endpoint_id": "",
-                "moe_gpu": False, "holdings": self.runtime.holdings()}
+                "moe_gpu": bool(self.backend.gpu), "holdings": self.runtime.holdings()}
         return {"type": "heartbeat", "body": body, "signature": sign_body(self.key, DOMAIN_HEARTBEAT, body)}
 
     async def send_heartbeat(self) -> None:
@@ -180,10 +185,21 @@ class HolderAgent:
             async with self._send_lock:
                 await self._ws.send(json.dumps(self.heartbeat_message()))
 
+    def _tier_changed(self) -> None:
+        """Runtime listener (any thread): wake the heartbeat loop."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._changed.set)
+
     async def _heartbeat_loop(self) -> None:
+        """Heartbeat on the timer and soon after every tier change (bursts coalesced)."""
         while True:
+            self._changed.clear()
             await self.send_heartbeat()
-            await asyncio.sleep(self.heartbeat_interval)
+            try:
+                await asyncio.wait_for(self._changed.wait(), self.heartbeat_interval)
+                await asyncio.sleep(0.05)  # coalesce a burst of loads/evictions into one heartbeat
+            except asyncio.TimeoutError:
+                pass
 
     async def _reply(self, header: dict, payload: bytes = b"") -> None:
         async with self._send_lock:
@@ -205,23 +221,63 @@ class HolderAgent:
             elif kind == "load":
                 await self._load(header)
                 await self._reply({"id": req_id, "ok": True})
-                await self.send_heartbeat()
+            elif kind == "rpc":
+                body = json.dumps(await self._rpc(header, payload)).encode()
+                if len(body) > self.max_message - wire.FRAME_HEADER_MAX:  # the site would drop the socket
+                    body = json.dumps({"error": {"code": -32004, "data": {"field": "params"}, "message":
+                                                 f"the result is {len(body)} bytes, over the socket's "
+                                                 f"{self.max_message}-byte frame cap"}}).encode()
+                await self._reply({"id": req_id, "ok": True}, body)
             else:
                 await self._reply({"id": req_id, "ok": False, "code": "bad_request",
                                    "message": f"unknown request type {kind!r}"})
-        except (ExpertNotLoaded, DimensionMismatch, wire.WireError, BlobError, ValueError, KeyError,
-                httpx.HTTPError) as exc:
+        except (RuntimeFault, wire.WireError, BlobError, ValueError, KeyError, TypeError, httpx.HTTPError) as exc:
             await self._reply({"id": req_id, "ok": False, "code": type(exc).__name__, "message": str(exc)})
         except ConnectionClosed:
             pass
 
-    async def execute_request(self, req: dict, carrier: str, payload: bytes) -> tuple[dict, bytes]:
-        """Execute one batch and sign its receipt (both transports).
+    async def _rpc(self, header: dict, payload: bytes) -> dict:
+        """A relayed execution method: ``{"result": ...}`` or ``{"error": {code, message, data}}``."""
+        method = header.get("method")
+        if method not in methods.METHODS:
+            return {"error": {"code": -32601, "message": f"method {method!r} not found", "data": {"field": "method"}}}
+        try:
+            params = json.loads(payload or b"{}")
+            result = await asyncio.to_thread(methods.call, self.runtime, method, params, self.fetch)
+        except json.JSONDecodeError as exc:
+            return {"error": {"code": -32602, "message": f"params are not JSON: {exc}", "data": {"field": "params"}}}
+        except methods.MethodError as exc:
+            return {"error": exc.to_json()}
+        return {"result": result}
 
-        ``req``: ``request_id, model_id, layer, expert, token_indices, d_model, output?``;
-        ``payload`` the carrier bytes (``carrier`` "f32" or "q8_0"). Returns (answer fields
-        ``{rows, d_model, output, token_indices, receipt}``, output bytes). Raises
-        ``wire.WireError``, ``ExpertNotLoaded``, ``DimensionMismatch`` or ``ValueError``.
+    def fetch(self, uri: str) -> bytes:
+        """Blob bytes for ``tenzro://blob/<hash>``: the local store, else the site's ``/blobs/`` (hash checked).
+
+        Raises ``BlobError`` (bad URI, hash mismatch) or ``httpx.HTTPError``.
+        """
+        h = parse_blob_uri(uri)
+        if self.store.has(h):
+            return self.store.get(h, verify=True)
+        resp = httpx.get(f"{self.site}/blobs/{h}", timeout=60)
+        resp.raise_for_status()
+        data = resp.content
+        verify_blob(data, h)
+        self.store.put_verified(data, h)
+        return data
+
+    def _blob_identity(self, model_id: str, layer: int, expert: int) -> tuple[str, str]:
+        """(blob hash, quant kind) of a held expert, for its receipts."""
+        held = self.runtime._held.get((model_id, layer, expert))
+        return (held.blob_hash, held.quant or "f32") if held is not None else ("", "unknown")
+
+    async def execute_request(self, req: dict, carrier: str, payload: bytes) -> tuple[dict, bytes]:
+        """Execute one batch and sign its receipt (socket and HTTP transports).
+
+        ``req``: ``request_id, model_id, layer, expert, token_indices, d_model, output?,
+        purpose?`` (``purpose`` other than "serve" is not metered); ``payload`` the carrier
+        bytes (``carrier`` "f32" or "q8_0"). Returns (answer fields ``{rows, d_model,
+        output, token_indices, receipt}``, output bytes). Raises ``wire.WireError``,
+        ``RuntimeFault`` (``ExpertNotLoaded``, ``DimensionMismatch``, ...) or ``ValueError``.
         """
         tokens = req.get("token_indices")
         if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
@@ -231,6 +287,7 @@ class HolderAgent:
         model_id, layer, expert = str(req["model_id"]), int(req["layer"]), int(req["expert"])
         d_model = int(req.get("d_model", 0))
         output = req.get("output", "f32")
+        metered = req.get("purpose", "serve") == "serve"  # disputes and self-tests are not metered
         if carrier not in wire.CARRIERS:
             raise wire.WireError(f"unsupported carrier {carrier!r}")
         if output not in wire.OUTPUTS:
@@ -238,10 +295,10 @@ class HolderAgent:
 
         def run():
             rows = wire.decode_rows(payload, carrier, d_model, len(tokens))
-            out = self.runtime.execute(model_id, layer, expert, rows, len(tokens))
+            out = self.runtime.execute(model_id, layer, expert, rows, len(tokens), d_model, metered)
             data = wire.encode_rows(out, output)
             sent = out if output == "f32" else wire.decode_rows(data, output, d_model, len(tokens), "outputs")
-            blob_hash, quant = self._blob_meta.get((model_id, layer, expert), ("", "unknown"))
+            blob_hash, quant = self._blob_identity(model_id, layer, expert)
             receipt = make_receipt(self.key, request_id=req["request_id"], model_id=model_id, layer=layer,
                                    expert=expert, tokens=tokens, carrier_kind=carrier, carrier=payload, rows=sent,
                                    blob_hash=blob_hash, quant=quant)
@@ -259,10 +316,10 @@ class HolderAgent:
         try:
             return await self.execute_request({**header, "request_id": header.get("id")},
                                               header.get("carrier", "f32"), payload)
-        except (wire.WireError, DimensionMismatch, KeyError, TypeError, ValueError) as exc:
-            raise RpcFailure(-32602, str(exc)) from exc
         except ExpertNotLoaded as exc:
             raise RpcFailure(-32004, str(exc)) from exc
+        except (RuntimeFault, wire.WireError, KeyError, TypeError, ValueError) as exc:
+            raise RpcFailure(-32602, str(exc)) from exc
 
     async def _http_rpc(self, method: str, params: dict) -> dict:
         """JSON-RPC handler of the HTTP endpoint (``holders.transports.http``)."""
@@ -273,30 +330,19 @@ class HolderAgent:
                 payload = wire.b64decode(q8 if q8 is not None else params.get("hidden_states"),
                                          "hidden_q8" if q8 is not None else "hidden_states")
                 answer, data = await self.execute_request(params, carrier, payload)
-            except (wire.WireError, DimensionMismatch, KeyError, TypeError, ValueError) as exc:
-                raise RpcFailure(-32602, str(exc), {"field": "params"}) from exc
             except ExpertNotLoaded as exc:
                 raise RpcFailure(-32004, str(exc), {"field": "expert"}) from exc
+            except (RuntimeFault, wire.WireError, KeyError, TypeError, ValueError) as exc:
+                raise RpcFailure(-32602, str(exc), {"field": "params"}) from exc
             return {"model_id": params["model_id"], "layer": params["layer"], "expert": params["expert"],
                     "token_indices": answer["token_indices"], "d_model": answer["d_model"],
                     "output": answer["output"], "outputs": wire.b64encode(data), "receipt": answer["receipt"]}
         if method in ("moe/status", "tenzro_moeExpertStatus"):
-            return {"provider": self.provider, "experts": self.runtime.holdings(),
-                    "tokens_served": self.runtime.tokens_served}
+            return {"provider": self.provider, **await asyncio.to_thread(self.runtime.status)}
         raise RpcFailure(-32601, f"unknown method {method!r}", {"field": "method"})
 
     async def _load(self, header: dict) -> None:
         uri = header["uri"]
-        h = parse_blob_uri(uri)
-        if self.store.has(h):
-            data = self.store.get(h, verify=True)
-        else:
-            async with httpx.AsyncClient(timeout=60) as client:
-                resp = await client.get(f"{self.site}/blobs/{h}")
-                resp.raise_for_status()
-                data = resp.content
-            verify_blob(data, h)
-            self.store.put_verified(data, h)
-        key = (header["model_id"], int(header["layer"]), int(header["expert"]))
-        await asyncio.to_thread(self.runtime.load, *key, data, uri)
-        self._blob_meta[key] = (h, blob_quant_kind(data))
+        data = await asyncio.to_thread(self.fetch, uri)
+        await asyncio.to_thread(self.runtime.load_expert, header["model_id"], int(header["layer"]),
+                                int(header["expert"]), data, uri)

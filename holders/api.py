@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
-from holders import services, wire
+from holders import methods, services, wire
 from holders.forward import ForwardError
 from tenzro_site.rpc import EXECUTION_ERROR, INVALID_PARAMS, PLANNING_ERROR, RpcError, rpc_method
 
@@ -61,6 +61,98 @@ async def moe_forward(p: dict) -> dict:
         field = ("carrier" if "carrier" in msg else "d_model" if "d_model" in msg else "top_k" if "top_k" in msg
                  else "hidden_states")
         raise RpcError(INVALID_PARAMS, str(exc), {"field": field}) from exc
+
+
+# ---- execution methods: the site's own runtime, or an agent's when ``provider`` is given ----
+
+class ProviderParam(serializers.Serializer):
+    """Optional ``provider``: relay the call to that provider's agent (64 lowercase hex)."""
+
+    provider = serializers.RegexField(r"^[0-9a-f]{64}$", required=False,
+                                      help_text="run on this provider's agent instead of the site's runtime")
+
+
+class StatusParams(ProviderParam):
+    """Params of ``tenzro_moeExpertStatus``."""
+
+
+class GateKeyParams(ProviderParam):
+    """``{model_id, layer}``."""
+
+    model_id = serializers.CharField(max_length=200)
+    layer = serializers.IntegerField(min_value=0, max_value=100_000)
+
+
+class ExpertKeyParams(GateKeyParams):
+    """``{model_id, layer, expert}``."""
+
+    expert = serializers.IntegerField(min_value=0, max_value=1_000_000)
+
+
+class BlobSource(serializers.Serializer):
+    """Exactly one of ``uri`` (``tenzro://blob/<hash>``) or ``blob_base64``."""
+
+    uri = serializers.CharField(max_length=300, required=False)
+    blob_base64 = serializers.CharField(required=False, trim_whitespace=False)
+
+    def validate(self, attrs):
+        """Require exactly one blob source."""
+        if bool(attrs.get("uri")) == bool(attrs.get("blob_base64")):
+            raise serializers.ValidationError({"uri": "give exactly one of uri or blob_base64"})
+        return attrs
+
+
+class ExpertLoadParams(ExpertKeyParams, BlobSource):
+    """Params of ``tenzro_moeExpertLoad``."""
+
+
+class GateLoadParams(GateKeyParams, BlobSource):
+    """Params of ``tenzro_moeGateLoad``."""
+
+
+class RouteParams(GateKeyParams):
+    """Params of ``tenzro_moeRoute``."""
+
+    d_model = serializers.IntegerField(min_value=1, max_value=1 << 20)
+    hidden_states = serializers.CharField(trim_whitespace=False, help_text="base64 of little-endian f32 [T, d_model]")
+    top_k = serializers.IntegerField(min_value=1, required=False, allow_null=True)
+
+
+class ExecuteParams(ExpertKeyParams):
+    """Params of ``tenzro_moeExecute`` (reference §6.1)."""
+
+    token_indices = serializers.ListField(child=serializers.IntegerField(min_value=0), allow_empty=False)
+    d_model = serializers.IntegerField(min_value=1, max_value=1 << 20)
+    hidden_states = serializers.CharField(required=False, trim_whitespace=False)
+    hidden_q8 = serializers.CharField(required=False, trim_whitespace=False)
+    purpose = serializers.ChoiceField(["serve", "dispute", "selftest"], required=False, default="serve")
+
+    def validate(self, attrs):
+        """Require exactly one carrier."""
+        if bool(attrs.get("hidden_states")) == bool(attrs.get("hidden_q8")):
+            raise serializers.ValidationError({"hidden_states": "give exactly one of hidden_states or hidden_q8"})
+        return attrs
+
+
+def _bind(name: str, params, operator: bool):
+    async def method(p: dict) -> dict:
+        provider = p.pop("provider", None)
+        try:
+            return await services.call_method(name, {k: v for k, v in p.items() if v is not None}, provider)
+        except methods.MethodError as exc:
+            raise RpcError(exc.code, exc.message, exc.data) from exc
+
+    method.__name__ = name
+    method.__doc__ = f"``{name}`` on the site's runtime, or relayed to ``provider``'s agent."
+    rpc_method(name, params=params, operator=operator)(method)
+    return method
+
+
+for _name, _params in (("tenzro_moeExpertLoad", ExpertLoadParams), ("tenzro_moeGateLoad", GateLoadParams),
+                       ("tenzro_moeExpertUnload", ExpertKeyParams), ("tenzro_moeGateUnload", GateKeyParams),
+                       ("tenzro_moeExpertStatus", StatusParams), ("tenzro_moeRoute", RouteParams),
+                       ("tenzro_moeExecute", ExecuteParams)):
+    _bind(_name, _params, operator=_name in methods.MANAGEMENT)
 
 
 class DenseForwardParams(serializers.Serializer):

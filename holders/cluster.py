@@ -22,6 +22,7 @@ from django.core.management import call_command
 from holders.identity import load_or_create_key, provider_id
 from prepare.services import publish_checkpoint, publish_dense
 from registry.models import Provider
+from registry.services import reset_sessions
 from registry.selectors import shard_view
 from tenzro_site.operator import operator_token
 
@@ -40,19 +41,25 @@ def free_port() -> int:
 class LocalCluster:
     """Site + ``holders`` agents on 127.0.0.1, each checkpoint published and placed with ``replication``.
 
-    ``say`` receives progress lines (default: silent). ``agent_http``: each agent also
+    ``model_ids`` and ``quants`` (preset name, per-projection object or None = dense) are
+    per checkpoint; the same checkpoint may appear twice (dense and quantized, under two
+    ids). ``say`` receives progress lines (default: silent). ``agent_http``: each agent also
     serves its HTTP endpoint (``--http-port``) on a free port and advertises it.
     ``dense_parts``: dense MLP layers are split into this many intermediate slices and
-    placed like experts (``holders.dense``; model ids in ``dense_ids``).
+    placed like experts (``holders.dense``; model ids in ``dense_ids``). Raises ``ClusterError``.
     """
 
     def __init__(self, checkpoints: list[str | Path], holders: int = 4, port: int = 0, replication: int = 2,
                  heartbeat_interval: int = 5, say: Callable[[str], None] | None = None,
-                 model_ids: list[str | None] | None = None, agent_http: bool = False, dense_parts: int = 2):
+                 model_ids: list[str | None] | None = None, quants: list | None = None,
+                 agent_http: bool = False, dense_parts: int = 2):
         if holders < 1:
             raise ClusterError("--holders must be at least 1")
         self.checkpoints = [Path(c) for c in checkpoints]
         self.model_id_overrides = model_ids or [None] * len(self.checkpoints)
+        self.quants = quants or [None] * len(self.checkpoints)
+        if len(self.quants) != len(self.checkpoints) or len(self.model_id_overrides) != len(self.checkpoints):
+            raise ClusterError("give one model id and one quant plan per checkpoint")
         self.holders = holders
         self.agent_http = agent_http
         self.port = port or free_port()
@@ -76,13 +83,14 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         call_command("migrate", verbosity=0, interactive=False)
         # This cluster owns its site: sockets left marked open by an earlier run are gone.
-        Provider.objects.update(connected=False, agent_channel="")
-        for ckpt, mid in zip(self.checkpoints, self.model_id_overrides):
-            self.say(f"publishing {ckpt} ...")
-            self.model_ids.append(publish_checkpoint(ckpt, mid).model_id)
-            dense = publish_dense(ckpt, self.model_ids[-1], self.dense_parts)
-            if dense is not None:
-                self.dense_ids.append(dense.model_id)
+        reset_sessions()
+        for ckpt, mid, quant in zip(self.checkpoints, self.model_id_overrides, self.quants):
+            self.say(f"publishing {ckpt}{f' as {quant}' if quant else ''} ...")
+            self.model_ids.append(publish_checkpoint(ckpt, mid, quant=quant).model_id)
+            if quant is None:
+                dense = publish_dense(ckpt, self.model_ids[-1], self.dense_parts)
+                if dense is not None:
+                    self.dense_ids.append(dense.model_id)
         env = {**os.environ, "TENZRO_HEARTBEAT_INTERVAL": str(self.heartbeat_interval),
                "TENZRO_VAR_DIR": str(settings.VAR_DIR), "TENZRO_BLOB_DIR": str(settings.TENZRO["BLOB_DIR"]),
                "TENZRO_OPERATOR_TOKEN": operator_token(), "PYTHONUNBUFFERED": "1"}

@@ -85,8 +85,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
             return
         try:
             msg = json.loads(text_data)
-        except (TypeError, json.JSONDecodeError):
-            await self._send_error("frame is not JSON")
+        except (TypeError, ValueError, RecursionError):
+            await self._send_error("frame is not JSON (or nests too deeply / holds an oversized number)")
             return
         if not isinstance(msg, dict):
             await self._send_error("frame must be a JSON object")
@@ -97,11 +97,14 @@ class AgentConsumer(AsyncWebsocketConsumer):
 
     async def _hello(self, text_data):
         try:
-            msg = json.loads(text_data or "")
+            try:
+                msg = json.loads(text_data or "")
+            except (ValueError, RecursionError) as exc:
+                raise SignatureError("hello must be a JSON object {type: hello, provider, signature}") from exc
             if not isinstance(msg, dict) or msg.get("type") != "hello":
                 raise SignatureError("expected a hello message")
             verify(msg.get("provider"), DOMAIN_HELLO, self.nonce, msg.get("signature"))
-        except (json.JSONDecodeError, SignatureError) as exc:
+        except SignatureError as exc:
             log.info("agent hello refused: %s", exc)
             await self.send(text_data=json.dumps({"type": "error", "code": CLOSE_AUTH, "message": str(exc)}))
             await self.close(code=CLOSE_AUTH)

@@ -5,7 +5,13 @@ Families (config ``model_type``):
 * ``qwen3_moe``: ``softmax`` over all experts in float32, top-k, renormalize over the
   selected iff ``norm_topk_prob`` (HF ``transformers/models/qwen3_moe/modeling_qwen3_moe.py``,
   ``Qwen3MoeTopKRouter``).
-* ``deepseek_v3`` and ``kimi_k2``: sigmoid scores; selection on score + correction bias,
+* ``qwen2_moe``: the same softmax router plus a shared expert scaled per token by
+  ``sigmoid(shared_expert_gate · x)`` (HF ``qwen2_moe/modular_qwen2_moe.py``); ``mixtral``:
+  softmax over all, top-k, always renormalized (HF ``mixtral/modular_mixtral.py``);
+  ``gpt_oss``: ``logits = x·Wᵀ + b``, top-k of the logits, softmax over those k (HF
+  ``gpt_oss/modular_gpt_oss.py`` ``GptOssTopKRouter``).
+* ``deepseek_v3``, ``kimi_k2`` and ``glm4_moe`` (HF ``glm4_moe``: the DeepSeek-V3 router):
+  sigmoid scores; selection on score + correction bias,
   group-limited (keep ``topk_group`` of ``n_group`` groups ranked by the sum of each
   group's top-2 biased scores, the rest masked with -inf as the official DeepSeek code does,
   not HF's 0.0); weights are the unbiased sigmoid of the selected, divided by
@@ -28,11 +34,14 @@ import numpy as np
 
 from prepare.checkpoint import dumps_safetensors, loads_safetensors
 
-SOFTMAX_FAMILIES = ("qwen3_moe",)
-SIGMOID_FAMILIES = ("deepseek_v3", "kimi_k2")
-SUPPORTED_FAMILIES = SOFTMAX_FAMILIES + SIGMOID_FAMILIES
-_DEFAULT_NORM = {"qwen3_moe": False, "deepseek_v3": True, "kimi_k2": True}  # HF config class defaults
-_GATE_TENSORS = ("router.weight", "router.bias")
+SOFTMAX_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+SIGMOID_FAMILIES = ("deepseek_v3", "kimi_k2", "glm4_moe")
+TOPK_SOFTMAX_FAMILIES = ("gpt_oss",)  # top-k of the (biased) logits, softmax over those k
+SUPPORTED_FAMILIES = SOFTMAX_FAMILIES + SIGMOID_FAMILIES + TOPK_SOFTMAX_FAMILIES
+# HF config class defaults; Mixtral always renormalizes (it has no norm_topk_prob).
+_DEFAULT_NORM = {"qwen3_moe": False, "qwen2_moe": False, "mixtral": True,
+                 "deepseek_v3": True, "kimi_k2": True, "glm4_moe": True, "gpt_oss": True}
+_GATE_TENSORS = ("router.weight", "router.bias", "router.logit_bias", "shared_gate.weight")
 
 
 def _check_int(value, field: str, lo: int) -> int:
@@ -50,7 +59,10 @@ class Gate:
     for selection only); ``top_k`` (int, or None for a legacy blob that records none: then
     ``route`` needs ``top_k``); ``norm_topk_prob`` (None → the family's HF default: qwen3
     False, deepseek/kimi True); ``routed_scaling_factor``; ``n_group``; ``topk_group``;
-    ``n_shared_experts`` (> 0 adds the shared slot); ``num_experts`` (None → ``E``).
+    ``n_shared_experts`` (> 0 adds the shared slot); ``num_experts`` (None → ``E``);
+    ``shared_gate`` float32 ``[1, H]`` or None (qwen2_moe: the shared slot's weight is
+    ``sigmoid(shared_gate · x)`` per token instead of 1.0); ``logit_bias`` float32 ``[E]`` or
+    None (gpt_oss: the router's bias, added to the logits).
 
     Arrays are converted to C-contiguous float32. Raises ``ValueError`` for an unsupported
     family, bad shapes, non-finite values, or inconsistent routing parameters.
@@ -66,6 +78,8 @@ class Gate:
     topk_group: int = 1
     n_shared_experts: int = 0
     num_experts: int | None = None
+    shared_gate: np.ndarray | None = None
+    logit_bias: np.ndarray | None = None
 
     def __post_init__(self):
         if self.family not in SUPPORTED_FAMILIES:
@@ -113,6 +127,22 @@ class Gate:
                              f"(num_experts={e}, n_group={self.n_group})")
         if self.top_k is not None:
             self.top_k = self.check_top_k(self.top_k)
+        if self.logit_bias is not None:
+            if self.family not in TOPK_SOFTMAX_FAMILIES:
+                raise ValueError(f"family {self.family} has no router.logit_bias (only gpt_oss)")
+            lb = np.ascontiguousarray(self.logit_bias, dtype=np.float32)
+            if lb.shape != (e,) or not np.isfinite(lb).all():
+                raise ValueError(f"gate logit_bias must be finite with shape ({e},), got {lb.shape}")
+            self.logit_bias = lb
+        if self.shared_gate is not None:
+            g = np.ascontiguousarray(self.shared_gate, dtype=np.float32)
+            if g.shape != (1, w.shape[1]):
+                raise ValueError(f"gate shared_gate must have shape (1, {w.shape[1]}), got {g.shape}")
+            if not np.isfinite(g).all():
+                raise ValueError("gate shared_gate holds NaN or infinity")
+            if self.n_shared_experts < 1:
+                raise ValueError("gate shared_gate needs a shared expert (n_shared_experts >= 1)")
+            self.shared_gate = g
 
     @property
     def d_model(self) -> int:
@@ -150,6 +180,10 @@ class Gate:
         tensors = {"router.weight": self.weight}
         if self.correction_bias is not None:
             tensors["router.bias"] = self.correction_bias
+        if self.shared_gate is not None:
+            tensors["shared_gate.weight"] = self.shared_gate
+        if self.logit_bias is not None:
+            tensors["router.logit_bias"] = self.logit_bias
         meta = {
             "family": self.family,
             "norm_topk_prob": "true" if self.norm_topk_prob else "false",
@@ -187,6 +221,10 @@ class Gate:
         if weight.ndim != 2:
             raise ValueError(f"gate blob 'router.weight' must be 2-D [num_experts, d_model], got shape {weight.shape}")
         bias = tensors["router.bias"].to_f32("router.bias", "gate blob") if "router.bias" in tensors else None
+        sgate = (tensors["shared_gate.weight"].to_f32("shared_gate.weight", "gate blob")
+                 if "shared_gate.weight" in tensors else None)
+        lbias = (tensors["router.logit_bias"].to_f32("router.logit_bias", "gate blob")
+                 if "router.logit_bias" in tensors else None)
         if bias is not None and bias.shape != (weight.shape[0],):
             raise ValueError(f"gate blob 'router.bias' has shape {bias.shape}; expected ({weight.shape[0]},)")
 
@@ -211,8 +249,11 @@ class Gate:
                 routed_scaling_factor=num("routed_scaling_factor", float, 1.0, "number"),
                 n_group=num("n_group", int, 1, "integer"), topk_group=num("topk_group", int, 1, "integer"),
                 n_shared_experts=num("n_shared_experts", int, 0, "integer"),
-                num_experts=num("num_experts", int, None, "integer"),
+                num_experts=num("num_experts", int, None, "integer"), shared_gate=sgate, logit_bias=lbias,
             )
+        for name, t in (("router.logit_bias", lbias), ("shared_gate.weight", sgate)):
+            if t is not None:
+                raise ValueError(f"gate blob has {name!r} but no 'family' metadata saying how to use it")
         shared = num("shared_experts", int, num("n_shared_experts", int, 0, "integer"), "integer")
         if bias is not None:
             return cls(family="deepseek_v3", weight=weight, correction_bias=bias, top_k=top_k,
@@ -272,9 +313,11 @@ def route(gate: Gate, hidden_states: np.ndarray, top_k: int | None = None) -> Ro
     ``modeling_qwen3_moe.py`` ``Qwen3MoeTopKRouter.forward``, ``modeling_deepseek_v3.py``
     ``DeepseekV3MoE.route_tokens_to_experts``.
 
-    ``top_k`` defaults to ``gate.top_k``. Raises ``ValueError`` when ``hidden_states`` is not
-    2-D, its width differs from ``gate.d_model``, it holds NaN/inf (or the logits overflow),
-    or k is missing or outside ``1..gate.max_top_k``.
+    The shared slot gets weight 1.0, or ``sigmoid(x · shared_gateᵀ)`` (float32) when the
+    gate has a ``shared_gate`` (qwen2_moe). ``top_k`` defaults to ``gate.top_k``. Raises
+    ``ValueError`` when ``hidden_states`` is not 2-D, its width differs from
+    ``gate.d_model``, it holds NaN/inf (or the logits overflow), or k is missing or outside
+    ``1..gate.max_top_k``.
     """
     x = np.asarray(hidden_states)
     if x.ndim != 2:
@@ -292,11 +335,19 @@ def route(gate: Gate, hidden_states: np.ndarray, top_k: int | None = None) -> Ro
     t, e = x.shape[0], gate.num_experts
     with np.errstate(over="ignore"):  # reported just below
         logits = x @ gate.weight.T
+        if gate.logit_bias is not None:
+            logits += gate.logit_bias
     if not np.isfinite(logits).all():
         raise ValueError("router logits overflow float32: hidden_states are too large for this gate")
     with np.errstate(over="ignore", under="ignore"):
         if t == 0:
             sel, w = np.zeros((0, k), dtype=np.int64), np.zeros((0, k), dtype=np.float32)
+        elif gate.family in TOPK_SOFTMAX_FAMILIES:
+            sel = _topk_desc(logits, k)
+            w = np.take_along_axis(logits, sel, axis=1)
+            w = w - w[:, :1]  # the largest selected logit comes first
+            np.exp(w, out=w)
+            w *= np.float32(1) / w.sum(axis=1, keepdims=True)
         elif gate.family in SOFTMAX_FAMILIES:
             probs = logits - logits.max(axis=1, keepdims=True)
             np.exp(probs, out=probs)
@@ -329,5 +380,13 @@ def route(gate: Gate, hidden_states: np.ndarray, top_k: int | None = None) -> Ro
     w = np.take_along_axis(w, order, axis=1).astype(np.float32, copy=False)
     if gate.shared_slot is not None:
         ids = np.concatenate([ids, np.full((t, 1), gate.shared_slot, dtype=np.int64)], axis=1)
-        w = np.concatenate([w, np.ones((t, 1), dtype=np.float32)], axis=1)
+        if gate.shared_gate is None:
+            sw = np.ones((t, 1), dtype=np.float32)
+        else:  # qwen2_moe: shared expert scaled by sigmoid(shared_expert_gate · x)
+            with np.errstate(over="ignore"):
+                sw = np.negative(x @ gate.shared_gate.T)
+                np.exp(sw, out=sw)
+            sw += np.float32(1)
+            np.reciprocal(sw, out=sw)
+        w = np.concatenate([w, sw.astype(np.float32, copy=False)], axis=1)
     return Routing(np.ascontiguousarray(ids), np.ascontiguousarray(w), logits, k, gate.shared_slot)

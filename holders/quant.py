@@ -40,6 +40,8 @@ for Q8_0) raises instead of writing an infinite scale (ggml's
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 __all__ = [
@@ -52,6 +54,7 @@ __all__ = [
     "dequantize_rows",
     "quantized_nbytes",
     "normalize_qtype",
+    "QuantizedMatrix",
 ]
 
 QK_K = 256
@@ -784,3 +787,78 @@ def dequantize_rows(blocks, qtype: str, cols: int | None = None) -> np.ndarray:
             )
     rows = b.size // row_bytes if row_bytes else (b.shape[0] if b.ndim == 2 else 0)
     return dequantize(b, q, (rows, cols))
+
+
+# --------------------------------------------------------------------------
+# A quantized weight matrix (shared with the runtime / compute seam)
+
+
+def _scale_offsets(q: str) -> tuple[int, ...]:
+    """Byte offsets of the fp16 scale fields inside one block of ``q``."""
+    return {"q8_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}[q]
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedMatrix:
+    """A weight matrix ``[rows, cols]`` (HF ``[out, in]``) stored as GGUF blocks.
+
+    Fields: ``qtype`` (``"q8_0"``, ``"q4_k"`` or ``"q6_k"``; normalised to lower case),
+    ``shape`` (rows, cols) with ``cols`` a multiple of the block size, ``blocks`` uint8
+    ``[rows, row_bytes]`` with ``row_bytes = cols // BLOCK_SIZE * BLOCK_BYTES``: each row
+    quantized on its own, as a GGUF tensor of ggml ``ne = [cols, rows]`` stores it.
+
+    Raises ``ValueError`` for an unknown qtype, a non-2-D or empty shape, a row length that
+    is not a whole number of blocks, a byte count that does not match the shape, or an fp16
+    block scale that is NaN or infinite (ggml ``ggml_validate_row_data`` rejects those).
+    """
+
+    qtype: str
+    shape: tuple[int, int]
+    blocks: np.ndarray
+
+    def __post_init__(self):
+        q = normalize_qtype(self.qtype)
+        s = _shape_tuple(self.shape)
+        if len(s) != 2 or 0 in s:
+            raise ValueError(f"a quantized matrix needs a non-empty 2-D shape (rows, cols), got {s}")
+        rows, cols = s
+        row_bytes = quantized_nbytes(cols, q)
+        b = _as_u8(self.blocks)
+        if b.size != rows * row_bytes:
+            raise ValueError(f"{q} matrix {rows}x{cols} needs {rows * row_bytes} bytes, got {b.size}")
+        b = np.ascontiguousarray(b).reshape(rows, row_bytes)
+        flat = b.reshape(-1, BLOCK_BYTES[q])
+        for off in _scale_offsets(q):
+            d = np.ascontiguousarray(flat[:, off:off + 2]).view("<f2")
+            if not np.isfinite(d).all():
+                raise ValueError(f"{q} matrix {rows}x{cols} has a NaN or infinite fp16 block scale "
+                                 f"(at byte offset {off} of a block)")
+        object.__setattr__(self, "qtype", q)
+        object.__setattr__(self, "shape", (rows, cols))
+        object.__setattr__(self, "blocks", b)
+
+    @classmethod
+    def from_dense(cls, x: np.ndarray, qtype: str) -> QuantizedMatrix:
+        """Quantize float ``x`` ``[rows, cols]`` with ``quantize`` (llama.cpp reference bytes).
+
+        Raises ``ValueError`` as ``quantize`` does (row length, non-finite values, fp16
+        scale overflow) and for a non-2-D input.
+        """
+        x = np.asarray(x)
+        if x.ndim != 2:
+            raise ValueError(f"a quantized matrix needs a 2-D input, got shape {x.shape}")
+        return cls(qtype, tuple(x.shape), quantize(x, qtype))
+
+    def dequantize(self) -> np.ndarray:
+        """The matrix decoded to float32 ``[rows, cols]``, bit-identical to gguf-py."""
+        return dequantize(self.blocks, self.qtype, self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of block data held."""
+        return int(self.blocks.nbytes)
+
+    @property
+    def ndim(self) -> int:
+        """Always 2 (so shape checks read like those of an ndarray)."""
+        return 2

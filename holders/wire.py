@@ -53,8 +53,8 @@ def unpack_frame(data: bytes) -> tuple[dict, bytes]:
         raise WireError(f"frame header length {n} does not fit a {len(data)}-byte frame")
     try:
         header = json.loads(data[4:4 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WireError(f"frame header is not JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # bad UTF-8/JSON, oversized ints, deep nesting
+        raise WireError(f"frame header is not JSON: {str(exc)[:200]}") from exc
     if not isinstance(header, dict):
         raise WireError("frame header must be a JSON object")
     return header, data[4 + n:]

@@ -106,3 +106,56 @@ class BlobStore:
         if verify:
             verify_blob(data, hash_hex)
         return data
+
+
+def fetch_blob(uri: str, store: BlobStore, endpoints: list[str], client=None, timeout: float = 60.0,
+               max_bytes: int | None = None) -> bytes:
+    """Resolve ``tenzro://blob/<hash>``: the local ``store`` first, then each HTTP endpoint in
+    order (``GET <endpoint>/blobs/<hash>``). What is fetched is verified against the BLAKE3
+    hash before it is stored and returned; a peer serving wrong bytes is skipped. Reference
+    system §5.5 (local store, then candidate providers).
+
+    ``endpoints``: base URLs (``http://host:port``) of the site and of providers that hold
+    the blob. ``client``: an ``httpx.Client`` to reuse. ``max_bytes`` caps a download.
+    Raises ``BlobError`` for a malformed URI, or naming every endpoint tried and why when no
+    one served the right bytes.
+    """
+    import httpx
+
+    h = parse_blob_uri(uri)
+    if store.has(h):
+        data = store.get(h)
+        try:
+            verify_blob(data, h)
+            return data
+        except BlobError:
+            store.path(h).unlink(missing_ok=True)  # corrupt local copy: fetch it again
+    own = client is None
+    client = client or httpx.Client(timeout=timeout, follow_redirects=True)
+    tried = []
+    try:
+        for ep in dict.fromkeys(e.rstrip("/") for e in endpoints if e):
+            url = f"{ep}/blobs/{h}"
+            try:
+                with client.stream("GET", url) as resp:
+                    if resp.status_code != 200:
+                        tried.append(f"{url}: HTTP {resp.status_code}")
+                        continue
+                    chunks, n = [], 0
+                    for chunk in resp.iter_bytes():
+                        n += len(chunk)
+                        if max_bytes is not None and n > max_bytes:
+                            raise BlobError(f"more than {max_bytes} bytes")
+                        chunks.append(chunk)
+                data = b"".join(chunks)
+                verify_blob(data, h)
+            except (httpx.HTTPError, BlobError) as exc:
+                tried.append(f"{url}: {exc}")
+                continue
+            store.put_verified(data, h)
+            return data
+    finally:
+        if own:
+            client.close()
+    raise BlobError(f"blob {h} is not in the local store and no endpoint served it"
+                    + (f" ({'; '.join(tried)})" if tried else " (no endpoint known)"))

@@ -154,16 +154,84 @@ def parse_header(header: bytes, file_size: int, source: str) -> SafetensorsHeade
     return SafetensorsHeader(tensors, metadata, data_start)
 
 
+def _fp8_e4m3_table() -> np.ndarray:
+    """float32 value of each of the 256 e4m3fn codes (sign bit 7, exponent bits 6..3 with
+    bias 7, mantissa bits 2..0; exponent 0 is subnormal ``m/8 · 2^-6``; 0x7F/0xFF are NaN;
+    no infinity). Reference ``gguf_quant_and_routing.md`` §4.1; equals ``ml_dtypes.float8_e4m3fn``."""
+    codes = np.arange(256)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exp, man = (codes >> 3) & 0xF, codes & 0x7
+    mag = np.where(exp == 0, man / 8.0 * 2.0 ** -6, (1 + man / 8.0) * 2.0 ** (exp - 7.0))
+    table = (sign * mag).astype(np.float32)
+    table[[0x7F, 0xFF]] = np.nan
+    return table
+
+
+FP8_E4M3_TABLE = _fp8_e4m3_table()
+
+
+def decode_fp8_e4m3(raw: bytes | memoryview, shape: tuple[int, ...], name: str = "tensor") -> np.ndarray:
+    """Decode F8_E4M3 bytes to float32 ``shape`` (unscaled). Raises ``CheckpointError``
+    naming the tensor when a NaN code (0x7F, 0xFF) is present or the size is wrong."""
+    codes = np.frombuffer(raw, dtype=np.uint8)
+    if codes.size != math.prod(shape):
+        raise CheckpointError(f"tensor {name!r}: {codes.size} bytes for F8_E4M3 {list(shape)}")
+    if ((codes & 0x7F) == 0x7F).any():
+        raise CheckpointError(f"tensor {name!r} holds FP8 NaN codes (0x7F/0xFF): non-finite weights are refused")
+    return FP8_E4M3_TABLE[codes].reshape(shape)
+
+
+def apply_block_scale(w: np.ndarray, scale: np.ndarray, block: tuple[int, int], name: str = "tensor") -> np.ndarray:
+    """``W[i, j] · scale[i // bi, j // bj]`` in float32 (DeepSeek-V3 ``inference/kernel.py``
+    ``weight_dequant``: the ``_scale_inv`` tensor is multiplied in). ``w`` float32 ``[R, C]``,
+    ``scale`` float32 ``[ceil(R/bi), ceil(C/bj)]``. Raises ``CheckpointError`` for a scale of
+    the wrong shape or with non-finite values."""
+    bi, bj = block
+    r, c = w.shape
+    want = (-(-r // bi), -(-c // bj))
+    if scale.shape != want:
+        raise CheckpointError(f"tensor {name!r}: weight_scale_inv has shape {scale.shape}; "
+                              f"{list(w.shape)} with {bi}x{bj} blocks needs {want}")
+    if not np.isfinite(scale).all():
+        raise CheckpointError(f"tensor {name!r}: weight_scale_inv holds NaN or infinity")
+    full = np.repeat(np.repeat(scale.astype(np.float32), bi, axis=0), bj, axis=1)[:r, :c]
+    return np.multiply(w, full, dtype=np.float32)
+
+
+# E2M1 values of the 16 FP4 codes (transformers integrations/mxfp4.py FP4_VALUES).
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      dtype=np.float32)
+
+
+def decode_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str = "tensor") -> np.ndarray:
+    """HF/OpenAI MXFP4 → float32 (reference ``gguf_quant_and_routing.md`` §4.2,
+    ``transformers`` ``convert_moe_packed_tensors``): ``blocks`` uint8 ``[R, G, 16]`` (byte j
+    holds element 2j in its low nibble, 2j+1 in its high nibble), ``scales`` uint8 ``[R, G]``
+    (E8M0: value × 2^(s − 127)) → ``[R, 32·G]``, group g covering columns 32g..32g+31.
+    Raises ``CheckpointError`` naming the tensor for mismatched shapes or the NaN scale 255."""
+    if blocks.ndim != 3 or blocks.shape[2] != 16 or scales.shape != blocks.shape[:2]:
+        raise CheckpointError(f"tensor {name!r}: MXFP4 blocks {list(blocks.shape)} and scales "
+                              f"{list(scales.shape)} do not fit ([R, G, 16] and [R, G])")
+    if (scales == 255).any():
+        raise CheckpointError(f"tensor {name!r}: MXFP4 scale 255 is NaN: non-finite weights are refused")
+    r, g, _ = blocks.shape
+    vals = np.empty((r, g, 16, 2), dtype=np.float32)
+    vals[..., 0] = FP4_VALUES[blocks & 0x0F]
+    vals[..., 1] = FP4_VALUES[blocks >> 4]
+    exp = scales.astype(np.int32) - 127
+    return np.ldexp(vals.reshape(r, g, 32), exp[:, :, None]).astype(np.float32).reshape(r, g * 32)
+
+
 def require_float_dtype(dtype: str, name: str = "tensor", source: str = "") -> None:
     """Raise ``CheckpointError`` unless ``dtype`` is one ``decode_f32`` handles (BF16, F16,
-    F32); FP8 dtypes get a "not supported yet" message. The message names the tensor."""
+    F32); FP8 other than e4m3-with-scales gets its own message. The message names the tensor."""
     if dtype in FLOAT_DTYPES:
         return
     where = f"{source}: tensor {name!r}" if source else f"tensor {name!r}"
     supported = ", ".join(FLOAT_DTYPES)
     if dtype.startswith("F8_"):
-        raise CheckpointError(f"{where} has dtype {dtype}: FP8 checkpoints are not supported yet "
-                              f"(supported dtypes: {supported})")
+        raise CheckpointError(f"{where} has dtype {dtype}: only F8_E4M3 with a weight_scale_inv tensor is "
+                              f"supported among FP8 formats (other supported dtypes: {supported})")
     raise CheckpointError(f"{where} has dtype {dtype}, which cannot be decoded to float32 "
                           f"(supported dtypes: {supported})")
 
@@ -454,17 +522,56 @@ class Checkpoint:
         shard, offset, length = self.location(name)
         return self._read_range(shard, offset, length) if length else b""
 
-    def read(self, name: str) -> np.ndarray:
-        """Tensor ``name`` decoded to a float32 array of its shape (BF16 exactly, F16, F32).
+    def read(self, name: str, fp8_block: tuple[int, int] = (128, 128)) -> np.ndarray:
+        """Tensor ``name`` decoded to a float32 array of its shape (BF16 exactly, F16, F32,
+        and F8_E4M3 times its ``<name>_scale_inv`` block scales of ``fp8_block`` — the scale
+        may live in another shard).
 
-        Reads only the tensor's byte range. Raises ``CheckpointError`` naming the tensor for
-        a missing tensor, an unsupported dtype (checked before any data is read; FP8 is
-        "not supported yet") or a truncated shard.
+        Reads only the tensor's byte range (and its scale's). Raises ``CheckpointError``
+        naming the tensor for a missing tensor or scale, an unsupported dtype (checked
+        before any data is read), FP8 NaN codes, or a truncated shard.
         """
         shard, e, base = self._locate(name)
+        if e.dtype == "F8_E4M3":
+            scale_name = f"{name}_scale_inv"
+            if not self.has(scale_name):
+                raise CheckpointError(f"{shard}: FP8 tensor {name!r} has no {scale_name!r} block-scale tensor")
+            if len(e.shape) != 2:
+                raise CheckpointError(f"{shard}: FP8 tensor {name!r} must be 2-D, got {list(e.shape)}")
+            raw = self._read_range(shard, base + e.begin, e.end - e.begin) if e.end > e.begin else b""
+            w = decode_fp8_e4m3(raw, e.shape, name)
+            return apply_block_scale(w, self.read(scale_name), fp8_block, name)
         require_float_dtype(e.dtype, name, str(shard))
         raw = self._read_range(shard, base + e.begin, e.end - e.begin) if e.end > e.begin else b""
         return decode_f32(raw, e.dtype, e.shape, name=name, source=str(shard))
+
+    def read_slab_u8(self, name: str, index: int) -> np.ndarray:
+        """Slab ``[index]`` of a ``U8`` tensor (MXFP4 blocks or scales) as uint8 ``shape[1:]``;
+        reads only that range. Raises ``CheckpointError`` for another dtype or index."""
+        shard, e, base = self._locate(name)
+        if e.dtype != "U8" or len(e.shape) < 2 or not 0 <= index < e.shape[0]:
+            raise CheckpointError(f"{shard}: tensor {name!r} ({e.dtype} {list(e.shape)}) has no U8 slab [{index}]")
+        inner = tuple(e.shape[1:])
+        size = math.prod(inner)
+        raw = self._read_range(shard, base + e.begin + index * size, size) if size else b""
+        return np.frombuffer(raw, dtype=np.uint8).reshape(inner)
+
+    def read_slab(self, name: str, index: int) -> np.ndarray:
+        """Slab ``[index]`` of a tensor of 2 or more dimensions (expert ``index`` of a fused
+        ``[E, R, C]`` tensor) as float32 ``shape[1:]``; reads only that contiguous range.
+
+        Raises ``CheckpointError`` for an index out of range, a 0/1-D tensor or a dtype
+        other than BF16/F16/F32 (fused FP8 tensors have per-tensor scales this reader does
+        not slice).
+        """
+        shard, e, base = self._locate(name)
+        require_float_dtype(e.dtype, name, str(shard))
+        if len(e.shape) < 2 or not 0 <= index < e.shape[0]:
+            raise CheckpointError(f"{shard}: tensor {name!r} of shape {list(e.shape)} has no slab [{index}]")
+        inner = tuple(e.shape[1:])
+        size = math.prod(inner) * DTYPE_BITS[e.dtype] // 8
+        raw = self._read_range(shard, base + e.begin + index * size, size) if size else b""
+        return decode_f32(raw, e.dtype, inner, name=f"{name}[{index}]", source=str(shard))
 
     def __repr__(self) -> str:
         return f"Checkpoint({str(self.path)!r}, shards={len(self.shards)})"

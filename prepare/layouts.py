@@ -1,17 +1,39 @@
 """Per-family MoE shape from ``config.json`` and checkpoint tensor names.
 
-Families: ``qwen3_moe`` (HF ``transformers/models/qwen3_moe/configuration_qwen3_moe.py`` and
-``modeling_qwen3_moe.py``: a layer is MoE iff it is not in ``mlp_only_layers`` and
-``(layer + 1) % decoder_sparse_step == 0``), ``deepseek_v3`` and ``kimi_k2`` (HF
-``deepseek_v3/configuration_deepseek_v3.py``; a layer is MoE iff
-``layer >= first_k_dense_replace`` and ``layer % moe_layer_freq == 0``; layers at or beyond
-``num_hidden_layers`` are multi-token-prediction layers and never listed).
+Families and their MoE-layer rules: ``qwen3_moe`` and ``qwen2_moe`` (HF
+``configuration_qwen3_moe.py`` / ``configuration_qwen2_moe.py``: a layer is MoE iff it is not
+in ``mlp_only_layers`` and ``(layer + 1) % decoder_sparse_step == 0``), ``mixtral`` (every
+layer), ``deepseek_v3``, ``kimi_k2`` and ``glm4_moe`` (MoE iff ``layer >=
+first_k_dense_replace`` and ``layer % moe_layer_freq == 0``; the leading dense layers are
+refused for expert extraction; layers at or beyond ``num_hidden_layers`` are
+multi-token-prediction layers and never listed).
 
-Tensor names (as on the Hub): router ``model.layers.{L}.mlp.gate.weight`` ``[E, H]``,
-DeepSeek correction bias ``model.layers.{L}.mlp.gate.e_score_correction_bias`` ``[E]``,
-expert ``model.layers.{L}.mlp.experts.{e}.{gate,up,down}_proj.weight`` and the DeepSeek
-shared expert ``model.layers.{L}.mlp.shared_experts.{gate,up,down}_proj.weight`` (width
-``n_shared_experts × moe_intermediate_size``), addressed as expert ``num_experts``.
+Tensor names (as on the Hub; reference ``gguf_quant_and_routing.md`` §4):
+
+* router ``model.layers.{L}.mlp.gate.weight`` ``[E, H]`` (Mixtral:
+  ``model.layers.{L}.block_sparse_moe.gate.weight``), DeepSeek-style correction bias
+  ``model.layers.{L}.mlp.gate.e_score_correction_bias`` ``[E]`` (f32);
+* per-expert ``model.layers.{L}.mlp.experts.{e}.{gate,up,down}_proj.weight`` (Mixtral:
+  ``block_sparse_moe.experts.{e}.w1`` = gate, ``w3`` = up, ``w2`` = down);
+* fused 3-D (transformers 5, Qwen3.5, Mixtral v5): ``model.layers.{L}.mlp.experts.gate_up_proj``
+  ``[E, 2F, H]`` (gate = rows ``[:F]``, up = rows ``[F:]``) and ``...experts.down_proj``
+  ``[E, H, F]``; the transposed orientation ``[E, H, 2F]`` / ``[E, F, H]`` (Qwen3-VL) is
+  recognised from the shapes. Expert e is the contiguous slab ``[e]``: only it is read;
+* shared expert, addressed as expert ``num_experts``: DeepSeek/Kimi/GLM
+  ``mlp.shared_experts.{p}.weight`` (width ``n_shared_experts × moe_intermediate_size``),
+  Qwen2 ``mlp.shared_expert.{p}.weight`` (width ``shared_expert_intermediate_size``) with its
+  gate ``mlp.shared_expert_gate.weight`` ``[1, H]``.
+
+* gpt-oss (every layer MoE): router ``mlp.router.weight`` + ``mlp.router.bias`` (added to
+  the logits); experts fused MXFP4 ``mlp.experts.gate_up_proj_blocks`` ``[E, 2F, H/32, 16]`` +
+  ``_scales`` ``[E, 2F, H/32]`` and ``down_proj_blocks``/``_scales`` (or the dequantized HF
+  layout ``gate_up_proj`` ``[E, H, 2F]``, ``down_proj`` ``[E, F, H]``), biases
+  ``gate_up_proj_bias`` ``[E, 2F]`` / ``down_proj_bias`` ``[E, H]``; gate/up rows are
+  interleaved (even = gate, odd = up); the FFN is the clamped SwiGLU (``swiglu_limit``).
+
+Source dtypes: BF16, F16, F32 and FP8 e4m3 with ``weight_scale_inv`` block scales (decoded
+by ``Checkpoint.read``). Checkpoints whose ``quantization_config`` names another method
+(e.g. compressed-tensors INT4) are refused.
 
 Pure Python + numpy; imports nothing from Django.
 """
@@ -23,11 +45,13 @@ import numpy as np
 
 from holders.ffn import PROJECTIONS, ExpertWeights
 from holders.gating import Gate
-from prepare.checkpoint import Checkpoint
+from prepare.checkpoint import Checkpoint, CheckpointError, decode_mxfp4
 
-SUPPORTED_FAMILIES = ("qwen3_moe", "deepseek_v3", "kimi_k2")
-_DEEPSEEK_LIKE = ("deepseek_v3", "kimi_k2")
+SUPPORTED_FAMILIES = ("qwen3_moe", "deepseek_v3", "kimi_k2", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss")
+_DEEPSEEK_LIKE = ("deepseek_v3", "kimi_k2", "glm4_moe")
+_QWEN_LIKE = ("qwen3_moe", "qwen2_moe")
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+_MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
 @dataclass(frozen=True)
@@ -36,10 +60,13 @@ class MoeSpec:
 
     ``family`` is the config ``model_type``; ``num_experts`` routed experts E; ``top_k``
     (``num_experts_per_tok``); ``hidden_size`` H; ``moe_intermediate_size`` F per routed
-    expert; ``n_shared_experts`` (fused into one FFN of width ``n_shared × F``; 0 for
-    qwen3_moe); ``norm_topk_prob``; ``routed_scaling_factor``; ``n_group``; ``topk_group``;
-    ``first_k_dense_replace``, ``moe_layer_freq`` (deepseek/kimi); ``decoder_sparse_step``,
-    ``mlp_only_layers`` (qwen3_moe); ``num_hidden_layers``.
+    expert (Mixtral: ``intermediate_size``); ``n_shared_experts`` (DeepSeek-like: fused
+    into one FFN of width ``n_shared × F``; qwen2_moe: 1 when it has a shared expert; 0
+    otherwise); ``shared_expert_intermediate_size`` (qwen2_moe's shared width, else 0);
+    ``norm_topk_prob``; ``routed_scaling_factor``; ``n_group``; ``topk_group``;
+    ``first_k_dense_replace``, ``moe_layer_freq`` (DeepSeek-like); ``decoder_sparse_step``,
+    ``mlp_only_layers`` (Qwen); ``num_hidden_layers``; ``fp8_block`` (rows, cols) of FP8
+    ``weight_scale_inv`` blocks, from ``quantization_config.weight_block_size``.
     """
 
     family: str
@@ -57,23 +84,36 @@ class MoeSpec:
     moe_layer_freq: int = 1
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
+    fp8_block: tuple[int, int] = (128, 128)
+    swiglu_limit: float = 7.0
 
     @property
     def shared_slot(self) -> int | None:
-        """Expert id of the fused shared expert (``num_experts``), or None without one."""
+        """Expert id of the shared expert (``num_experts``), or None without one."""
         return self.num_experts if self.n_shared_experts > 0 else None
 
     @property
     def shared_intermediate_size(self) -> int:
-        """Width of the fused shared expert: ``n_shared_experts × moe_intermediate_size``."""
+        """Width of the shared expert: ``n_shared_experts × moe_intermediate_size``
+        (DeepSeek-like) or ``shared_expert_intermediate_size`` (qwen2_moe)."""
+        if self.family == "qwen2_moe":
+            return self.shared_expert_intermediate_size
         return self.n_shared_experts * self.moe_intermediate_size
+
+    @property
+    def prefix(self) -> str:
+        """Per-layer module path of the MoE block, with ``{layer}`` to fill."""
+        return "model.layers.{layer}." + ("block_sparse_moe" if self.family == "mixtral" else "mlp")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (0-based, < ``num_hidden_layers``) is MoE."""
         if not 0 <= layer < self.num_hidden_layers:
             return False
-        if self.family == "qwen3_moe":
+        if self.family in _QWEN_LIKE:
             return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+        if self.family in ("mixtral", "gpt_oss"):
+            return True
         return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
 
     def moe_layers(self) -> list[int]:
@@ -81,14 +121,15 @@ class MoeSpec:
         return [layer for layer in range(self.num_hidden_layers) if self.is_moe_layer(layer)]
 
     def check_layer(self, layer: int) -> int:
-        """Return ``layer`` if it is an MoE layer; raise ``ValueError`` saying why not."""
+        """Return ``layer`` if it is an MoE layer; raise ``ValueError`` saying why not (a
+        leading dense layer of DeepSeek/Kimi/GLM is refused: it has no experts to extract)."""
         if isinstance(layer, bool) or not isinstance(layer, int):
             raise ValueError(f"layer must be an integer, got {layer!r}")
         if not 0 <= layer < self.num_hidden_layers:
             raise ValueError(f"layer {layer} is out of range: the model has {self.num_hidden_layers} "
                              f"decoder layers (0..{self.num_hidden_layers - 1})")
         if not self.is_moe_layer(layer):
-            if self.family == "qwen3_moe":
+            if self.family in _QWEN_LIKE:
                 why = f"mlp_only_layers={list(self.mlp_only_layers)}, decoder_sparse_step={self.decoder_sparse_step}"
             else:
                 why = f"first_k_dense_replace={self.first_k_dense_replace}"
@@ -110,26 +151,46 @@ class MoeSpec:
                              f"experts (0..{self.num_experts - 1}){shared}")
         return expert
 
+    def slots(self) -> int:
+        """Expert ids per layer: routed experts plus the shared slot when there is one."""
+        return self.num_experts + (1 if self.shared_slot is not None else 0)
+
     def gate_tensor_names(self, layer: int) -> dict[str, str]:
-        """Checkpoint names of layer ``layer``'s router: ``{"weight": ..., "bias": ...}``
-        (``bias`` only for deepseek/kimi). Raises ``ValueError`` for a non-MoE layer."""
+        """Checkpoint names of layer ``layer``'s router: ``{"weight": ...}`` plus ``"bias"``
+        (DeepSeek-like correction bias) or ``"shared_gate"`` (qwen2_moe). Raises
+        ``ValueError`` for a non-MoE layer."""
         self.check_layer(layer)
-        names = {"weight": f"model.layers.{layer}.mlp.gate.weight"}
+        pre = self.prefix.format(layer=layer)
+        if self.family == "gpt_oss":
+            return {"weight": f"{pre}.router.weight", "logit_bias": f"{pre}.router.bias"}
+        names = {"weight": f"{pre}.gate.weight"}
         if self.family in _DEEPSEEK_LIKE:
-            names["bias"] = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+            names["bias"] = f"{pre}.gate.e_score_correction_bias"
+        if self.family == "qwen2_moe" and self.shared_slot is not None:
+            names["shared_gate"] = f"{pre}.shared_expert_gate.weight"
         return names
+
+    def fused_tensor_names(self, layer: int) -> dict[str, str]:
+        """Names of the fused 3-D expert tensors of ``layer``: ``{"gate_up": ..., "down": ...}``
+        (``model.layers.{L}.mlp.experts.gate_up_proj`` / ``.down_proj``)."""
+        self.check_layer(layer)
+        pre = f"model.layers.{layer}.mlp.experts"
+        return {"gate_up": f"{pre}.gate_up_proj", "down": f"{pre}.down_proj"}
 
     def expert_tensor_names(self, layer: int, expert: int) -> dict[str, str]:
         """Checkpoint names ``{"gate_proj": ..., "up_proj": ..., "down_proj": ...}`` of
-        expert ``expert`` (``num_experts`` = the shared expert) in layer ``layer``.
-        Raises ``ValueError`` for a non-MoE layer or an out-of-range expert."""
+        expert ``expert`` (``num_experts`` = the shared expert) in layer ``layer``, for
+        per-expert checkpoints. Raises ``ValueError`` for a non-MoE layer or an
+        out-of-range expert."""
         self.check_layer(layer)
         self.check_expert(layer, expert)
+        pre = self.prefix.format(layer=layer)
         if expert == self.shared_slot:
-            prefix = f"model.layers.{layer}.mlp.shared_experts"
-        else:
-            prefix = f"model.layers.{layer}.mlp.experts.{expert}"
-        return {p: f"{prefix}.{p}.weight" for p in PROJECTIONS}
+            shared = "shared_expert" if self.family == "qwen2_moe" else "shared_experts"
+            return {p: f"{pre}.{shared}.{p}.weight" for p in PROJECTIONS}
+        if self.family == "mixtral":
+            return {p: f"{pre}.experts.{expert}.{_MIXTRAL_NAMES[p]}.weight" for p in PROJECTIONS}
+        return {p: f"{pre}.experts.{expert}.{p}.weight" for p in PROJECTIONS}
 
 
 def _get_int(config: dict, key: str, default: int | None, lo: int) -> int:
@@ -141,18 +202,45 @@ def _get_int(config: dict, key: str, default: int | None, lo: int) -> int:
     return value
 
 
+def _fp8_block(config: dict) -> tuple[int, int]:
+    """``weight_block_size`` of an FP8 ``quantization_config`` (default 128×128); raises
+    ``ValueError`` for a quantization method this reader cannot decode."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return (128, 128)
+    if not isinstance(qc, dict):
+        raise ValueError("config.json field 'quantization_config' must be an object")
+    method = qc.get("quant_method")
+    if method == "mxfp4" and config.get("model_type") == "gpt_oss":
+        return (128, 128)  # MXFP4 expert blocks are decoded by the gpt-oss layout
+    if method != "fp8":
+        raise ValueError(f"config.json quantization_config.quant_method={method!r} is not supported; "
+                         f"supported: unquantized (bf16/f16/f32) or 'fp8' (e4m3 with weight_scale_inv)")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"config.json quantization_config.fmt={fmt!r} is not supported (only e4m3)")
+    block = qc.get("weight_block_size", [128, 128])
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ValueError(f"config.json quantization_config.weight_block_size must be [rows, cols], got {block!r}")
+    return (block[0], block[1])
+
+
 def spec_from_config(config: dict) -> MoeSpec:
     """Build the ``MoeSpec`` of ``config`` (a parsed ``config.json``).
 
     The routed-expert count comes from ``num_experts``, ``num_local_experts`` or
     ``n_routed_experts`` (transformers 5 writes ``num_local_experts`` where Hub Qwen3-MoE
     configs say ``num_experts``). Defaults when absent: ``norm_topk_prob`` False for
-    qwen3_moe (``Qwen3MoeConfig``) and True for deepseek/kimi; ``routed_scaling_factor``
-    1.0; ``n_group``/``topk_group`` 1; ``first_k_dense_replace`` 0; ``moe_layer_freq`` 1;
-    ``decoder_sparse_step`` 1; ``mlp_only_layers`` []; ``n_shared_experts`` 0.
+    qwen3_moe/qwen2_moe (HF config classes), True for DeepSeek-like and always True for
+    Mixtral; ``routed_scaling_factor`` 1.0; ``n_group``/``topk_group`` 1;
+    ``first_k_dense_replace`` 0; ``moe_layer_freq`` 1; ``decoder_sparse_step`` 1;
+    ``mlp_only_layers`` []; ``n_shared_experts`` 0; qwen2_moe has a shared expert iff
+    ``shared_expert_intermediate_size`` > 0; Mixtral's expert width is ``intermediate_size``.
 
     Raises ``ValueError`` naming ``model_type`` and the supported list for another family,
-    and naming the field for a missing, mistyped or inconsistent value.
+    and naming the field for a missing, mistyped or inconsistent value or an unsupported
+    ``quantization_config``.
     """
     if not isinstance(config, dict):
         raise ValueError("config must be a dict (the parsed config.json)")
@@ -167,31 +255,47 @@ def spec_from_config(config: dict) -> MoeSpec:
     key = next(iter(counts))
     num_experts = _get_int(config, key, None, 1)
     deepseek = family in _DEEPSEEK_LIKE
-    norm = config.get("norm_topk_prob", deepseek)
+    qwen = family in _QWEN_LIKE
+    if family in ("mixtral", "gpt_oss"):
+        norm = True
+    else:
+        norm = config.get("norm_topk_prob", deepseek)
     if not isinstance(norm, bool):
         raise ValueError(f"config.json field 'norm_topk_prob' must be true or false, got {norm!r}")
-    rsf = config.get("routed_scaling_factor", 1.0)
+    rsf = config.get("routed_scaling_factor", 1.0) if deepseek else 1.0
     if isinstance(rsf, bool) or not isinstance(rsf, (int, float)) or not rsf > 0:
         raise ValueError(f"config.json field 'routed_scaling_factor' must be a positive number, got {rsf!r}")
     mlp_only = config.get("mlp_only_layers") or []
     if not isinstance(mlp_only, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in mlp_only):
         raise ValueError(f"config.json field 'mlp_only_layers' must be a list of integers, got {mlp_only!r}")
+    shared_width = _get_int(config, "shared_expert_intermediate_size", 0, 0) if family == "qwen2_moe" else 0
+    if deepseek:
+        n_shared = _get_int(config, "n_shared_experts", 0, 0)
+    else:
+        n_shared = 1 if shared_width > 0 else 0
+    width_key = "intermediate_size" if family in ("mixtral", "gpt_oss") else "moe_intermediate_size"
+    limit = config.get("swiglu_limit", 7.0) if family == "gpt_oss" else 7.0
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
+        raise ValueError(f"config.json field 'swiglu_limit' must be a positive number, got {limit!r}")
     spec = MoeSpec(
         family=family,
         num_experts=num_experts,
         top_k=_get_int(config, "num_experts_per_tok", None, 1),
         hidden_size=_get_int(config, "hidden_size", None, 1),
-        moe_intermediate_size=_get_int(config, "moe_intermediate_size", None, 1),
+        moe_intermediate_size=_get_int(config, width_key, None, 1),
         num_hidden_layers=_get_int(config, "num_hidden_layers", None, 1),
-        n_shared_experts=_get_int(config, "n_shared_experts", 0, 0) if deepseek else 0,
+        n_shared_experts=n_shared,
         norm_topk_prob=norm,
         routed_scaling_factor=float(rsf),
         n_group=_get_int(config, "n_group", 1, 1) if deepseek else 1,
         topk_group=_get_int(config, "topk_group", 1, 1) if deepseek else 1,
         first_k_dense_replace=_get_int(config, "first_k_dense_replace", 0, 0) if deepseek else 0,
         moe_layer_freq=_get_int(config, "moe_layer_freq", 1, 1) if deepseek else 1,
-        decoder_sparse_step=_get_int(config, "decoder_sparse_step", 1, 1) if not deepseek else 1,
-        mlp_only_layers=tuple(sorted(set(mlp_only))) if not deepseek else (),
+        decoder_sparse_step=_get_int(config, "decoder_sparse_step", 1, 1) if qwen else 1,
+        mlp_only_layers=tuple(sorted(set(mlp_only))) if qwen else (),
+        shared_expert_intermediate_size=shared_width,
+        fp8_block=_fp8_block(config),
+        swiglu_limit=float(limit),
     )
     if spec.num_experts % spec.n_group:
         raise ValueError(f"config.json: {key}={spec.num_experts} is not divisible by n_group={spec.n_group}")
@@ -203,45 +307,149 @@ def spec_from_config(config: dict) -> MoeSpec:
     return spec
 
 
-def _read(ckpt: Checkpoint, name: str, shape: tuple[int, ...]):
-    arr = ckpt.read(name)
+def _check(name: str, arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     if arr.shape != shape:
         raise ValueError(f"tensor {name!r} has shape {arr.shape}; the config implies {shape}")
     if not np.isfinite(arr).all():
-        raise ValueError(f"tensor {name!r} holds NaN or infinity")
+        bad = tuple(int(i) for i in np.argwhere(~np.isfinite(arr))[0])
+        raise ValueError(f"tensor {name!r} holds NaN or infinity (first at index {bad})")
     return arr
+
+
+def _read(ckpt: Checkpoint, spec: MoeSpec, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    return _check(name, ckpt.read(name, fp8_block=spec.fp8_block), shape)
 
 
 def load_gate(ckpt: Checkpoint, spec: MoeSpec, layer: int) -> Gate:
     """Read layer ``layer``'s router from ``ckpt`` → ``Gate`` (weight ``[E, H]`` float32,
-    plus the float32 correction bias ``[E]`` for deepseek/kimi) carrying the spec's routing
-    parameters. Reads only those tensors' byte ranges.
+    plus the float32 correction bias ``[E]`` for DeepSeek-like families, or the qwen2_moe
+    shared-expert gate ``[1, H]``) carrying the spec's routing parameters. Reads only those
+    tensors' byte ranges.
 
-    Raises ``ValueError`` for a dense or out-of-range layer or a shape that disagrees with
-    the config, and ``CheckpointError`` for a missing or unreadable tensor.
+    Raises ``ValueError`` for a dense or out-of-range layer, a shape that disagrees with
+    the config or non-finite values (naming the tensor), and ``CheckpointError`` for a
+    missing or unreadable tensor.
     """
     names = spec.gate_tensor_names(layer)
-    weight = _read(ckpt, names["weight"], (spec.num_experts, spec.hidden_size))
-    bias = _read(ckpt, names["bias"], (spec.num_experts,)) if "bias" in names else None
+    if spec.family == "mixtral" and not ckpt.has(names["weight"]):
+        names["weight"] = f"model.layers.{layer}.mlp.gate.weight"  # transformers 5 renames block_sparse_moe
+    weight = _read(ckpt, spec, names["weight"], (spec.num_experts, spec.hidden_size))
+    bias = _read(ckpt, spec, names["bias"], (spec.num_experts,)) if "bias" in names else None
+    sgate = _read(ckpt, spec, names["shared_gate"], (1, spec.hidden_size)) if "shared_gate" in names else None
+    lbias = _read(ckpt, spec, names["logit_bias"], (spec.num_experts,)) if "logit_bias" in names else None
     return Gate(family=spec.family, weight=weight, correction_bias=bias, top_k=spec.top_k,
                 norm_topk_prob=spec.norm_topk_prob, routed_scaling_factor=spec.routed_scaling_factor,
                 n_group=spec.n_group, topk_group=spec.topk_group,
-                n_shared_experts=spec.n_shared_experts, num_experts=spec.num_experts)
+                n_shared_experts=spec.n_shared_experts, num_experts=spec.num_experts, shared_gate=sgate,
+                logit_bias=lbias)
+
+
+def is_fused(ckpt: Checkpoint, spec: MoeSpec, layer: int) -> bool:
+    """Whether ``layer``'s routed experts are stored as fused 3-D tensors."""
+    return ckpt.has(spec.fused_tensor_names(layer)["gate_up"])
+
+
+def _oss_names(ckpt: Checkpoint, layer: int) -> dict[str, str]:
+    pre = f"model.layers.{layer}.mlp.experts"
+    if ckpt.has(f"{pre}.gate_up_proj_blocks"):
+        return {k: f"{pre}.{k}" for k in ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
+                                          "down_proj_blocks", "down_proj_scales", "down_proj_bias")}
+    return {k: f"{pre}.{k}" for k in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
+
+
+def _load_gpt_oss(ckpt: Checkpoint, spec: MoeSpec, layer: int, expert: int) -> ExpertWeights:
+    """gpt-oss expert ``expert``: MXFP4 blocks (``[E, 2F, H/32, 16]`` + scales) or the
+    dequantized HF layout (``gate_up_proj`` ``[E, H, 2F]``, ``down_proj`` ``[E, F, H]``);
+    gate = rows 0::2, up = rows 1::2 of the ``[2F, H]`` matrix (interleaved), with biases."""
+    n = _oss_names(ckpt, layer)
+    f, h = spec.moe_intermediate_size, spec.hidden_size
+    if "gate_up_proj_blocks" in n:
+        gu = decode_mxfp4(ckpt.read_slab_u8(n["gate_up_proj_blocks"], expert),
+                          ckpt.read_slab_u8(n["gate_up_proj_scales"], expert), n["gate_up_proj_blocks"])
+        down = decode_mxfp4(ckpt.read_slab_u8(n["down_proj_blocks"], expert),
+                            ckpt.read_slab_u8(n["down_proj_scales"], expert), n["down_proj_blocks"])
+    else:
+        gu = ckpt.read_slab(n["gate_up_proj"], expert).T
+        down = ckpt.read_slab(n["down_proj"], expert).T
+    _check(f"{n.get('gate_up_proj_blocks', n.get('gate_up_proj'))}[{expert}]", gu, (2 * f, h))
+    _check(f"{n.get('down_proj_blocks', n.get('down_proj'))}[{expert}]", down, (h, f))
+    gub = _check(f"{n['gate_up_proj_bias']}[{expert}]", ckpt.read_slab(n["gate_up_proj_bias"], expert), (2 * f,))
+    db = _check(f"{n['down_proj_bias']}[{expert}]", ckpt.read_slab(n["down_proj_bias"], expert), (h,))
+    return ExpertWeights(gate_proj=gu[0::2], up_proj=gu[1::2], down_proj=down, gate_bias=gub[0::2],
+                         up_bias=gub[1::2], down_bias=db, activation="swiglu_oss", swiglu_limit=spec.swiglu_limit)
+
+
+def expert_sources(ckpt: Checkpoint, spec: MoeSpec, layer: int, expert: int) -> list[str]:
+    """The checkpoint tensors expert ``expert`` of ``layer`` is read from (for progress)."""
+    if spec.family == "gpt_oss":
+        spec.check_expert(layer, expert)
+        return list(_oss_names(ckpt, layer).values())
+    if expert != spec.shared_slot and is_fused(ckpt, spec, layer):
+        spec.check_expert(layer, expert)
+        return list(spec.fused_tensor_names(layer).values())
+    return list(spec.expert_tensor_names(layer, expert).values())
+
+
+def source_dtype(ckpt: Checkpoint, spec: MoeSpec, layer: int, expert: int) -> str:
+    """The blob dtype that keeps expert ``expert``'s dense projections exact and no larger
+    than the source: ``"bf16"`` for BF16, ``"f16"`` for F16, else ``"f32"`` (F32, and FP8
+    whose scaled values need f32)."""
+    dtypes = {ckpt.info(n).dtype for n in expert_sources(ckpt, spec, layer, expert)}
+    if dtypes == {"BF16"}:
+        return "bf16"
+    if dtypes == {"F16"}:
+        return "f16"
+    return "f32"
+
+
+def _load_fused(ckpt: Checkpoint, spec: MoeSpec, layer: int, expert: int) -> ExpertWeights:
+    names = spec.fused_tensor_names(layer)
+    e, f, h = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
+    gu_shape, d_shape = ckpt.info(names["gate_up"]).shape, ckpt.info(names["down"]).shape
+    if gu_shape == (e, 2 * f, h):
+        gate_up = ckpt.read_slab(names["gate_up"], expert)
+    elif gu_shape == (e, h, 2 * f):  # Qwen3-VL orientation: [E, in, out]
+        gate_up = ckpt.read_slab(names["gate_up"], expert).T
+    else:
+        raise ValueError(f"tensor {names['gate_up']!r} has shape {gu_shape}; the config implies "
+                         f"{(e, 2 * f, h)} (or {(e, h, 2 * f)})")
+    if d_shape == (e, h, f):
+        down = ckpt.read_slab(names["down"], expert)
+    elif d_shape == (e, f, h):
+        down = ckpt.read_slab(names["down"], expert).T
+    else:
+        raise ValueError(f"tensor {names['down']!r} has shape {d_shape}; the config implies {(e, h, f)} "
+                         f"(or {(e, f, h)})")
+    where = f"{names['gate_up']}[{expert}]"
+    _check(where, gate_up, (2 * f, h))
+    _check(f"{names['down']}[{expert}]", down, (h, f))
+    return ExpertWeights(gate_proj=gate_up[:f], up_proj=gate_up[f:], down_proj=down)
 
 
 def load_expert(ckpt: Checkpoint, spec: MoeSpec, layer: int, expert: int) -> ExpertWeights:
-    """Read expert ``expert`` of layer ``layer`` (``spec.num_experts`` = the fused shared
-    expert) → float32 ``ExpertWeights``; only those three tensors' byte ranges are read.
+    """Read expert ``expert`` of layer ``layer`` (``spec.num_experts`` = the shared
+    expert) → float32 ``ExpertWeights``. Only the needed byte ranges are read: the three
+    per-expert tensors (plus FP8 scales), or expert e's slab of fused 3-D tensors.
 
     Raises ``ValueError`` for a dense or out-of-range layer, an out-of-range expert, or a
-    shape that disagrees with the config (naming the tensor), and ``CheckpointError`` for a
-    missing or unreadable tensor.
+    shape that disagrees with the config or non-finite values (naming the tensor), and
+    ``CheckpointError`` for a missing or unreadable tensor.
     """
+    spec.check_layer(layer)
+    spec.check_expert(layer, expert)
+    if spec.family == "gpt_oss":
+        return _load_gpt_oss(ckpt, spec, layer, expert)
+    if expert != spec.shared_slot and is_fused(ckpt, spec, layer):
+        return _load_fused(ckpt, spec, layer, expert)
     names = spec.expert_tensor_names(layer, expert)
     f = spec.shared_intermediate_size if expert == spec.shared_slot else spec.moe_intermediate_size
     h = spec.hidden_size
     return ExpertWeights(
-        gate_proj=_read(ckpt, names["gate_proj"], (f, h)),
-        up_proj=_read(ckpt, names["up_proj"], (f, h)),
-        down_proj=_read(ckpt, names["down_proj"], (h, f)),
+        gate_proj=_read(ckpt, spec, names["gate_proj"], (f, h)),
+        up_proj=_read(ckpt, spec, names["up_proj"], (f, h)),
+        down_proj=_read(ckpt, spec, names["down_proj"], (h, f)),
     )
+
+
+__all__ = ["CheckpointError", "MoeSpec", "SUPPORTED_FAMILIES", "expert_sources", "is_fused", "load_expert",
+           "load_gate", "source_dtype", "spec_from_config"]

@@ -1,4 +1,4 @@
-"""Publishing a checkpoint's experts and gates as content-addressed blobs."""
+"""Publishing a checkpoint's experts and gates as content-addressed blobs (one job, inline)."""
 from __future__ import annotations
 
 import re
@@ -10,56 +10,73 @@ from django.db import transaction
 
 from prepare.blobs import BlobStore
 from prepare.checkpoint import Checkpoint
-from prepare.layouts import load_expert, load_gate, spec_from_config
-from prepare.models import ExpertBlob, GateBlob
+from prepare.jobs import JobParamError, create_job, run_job
+from prepare.layouts import spec_from_config
+from prepare.models import ExpertBlob, PrepareJob
+from prepare.remote import is_url
 from registry.models import MoeModel
 
 
+class PublishError(ValueError):
+    """The checkpoint could not be published completely (the message names what failed)."""
+
+
 def default_model_id(checkpoint: str | Path) -> str:
-    """A model id from a checkpoint directory name: ``qwen3_moe_tiny`` → ``qwen3-moe-tiny``."""
-    name = Path(checkpoint).resolve().name
+    """A model id from a checkpoint directory name or URL: ``qwen3_moe_tiny`` → ``qwen3-moe-tiny``."""
+    text = str(checkpoint)
+    name = text.rstrip("/").rsplit("/", 1)[-1] if is_url(text) else Path(checkpoint).resolve().name
     return re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-") or "model"
 
 
 def publish_checkpoint(checkpoint: str | Path, model_id: str | None = None,
-                       progress: Callable[[int, int, str], None] | None = None) -> MoeModel:
-    """Extract every MoE layer's gate and experts (shared slot included) into the blob store.
+                       progress: Callable[[int, int, str], None] | None = None, quant=None,
+                       revision: str | None = None) -> MoeModel:
+    """Extract every MoE layer's gate and experts (shared slot included) into the blob store,
+    quantized per ``quant`` (preset name, per-projection object, or None: dense in the source
+    dtype), through one ``PrepareJob`` run inline.
 
     Idempotent: identical content gives identical blobs and rows. ``progress(done, total,
-    what)`` is called after each blob. Raises ``CheckpointError``/``ValueError`` from the
-    reader and layouts (unsupported family, missing tensor, bad dtype).
+    what)`` is called after each expert. Raises ``PublishError`` (a ``ValueError``) naming
+    the parameter or the first failed expert.
     """
-    ckpt = Checkpoint(checkpoint)
-    spec = spec_from_config(ckpt.config)
     model_id = model_id or default_model_id(checkpoint)
-    store = BlobStore(settings.TENZRO["BLOB_DIR"])
-    slots = spec.num_experts + (1 if spec.n_shared_experts else 0)
-    layers = spec.moe_layers()
-    total, done = len(layers) * (slots + 1), 0
-    gates, experts = [], []
-    for layer in layers:
-        gates.append((layer, store.put(load_gate(ckpt, spec, layer).to_blob())))
-        done += 1
+    source = str(checkpoint) if is_url(str(checkpoint)) else str(Path(checkpoint).resolve())
+    try:
+        job = create_job(source, model_id, quant=quant, revision=revision)
+    except JobParamError as exc:
+        raise PublishError(f"{exc.field}: {exc}") from None
+
+    def report(j: PrepareJob) -> None:
         if progress:
-            progress(done, total, f"layer {layer} gate")
-        for e in range(slots):
-            blob = load_expert(ckpt, spec, layer, e).to_blob()
-            experts.append((layer, e, store.put(blob), len(blob)))
-            done += 1
-            if progress:
-                progress(done, total, f"layer {layer} expert {e}")
-    with transaction.atomic():
-        model, _ = MoeModel.objects.update_or_create(model_id=model_id, defaults={
-            "family": spec.family, "num_experts": spec.num_experts, "top_k": spec.top_k,
-            "n_shared_experts": spec.n_shared_experts, "hidden_size": spec.hidden_size,
-            "expert_d_ff": spec.moe_intermediate_size, "moe_layers": layers, "config": ckpt.config,
-            "source": str(Path(checkpoint).resolve())})
-        for layer, h in gates:
-            GateBlob.objects.update_or_create(model_id=model_id, layer=layer, defaults={"blob_hash": h})
-        for layer, e, h, n in experts:
-            ExpertBlob.objects.update_or_create(model_id=model_id, layer=layer, expert=e,
-                                                defaults={"blob_hash": h, "nbytes": n, "quant": "f32"})
-    return model
+            progress(j.completed_experts + j.failed_experts, j.total_experts, j.current_tensor)
+
+    job = run_job(job.job_id, report)
+    if job.state != PrepareJob.State.COMPLETED:
+        first = job.items.filter(state="failed").first()
+        detail = f"; first: layer {first.layer} expert {first.expert}: {first.error}" if first else ""
+        raise PublishError(f"publishing {checkpoint}: {job.error}{detail}")
+    return MoeModel.objects.get(model_id=model_id)
+
+
+def blob_endpoints(uri: str, site_url: str | None = None) -> list[str]:
+    """HTTP endpoints that may serve ``uri``: ``site_url`` first, then the ``http_endpoint``
+    of live providers declaring a holding with that ``blob_uri`` (best reputation first)."""
+    from registry.models import Holding
+
+    rows = (Holding.objects.filter(blob_uri=uri).exclude(provider__http_endpoint="")
+            .order_by("-provider__reputation", "provider_id").values_list("provider__http_endpoint", flat=True))
+    return [e for e in [site_url, *rows] if e]
+
+
+def resolve_blob(uri: str, store=None, site_url: str | None = None) -> bytes:
+    """The bytes of ``tenzro://blob/<hash>``: the site's store, else fetched (and verified)
+    from the holders that declare it. Raises ``prepare.blobs.BlobError``."""
+    from django.conf import settings
+
+    from prepare.blobs import BlobStore, fetch_blob
+
+    store = store or BlobStore(settings.TENZRO["BLOB_DIR"])
+    return fetch_blob(uri, store, blob_endpoints(uri, site_url))
 
 
 def dense_layers(checkpoint: Checkpoint) -> list[int]:

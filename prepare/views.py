@@ -1,14 +1,59 @@
-"""``GET /blobs/<hash>``: content-addressed blobs served from the site's store."""
+"""Pages and HTTP endpoints of ``prepare``: ``GET /blobs/<hash>`` (with Range) and the job pages."""
 from __future__ import annotations
 
+import re
+
 from django.conf import settings
-from django.http import FileResponse, JsonResponse
+from django.http import Http404, JsonResponse, StreamingHttpResponse
+from django.shortcuts import render
 
 from prepare.blobs import BlobError, BlobStore, check_hash
+from prepare.jobs import job_status
+from prepare.models import PrepareJob
+
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+_CHUNK = 1 << 20
+
+
+def _byte_range(header: str | None, size: int) -> tuple[int, int] | None | str:
+    """Parse a single ``Range: bytes=a-b`` (also ``a-`` and ``-n``) against ``size``.
+
+    Returns (start, end inclusive), None to serve the whole blob (no or unparsable header:
+    RFC 9110 lets a server ignore it), or "unsatisfiable"."""
+    if not header:
+        return None
+    m = _RANGE.match(header.strip())
+    if not m or (not m.group(1) and not m.group(2)):
+        return None
+    if not m.group(1):  # suffix: the last n bytes
+        n = int(m.group(2))
+        if n == 0 or size == 0:
+            return "unsatisfiable"
+        return max(0, size - n), size - 1
+    start = int(m.group(1))
+    end = int(m.group(2)) if m.group(2) else size - 1
+    if start >= size or end < start:
+        return "unsatisfiable"
+    return start, min(end, size - 1)
+
+
+def _stream(path, start: int, length: int):
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        while length > 0:
+            chunk = fh.read(min(_CHUNK, length))
+            if not chunk:
+                return
+            length -= len(chunk)
+            yield chunk
 
 
 def blob(request, blob_hash: str):
-    """Stream a stored blob; 400 for a malformed hash, 404 when absent."""
+    """Serve a stored blob: 200 with the whole blob, or 206 with the single byte range the
+    ``Range`` header asks for (``Content-Range``), 416 when the range lies outside it; 400
+    for a malformed hash, 404 when absent, 405 for other methods than GET/HEAD."""
+    if request.method not in ("GET", "HEAD"):
+        return JsonResponse({"error": "use GET"}, status=405)
     try:
         check_hash(blob_hash)
     except BlobError as exc:
@@ -16,6 +61,37 @@ def blob(request, blob_hash: str):
     path = BlobStore(settings.TENZRO["BLOB_DIR"]).path(blob_hash)
     if not path.is_file():
         return JsonResponse({"error": f"blob {blob_hash} not found"}, status=404)
-    resp = FileResponse(open(path, "rb"), content_type="application/octet-stream")
+    size = path.stat().st_size
+    rng = _byte_range(request.headers.get("Range"), size)
+    if rng == "unsatisfiable":
+        resp = JsonResponse({"error": f"range {request.headers.get('Range')!r} is outside the {size}-byte blob"},
+                            status=416)
+        resp["Content-Range"] = f"bytes */{size}"
+        return resp
+    start, end = rng if rng else (0, size - 1)
+    length = end - start + 1 if size else 0
+    body = _stream(path, start, length) if request.method == "GET" else iter(())
+    resp = StreamingHttpResponse(body, status=206 if rng else 200, content_type="application/octet-stream")
+    resp["Content-Length"] = str(length)
+    resp["Accept-Ranges"] = "bytes"
+    resp["ETag"] = f'"{blob_hash}"'
     resp["Cache-Control"] = "public, max-age=31536000, immutable"
+    if rng:
+        resp["Content-Range"] = f"bytes {start}-{end}/{size}"
     return resp
+
+
+def jobs(request):
+    """``/prepare/``: recent preparation jobs with their progress."""
+    return render(request, "prepare/jobs.html", {"jobs": PrepareJob.objects.all()[:100]})
+
+
+def job_detail(request, job_id):
+    """``/prepare/<job_id>``: one job's progress, published experts, failures and fallbacks."""
+    job = PrepareJob.objects.filter(job_id=job_id).first()
+    if job is None:
+        raise Http404(f"no preparation job {job_id}")
+    return render(request, "prepare/job.html", {"job": job, "s": job_status(job)})
+
+
+__all__ = ["blob", "jobs", "job_detail"]

@@ -6,23 +6,42 @@ ed25519 key under ``identity.DOMAIN_HEARTBEAT`` over its canonical JSON:
     {"provider": hex64, "timestamp_ms": int, "nonce": hex, "name": str, "roles": [str],
      "http_endpoint": str, "iroh_endpoint_id": str, "moe_gpu": bool,
      "price_per_input_token": int, "minimum_price": int,
-     "holdings": [{"model_id", "layer", "expert", "residency", "committed_tps", "blob_uri"}]}
+     "holdings": [entry, ...]}
+
+Each ``holdings`` entry is one of two forms (they may be mixed in one list):
+
+- expanded, one expert (reference §1.1 ``MoeExpertHolding``):
+  ``{"model_id", "layer", "expert", "residency", "committed_tps", "blob_uri"}``;
+- compact, a set of experts in one or more layers:
+  ``{"model_id", "layer": L | "layers": RANGES, "experts": RANGES, "residency", "committed_tps"}``.
+  ``RANGES`` is either a string of comma-separated integers and inclusive ``lo-hi`` ranges
+  (``"0-127,130"``) or a JSON list whose items are integers or inclusive ``[lo, hi]`` pairs
+  (``[[0, 127], 130]``). The entry expands to every (layer, expert) of the cross product,
+  all with the entry's residency and committed_tps. A compact entry carries no per-expert
+  ``blob_uri``: the site fills it from its own published blob of that expert (empty when
+  the site has none). A provider holding all 61 × 385 slots of Kimi K2 sends 61 (or one)
+  short entries instead of 23,485 objects.
+
+Limits: layer ≤ 100,000, expert ≤ 1,000,000, at most ``MAX_HOLDINGS`` expanded holdings per
+heartbeat. Declaring one (model, layer, expert) twice, in either form, is an error.
 
 Rejected, changing nothing: a bad signature, a timestamp more than ``CLOCK_SKEW_S`` from
 the site's clock, and a timestamp not newer than the last accepted one (replay). The
-holdings set is replaced as a whole in one transaction.
+holdings set is replaced as a whole in one transaction. Pure expert holders (roles without
+``Replica``, serving no full model) are admitted like any other provider.
 """
 from __future__ import annotations
 
+import re
 import time
 from datetime import datetime, timezone
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 
 from holders.identity import DOMAIN_HEARTBEAT, SignatureError, verify_body
-from prepare.blobs import BlobError, parse_blob_uri
-from registry.models import Holding, Provider
+from prepare.blobs import URI_PREFIX, BlobError, parse_blob_uri
+from registry.models import Holding, Provider, new_holdings_version
 from registry.shardmap import RESIDENCIES, ROLES
 
 
@@ -45,13 +64,63 @@ def _str(body: dict, field: str, max_len: int = 500) -> str:
     value = body.get(field, "")
     if value is None:
         value = ""
-    if not isinstance(value, str) or len(value) > max_len:
-        raise HeartbeatError(f"{field} must be a string of at most {max_len} characters", field)
+    if not isinstance(value, str) or len(value) > max_len or "\x00" in value:
+        raise HeartbeatError(f"{field} must be a string of at most {max_len} characters without NUL", field)
     return value
 
 
+MAX_LAYER = 100_000
+_RANGE = re.compile(r"([0-9]{1,7})(?:-([0-9]{1,7}))?")
+MAX_EXPERT = 1_000_000
+MAX_HOLDINGS = 262_144  # > 10 × a whole Kimi K2 (61 × 385); bounds the expansion of compact ranges
+
+
+def parse_ranges(spec, field: str, hi: int) -> list[int]:
+    """Expand a compact range spec (``"0-127,130"`` or ``[[0, 127], 130]``) to sorted unique ints.
+
+    Ranges are inclusive; every value must lie in ``[0, hi]``; the total may not exceed
+    ``MAX_HOLDINGS``. Raises ``HeartbeatError`` naming ``field``.
+    """
+    parts: list[tuple[int, int]] = []
+    if isinstance(spec, str):
+        for piece in spec.split(","):
+            piece = piece.strip()
+            m = _RANGE.fullmatch(piece)
+            if m is None:
+                raise HeartbeatError(f"{field}: {piece[:40]!r} is not an integer or an inclusive lo-hi range", field)
+            parts.append((int(m[1]), int(m[2] or m[1])))
+    elif isinstance(spec, list) and spec:
+        for item in spec:
+            if isinstance(item, int) and not isinstance(item, bool):
+                parts.append((item, item))
+            elif (isinstance(item, list) and len(item) == 2
+                  and all(isinstance(v, int) and not isinstance(v, bool) for v in item)):
+                parts.append((item[0], item[1]))
+            else:
+                raise HeartbeatError(f"{field}: items must be integers or [lo, hi] pairs, got {item!r}", field)
+    else:
+        raise HeartbeatError(f"{field} must be a range string like \"0-127,130\" or a non-empty list "
+                             "of integers and [lo, hi] pairs", field)
+    total = 0
+    for lo, up in parts:
+        if not 0 <= lo <= up <= hi:
+            raise HeartbeatError(f"{field}: range {lo}-{up} must satisfy 0 <= lo <= hi <= {hi}", field)
+        total += up - lo + 1
+        if total > MAX_HOLDINGS:
+            raise HeartbeatError(f"{field} expands to more than {MAX_HOLDINGS} values", field)
+    values = sorted({v for lo, up in parts for v in range(lo, up + 1)})
+    if len(values) != total:
+        raise HeartbeatError(f"{field} lists a value twice (overlapping ranges)", field)
+    return values
+
+
 def parse_holdings(raw) -> list[dict]:
-    """Validate a heartbeat's ``holdings`` list; raises ``HeartbeatError`` naming the entry."""
+    """Validate a heartbeat's ``holdings`` (expanded or compact entries, see the module doc).
+
+    Returns expanded dicts ``{model_id, layer, expert, residency, committed_tps, blob_uri}``
+    in declaration order; ``blob_uri`` is None for experts declared in compact form (the
+    caller fills it in). Raises ``HeartbeatError`` naming the entry (``holdings[i].field``).
+    """
     if not isinstance(raw, list):
         raise HeartbeatError("holdings must be a list", "holdings")
     seen, out = set(), []
@@ -60,16 +129,36 @@ def parse_holdings(raw) -> list[dict]:
         if not isinstance(h, dict):
             raise HeartbeatError(f"{f} must be an object", f)
         model_id = h.get("model_id")
-        if not isinstance(model_id, str) or not 0 < len(model_id) <= 200:
-            raise HeartbeatError(f"{f}.model_id must be a non-empty string", f"{f}.model_id")
-        layer = _int(h, "layer", 0, 100_000) if "layer" in h else None
-        expert = _int(h, "expert", 0, 1_000_000) if "expert" in h else None
-        if layer is None or expert is None:
-            raise HeartbeatError(f"{f} needs layer and expert", f)
+        if not isinstance(model_id, str) or not 0 < len(model_id) <= 200 or "\x00" in model_id:
+            raise HeartbeatError(f"{f}.model_id must be a non-empty string of at most 200 characters "
+                                 "without NUL", f"{f}.model_id")
         residency = h.get("residency", "Warm")
         if residency not in RESIDENCIES:
             raise HeartbeatError(f"{f}.residency must be one of {', '.join(RESIDENCIES)}", f"{f}.residency")
         tps = _int(h, "committed_tps", 0, 2**31 - 1)
+        if "experts" in h:  # compact form
+            if "expert" in h or "blob_uri" in h:
+                raise HeartbeatError(f"{f}: a compact entry (experts) takes neither expert nor blob_uri", f)
+            if ("layer" in h) == ("layers" in h):
+                raise HeartbeatError(f"{f}: a compact entry needs exactly one of layer and layers", f)
+            layers = ([_int(h, "layer", 0, MAX_LAYER)] if "layer" in h
+                      else parse_ranges(h["layers"], f"{f}.layers", MAX_LAYER))
+            experts = parse_ranges(h["experts"], f"{f}.experts", MAX_EXPERT)
+            if len(out) + len(layers) * len(experts) > MAX_HOLDINGS:
+                raise HeartbeatError(f"holdings expand to more than {MAX_HOLDINGS} experts", f)
+            for layer in layers:
+                for expert in experts:
+                    key = (model_id, layer, expert)
+                    if key in seen:
+                        raise HeartbeatError(f"{f} declares {model_id} l{layer}/e{expert} twice", f)
+                    seen.add(key)
+                    out.append({"model_id": model_id, "layer": layer, "expert": expert, "residency": residency,
+                                "committed_tps": tps, "blob_uri": None})
+            continue
+        if "layer" not in h or "expert" not in h:
+            raise HeartbeatError(f"{f} needs layer and expert (or layer/layers and experts)", f)
+        layer = _int(h, "layer", 0, MAX_LAYER)
+        expert = _int(h, "expert", 0, MAX_EXPERT)
         blob = h.get("blob_uri") or ""
         if blob:
             try:
@@ -80,9 +169,31 @@ def parse_holdings(raw) -> list[dict]:
         if key in seen:
             raise HeartbeatError(f"{f} declares {model_id} l{layer}/e{expert} twice", f)
         seen.add(key)
+        if len(out) >= MAX_HOLDINGS:
+            raise HeartbeatError(f"holdings expand to more than {MAX_HOLDINGS} experts", f)
         out.append({"model_id": model_id, "layer": layer, "expert": expert, "residency": residency,
                     "committed_tps": tps, "blob_uri": blob})
     return out
+
+
+def _fill_blob_uris(holdings: list[dict]) -> None:
+    """Set ``blob_uri`` of compact-form holdings from the site's published blobs ("" when none)."""
+    wanted: dict[str, set[int]] = {}
+    for h in holdings:
+        if h["blob_uri"] is None:
+            wanted.setdefault(h["model_id"], set()).add(h["layer"])
+    if not wanted:
+        return
+    from prepare.models import ExpertBlob
+
+    known: dict[tuple, str] = {}
+    for model_id, layers in wanted.items():
+        rows = ExpertBlob.objects.filter(model_id=model_id, layer__in=sorted(layers))
+        for layer, expert, blob_hash in rows.values_list("layer", "expert", "blob_hash"):
+            known[(model_id, layer, expert)] = URI_PREFIX + blob_hash
+    for h in holdings:
+        if h["blob_uri"] is None:
+            h["blob_uri"] = known.get((h["model_id"], h["layer"], h["expert"]), "")
 
 
 def ingest(message: dict, expected_provider: str | None = None, now_ms: int | None = None) -> Provider:
@@ -98,7 +209,10 @@ def ingest(message: dict, expected_provider: str | None = None, now_ms: int | No
     if not isinstance(body, dict):
         raise HeartbeatError("body must be an object", "body")
     provider = body.get("provider")
-    verify_body(provider, DOMAIN_HEARTBEAT, body, signature if isinstance(signature, str) else "")
+    try:
+        verify_body(provider, DOMAIN_HEARTBEAT, body, signature if isinstance(signature, str) else "")
+    except RecursionError:
+        raise HeartbeatError("body is nested too deeply", "body") from None
     if expected_provider is not None and provider != expected_provider:
         raise HeartbeatError("heartbeat provider differs from the key proven on this socket", "body.provider")
     ts = _int(body, "timestamp_ms")
@@ -125,14 +239,50 @@ def ingest(message: dict, expected_provider: str | None = None, now_ms: int | No
         "last_heartbeat_ms": ts,
     }
     with transaction.atomic():
+        _fill_blob_uris(holdings)
         Provider.objects.get_or_create(provider=provider)
         # Conditional update: only a strictly newer timestamp wins, so a replay changes nothing.
         if not Provider.objects.filter(provider=provider, last_heartbeat_ms__lt=ts).update(**fields):
             raise HeartbeatError("heartbeat replayed or out of order (timestamp_ms not newer than the last one)",
                                  "body.timestamp_ms")
-        Holding.objects.filter(provider_id=provider).delete()
-        Holding.objects.bulk_create([Holding(provider_id=provider, **h) for h in holdings])
+        _replace_holdings(provider, holdings)
     return Provider.objects.get(provider=provider)
 
 
-__all__ = ["HeartbeatError", "SignatureError", "ingest", "parse_holdings"]
+def _replace_holdings(provider: str, holdings: list[dict]) -> None:
+    """Make ``provider``'s holding rows equal ``holdings`` (inside the caller's transaction).
+
+    Diffs against the stored rows and writes only the difference with ``executemany``
+    (delete removed keys, update changed residency/tps/blob, insert new keys) and then renews
+    the provider's ``holdings_version``: a steady-state heartbeat repeating its holdings costs
+    one SELECT and keeps the cached shard views valid. Raw SQL because building 1,000 ORM
+    instances costs more than the writes themselves (see bench/bench_registry_db.py).
+    """
+    existing = {(m, layer, e): (pk, res, tps, blob) for pk, m, layer, e, res, tps, blob in
+                Holding.objects.filter(provider_id=provider).values_list(
+                    "pk", "model_id", "layer", "expert", "residency", "committed_tps", "blob_uri")}
+    inserts, updates = [], []
+    for h in holdings:
+        key = (h["model_id"], h["layer"], h["expert"])
+        old = existing.pop(key, None)
+        if old is None:
+            inserts.append((provider, *key, h["residency"], h["committed_tps"], h["blob_uri"]))
+        elif old[1:] != (h["residency"], h["committed_tps"], h["blob_uri"]):
+            updates.append((h["residency"], h["committed_tps"], h["blob_uri"], old[0]))
+    q = connection.ops.quote_name
+    table = q(Holding._meta.db_table)
+    with connection.cursor() as cur:
+        if existing:
+            cur.executemany(f"DELETE FROM {table} WHERE {q('id')} = %s", [(v[0],) for v in existing.values()])
+        if updates:
+            cur.executemany(f"UPDATE {table} SET {q('residency')} = %s, {q('committed_tps')} = %s, "
+                            f"{q('blob_uri')} = %s WHERE {q('id')} = %s", updates)
+        if inserts:
+            cols = ", ".join(q(c) for c in ("provider_id", "model_id", "layer", "expert", "residency",
+                                            "committed_tps", "blob_uri"))
+            cur.executemany(f"INSERT INTO {table} ({cols}) VALUES (%s, %s, %s, %s, %s, %s, %s)", inserts)
+    if existing or updates or inserts:
+        Provider.objects.filter(provider=provider).update(holdings_version=new_holdings_version())
+
+
+__all__ = ["HeartbeatError", "SignatureError", "ingest", "parse_holdings", "parse_ranges", "MAX_HOLDINGS"]

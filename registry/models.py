@@ -1,9 +1,16 @@
 """Registry records: providers, the experts they hold, and the models the site knows."""
 from __future__ import annotations
 
+import secrets
+
 from django.db import models
 
 from registry.shardmap import RESIDENCIES
+
+
+def new_holdings_version() -> int:
+    """A fresh random 62-bit token (unique across rows and across rolled-back transactions)."""
+    return secrets.randbits(62)
 
 
 class Provider(models.Model):
@@ -11,7 +18,9 @@ class Provider(models.Model):
 
     ``connected`` is true while the provider's agent WebSocket is open on some site process;
     ``last_heartbeat_ms`` (unix milliseconds of the last accepted signed heartbeat) is
-    strictly increasing, which rejects replays.
+    strictly increasing, which rejects replays. ``holdings_version`` is a random token replaced
+    whenever the provider's holding rows change (heartbeat ingest is their only writer; rows
+    inserted outside Django get 0); the shard-view cache (``registry.selectors``) keys on it.
     """
 
     class Status(models.TextChoices):
@@ -37,6 +46,7 @@ class Provider(models.Model):
     agent_channel = models.CharField(max_length=200, blank=True, default="")
     last_heartbeat = models.DateTimeField(null=True, blank=True)
     last_heartbeat_ms = models.BigIntegerField(default=0)
+    holdings_version = models.BigIntegerField(default=new_holdings_version, db_default=0)
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -94,3 +104,121 @@ class MoeModel(models.Model):
         """Every (layer, expert) slot of the model, shared slot included."""
         slots = self.num_experts + (1 if self.n_shared_experts else 0)
         return [(layer, e) for layer in self.moe_layers for e in range(slots)]
+
+
+class ReplicationPolicy(models.Model):
+    """The policy in force (a singleton, ``pk = 1``), changed only by applying a proposal.
+
+    Replication/repair fields are those of ``registry.shardmap.ReplicationPolicy`` (DESIGN §8);
+    settlement split: ``settlement_holder_share_bps`` (basis points of a holder's charge paid
+    to the holder; the network fee is the remaining ``10000 - share``); dispute tolerances
+    (reference §7.5, DESIGN §7): a re-executed row passes when its top-feature overlap is
+    ``≥ dispute_min_overlap`` and its relative delta ``≤ dispute_max_rel_delta``; a
+    commitment passes when ``≥ dispute_min_rows_passed`` of its rows pass. ``version`` counts
+    applied changes. Read and validate through ``registry.governance``.
+    """
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=1, editable=False)
+    min_replication = models.PositiveIntegerField(default=2)
+    max_replication = models.PositiveIntegerField(default=8)
+    hot_threshold_tps = models.PositiveIntegerField(default=1000)
+    repair_interval_s = models.PositiveIntegerField(default=120)
+    max_repairs_per_pass = models.PositiveIntegerField(default=2)
+    settlement_holder_share_bps = models.PositiveIntegerField(default=9000)
+    dispute_min_overlap = models.FloatField(default=0.75)
+    dispute_max_rel_delta = models.FloatField(default=0.05)
+    dispute_min_rows_passed = models.FloatField(default=0.9)
+    version = models.PositiveIntegerField(default=1)
+    updated = models.DateTimeField(auto_now=True)
+    applied_proposal = models.ForeignKey("Proposal", null=True, blank=True, on_delete=models.SET_NULL,
+                                         related_name="+")
+
+    class Meta:
+        verbose_name = "replication policy"
+        verbose_name_plural = "replication policy"
+
+    def __str__(self) -> str:
+        return f"policy v{self.version}"
+
+
+class Proposal(models.Model):
+    """A proposed change to the policy: ``changes`` maps policy fields to new values.
+
+    Lifecycle: ``Open`` → ``Applied`` (approvals reached quorum; the change was written) or
+    ``Rejected`` (rejections made quorum unreachable, or the change no longer validates
+    against the policy in force) or ``Withdrawn`` (by the operator or an admin).
+    """
+
+    class Status(models.TextChoices):
+        OPEN = "Open"
+        APPLIED = "Applied"
+        REJECTED = "Rejected"
+        WITHDRAWN = "Withdrawn"
+
+    title = models.CharField(max_length=200)
+    description = models.TextField(blank=True, default="")
+    changes = models.JSONField()
+    proposer = models.CharField(max_length=100)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.OPEN)
+    created = models.DateTimeField(auto_now_add=True)
+    decided = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-id"]
+
+    def __str__(self) -> str:
+        return f"#{self.pk} {self.title}"
+
+
+class Vote(models.Model):
+    """One voter's approval or rejection of a proposal (voter ids: see ``registry.governance``)."""
+
+    proposal = models.ForeignKey(Proposal, on_delete=models.CASCADE, related_name="votes")
+    voter = models.CharField(max_length=100)
+    approve = models.BooleanField()
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["proposal", "created", "voter"]
+        constraints = [models.UniqueConstraint(fields=["proposal", "voter"], name="one_vote_per_voter")]
+
+    def __str__(self) -> str:
+        return f"{self.voter} {'yes' if self.approve else 'no'} on #{self.proposal_id}"
+
+
+class AuditEntry(models.Model):
+    """Append-only governance audit trail: who did what to which proposal, and the policy before/after."""
+
+    class Action(models.TextChoices):
+        PROPOSED = "proposed"
+        VOTED = "voted"
+        APPLIED = "applied"
+        REJECTED = "rejected"
+        WITHDRAWN = "withdrawn"
+
+    at = models.DateTimeField(auto_now_add=True)
+    actor = models.CharField(max_length=100)
+    action = models.CharField(max_length=16, choices=Action.choices)
+    proposal = models.ForeignKey(Proposal, null=True, blank=True, on_delete=models.SET_NULL, related_name="audit")
+    detail = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["-at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M:%S} {self.actor} {self.action}"
+
+
+class AgentSession(models.Model):
+    """One open agent WebSocket of a provider (a provider may briefly have two while it reconnects).
+
+    ``Provider.connected`` is true exactly while at least one session exists, so closing a
+    duplicate socket never drops a provider whose other socket is still open.
+    """
+
+    provider = models.ForeignKey(Provider, on_delete=models.CASCADE, related_name="sessions")
+    channel_name = models.CharField(max_length=200, unique=True)
+    opened = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"{self.provider_id[:12]}… on {self.channel_name}"

@@ -5,10 +5,11 @@ import asyncio
 
 from channels.db import database_sync_to_async
 from django.conf import settings
+from django.db import transaction
 
 from prepare.models import ExpertBlob
 from registry import heartbeat, repair
-from registry.models import MoeModel, Provider
+from registry.models import AgentSession, MoeModel, Provider
 from registry.selectors import live_providers
 
 FAILURE_PENALTY = 5
@@ -20,15 +21,27 @@ def ingest_heartbeat(message: dict, expected_provider: str | None = None) -> Pro
     return heartbeat.ingest(message, expected_provider)
 
 
+@transaction.atomic
 def agent_connected(provider: str, channel_name: str) -> None:
     """Record that ``provider``'s agent socket is open on ``channel_name``."""
     Provider.objects.get_or_create(provider=provider)
+    AgentSession.objects.get_or_create(channel_name=channel_name, defaults={"provider_id": provider})
     Provider.objects.filter(provider=provider).update(connected=True, agent_channel=channel_name)
 
 
+@transaction.atomic
 def agent_disconnected(provider: str, channel_name: str) -> None:
-    """Mark ``provider`` disconnected unless a newer socket of it has connected since."""
-    Provider.objects.filter(provider=provider, agent_channel=channel_name).update(connected=False, agent_channel="")
+    """Close the session on ``channel_name``; the provider stays connected while another session is open."""
+    AgentSession.objects.filter(channel_name=channel_name).delete()
+    latest = AgentSession.objects.filter(provider_id=provider).order_by("-opened").first()
+    Provider.objects.filter(provider=provider).update(connected=latest is not None,
+                                                      agent_channel=latest.channel_name if latest else "")
+
+
+def reset_sessions() -> None:
+    """Forget every agent session (a site that starts fresh has no open sockets)."""
+    AgentSession.objects.all().delete()
+    Provider.objects.update(connected=False, agent_channel="")
 
 
 class PlacementError(ValueError):

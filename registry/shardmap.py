@@ -151,6 +151,16 @@ class HoldingInfo:
         if self.blob_uri is not None and not isinstance(self.blob_uri, str):
             raise ValueError(f"blob_uri must be a string or None, got {self.blob_uri!r}")
 
+    @classmethod
+    def unchecked(cls, model_id: str, layer: int, expert: int, residency: str, committed_tps: int = 0,
+                  blob_uri: str | None = None) -> "HoldingInfo":
+        """Build without the checks of ``__post_init__``, for rows already validated when they were
+        stored (the registry's database read of 70k holdings spends most of its time in them)."""
+        obj = object.__new__(cls)
+        obj.__dict__.update(model_id=model_id, layer=layer, expert=expert, residency=residency,
+                            committed_tps=committed_tps, blob_uri=blob_uri)
+        return obj
+
 
 @dataclass(frozen=True)
 class ProviderInfo:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from celery import shared_task
 
 from registry.selectors import live_cutoff
-from registry.models import Provider
+from registry.models import AgentSession, Provider
 
 
 @shared_task(name="registry.sweep_stale_providers")
@@ -13,4 +13,6 @@ def sweep_stale_providers() -> int:
 
     Returns how many rows changed; running it twice changes nothing more.
     """
-    return Provider.objects.filter(connected=True, last_heartbeat__lt=live_cutoff()).update(connected=False)
+    stale = Provider.objects.filter(connected=True, last_heartbeat__lt=live_cutoff())
+    AgentSession.objects.filter(provider__in=stale).delete()
+    return stale.update(connected=False, agent_channel="")

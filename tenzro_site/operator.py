@@ -33,6 +33,7 @@ def operator_token() -> str:
 
 def is_operator(authorization: str | None) -> bool:
     """Whether an ``Authorization`` header carries ``Bearer <operator token>`` (constant-time)."""
-    if not authorization or not authorization.startswith("Bearer "):
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():  # the scheme is case-insensitive (RFC 7235)
         return False
-    return hmac.compare_digest(authorization[7:].strip().encode(), operator_token().encode())
+    return hmac.compare_digest(token.strip().encode(), operator_token().encode())

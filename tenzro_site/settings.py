@@ -11,7 +11,10 @@ One place maps the environment to backends (DESIGN §4):
 - ``TENZRO_BLOB_DIR`` (default ``$TENZRO_VAR_DIR/blobs``), ``TENZRO_MEMORY_BUDGET`` (bytes),
   ``TENZRO_KEY_FILE``, ``TENZRO_OPERATOR_TOKEN``, ``TENZRO_ALLOWED_HOSTS`` (comma list),
   ``TENZRO_DEBUG`` (0/1), ``TENZRO_WS_MAX_MESSAGE`` (bytes, default 1 MiB),
-  ``TENZRO_HEARTBEAT_INTERVAL`` (seconds, default 15), ``TENZRO_MAX_BODY`` (bytes).
+  ``TENZRO_HEARTBEAT_INTERVAL`` (seconds, default 15), ``TENZRO_MAX_BODY`` (bytes),
+  ``TENZRO_GOVERNANCE_MIN_REPUTATION`` (default 600), ``TENZRO_PLAN_SPLIT_THRESHOLD`` (tokens,
+  default 256; 0 = never split), ``TENZRO_API_READ_RATE`` / ``TENZRO_API_WRITE_RATE`` (DRF
+  rates, default ``1200/min`` / ``300/min``).
 """
 from __future__ import annotations
 
@@ -72,6 +75,8 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
     "channels",
     "registry",
     "holders",
@@ -167,6 +172,20 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.AllowAny"],
     "UNAUTHENTICATED_USER": None,
     "EXCEPTION_HANDLER": "tenzro_site.api.exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_PARSER_CLASSES": ["tenzro_site.api.JSONParser"],
+}
+
+# OpenAPI at /api/schema/, Swagger UI at /api/docs/ from the sidecar's static files (no CDN).
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Tenzro distributed MoE",
+    "DESCRIPTION": "REST mirror of the JSON-RPC methods at POST /rpc (DESIGN §6). Management endpoints "
+                   "need the operator credential: Authorization: Bearer <token>.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
 }
 
 TENZRO = {
@@ -179,13 +198,18 @@ TENZRO = {
     "AGENT_HELLO_TIMEOUT_S": 10,
     "BATCH_TIMEOUT_S": float(os.environ.get("TENZRO_BATCH_TIMEOUT", "30")),
     "RPC_RATE_PER_MINUTE": _env_int("TENZRO_RPC_RATE", 6000),
+    # Providers need this reputation (new ones start at 500) to vote on policy proposals.
+    "GOVERNANCE_MIN_VOTER_REPUTATION": _env_int("TENZRO_GOVERNANCE_MIN_REPUTATION", 600),
+    # tenzro_moePlanDispatch: split one expert's batch across warm replicas above this many tokens.
+    "PLAN_SPLIT_THRESHOLD": _env_int("TENZRO_PLAN_SPLIT_THRESHOLD", 256),
+    # REST mirror throttles per client address (DRF rate strings).
+    "API_READ_RATE": os.environ.get("TENZRO_API_READ_RATE", "1200/min"),
+    "API_WRITE_RATE": os.environ.get("TENZRO_API_WRITE_RATE", "300/min"),
     # Data plane of tenzro_moeForward (DESIGN §7): seconds one holder has for one batch before
     # its warm backup gets it; "ws" (agent sockets, HTTP fallback) or "http" (advertised
-    # endpoints with binary frames, socket fallback); tokens per batch before an expert's
-    # tokens are split over its warm replicas; seconds the shard view read is reused.
+    # endpoints with binary frames, socket fallback); seconds the shard view read is reused.
     "BATCH_DEADLINE_S": float(os.environ.get("TENZRO_BATCH_DEADLINE", "10")),
     "DATA_TRANSPORT": os.environ.get("TENZRO_DATA_TRANSPORT", "ws"),
-    "SPLIT_THRESHOLD": _env_int("TENZRO_SPLIT_THRESHOLD", 256),
     "VIEW_CACHE_S": float(os.environ.get("TENZRO_VIEW_CACHE", "1.0")),
 }
 

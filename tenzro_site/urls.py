@@ -1,18 +1,47 @@
-"""URL routes: JSON-RPC, REST mirror, blobs, pages, admin."""
+"""URL routes: JSON-RPC, REST mirror + OpenAPI, blobs, pages, admin, static files."""
 from django.contrib import admin
-from django.urls import path
+from django.contrib.staticfiles.views import serve as serve_static
+from django.urls import include, path, re_path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 import holders.api  # noqa: F401  (registers JSON-RPC methods)
+import prepare.api  # noqa: F401  (registers JSON-RPC methods)
+from prepare import views as prepare_views
 from prepare.views import blob
-from registry.api import HeartbeatView
+from registry import api as reg
 from tenzro_site import views
 from tenzro_site.rpc import rpc_view
 
+api_v1 = [
+    path("providers", reg.ProvidersView.as_view(), name="providers"),
+    path("providers/heartbeat", reg.HeartbeatView.as_view(), name="heartbeat"),
+    path("providers/<str:provider>", reg.ProviderView.as_view(), name="provider"),
+    path("holdings", reg.HoldingsView.as_view(), name="holdings"),
+    path("shard-map", reg.ShardMapView.as_view(), name="shard-map"),
+    path("plan", reg.PlanView.as_view(), name="plan"),
+    path("policy", reg.PolicyView.as_view(), name="policy"),
+    path("catalog", reg.CatalogView.as_view(), name="catalog"),
+    path("catalog/<str:model_id>", reg.CatalogShapeView.as_view(), name="catalog-shape"),
+    path("proposals", reg.ProposalsView.as_view(), name="proposals"),
+    path("proposals/<int:proposal_id>", reg.ProposalView.as_view(), name="proposal"),
+    path("proposals/<int:proposal_id>/vote", reg.VoteView.as_view(), name="proposal-vote"),
+    path("proposals/<int:proposal_id>/withdraw", reg.WithdrawView.as_view(), name="proposal-withdraw"),
+    path("governance/audit", reg.AuditView.as_view(), name="audit"),
+]
+
 urlpatterns = [
     path("", views.index, name="index"),
+    path("coverage/<str:model_id>", views.coverage, name="coverage"),
     path("healthz", views.healthz, name="healthz"),
     path("rpc", rpc_view, name="rpc"),
-    path("api/v1/providers/heartbeat", HeartbeatView.as_view(), name="heartbeat"),
+    path("api/v1/", include(api_v1)),
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     path("blobs/<str:blob_hash>", blob, name="blob"),
+    path("prepare/", prepare_views.jobs, name="prepare-jobs"),
+    path("prepare/<uuid:job_id>", prepare_views.job_detail, name="prepare-job"),
     path("admin/", admin.site.urls),
+    # Admin CSS and the Swagger UI bundle (drf-spectacular-sidecar) from the apps' static dirs:
+    # the site ships without a CDN or a separate static server.
+    re_path(r"^static/(?P<path>.*)$", serve_static, {"insecure": True}),
 ]

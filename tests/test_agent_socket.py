@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from channels.db import database_sync_to_async
@@ -76,6 +77,12 @@ async def test_heartbeat_over_socket_and_bad_heartbeat_changes_nothing():
     assert err["type"] == "error" and err["ref"] == "heartbeat"
     experts = await database_sync_to_async(lambda: list(Holding.objects.values_list("expert", flat=True)))()
     assert experts == [1]
+    # The compact form (expert ranges per layer) is accepted on the socket too.
+    await comm.send_json_to(signed_heartbeat(key, [{"model_id": "m", "layer": 0, "experts": "0-3,7"}],
+                                             ts_ms=int(time.time() * 1000) + 10))
+    assert (await comm.receive_json_from())["type"] == "heartbeat_ack"
+    experts = await database_sync_to_async(lambda: list(Holding.objects.values_list("expert", flat=True)))()
+    assert experts == [0, 1, 2, 3, 7]
     await comm.disconnect()
     p = await database_sync_to_async(Provider.objects.get)(provider=provider_id(key))
     assert not p.connected
@@ -98,4 +105,35 @@ async def test_requests_are_relayed_and_answers_matched_by_id():
     await comm.send_to(bytes_data=wire.pack_frame({"id": "r1", "ok": True}, b"xyz"))
     msg = await layer.receive(reply)
     assert msg["header"]["id"] == "r1" and msg["payload"] == b"xyz"
+    await comm.disconnect()
+
+
+async def test_closing_a_duplicate_socket_keeps_the_provider_connected():
+    key = SigningKey.generate()
+    first = await authed(key)
+    second = await authed(key)  # the same key started twice by mistake
+    await second.disconnect()
+    p = await database_sync_to_async(Provider.objects.get)(provider=provider_id(key))
+    assert p.connected
+    await first.disconnect()
+    p = await database_sync_to_async(Provider.objects.get)(provider=provider_id(key))
+    assert not p.connected
+
+
+async def test_hostile_json_gets_an_error_not_a_dropped_socket():
+    deep = "[" * 50000 + "]" * 50000
+    comm, _ = await open_socket()
+    await comm.send_to(text_data=deep)  # before the hello: refused with 4401, not a 1011 crash
+    assert (await comm.receive_json_from())["type"] == "error"
+    assert (await comm.receive_output())["code"] == 4401
+    key = SigningKey.generate()
+    comm = await authed(key)
+    for bad in (deep, '{"x": ' + "9" * 5000 + "}"):
+        await comm.send_to(text_data=bad)
+        assert (await comm.receive_json_from())["type"] == "error"
+    header = b"[" * 30000 + b"]" * 30000
+    await comm.send_to(bytes_data=len(header).to_bytes(4, "little") + header)
+    assert (await comm.receive_json_from())["type"] == "error"
+    await comm.send_json_to(signed_heartbeat(key))  # the socket still serves
+    assert (await comm.receive_json_from())["type"] == "heartbeat_ack"
     await comm.disconnect()

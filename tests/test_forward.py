@@ -6,6 +6,7 @@ sign) called through an in-process ``send``; the failure modes are injected arou
 from __future__ import annotations
 
 import asyncio
+import tempfile
 
 import numpy as np
 import pytest
@@ -125,14 +126,14 @@ class Fixture:
         self.x = ref[f"layer{layer}.hidden_states"].astype(np.float32)
         slots = self.gate.num_experts + (1 if self.spec.n_shared_experts else 0)
         self.weights = {e: load_expert(self.ckpt, self.spec, layer, e) for e in range(slots)}
-        self.agents = [HolderAgent("http://127.0.0.1:1", SigningKey.generate(), "/tmp/unused", name=f"h{i}")
+        self.agents = [HolderAgent("http://127.0.0.1:1", SigningKey.generate(), tempfile.mkdtemp(prefix="tenzro-test-holder-"), name=f"h{i}")
                        for i in range(n_holders)]
         self.by_id = {a.provider: a for a in self.agents}
         self.held: dict[str, list[int]] = {a.provider: [] for a in self.agents}
         for e in range(slots):
             for r in range(replication):
                 a = self.agents[(e + r) % n_holders]
-                a.runtime.load(MODEL, layer, e, self.weights[e].to_blob("f32"), "tenzro://blob/" + "0" * 64)
+                a.runtime.load_expert(MODEL, layer, e, self.weights[e].to_blob("f32"))
                 self.held[a.provider].append(e)
         self.views = 0
 
@@ -269,9 +270,9 @@ def test_replan_reaches_a_holder_that_appears_after_the_first_round(qwen):
         return await qwen.honest(provider, info, req)
 
     if 5 not in qwen.held[bad]:
-        qwen.by_id[bad].runtime.load(MODEL, 1, 5, qwen.weights[5].to_blob("f32"), "tenzro://blob/" + "0" * 64)
+        qwen.by_id[bad].runtime.load_expert(MODEL, 1, 5, qwen.weights[5].to_blob("f32"))
         qwen.held[bad].append(5)
-    qwen.by_id[late].runtime.load(MODEL, 1, 5, qwen.weights[5].to_blob("f32"), "tenzro://blob/" + "0" * 64)
+    qwen.by_id[late].runtime.load_expert(MODEL, 1, 5, qwen.weights[5].to_blob("f32"))
     qwen.held[late].append(5)
 
     async def go():
@@ -338,10 +339,10 @@ def test_dense_layer_split_over_holders_recombines_exactly():
     with pytest.raises(ValueError, match="parts"):
         slice_bounds(4, 5)
     parts = split_dense(w, 3)
-    agents = [HolderAgent("http://127.0.0.1:1", SigningKey.generate(), "/tmp/unused") for _ in range(3)]
+    agents = [HolderAgent("http://127.0.0.1:1", SigningKey.generate(), tempfile.mkdtemp(prefix="tenzro-test-holder-")) for _ in range(3)]
     for i, a in enumerate(agents):
-        a.runtime.load(MODEL, 0, i, parts[i].to_blob("f32"))
-        a.runtime.load(MODEL, 0, (i + 1) % 3, parts[(i + 1) % 3].to_blob("f32"))
+        a.runtime.load_expert(MODEL, 0, i, parts[i].to_blob("f32"))
+        a.runtime.load_expert(MODEL, 0, (i + 1) % 3, parts[(i + 1) % 3].to_blob("f32"))
     by_id = {a.provider: a for a in agents}
     infos = [ProviderInfo(a.provider, roles=("ExpertHolder",), holdings=tuple(
         HoldingInfo(MODEL, 0, e, "Warm", 0, None) for e in (i, (i + 1) % 3))) for i, a in enumerate(agents)]

@@ -76,3 +76,117 @@ def test_http_heartbeat_endpoint(client):
     resp = client.post("/api/v1/providers/heartbeat", bad, content_type="application/json")
     assert resp.status_code == 400 and resp.json()["field"] == "signature"
     assert Holding.objects.get().expert == 0
+
+
+# ----------------------------------------------------------------- compact holdings, provider fields, REST
+
+
+def test_parse_ranges_forms_and_errors():
+    from registry.heartbeat import parse_ranges
+
+    assert parse_ranges("0-3,7, 9-10", "x", 100) == [0, 1, 2, 3, 7, 9, 10]
+    assert parse_ranges([[0, 2], 5], "x", 100) == [0, 1, 2, 5]
+    for bad, msg in (("3-1", "lo <= hi"), ("1-2,2", "twice"), ("a", "not an integer"), ("-1", "not an integer"),
+                     ([], "range string"), ([[1, 2, 3]], "pairs"), ([True], "pairs"), ("0-200", "<= 100"),
+                     ("٣", "not an integer"), (5, "range string")):
+        with pytest.raises(HeartbeatError, match=msg) as err:
+            parse_ranges(bad, "holdings[0].experts", 100)
+        assert err.value.field == "holdings[0].experts"
+
+
+def test_compact_holdings_expand_and_fill_blob_uris():
+    from prepare.models import ExpertBlob
+
+    ExpertBlob.objects.create(model_id="m", layer=1, expert=2, blob_hash="ab" * 32, nbytes=8)
+    key = SigningKey.generate()
+    ingest(signed_heartbeat(key, [
+        {"model_id": "m", "layer": 1, "experts": "0-2,5", "residency": "Cold", "committed_tps": 7},
+        {"model_id": "m", "layers": [[2, 3]], "experts": [[0, 1]]},
+        holding(model_id="m", layer=9, expert=9, blob_uri="tenzro://blob/" + "cd" * 32),
+    ]))
+    rows = list(Holding.objects.order_by("layer", "expert").values_list("layer", "expert", "residency",
+                                                                         "committed_tps", "blob_uri"))
+    assert rows == [(1, 0, "Cold", 7, ""), (1, 1, "Cold", 7, ""), (1, 2, "Cold", 7, "tenzro://blob/" + "ab" * 32),
+                    (1, 5, "Cold", 7, ""), (2, 0, "Warm", 0, ""), (2, 1, "Warm", 0, ""), (3, 0, "Warm", 0, ""),
+                    (3, 1, "Warm", 0, ""), (9, 9, "Warm", 0, "tenzro://blob/" + "cd" * 32)]
+
+
+@pytest.mark.parametrize("entry, msg", [
+    ({"model_id": "m", "layer": 0, "experts": "0-3", "expert": 1}, "neither expert nor blob_uri"),
+    ({"model_id": "m", "layer": 0, "experts": "0-3", "blob_uri": ""}, "neither expert nor blob_uri"),
+    ({"model_id": "m", "experts": "0-3"}, "exactly one of layer and layers"),
+    ({"model_id": "m", "layer": 0, "layers": "0", "experts": "0-3"}, "exactly one of layer and layers"),
+    ({"model_id": "m", "layers": "0-99999", "experts": "0-999999"}, "more than"),
+    ({"model_id": "m", "layer": 0, "experts": "0-3", "residency": "Hot"}, "residency"),
+    ({"model_id": "m\x00", "layer": 0, "experts": "0"}, "without NUL"),  # PostgreSQL text refuses NUL
+])
+def test_bad_compact_entries_are_refused_and_change_nothing(entry, msg):
+    key = SigningKey.generate()
+    ingest(signed_heartbeat(key, [holding(expert=0)]))
+    before = state()
+    with pytest.raises(HeartbeatError, match=msg):
+        ingest(signed_heartbeat(key, [entry], ts_ms=int(time.time() * 1000) + 5))
+    assert state() == before
+
+
+def test_compact_and_expanded_declaring_one_expert_twice():
+    key = SigningKey.generate()
+    with pytest.raises(HeartbeatError, match="twice"):
+        ingest(signed_heartbeat(key, [holding(layer=0, expert=2), {"model_id": "m", "layer": 0, "experts": "0-3"}]))
+    assert not Provider.objects.exists()
+
+
+def test_whole_model_in_compact_form_stays_small():
+    """Kimi K2's 61 layers × 385 slots: one compact entry instead of 23,485 objects."""
+    from holders.identity import canonical_json
+
+    key = SigningKey.generate()
+    msg = signed_heartbeat(key, [{"model_id": "kimi-k2-instruct", "layers": "1-61", "experts": "0-384"}])
+    assert len(canonical_json(msg["body"])) < 600
+    ingest(msg)
+    assert Holding.objects.count() == 61 * 385
+
+
+def test_provider_fields_round_trip_and_pure_expert_holders(client):
+    key = SigningKey.generate()
+    pid = provider_id(key)
+    ingest(signed_heartbeat(key, [{"model_id": "m", "layer": 0, "experts": "0-1"}], name="holder-a",
+                            roles=["ExpertHolder"], http_endpoint="http://10.0.0.5:8545/rpc",
+                            iroh_endpoint_id="a" * 52, moe_gpu=True, price_per_input_token=25, minimum_price=300))
+    Provider.objects.filter(provider=pid).update(connected=True)
+    got = client.get(f"/api/v1/providers/{pid}").json()
+    assert {k: got[k] for k in ("name", "roles", "http_endpoint", "iroh_endpoint_id", "moe_gpu",
+                                "price_per_input_token", "minimum_price", "status", "live", "holdings")} == {
+        "name": "holder-a", "roles": ["ExpertHolder"], "http_endpoint": "http://10.0.0.5:8545/rpc",
+        "iroh_endpoint_id": "a" * 52, "moe_gpu": True, "price_per_input_token": 25, "minimum_price": 300,
+        "status": "Active", "live": True, "holdings": 2}
+    sm = client.get("/api/v1/shard-map", {"model_id": "m"}).json()
+    assert sm["expert_holders_role_count"] == 1 and sm["replica_role_count"] == 0  # pure expert holder admitted
+    assert sm["holders"][0]["holders"][0] == {"provider": pid, "residency": "Warm", "committed_tps": 0,
+                                              "iroh_endpoint_id": "a" * 52, "http_endpoint": "http://10.0.0.5:8545/rpc",
+                                              "blob_uri": None, "gpu": True}
+    compact = client.get("/api/v1/holdings", {"provider": pid, "compact": "true"}).json()
+    assert compact["holdings"] == [{"provider": pid, "model_id": "m", "layer": 0, "experts": "0-1",
+                                    "residency": "Warm", "committed_tps": 0}]
+    with pytest.raises(HeartbeatError, match="roles"):
+        ingest(signed_heartbeat(key, [], ts_ms=int(time.time() * 1000) + 5, roles=["Miner"]))
+    with pytest.raises(HeartbeatError, match="moe_gpu"):
+        ingest(signed_heartbeat(key, [], ts_ms=int(time.time() * 1000) + 6, moe_gpu="yes"))
+
+
+def test_rest_heartbeat_refuses_replayed_foreign_and_stale_compact_heartbeats(client):
+    key, other = SigningKey.generate(), SigningKey.generate()
+    post = lambda m: client.post("/api/v1/providers/heartbeat", m, content_type="application/json")  # noqa: E731
+    msg = signed_heartbeat(key, [{"model_id": "m", "layer": 0, "experts": "0-7"}])
+    assert post(msg).json()["holdings"] == 8
+    before = state()
+    replay = post(msg)
+    assert replay.status_code == 400 and replay.json()["field"] == "body.timestamp_ms"
+    foreign = signed_heartbeat(key, [{"model_id": "m", "layer": 0, "experts": "0"}], ts_ms=int(time.time() * 1000) + 9)
+    foreign["signature"] = signed_heartbeat(other, [])["signature"]
+    assert post(foreign).json()["field"] == "signature"
+    stale = signed_heartbeat(key, [{"model_id": "m", "layer": 0, "experts": "0"}],
+                             ts_ms=int(time.time() * 1000) - 61_000)
+    assert post(stale).json()["field"] == "body.timestamp_ms"
+    assert post([1, 2]).json()["field"] == "body"
+    assert state() == before

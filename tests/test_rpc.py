@@ -84,3 +84,25 @@ def test_forward_to_an_expert_nobody_holds_is_a_clear_error(client):
     bad = np.full((2, 256), np.nan, dtype=np.float32)
     err = call(client, req("tenzro_moeForward", {**params, "hidden_states": wire.b64encode(wire.encode_f32(bad))}))[1]["error"]
     assert err["code"] == -32602 and "non-finite" in err["message"]
+
+
+def test_malformed_requests_without_id_are_still_answered(client):
+    for body in ({}, {"jsonrpc": "2.0"}, {"jsonrpc": "2.0", "method": 1, "params": "bar"}):
+        status, resp = call(client, body)
+        assert status == 200 and resp["id"] is None and resp["error"]["code"] in (-32600, -32602), body
+    status, resp = call(client, [{}])
+    assert status == 200 and resp[0]["error"]["code"] == -32600
+
+
+def test_json_types_are_strict(client):
+    base = {"model_id": "m", "layer": 0, "d_model": 4, "hidden_states": "AAAAAA=="}
+    for field, value in (("layer", "0"), ("layer", 1.5), ("layer", True), ("allow_cold", "yes"), ("model_id", 5),
+                         ("hidden_states", 123), ("top_k", "2")):
+        err = call(client, req("tenzro_moeForward", {**base, field: value}))[1]["error"]
+        assert err["code"] == -32602 and err["data"]["field"] == field, (field, value, err)
+
+
+def test_bearer_scheme_is_case_insensitive(client):
+    err = call(client, req("tenzro_moePlaceModel", {"model_id": "m"}),
+               HTTP_AUTHORIZATION=f"bearer {operator_token()}")[1]["error"]
+    assert err["code"] == -32000  # past the credential check: the model is unknown

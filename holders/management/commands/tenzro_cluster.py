@@ -9,6 +9,7 @@ import threading
 from django.core.management.base import BaseCommand, CommandError
 
 from holders.cluster import ClusterError, LocalCluster
+from prepare.quantplan import QuantPlanError, parse_quant_plan
 
 
 class Command(BaseCommand):
@@ -24,13 +25,24 @@ class Command(BaseCommand):
                             help="agents also serve POST /rpc on free ports (--http-port) and advertise them")
         parser.add_argument("--model-id", action="append", default=None,
                             help="model id per checkpoint (default: from the directory name)")
+        parser.add_argument("--quant", default=None,
+                            help="publish the experts quantized: q4_k_m, q8_0, q4_k, q6_k or a JSON object")
 
     def handle(self, *args, **opts):
+        try:
+            plan = parse_quant_plan(opts["quant"])
+        except QuantPlanError as exc:
+            raise CommandError(f"--quant: {exc}") from exc
+        if opts["model_id"] and len(opts["model_id"]) != len(opts["checkpoint"]):
+            raise CommandError("--model-id: give one per --checkpoint")
+
         def say(line: str) -> None:
             print(line, file=sys.stderr, flush=True)
 
         cluster = LocalCluster(opts["checkpoint"], holders=opts["holders"], port=opts["port"], say=say,
-                               model_ids=opts["model_id"], agent_http=opts["agent_http"])
+                               model_ids=opts["model_id"],
+                               quants=[plan.to_json() if plan else None] * len(opts["checkpoint"]),
+                               agent_http=opts["agent_http"])
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())

@@ -17,6 +17,8 @@ from holders import wire
 from holders.cluster import ClusterError, LocalCluster
 from holders.dense import dense_model_id
 from holders.verify import REL_TOLERANCE, verify_dense_layers, verify_layers
+from prepare.quantplan import QuantPlanError, parse_quant_plan
+from prepare.services import default_model_id
 from registry.selectors import shard_view
 
 FIXTURES = ("qwen3_moe_tiny", "deepseek_v3_tiny")
@@ -32,6 +34,9 @@ class Command(BaseCommand):
                             help="checkpoint directory with reference.safetensors (default: the shipped fixtures)")
         parser.add_argument("--holders", type=int, default=4)
         parser.add_argument("--keep-running", action="store_true", help="leave the cluster up until Ctrl-C")
+        parser.add_argument("--quant", default="q4_k_m",
+                            help="also publish every checkpoint quantized with this preset or JSON object and report "
+                                 "the quantized forward's error against the dense one ('none' to skip; default q4_k_m)")
 
     def handle(self, *args, **opts):
         t0 = time.perf_counter()
@@ -40,19 +45,30 @@ class Command(BaseCommand):
         for c in ckpts:
             if not (c / "reference.safetensors").is_file():
                 raise CommandError(f"--checkpoint {c}: no reference.safetensors beside the checkpoint")
+        try:
+            plan = parse_quant_plan(opts["quant"])
+        except QuantPlanError as exc:
+            raise CommandError(f"--quant: {exc}") from exc
+        quant = plan.to_json() if plan else None
+        runs = [(c, None, None) for c in ckpts]
+        if quant:
+            label = plan.label if isinstance(quant, str) else "quant"
+            runs += [(c, f"{default_model_id(c)}-{label.replace('_', '-')}", quant) for c in ckpts]
+
         def say(line: str) -> None:
             self.stdout.write(f"· {line}")
 
-        cluster = LocalCluster(ckpts, holders=opts["holders"], say=say)
+        cluster = LocalCluster([c for c, _, _ in runs], holders=opts["holders"], say=say,
+                               model_ids=[m for _, m, _ in runs], quants=[q for _, _, q in runs])
         results = []
         failover = None
         dense: list[tuple[str, dict]] = []
         try:
             cluster.start()
             t_up = time.perf_counter()
-            for ckpt, model_id in zip(ckpts, cluster.model_ids):
+            for (ckpt, _, q), model_id in zip(runs, cluster.model_ids):
                 view = shard_view(model_id).to_json()
-                rows = verify_layers(cluster.rpc, model_id, ckpt, ckpt / "reference.safetensors")
+                rows = verify_layers(cluster.rpc, model_id, ckpt, ckpt / "reference.safetensors", q)
                 results.append((model_id, view, rows))
                 if dense_model_id(model_id) in cluster.dense_ids:
                     dense += [(model_id, r) for r in verify_dense_layers(
@@ -104,15 +120,16 @@ class Command(BaseCommand):
                  dense: list[tuple[str, dict]] = ()) -> bool:
         w = self.stdout.write
         w("")
-        w(f"{'model':<18} {'layer':>5} {'tokens':>6} {'holders':>7} {'rel err vs transformers':>24} "
-          f"{'max |Δ| vs monolithic':>22} {'ms':>7}  check")
+        w(f"{'model':<26} {'layer':>5} {'tokens':>6} {'holders':>7} {'rel err vs transformers':>24} "
+          f"{'max |Δ| vs monolithic':>22} {'rel err vs dense':>17} {'ms':>7}  check")
         all_ok = True
         for model_id, _view, rows in results:
             for r in rows:
                 all_ok &= r["ok"]
-                w(f"{model_id:<18} {r['layer']:>5} {r['tokens']:>6} {r['holders']:>7} "
+                vs_dense = f"{r['max_rel_err_vs_dense']:>17.3e}" if "max_rel_err_vs_dense" in r else f"{'(dense)':>17}"
+                w(f"{model_id:<26} {r['layer']:>5} {r['tokens']:>6} {r['holders']:>7} "
                   f"{r['max_rel_err_vs_reference']:>24.3e} {r['max_abs_diff_vs_monolithic']:>22.3e} "
-                  f"{r['ms']:>7.1f}  {'ok' if r['ok'] else 'FAILED'}")
+                  f"{vs_dense} {r['ms']:>7.1f}  {'ok' if r['ok'] else 'FAILED'}")
         w("")
         w(f"{'wire (compact: Q8_0 rows out, bf16 back)':<44} {'B/elem out':>10} {'B/elem back':>11} "
           f"{'f32 out':>8} {'f32 back':>8} {'rel err vs transformers':>24} {'receipts':>8}")
@@ -142,6 +159,13 @@ class Command(BaseCommand):
               f"{view['distinct_providers']} "
               f"providers, min replication {min_rep}, under-replicated {len(view['under_replicated_experts'])}")
         w(f"{holders} holder agents; cluster up in {t_start:.1f} s; total {t_total:.1f} s; "
-          f"tolerance {REL_TOLERANCE:g} relative vs transformers, exactly 0 vs monolithic")
+          f"tolerance {REL_TOLERANCE:g} relative vs transformers for dense experts, exactly 0 vs monolithic "
+          f"(quantized: monolithic on the same quantized weights; their error vs transformers and vs the dense "
+          f"forward is reported)")
+        quant_rows = [r for _, _, rows in results for r in rows if "max_rel_err_vs_dense" in r]
+        if quant_rows:
+            w(f"quantized forward ({quant_rows[0]['quant']}): max rel err vs dense "
+              f"{max(r['max_rel_err_vs_dense'] for r in quant_rows):.3e}, vs transformers "
+              f"{max(r['max_rel_err_vs_reference'] for r in quant_rows):.3e}")
         w("ALL CHECKS PASSED" if all_ok else "SOME CHECKS FAILED")
         return all_ok

@@ -1,0 +1,265 @@
+"""CPU backend of the compute seam: ``Y = X·Wᵀ`` for dense float32 and GGUF-quantized weights.
+
+- Dense float32: one BLAS GEMM (``x @ w.T``, numpy's OpenBLAS), bit-identical to the
+  plain numpy pipeline.
+- Quantized (Q8_0 / Q4_K / Q6_K), small batches (``n <= small_batch``): numba kernels,
+  parallel over tasks of 16 output rows, that decode one weight row at a time into an
+  L1-resident f32 scratch (constant shifts so the decode vectorises, as ggml's
+  ``dequantize_row_*`` loops) and take its dot product with every input row. Only the
+  quantized bytes are read from memory (Q4_K: 4.5 bits per weight instead of 32). Source
+  of the block layouts and decode formulas: ggml ``ggml-common.h`` /
+  ``dequantize_row_q8_0/q4_K/q6_K`` (as gguf-py ``quants.py``).
+- Quantized, larger batches: decode the whole matrix (``dequantize_parallel``, a parallel
+  numba decoder bit-identical to gguf-py) and run one BLAS GEMM; at these sizes the GEMM
+  dominates and the decode is a few percent. Measured in ``bench/bench_expert.py``: a cache of decoded
+  matrices would buy at most those few percent at the cost of 4 bytes per weight of
+  extra memory, so none is kept.
+
+Pure Python + numpy + numba; imports nothing from Django.
+"""
+from __future__ import annotations
+
+import os
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from holders.quant import QuantizedMatrix
+
+# Batch rows up to which the quantized kernel beats decode + GEMM (bench_expert.py).
+SMALL_BATCH = int(os.environ.get("TENZRO_QUANT_SMALL_BATCH", "8"))
+
+
+# Every IEEE half bit pattern → float32 (exact): one L2-resident lookup instead of bit fiddling.
+_F16_TABLE = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+@njit(inline="always", cache=True)
+def _f16(lo, hi):
+    """IEEE half (two little-endian bytes) → float32, exact."""
+    return _F16_TABLE[np.int64(lo) | (np.int64(hi) << 8)]
+
+
+@njit(inline="always", cache=True)
+def _scale_min_k4(br, o, s):
+    """ggml ``get_scale_min_k4``: 6-bit scale and min of sub-block ``s`` of the Q4_K block at ``o``."""
+    if s < 4:
+        return br[o + 4 + s] & 63, br[o + 8 + s] & 63
+    return ((br[o + 8 + s] & 0x0F) | ((br[o + s] >> 6) << 4)), ((br[o + 8 + s] >> 4) | ((br[o + 4 + s] >> 6) << 4))
+
+
+@njit(inline="always", cache=True)
+def _row_q8_0(br, w, cols):
+    for blk in range(cols // 32):
+        o = blk * 34
+        d = _f16(br[o], br[o + 1])
+        for j in range(32):
+            q = np.int32(br[o + 2 + j])
+            w[blk * 32 + j] = np.float32(q - ((q >> 7) << 8)) * d  # two's complement int8
+
+
+@njit(inline="always", cache=True)
+def _row_q4_k(br, w, cols):
+    for blk in range(cols // 256):
+        o = blk * 144
+        d = _f16(br[o], br[o + 1])
+        dmin = _f16(br[o + 2], br[o + 3])
+        for p in range(4):  # sub-blocks 2p (low nibbles) and 2p+1 (high nibbles) share 32 bytes
+            sc0, mn0 = _scale_min_k4(br, o, 2 * p)
+            sc1, mn1 = _scale_min_k4(br, o, 2 * p + 1)
+            dl0, ml0 = d * np.float32(sc0), dmin * np.float32(mn0)
+            dl1, ml1 = d * np.float32(sc1), dmin * np.float32(mn1)
+            qo = o + 16 + p * 32
+            base = blk * 256 + p * 64
+            for j in range(32):
+                qb = br[qo + j]
+                w[base + j] = np.float32(qb & 0x0F) * dl0 - ml0
+                w[base + 32 + j] = np.float32(qb >> 4) * dl1 - ml1
+
+
+@njit(inline="always", cache=True)
+def _row_q6_k(br, w, cols):
+    sc = br.view(np.int8)
+    for blk in range(cols // 256):
+        o = blk * 210
+        d = _f16(br[o + 208], br[o + 209])
+        for h in range(2):
+            lo = o + h * 64
+            hi = o + 128 + h * 32
+            base = blk * 256 + h * 128
+            for half in range(2):
+                d0 = d * np.float32(sc[o + 192 + h * 8 + half])
+                d1 = d * np.float32(sc[o + 192 + h * 8 + 2 + half])
+                d2 = d * np.float32(sc[o + 192 + h * 8 + 4 + half])
+                d3 = d * np.float32(sc[o + 192 + h * 8 + 6 + half])
+                for jj in range(16):
+                    j = half * 16 + jj
+                    a = br[lo + j]
+                    b = br[lo + 32 + j]
+                    c = br[hi + j]
+                    w[base + j] = (np.float32((a & 0x0F) | ((c & 3) << 4)) - np.float32(32)) * d0
+                    w[base + 32 + j] = (np.float32((b & 0x0F) | (((c >> 2) & 3) << 4)) - np.float32(32)) * d1
+                    w[base + 64 + j] = (np.float32((a >> 4) | (((c >> 4) & 3) << 4)) - np.float32(32)) * d2
+                    w[base + 96 + j] = (np.float32((b >> 4) | ((c >> 6) << 4)) - np.float32(32)) * d3
+
+
+_ROWS_PER_TASK = 16
+
+
+@njit(inline="always", cache=True)
+def _dots(w, x, y, r):
+    n, cols = x.shape
+    for i in range(n):
+        acc = np.float32(0)
+        for j in range(cols):
+            acc += w[j] * x[i, j]
+        y[i, r] = acc
+
+
+# One top-level kernel per type (numba caches top-level functions on disk, not closures).
+@njit(parallel=True, fastmath=True, cache=True)
+def _mm_q8_0(b, x, y):
+    rows, cols = b.shape[0], x.shape[1]
+    for t in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        w = np.empty(cols, dtype=np.float32)  # one decoded weight row, L1-resident
+        for r in range(t * _ROWS_PER_TASK, min(rows, (t + 1) * _ROWS_PER_TASK)):
+            _row_q8_0(b[r], w, cols)
+            _dots(w, x, y, r)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _mm_q4_k(b, x, y):
+    rows, cols = b.shape[0], x.shape[1]
+    for t in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        w = np.empty(cols, dtype=np.float32)
+        for r in range(t * _ROWS_PER_TASK, min(rows, (t + 1) * _ROWS_PER_TASK)):
+            _row_q4_k(b[r], w, cols)
+            _dots(w, x, y, r)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _mm_q6_k(b, x, y):
+    rows, cols = b.shape[0], x.shape[1]
+    for t in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        w = np.empty(cols, dtype=np.float32)
+        for r in range(t * _ROWS_PER_TASK, min(rows, (t + 1) * _ROWS_PER_TASK)):
+            _row_q6_k(b[r], w, cols)
+            _dots(w, x, y, r)
+
+
+_KERNELS = {"q8_0": _mm_q8_0, "q4_k": _mm_q4_k, "q6_k": _mm_q6_k}
+
+
+@njit(parallel=True, cache=True)
+def _deq_q8_0(b, out):
+    rows, cols = out.shape
+    for r in prange(rows):
+        br = b[r]
+        for blk in range(cols // 32):
+            o = blk * 34
+            d = _f16(br[o], br[o + 1])
+            q = br[o + 2:o + 34].view(np.int8)
+            for j in range(32):
+                out[r, blk * 32 + j] = np.float32(q[j]) * d
+
+
+@njit(parallel=True, cache=True)
+def _deq_q4_k(b, out):
+    rows, cols = out.shape
+    for r in prange(rows):
+        br = b[r]
+        for blk in range(cols // 256):
+            o = blk * 144
+            d = _f16(br[o], br[o + 1])
+            dmin = _f16(br[o + 2], br[o + 3])
+            for s in range(8):
+                if s < 4:
+                    sc = br[o + 4 + s] & 63
+                    mn = br[o + 8 + s] & 63
+                else:
+                    sc = (br[o + 8 + s] & 0x0F) | ((br[o + s] >> 6) << 4)
+                    mn = (br[o + 8 + s] >> 4) | ((br[o + 4 + s] >> 6) << 4)
+                dl = d * np.float32(sc)
+                ml = dmin * np.float32(mn)
+                qo = o + 16 + (s // 2) * 32
+                shift = 4 * (s % 2)
+                base = blk * 256 + s * 32
+                for j in range(32):
+                    out[r, base + j] = np.float32((br[qo + j] >> shift) & 0x0F) * dl - ml
+
+
+@njit(parallel=True, cache=True)
+def _deq_q6_k(b, out):
+    rows, cols = out.shape
+    for r in prange(rows):
+        br = b[r]
+        for blk in range(cols // 256):
+            o = blk * 210
+            d = _f16(br[o + 208], br[o + 209])
+            scales = br[o + 192:o + 208].view(np.int8)
+            for h in range(2):
+                for g in range(4):
+                    base = blk * 256 + h * 128 + g * 32
+                    for j in range(32):
+                        qv = ((br[o + h * 64 + (g % 2) * 32 + j] >> (4 * (g // 2))) & 0x0F) | \
+                            (((br[o + 128 + h * 32 + j] >> (2 * g)) & 3) << 4)
+                        dl = d * np.float32(scales[h * 8 + g * 2 + j // 16])
+                        out[r, base + j] = (np.float32(qv) - np.float32(32)) * dl
+
+
+_DEQ = {"q8_0": _deq_q8_0, "q4_k": _deq_q4_k, "q6_k": _deq_q6_k}
+
+
+def dequantize_parallel(w: QuantizedMatrix) -> np.ndarray:
+    """``w`` decoded to f32 ``[rows, cols]`` by a parallel numba kernel; the same float32
+    operations in the same order as ``holders.quant.dequantize`` (no fast-math), hence
+    bit-identical to gguf-py's ``dequantize``."""
+    out = np.empty(w.shape, dtype=np.float32)
+    _DEQ[w.qtype](w.blocks, out)
+    return out
+
+
+def quantized_matmul_xt(x: np.ndarray, w: QuantizedMatrix) -> np.ndarray:
+    """``x`` f32 ``[n, cols]`` · dequantized ``w``ᵀ with the row-decoding kernel → f32 ``[n, rows]``.
+
+    Numerically the dot products of ``x`` with the decoded rows (f32 accumulation, order
+    chosen by the compiler), so results differ from the GEMM path in the last bits.
+    """
+    y = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
+    _KERNELS[w.qtype](w.blocks, x, y)
+    return y
+
+
+class CpuBackend:
+    """The always-present backend: BLAS for dense, numba kernel or decode + BLAS for quantized."""
+
+    tag = "cpu"
+    gpu = False
+
+    def __init__(self, small_batch: int = SMALL_BATCH):
+        self.small_batch = small_batch
+
+    def matmul_xt(self, x: np.ndarray, w) -> np.ndarray:
+        """``x`` f32 ``[n, in]``, ``w`` f32 ndarray or ``QuantizedMatrix`` ``[out, in]`` → f32 ``[n, out]``."""
+        if isinstance(w, QuantizedMatrix):
+            if x.shape[0] <= self.small_batch:
+                return quantized_matmul_xt(np.ascontiguousarray(x, dtype=np.float32), w)
+            return x @ dequantize_parallel(w).T
+        return x @ w.T
+
+    def warm(self) -> None:
+        """Compile (or load from numba's on-disk cache) every quantized kernel on tiny inputs, so
+        the first real batch does not pay the JIT (seconds) inside a router's deadline."""
+        x = np.zeros((1, 256), dtype=np.float32)
+        for q, nbytes in (("q8_0", 8 * 34), ("q4_k", 144), ("q6_k", 210)):
+            w = QuantizedMatrix(q, (1, 256), np.zeros(nbytes, dtype=np.uint8))
+            quantized_matmul_xt(x, w)
+            dequantize_parallel(w)
+
+    def release(self, w) -> None:
+        """Nothing is cached per weight on the CPU."""
+
+    def describe(self) -> dict:
+        """Backend facts for status: tag, gpu flag, threads."""
+        return {"tag": self.tag, "gpu": False, "threads": numba.get_num_threads(), "small_batch": self.small_batch}

@@ -1,0 +1,95 @@
+"""``python manage.py prepare_experts --checkpoint DIR_OR_URL --model-id ID``: publish expert and
+gate blobs with a progress bar (the job runs in this process; ``--resume JOB`` continues one)."""
+from __future__ import annotations
+
+import json
+
+from django.core.management.base import BaseCommand, CommandError
+from tqdm import tqdm
+
+from prepare import jobs
+from prepare.models import PrepareJob
+
+
+def _int_list(text: str | None, flag: str) -> list[int] | None:
+    """``"1,3,5-7"`` → [1, 3, 5, 6, 7]; raises ``CommandError`` naming ``flag``."""
+    if text is None:
+        return None
+    out = []
+    try:
+        for part in text.split(","):
+            part = part.strip()
+            if "-" in part:
+                a, b = part.split("-", 1)
+                if int(b) < int(a):
+                    raise ValueError(part)
+                out.extend(range(int(a), int(b) + 1))
+            else:
+                out.append(int(part))
+    except ValueError:
+        raise CommandError(f"{flag}: expected integers like 1,3,5-7, got {text!r}") from None
+    if any(v < 0 for v in out):
+        raise CommandError(f"{flag}: values must not be negative")
+    return out
+
+
+class Command(BaseCommand):
+    help = ("Extract (and quantize) a checkpoint's experts and gates into content-addressed blobs, "
+            "showing a progress bar. Resumable: --resume JOB_ID skips what a crashed run finished.")
+
+    def add_arguments(self, parser):
+        parser.add_argument("--checkpoint", help="checkpoint directory or http(s) URL (Hub repo URLs too)")
+        parser.add_argument("--model-id", help="catalog id to publish under")
+        parser.add_argument("--layers", help="MoE layers, e.g. 1,2 or 1-4 (default: every MoE layer)")
+        parser.add_argument("--experts", help="expert ids, e.g. 0-7,16 (default: all, shared slot included)")
+        parser.add_argument("--quant", default=None,
+                            help='preset (q4_k_m, q8_0, q4_k, q6_k) or JSON {"gate":..,"up":..,"down":..}')
+        parser.add_argument("--revision", default=None, help="branch, tag or commit (Hub URLs)")
+        parser.add_argument("--no-gate", action="store_true", help="do not publish the gate blobs")
+        parser.add_argument("--resume", default=None, metavar="JOB_ID", help="resume an unfinished job")
+        parser.add_argument("--json", action="store_true", help="print the final status as one JSON line")
+        parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    def handle(self, *args, **o):
+        if o["resume"]:
+            try:
+                job = PrepareJob.objects.get(job_id=o["resume"])
+            except (PrepareJob.DoesNotExist, ValueError):
+                raise CommandError(f"--resume: no preparation job {o['resume']!r}") from None
+        else:
+            if not o["checkpoint"]:
+                raise CommandError("--checkpoint is required (or --resume JOB_ID)")
+            if not o["model_id"]:
+                raise CommandError("--model-id is required")
+            try:
+                job = jobs.create_job(o["checkpoint"], o["model_id"], layers=_int_list(o["layers"], "--layers"),
+                                      experts=_int_list(o["experts"], "--experts"), include_gate=not o["no_gate"],
+                                      quant=o["quant"], revision=o["revision"])
+            except jobs.JobParamError as exc:
+                raise CommandError(f"--{exc.field.replace('_', '-')}: {exc}") from None
+        self.stderr.write(f"job {job.job_id}: {job.total_experts} experts of {job.model_id}, layers {job.layers}, "
+                          f"quant {job.quant or 'dense'}")
+        bar = tqdm(total=job.total_experts, unit="expert", disable=o["no_progress"], dynamic_ncols=True)
+        bar.n = job.completed_experts + job.failed_experts
+        bar.refresh()
+
+        def progress(j: PrepareJob) -> None:
+            bar.n = j.completed_experts + j.failed_experts
+            bar.set_postfix_str(f"{j.bytes_written / 2**20:.1f} MiB, failed {j.failed_experts}", refresh=False)
+            bar.refresh()
+
+        try:
+            job = jobs.run_job(job.job_id, progress)
+        finally:
+            bar.close()
+        status = jobs.job_status(job)
+        for f in status["failures"]:
+            self.stderr.write(f"failed: layer {f['layer']} expert {f['expert']}: {f['error']}")
+        for f in status["fallbacks"][:20]:
+            self.stderr.write(f"fallback: layer {f['layer']} expert {f['expert']} {f['tensor']}: {f['note']}")
+        if o["json"]:
+            self.stdout.write(json.dumps(status))
+        self.stderr.write(f"job {job.job_id}: {job.state}, {job.completed_experts}/{job.total_experts} experts, "
+                          f"{job.bytes_written} bytes")
+        if job.state != PrepareJob.State.COMPLETED:
+            raise CommandError(job.error or job.state)
