@@ -52,8 +52,12 @@ def ws_url(site: str) -> str:
     """``http(s)://host:port`` → ``ws(s)://host:port/ws/agent/``; raises ``ValueError`` for other schemes."""
     parts = urlsplit(site)
     scheme = {"http": "ws", "https": "wss", "ws": "ws", "wss": "wss"}.get(parts.scheme)
-    if scheme is None or not parts.netloc:
+    if scheme is None or not parts.netloc or not parts.hostname:
         raise ValueError(f"--site must be an http(s):// URL, got {site!r}")
+    try:
+        parts.port  # noqa: B018 (urlsplit validates the port lazily)
+    except ValueError as exc:
+        raise ValueError(f"--site {site!r}: {exc}") from exc
     return urlunsplit((scheme, parts.netloc, "/ws/agent/", "", ""))
 
 

@@ -50,6 +50,8 @@ async def moe_forward(p: dict) -> dict:
     try:
         return await services.forward(p["model_id"], p["layer"], p["d_model"], x, p["top_k"], p["allow_cold"],
                                       p["allow_partial"], p["carrier"])
+    except services.UnknownModel as exc:
+        raise RpcError(INVALID_PARAMS, str(exc), {"field": "model_id", "model_id": p["model_id"]}) from exc
     except services.GateNotLoaded as exc:
         raise RpcError(EXECUTION_ERROR, str(exc), {"field": "layer", "model_id": p["model_id"],
                                                    "layer": p["layer"]}) from exc

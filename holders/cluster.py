@@ -6,6 +6,7 @@ It owns what it starts: ``stop()`` terminates every process, and it also runs at
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import signal
 import socket
@@ -29,6 +30,14 @@ from tenzro_site.operator import operator_token
 
 class ClusterError(RuntimeError):
     """The cluster could not start, place its models or reach full coverage in time."""
+
+
+def _die_with_parent() -> None:
+    """In a child before exec: ask Linux for SIGTERM when the parent dies (no-op elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
 
 
 def free_port() -> int:
@@ -55,6 +64,8 @@ class LocalCluster:
                  agent_http: bool = False, dense_parts: int = 2):
         if holders < 1:
             raise ClusterError("--holders must be at least 1")
+        if port and not 0 < port < 65536:
+            raise ClusterError(f"--port must be between 1 and 65535, got {port}")
         self.checkpoints = [Path(c) for c in checkpoints]
         self.model_id_overrides = model_ids or [None] * len(self.checkpoints)
         self.quants = quants or [None] * len(self.checkpoints)
@@ -80,6 +91,7 @@ class LocalCluster:
     def start(self, timeout: float = 90.0) -> "LocalCluster":
         """Migrate, publish, start site and agents, place every model, wait for full coverage."""
         atexit.register(self.stop)
+        self._check_port()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         call_command("migrate", verbosity=0, interactive=False)
         # This cluster owns its site: sockets left marked open by an earlier run are gone.
@@ -157,10 +169,20 @@ class LocalCluster:
             raise ClusterError(f"{method}: {body['error']['message']} ({body['error'].get('data')})")
         return body["result"]
 
+    def _check_port(self) -> None:
+        """Fail before any work when the site's port is taken."""
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", self.port))
+            except OSError as exc:
+                raise ClusterError(f"port {self.port} on 127.0.0.1 is not free: {exc.strerror}") from exc
+
     def _spawn(self, name: str, cmd: list[str], env: dict) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")
+        # Own session: a terminal Ctrl-C reaches only the cluster, which stops children in order.
+        # Parent-death signal: children go too when the cluster itself is SIGKILLed.
         return subprocess.Popen(cmd, cwd=settings.BASE_DIR, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
 
     def _healthy(self) -> bool:
         if self.site is not None and self.site.poll() is not None:

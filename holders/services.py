@@ -36,6 +36,10 @@ class GateNotLoaded(LookupError):
     """No gate is published for (model_id, layer) on this site."""
 
 
+class UnknownModel(GateNotLoaded):
+    """No gate of any layer is published for this model id on this site."""
+
+
 _gate_cache: dict[str, Gate] = {}
 _gate_lock = threading.Lock()
 _ttl_cache: dict[tuple, tuple[float, object]] = {}
@@ -64,7 +68,10 @@ def load_gate(model_id: str, layer: int) -> Gate:
                 .first())
     if h is None:
         _ttl_cache.pop(("gate", model_id, layer), None)
-        raise GateNotLoaded(f"no gate is loaded for model {model_id!r} layer {layer}")
+        if not GateBlob.objects.filter(model_id=model_id).exists():
+            raise UnknownModel(f"model {model_id!r} is not published on this site")
+        layers = sorted(GateBlob.objects.filter(model_id=model_id).values_list("layer", flat=True))
+        raise GateNotLoaded(f"no gate is loaded for model {model_id!r} layer {layer}; its MoE layers are {layers}")
     with _gate_lock:
         gate = _gate_cache.get(h)
         if gate is None:

@@ -20,9 +20,17 @@ REL_TOLERANCE = 1e-5
 def reference_layers(reference: str | Path) -> tuple[dict[str, np.ndarray], list[int]]:
     """Load a reference bundle; returns (tensors, sorted MoE layers that have hidden_states and output).
 
-    Raises ``ValueError`` when the bundle holds no ``layer{L}.hidden_states``/``layer{L}.output`` pair.
+    Raises ``ValueError`` when the file is missing, is not safetensors, holds a dtype numpy cannot
+    read (e.g. a bf16 checkpoint passed by mistake), or has no ``layer{L}.hidden_states`` /
+    ``layer{L}.output`` pair.
     """
-    tensors = load_file(str(reference))
+    path = Path(reference)
+    if not path.is_file():
+        raise ValueError(f"{reference} is not a file")
+    try:
+        tensors = load_file(str(path))
+    except Exception as exc:  # safetensors raises its own error type for a bad header
+        raise ValueError(f"{reference} is not a readable safetensors reference bundle: {exc}") from exc
     layers = sorted(int(k[len("layer"):].split(".")[0]) for k in tensors
                     if k.startswith("layer") and k.endswith(".hidden_states") and
                     k.replace(".hidden_states", ".output") in tensors)

@@ -10,7 +10,8 @@ from registry.models import MoeModel, Provider
 
 def healthz(request):
     """``GET /healthz``: 200 when the site answers and its database is reachable."""
-    return JsonResponse({"ok": True, "providers": Provider.objects.count()})
+    return JsonResponse({"ok": True, "providers": Provider.objects.count(),
+                         "live_providers": selectors.live_providers().count()})
 
 
 def index(request):

@@ -138,8 +138,8 @@ def test_chaos_scenes(tmp_path):
         partner = max((p for p in agents if p != victim),
                       key=lambda p: sum(1 for hs in held.values() if hs == {victim, p}))
         gone = sorted(e for e, hs in held.items() if hs <= {victim, partner})
-        routed = set(route(load_gate(Checkpoint(QWEN), spec_from_config(Checkpoint(QWEN).config), LAYER),
-                           x).expert_ids.ravel().tolist())
+        routing = route(load_gate(Checkpoint(QWEN), spec_from_config(Checkpoint(QWEN).config), LAYER), x)
+        routed = set(routing.expert_ids.ravel().tolist())
         assert gone and set(gone) & routed, "the placement left no expert on exactly these two holders"
         os.kill(agents[partner], signal.SIGKILL)
         time.sleep(1.0)
@@ -147,8 +147,16 @@ def test_chaos_scenes(tmp_path):
         assert err["code"] in (-32000, -32004)
         missing = {m["expert"] for m in err["data"]["missing"]}
         assert missing == set(gone) & routed and f"e{min(missing)}" in err["message"]
-        res = forward(info, x, allow_partial=True)
+        # A token whose every routed expert is gone has nothing to renormalize over: the forward
+        # refuses it by design, so the partial combine is checked on the tokens that keep one.
+        keep = [t for t in range(x.shape[0]) if not set(routing.expert_ids[t].tolist()) <= missing]
+        if len(keep) < x.shape[0]:
+            err = forward(info, x, allow_partial=True)["error"]
+            assert "lost every routed expert" in err["message"]
+        xp = x[keep]
+        res = forward(info, xp, allow_partial=True)
         out = outputs(res, d)
-        assert {m["expert"] for m in res["result"]["missing"]} == missing
-        ref = reference_without(x, missing)
+        routed_p = set(routing.expert_ids[keep].ravel().tolist())
+        assert {m["expert"] for m in res["result"]["missing"]} == missing & routed_p
+        ref = reference_without(xp, missing)
         assert np.abs(out - ref).max() <= 1e-6 * np.abs(ref).max()

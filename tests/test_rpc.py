@@ -106,3 +106,10 @@ def test_bearer_scheme_is_case_insensitive(client):
     err = call(client, req("tenzro_moePlaceModel", {"model_id": "m"}),
                HTTP_AUTHORIZATION=f"bearer {operator_token()}")[1]["error"]
     assert err["code"] == -32000  # past the credential check: the model is unknown
+
+
+def test_unknown_model_names_the_model_id(client):
+    x = np.zeros((2, 256), dtype=np.float32)
+    err = call(client, req("tenzro_moeForward", {"model_id": "nope", "layer": 0, "d_model": 256,
+                                                 "hidden_states": wire.b64encode(wire.encode_f32(x))}))[1]["error"]
+    assert err["code"] == -32602 and err["data"]["field"] == "model_id" and "not published" in err["message"]

@@ -45,7 +45,9 @@ class Command(BaseCommand):
             ws_url(opts["site"])
         except ValueError as exc:
             raise CommandError(str(exc)) from exc
-        interval = opts["heartbeat_interval"] or settings.TENZRO["HEARTBEAT_INTERVAL_S"]
+        interval = opts["heartbeat_interval"]
+        if interval is None:
+            interval = settings.TENZRO["HEARTBEAT_INTERVAL_S"]
         if interval <= 0:
             raise CommandError("--heartbeat-interval must be positive")
         try:
@@ -71,7 +73,7 @@ class Command(BaseCommand):
         except ValueError as exc:  # TENZRO_MEMORY_BUDGET / TENZRO_COMPUTE_BACKEND malformed
             raise CommandError(str(exc)) from exc
         except OSError as exc:
-            raise CommandError(f"--disk-dir: {exc}") from exc
+            raise CommandError(f"--blob-dir / --disk-dir: {exc}") from exc
         self.stdout.write(f"holder agent {provider_id(key)} → {opts['site']} (compute {agent.backend.tag}, "
                           f"memory budget {agent.runtime.budget} bytes, disk tier {agent.runtime.disk.root})")
 

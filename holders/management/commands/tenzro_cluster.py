@@ -39,21 +39,30 @@ class Command(BaseCommand):
         def say(line: str) -> None:
             print(line, file=sys.stderr, flush=True)
 
-        cluster = LocalCluster(opts["checkpoint"], holders=opts["holders"], port=opts["port"], say=say,
-                               model_ids=opts["model_id"],
-                               quants=[plan.to_json() if plan else None] * len(opts["checkpoint"]),
-                               agent_http=opts["agent_http"])
+        def interrupt(*_):
+            raise KeyboardInterrupt
+
         stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+        cluster = None
+        for sig in (signal.SIGINT, signal.SIGTERM):  # during start-up: stop at once, cleaning up
+            signal.signal(sig, interrupt)
         try:
+            cluster = LocalCluster(opts["checkpoint"], holders=opts["holders"], port=opts["port"], say=say,
+                                   model_ids=opts["model_id"],
+                                   quants=[plan.to_json() if plan else None] * len(opts["checkpoint"]),
+                                   agent_http=opts["agent_http"])
             cluster.start()
+            for sig in (signal.SIGINT, signal.SIGTERM):  # ready: the next signal ends the wait below
+                signal.signal(sig, lambda *_: stop.set())
             self.stdout.write(json.dumps(cluster.info()))
             self.stdout.flush()
             while not stop.wait(1.0):
                 if cluster.site is not None and cluster.site.poll() is not None:
                     raise ClusterError("the site process exited")
+        except KeyboardInterrupt as exc:
+            raise CommandError("interrupted before the cluster was ready; stopped everything it started") from exc
         except (ClusterError, ValueError, OSError) as exc:
             raise CommandError(str(exc)) from exc
         finally:
-            cluster.stop()
+            if cluster is not None:
+                cluster.stop()

@@ -58,8 +58,11 @@ class Command(BaseCommand):
         def say(line: str) -> None:
             self.stdout.write(f"· {line}")
 
-        cluster = LocalCluster([c for c, _, _ in runs], holders=opts["holders"], say=say,
-                               model_ids=[m for _, m, _ in runs], quants=[q for _, _, q in runs])
+        try:
+            cluster = LocalCluster([c for c, _, _ in runs], holders=opts["holders"], say=say,
+                                   model_ids=[m for _, m, _ in runs], quants=[q for _, _, q in runs])
+        except ClusterError as exc:
+            raise CommandError(str(exc)) from exc
         results = []
         failover = None
         dense: list[tuple[str, dict]] = []

@@ -7,7 +7,7 @@ import sys
 from django.core.management.base import BaseCommand, CommandError
 
 from holders.cluster import ClusterError, LocalCluster
-from holders.verify import REL_TOLERANCE, verify_dense_layers, verify_layers
+from holders.verify import REL_TOLERANCE, reference_layers, verify_dense_layers, verify_layers
 from prepare.checkpoint import CheckpointError
 from prepare.quantplan import QuantPlanError, parse_quant_plan
 
@@ -37,9 +37,14 @@ class Command(BaseCommand):
         def say(line: str) -> None:
             print(line, file=sys.stderr, flush=True)
 
-        cluster = LocalCluster([opts["checkpoint"]], holders=opts["holders"], say=say,
-                               model_ids=[opts["model_id"]], quants=[quant])
         try:
+            reference_layers(opts["reference"])  # a bad reference fails before any process starts
+        except ValueError as exc:
+            raise CommandError(f"--reference: {exc}") from exc
+        cluster = None
+        try:
+            cluster = LocalCluster([opts["checkpoint"]], holders=opts["holders"], say=say,
+                                   model_ids=[opts["model_id"]], quants=[quant])
             cluster.start()
             rows = verify_layers(cluster.rpc, cluster.model_ids[0], opts["checkpoint"], opts["reference"], quant)
             dense = verify_dense_layers(cluster.rpc, cluster.model_ids[0], opts["checkpoint"], opts["reference"],
@@ -47,7 +52,8 @@ class Command(BaseCommand):
         except (ClusterError, CheckpointError, ValueError, OSError) as exc:
             raise CommandError(str(exc)) from exc
         finally:
-            cluster.stop()
+            if cluster is not None:
+                cluster.stop()
         extra = f" {'rel err vs dense':>17}" if quant else ""
         self.stdout.write(f"{'layer':>5} {'tokens':>6} {'holders':>7} {'max rel err vs ref':>19} "
                           f"{'max |Δ| vs mono':>16}{extra} {'compact-wire rel err':>21} {'B/elem out,back':>16}  ok")
