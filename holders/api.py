@@ -38,18 +38,21 @@ class ForwardParams(serializers.Serializer):
     carrier = serializers.ChoiceField(["auto", "f32", "q8_0"], required=False, default="auto")
 
 
-@rpc_method("tenzro_moeForward", params=ForwardParams)
-async def moe_forward(p: dict) -> dict:
-    """Distributed forward of one MoE layer: gate here, experts on holders, gate-weighted combine."""
+def _hidden_rows(p: dict):
+    """Decode ``hidden_states`` (base64 f32) into ``[T, d_model]``; raises ``RpcError(-32602)``."""
     try:
         x = wire.decode_f32(wire.b64decode(p["hidden_states"], "hidden_states"), p["d_model"])
     except wire.WireError as exc:
         raise RpcError(INVALID_PARAMS, str(exc), {"field": "hidden_states"}) from exc
     if x.shape[0] == 0:
         raise RpcError(INVALID_PARAMS, "hidden_states holds no rows", {"field": "hidden_states"})
+    return x
+
+
+async def _forward_errors(p: dict, call) -> dict:
+    """Await a forward service call, mapping its errors to JSON-RPC errors that name the field."""
     try:
-        return await services.forward(p["model_id"], p["layer"], p["d_model"], x, p["top_k"], p["allow_cold"],
-                                      p["allow_partial"], p["carrier"])
+        return await call
     except services.UnknownModel as exc:
         raise RpcError(INVALID_PARAMS, str(exc), {"field": "model_id", "model_id": p["model_id"]}) from exc
     except services.GateNotLoaded as exc:
@@ -58,11 +61,19 @@ async def moe_forward(p: dict) -> dict:
     except ForwardError as exc:
         code = PLANNING_ERROR if exc.kind == "planning" else EXECUTION_ERROR
         raise RpcError(code, exc.message, {"field": "hidden_states", **exc.data}) from exc
-    except ValueError as exc:  # input that does not fit the gate (d_model, top_k)
+    except ValueError as exc:  # input that does not fit the gate (d_model, top_k, carrier)
         msg = str(exc)
         field = ("carrier" if "carrier" in msg else "d_model" if "d_model" in msg else "top_k" if "top_k" in msg
                  else "hidden_states")
-        raise RpcError(INVALID_PARAMS, str(exc), {"field": field}) from exc
+        raise RpcError(INVALID_PARAMS, msg, {"field": field}) from exc
+
+
+@rpc_method("tenzro_moeForward", params=ForwardParams)
+async def moe_forward(p: dict) -> dict:
+    """Distributed forward of one MoE layer: gate here, experts on holders, gate-weighted combine."""
+    x = _hidden_rows(p)
+    return await _forward_errors(p, services.forward(p["model_id"], p["layer"], p["d_model"], x, p["top_k"],
+                                                     p["allow_cold"], p["allow_partial"], p["carrier"]))
 
 
 # ---- execution methods: the site's own runtime, or an agent's when ``provider`` is given ----
@@ -170,19 +181,5 @@ class DenseForwardParams(serializers.Serializer):
 @rpc_method("tenzro_moeDenseForward", params=DenseForwardParams)
 async def moe_dense_forward(p: dict) -> dict:
     """Distributed forward of a dense MLP layer split by intermediate slices across holders."""
-    try:
-        x = wire.decode_f32(wire.b64decode(p["hidden_states"], "hidden_states"), p["d_model"])
-    except wire.WireError as exc:
-        raise RpcError(INVALID_PARAMS, str(exc), {"field": "hidden_states"}) from exc
-    if x.shape[0] == 0:
-        raise RpcError(INVALID_PARAMS, "hidden_states holds no rows", {"field": "hidden_states"})
-    try:
-        return await services.dense_forward(p["model_id"], p["layer"], p["d_model"], x, p["carrier"])
-    except services.GateNotLoaded as exc:
-        raise RpcError(EXECUTION_ERROR, str(exc), {"field": "layer", "model_id": p["model_id"],
-                                                   "layer": p["layer"]}) from exc
-    except ForwardError as exc:
-        code = PLANNING_ERROR if exc.kind == "planning" else EXECUTION_ERROR
-        raise RpcError(code, exc.message, {"field": "hidden_states", **exc.data}) from exc
-    except ValueError as exc:
-        raise RpcError(INVALID_PARAMS, str(exc), {"field": "carrier" if "carrier" in str(exc) else "d_model"}) from exc
+    x = _hidden_rows(p)
+    return await _forward_errors(p, services.dense_forward(p["model_id"], p["layer"], p["d_model"], x, p["carrier"]))
