@@ -53,10 +53,10 @@ class HeartbeatError(ValueError):
         self.field = field
 
 
-def _int(body: dict, field: str, lo: int = 0, hi: int = 2**63 - 1) -> int:
+def _int(body: dict, field: str, lo: int = 0, hi: int = 2**63 - 1, prefix: str = "") -> int:
     value = body.get(field, 0)
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise HeartbeatError(f"{field} must be an integer in [{lo}, {hi}]", field)
+        raise HeartbeatError(f"{prefix}{field} must be an integer in [{lo}, {hi}]", f"{prefix}{field}")
     return value
 
 
@@ -135,13 +135,13 @@ def parse_holdings(raw) -> list[dict]:
         residency = h.get("residency", "Warm")
         if residency not in RESIDENCIES:
             raise HeartbeatError(f"{f}.residency must be one of {', '.join(RESIDENCIES)}", f"{f}.residency")
-        tps = _int(h, "committed_tps", 0, 2**31 - 1)
+        tps = _int(h, "committed_tps", 0, 2**31 - 1, prefix=f"{f}.")
         if "experts" in h:  # compact form
             if "expert" in h or "blob_uri" in h:
                 raise HeartbeatError(f"{f}: a compact entry (experts) takes neither expert nor blob_uri", f)
             if ("layer" in h) == ("layers" in h):
                 raise HeartbeatError(f"{f}: a compact entry needs exactly one of layer and layers", f)
-            layers = ([_int(h, "layer", 0, MAX_LAYER)] if "layer" in h
+            layers = ([_int(h, "layer", 0, MAX_LAYER, prefix=f"{f}.")] if "layer" in h
                       else parse_ranges(h["layers"], f"{f}.layers", MAX_LAYER))
             experts = parse_ranges(h["experts"], f"{f}.experts", MAX_EXPERT)
             if len(out) + len(layers) * len(experts) > MAX_HOLDINGS:
@@ -157,8 +157,8 @@ def parse_holdings(raw) -> list[dict]:
             continue
         if "layer" not in h or "expert" not in h:
             raise HeartbeatError(f"{f} needs layer and expert (or layer/layers and experts)", f)
-        layer = _int(h, "layer", 0, MAX_LAYER)
-        expert = _int(h, "expert", 0, MAX_EXPERT)
+        layer = _int(h, "layer", 0, MAX_LAYER, prefix=f"{f}.")
+        expert = _int(h, "expert", 0, MAX_EXPERT, prefix=f"{f}.")
         blob = h.get("blob_uri") or ""
         if blob:
             try:

@@ -90,7 +90,9 @@ async def place_model(model_id: str, replication: int = 2, timeout: float = 120.
             await load(*args)
 
     await asyncio.gather(*(bounded(p, layer, e) for p, keys in plan.items() for layer, e in keys))
-    return {"model_id": model_id, "replication": min(replication, len(providers)),
+    warnings = ([f"replication {replication} asked, but only {len(providers)} live agents: each expert is on "
+                 f"{len(providers)}"] if replication > len(providers) else [])
+    return {"model_id": model_id, "replication": min(replication, len(providers)), "warnings": warnings,
             "assignments": {p: len(keys) for p, keys in sorted(plan.items())}, "failed": failed,
             "heartbeat_interval_s": settings.TENZRO["HEARTBEAT_INTERVAL_S"]}
 

@@ -190,3 +190,10 @@ def test_rest_heartbeat_refuses_replayed_foreign_and_stale_compact_heartbeats(cl
     assert post(stale).json()["field"] == "body.timestamp_ms"
     assert post([1, 2]).json()["field"] == "body"
     assert state() == before
+
+
+def test_holding_field_errors_name_the_entry():
+    key = SigningKey.generate()
+    with pytest.raises(HeartbeatError) as err:
+        ingest(signed_heartbeat(key, [holding(), {**holding(expert=1), "layer": -1}]))
+    assert err.value.field == "holdings[1].layer"
