@@ -21,7 +21,7 @@ from holders import methods, wire
 from holders.dense import dense_model_id, dense_routing
 from holders.forward import BatchAnswer, BatchRequest, ForwardError, distributed_forward
 from holders.gating import Gate
-from holders.runtime import ExpertRuntime
+from holders.runtime import ExpertRuntime, GateNotLoaded
 from holders.transports.http import HttpHolderClient, answer_to_batch
 from holders.transports.ws import AgentLink, AgentUnavailable
 from prepare.blobs import BlobStore, parse_blob_uri
@@ -32,12 +32,10 @@ from registry.services import record_holder_outcomes
 from registry.shardmap import ReplicationPolicy, ShardView
 
 
-class GateNotLoaded(LookupError):
-    """No gate is published for (model_id, layer) on this site."""
-
-
 class UnknownModel(GateNotLoaded):
     """No gate of any layer is published for this model id on this site."""
+
+    field = "model_id"
 
 
 _gate_cache: dict[str, Gate] = {}
@@ -165,8 +163,6 @@ async def forward(model_id: str, layer: int, d_model: int, hidden_states: np.nda
     gate = await database_sync_to_async(load_gate)(model_id, layer)
     if d_model != gate.d_model:
         raise ValueError(f"d_model is {d_model} but the gate of layer {layer} has d_model {gate.d_model}")
-    t = settings.TENZRO
-
     async def get_view(excluded):
         return await database_sync_to_async(live_view)(model_id, excluded)
 
@@ -178,17 +174,10 @@ async def forward(model_id: str, layer: int, d_model: int, hidden_states: np.nda
             return None
         return rt.execute(model_id, layer, expert, rows, rows.shape[0], rows.shape[1])
 
-    try:
-        res = await distributed_forward(gate=gate, model_id=model_id, layer=layer, hidden_states=hidden_states,
-                                        get_view=get_view, send=send_batch, top_k=top_k, allow_cold=allow_cold,
-                                        local=local if rt is not None else None,
-                                        allow_partial=allow_partial, carrier=carrier,
-                                        deadline_s=t["BATCH_DEADLINE_S"], max_message=t["WS_MAX_MESSAGE"],
-                                        split_threshold=t["PLAN_SPLIT_THRESHOLD"])
-    except ForwardError as exc:
-        _record_later(exc.data.get("failures", []), {})
-        raise
-    _record_later(res.failures, res.latencies_ms)
+    res = await _recorded_forward(gate=gate, model_id=model_id, layer=layer, hidden_states=hidden_states,
+                                  get_view=get_view, top_k=top_k, allow_cold=allow_cold,
+                                  local=local if rt is not None else None, allow_partial=allow_partial,
+                                  carrier=carrier)
     r = res.routing
     elems = int(hidden_states.shape[0]) * d_model
     return {
@@ -226,21 +215,12 @@ async def dense_forward(model_id: str, layer: int, d_model: int, hidden_states: 
     if parts is None:
         raise GateNotLoaded(f"no dense slices of model {model_id!r} layer {layer} with d_model {d_model} are "
                             f"published")
-    t = settings.TENZRO
-
     async def get_view(excluded):
         return await database_sync_to_async(live_view)(dense_id, excluded)
 
-    try:
-        res = await distributed_forward(gate=None, routing=dense_routing(int(hidden_states.shape[0]), parts),
-                                        model_id=dense_id, layer=layer, hidden_states=hidden_states,
-                                        get_view=get_view, send=send_batch, carrier=carrier,
-                                        deadline_s=t["BATCH_DEADLINE_S"], max_message=t["WS_MAX_MESSAGE"],
-                                        split_threshold=t["PLAN_SPLIT_THRESHOLD"])
-    except ForwardError as exc:
-        _record_later(exc.data.get("failures", []), {})
-        raise
-    _record_later(res.failures, res.latencies_ms)
+    res = await _recorded_forward(gate=None, routing=dense_routing(int(hidden_states.shape[0]), parts),
+                                  model_id=dense_id, layer=layer, hidden_states=hidden_states,
+                                  get_view=get_view, carrier=carrier)
     return {"model_id": model_id, "layer": layer, "d_model": d_model, "tokens": int(hidden_states.shape[0]),
             "parts": parts, "batches": res.batches, "replans": res.replans, "transports": res.transports,
             "holders": res.holders, "failures": res.failures, "receipts": len(res.receipts),
@@ -250,6 +230,21 @@ async def dense_forward(model_id: str, layer: int, d_model: int, hidden_states: 
 
 
 _recording: set[asyncio.Task] = set()
+
+
+async def _recorded_forward(**kwargs):
+    """``distributed_forward`` over ``send_batch`` with the site's deadlines and frame cap; each
+    holder's failures and latencies are recorded afterwards, also when the forward fails."""
+    t = settings.TENZRO
+    try:
+        res = await distributed_forward(send=send_batch, deadline_s=t["BATCH_DEADLINE_S"],
+                                        max_message=t["WS_MAX_MESSAGE"],
+                                        split_threshold=t["PLAN_SPLIT_THRESHOLD"], **kwargs)
+    except ForwardError as exc:
+        _record_later(exc.data.get("failures", []), {})
+        raise
+    _record_later(res.failures, res.latencies_ms)
+    return res
 
 
 def _record_later(failures: list[dict], latencies: dict) -> None:

@@ -51,3 +51,16 @@ def holding(model_id="m", layer=0, expert=0, residency="Warm", **kw) -> dict:
     """A holding dict for heartbeats."""
     return {"model_id": model_id, "layer": layer, "expert": expert, "residency": residency,
             "committed_tps": kw.get("committed_tps", 0), "blob_uri": kw.get("blob_uri", "")}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    """Each test starts with an empty Django cache: throttle and rate-limit windows from earlier
+    tests (schemathesis sends hundreds of requests) must not leak into the next one."""
+    from django.conf import settings
+
+    if settings.configured:
+        from django.core.cache import cache
+
+        cache.clear()
+    yield

@@ -447,12 +447,22 @@ def test_backend_selection():
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
 
 
-@pytest.mark.skipif(not HAS_CUPY, reason="CuPy is not installed (optional extra [cuda]); no CUDA backend here")
-def test_cuda_backend_keeps_weights_resident_and_matches_cpu():
+def _unavailable(name: str) -> str | None:
+    """Why backend ``name`` cannot start here (package present but no device), or None."""
     try:
-        b = compute.make_backend("cuda")
+        compute.make_backend(name)
     except compute.BackendUnavailable as exc:
-        pytest.skip(f"CUDA backend unavailable: {exc}")
+        return f"{name} backend unavailable: {exc}"
+    return None
+
+
+CUDA_SKIP = ("CuPy is not installed (optional extra [cuda]); no CUDA backend here" if not HAS_CUPY
+             else _unavailable("cuda"))
+
+
+@pytest.mark.skipif(CUDA_SKIP is not None, reason=CUDA_SKIP or "")
+def test_cuda_backend_keeps_weights_resident_and_matches_cpu():
+    b = compute.make_backend("cuda")
     e, x = expert(1), rows(9)
     np.testing.assert_allclose(b.matmul_xt(x, e.gate_proj), x @ e.gate_proj.T, rtol=1e-4, atol=1e-5)
     resident = b.describe()["resident_bytes"]
@@ -469,17 +479,17 @@ def test_cuda_backend_explains_why_it_is_unavailable():
 
 
 HAS_WGPU = importlib.util.find_spec("wgpu") is not None
+# Package present but no adapter (no Vulkan ICD) is a reason to skip too, decided at collection.
+WGPU_SKIP = ("wgpu-py is not installed (optional extra [wgpu]); no WebGPU backend here" if not HAS_WGPU
+             else _unavailable("wgpu"))
 
 
 @pytest.fixture
 def wgpu_backend():
-    try:
-        return compute.make_backend("wgpu")
-    except compute.BackendUnavailable as exc:  # the package is there but no adapter (no Vulkan ICD)
-        pytest.skip(f"wgpu backend unavailable: {exc}")
+    return compute.make_backend("wgpu")
 
 
-@pytest.mark.skipif(not HAS_WGPU, reason="wgpu-py is not installed (optional extra [wgpu]); no WebGPU backend here")
+@pytest.mark.skipif(WGPU_SKIP is not None, reason=WGPU_SKIP or "")
 def test_wgpu_backend_matches_numpy_and_keeps_weights_resident(wgpu_backend):
     b = wgpu_backend
     rng = np.random.default_rng(6)
@@ -500,7 +510,7 @@ def test_wgpu_backend_matches_numpy_and_keeps_weights_resident(wgpu_backend):
     assert b.describe()["gpu"] == (b.adapter_type.upper() != "CPU")
 
 
-@pytest.mark.skipif(not HAS_WGPU, reason="wgpu-py is not installed (optional extra [wgpu]); no WebGPU backend here")
+@pytest.mark.skipif(WGPU_SKIP is not None, reason=WGPU_SKIP or "")
 def test_runtime_reports_the_wgpu_backend_and_serves_through_it(tmp_path, wgpu_backend):
     rt = ExpertRuntime(memory_budget=EXPERT_BYTES, disk_dir=tmp_path, backend=wgpu_backend)
     previous = compute.backend()

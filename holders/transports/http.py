@@ -38,6 +38,17 @@ Handler = Callable[[str, dict], Awaitable[dict]]
 FrameHandler = Callable[[dict, bytes], Awaitable[tuple[dict, bytes]]]
 
 
+async def read_headers(reader: asyncio.StreamReader) -> dict[str, str]:
+    """Read HTTP/1.1 header lines up to the blank line; returns lower-cased names → values."""
+    headers = {}
+    while True:
+        line = await reader.readline()
+        if line in (b"\r\n", b"\n", b""):
+            return headers
+        k, _, v = line.decode("latin-1").partition(":")
+        headers[k.strip().lower()] = v.strip()
+
+
 class RpcFailure(Exception):
     """A JSON-RPC error to send back: ``code``, ``message``, ``data``."""
 
@@ -107,13 +118,7 @@ async def serve_http(handler: Handler, host: str, port: int,
                 if not line:
                     return
                 parts = line.decode("latin-1").split()
-                headers = {}
-                while True:
-                    h = await reader.readline()
-                    if h in (b"\r\n", b"\n", b""):
-                        break
-                    k, _, v = h.decode("latin-1").partition(":")
-                    headers[k.strip().lower()] = v.strip()
+                headers = await read_headers(reader)
                 keep = headers.get("connection", "").lower() != "close"
                 if len(parts) < 2:
                     await _respond(writer, 400, {"error": "malformed request line"}, False)
@@ -234,13 +239,7 @@ class HttpHolderClient:
                          f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
             await writer.drain()
             status = (await reader.readline()).split()
-            headers = {}
-            while True:
-                line = await reader.readline()
-                if line in (b"\r\n", b"\n", b""):
-                    break
-                k, _, v = line.decode("latin-1").partition(":")
-                headers[k.strip().lower()] = v.strip()
+            headers = await read_headers(reader)
             data = await reader.readexactly(int(headers.get("content-length", "0")))
             if len(status) < 2 or status[1] != b"200":
                 raise ConnectionError(f"{endpoint}: HTTP {status[1:2]}")
