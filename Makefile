@@ -26,6 +26,7 @@ demo: $(RUNTIME)
 	$(BIN)/python manage.py tenzro_demo
 
 test: $(TESTDEPS)
+	$(BIN)/lint-imports --no-cache
 	TENZRO_VAR_DIR=$(CURDIR)/var/test $(BIN)/python -m pytest
 
 # Operators: the site (daphne), one Celery worker, exactly one beat (needs REDIS_URL).

@@ -35,8 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from holders.ffn import ExpertWeights  # noqa: E402
 from holders.quant import quantize  # noqa: E402
-from prepare.blobs import BlobStore  # noqa: E402
-from prepare.checkpoint import Checkpoint, dumps_safetensors, encode_bf16  # noqa: E402
+from holders.blobs import BlobStore  # noqa: E402
+from prepare.checkpoint import Checkpoint  # noqa: E402
+from holders.codec import dumps_safetensors, encode_bf16  # noqa: E402
 from prepare.layouts import load_expert, source_dtype, spec_from_config  # noqa: E402
 from prepare.quantplan import parse_quant_plan, quantize_expert  # noqa: E402
 

@@ -33,11 +33,12 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from holders import compute, methods, wire
-from holders.identity import DOMAIN_HEARTBEAT, DOMAIN_HELLO, provider_id, sign, sign_body
+from registry.identity import DOMAIN_HEARTBEAT, DOMAIN_HELLO, provider_id, sign, sign_body
 from holders.receipts import make_receipt
 from holders.runtime import ExpertNotLoaded, ExpertRuntime, RuntimeFault
 from holders.transports.http import RpcFailure, serve_http
-from prepare.blobs import BlobError, BlobStore, parse_blob_uri, verify_blob
+from holders.blobs import BlobStore, verify_blob
+from registry.content import BlobError, parse_blob_uri
 
 log = logging.getLogger("tenzro.agent")
 

@@ -5,7 +5,12 @@ from rest_framework import serializers
 
 from holders import methods, services, wire
 from holders.forward import ForwardError
-from tenzro_site.rpc import EXECUTION_ERROR, INVALID_PARAMS, PLANNING_ERROR, RpcError, rpc_method
+from registry.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, PLANNING_ERROR, RpcError
+from registry.services import PlacementError
+from registry.rpc import MethodTable
+
+
+rpc_methods = MethodTable()
 
 
 class Base64Field(serializers.Field):
@@ -23,6 +28,13 @@ class Base64Field(serializers.Field):
     def to_representation(self, value):
         """The string itself."""
         return value
+
+
+class PlaceParams(serializers.Serializer):
+    """Params of ``tenzro_moePlaceModel``."""
+
+    model_id = serializers.CharField(max_length=200)
+    replication = serializers.IntegerField(min_value=1, max_value=64, required=False, default=2)
 
 
 class ForwardParams(serializers.Serializer):
@@ -68,7 +80,7 @@ async def _forward_errors(p: dict, call) -> dict:
         raise RpcError(INVALID_PARAMS, msg, {"field": field}) from exc
 
 
-@rpc_method("tenzro_moeForward", params=ForwardParams)
+@rpc_methods.method("tenzro_moeForward", params=ForwardParams)
 async def moe_forward(p: dict) -> dict:
     """Distributed forward of one MoE layer: gate here, experts on holders, gate-weighted combine."""
     x = _hidden_rows(p)
@@ -157,7 +169,7 @@ def _bind(name: str, params, operator: bool):
 
     method.__name__ = name
     method.__doc__ = f"``{name}`` on the site's runtime, or relayed to ``provider``'s agent."
-    rpc_method(name, params=params, operator=operator)(method)
+    rpc_methods.method(name, params=params, operator=operator)(method)
     return method
 
 
@@ -178,8 +190,17 @@ class DenseForwardParams(serializers.Serializer):
     carrier = serializers.ChoiceField(["auto", "f32", "q8_0"], required=False, default="auto")
 
 
-@rpc_method("tenzro_moeDenseForward", params=DenseForwardParams)
+@rpc_methods.method("tenzro_moeDenseForward", params=DenseForwardParams)
 async def moe_dense_forward(p: dict) -> dict:
     """Distributed forward of a dense MLP layer split by intermediate slices across holders."""
     x = _hidden_rows(p)
     return await _forward_errors(p, services.dense_forward(p["model_id"], p["layer"], p["d_model"], x, p["carrier"]))
+@rpc_methods.method("tenzro_moePlaceModel", params=PlaceParams, operator=True)
+async def place_model(p: dict) -> dict:
+    """Have live agents pull a published model's experts, each on its top providers by rendezvous hashing."""
+    try:
+        return await services.place_model(p["model_id"], p["replication"])
+    except PlacementError as exc:
+        raise RpcError(PLANNING_ERROR, str(exc), {"field": "model_id"}) from exc
+
+

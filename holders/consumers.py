@@ -19,7 +19,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
 from holders import wire
-from holders.identity import DOMAIN_HELLO, SignatureError, verify
+from registry.identity import DOMAIN_HELLO, SignatureError, verify
 from holders.transports.ws import agent_group
 from registry import services as registry_services
 from registry.heartbeat import HeartbeatError

@@ -20,7 +20,7 @@ import numpy as np
 from holders.compute import matmul_xt
 from holders.gating import Gate, Routing, route
 from holders.quant import QTYPES, QuantizedMatrix
-from prepare.checkpoint import dumps_safetensors, encode_bf16, loads_safetensors
+from holders.codec import dumps_safetensors, encode_bf16, loads_safetensors
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 BIASES = ("gate_bias", "up_bias", "down_bias")

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prepare.checkpoint import dumps_safetensors, loads_safetensors
+from holders.codec import dumps_safetensors, loads_safetensors
 
 SOFTMAX_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 SIGMOID_FAMILIES = ("deepseek_v3", "kimi_k2", "glm4_moe")

@@ -35,7 +35,7 @@ import struct
 import numpy as np
 from nacl.signing import SigningKey
 
-from holders.identity import SignatureError, provider_id, sign_body, verify_body
+from registry.identity import SignatureError, provider_id, sign_body, verify_body
 
 DOMAIN_RECEIPT = b"tenzro/moe/receipt/v2"
 ACTIVATION_DOMAIN = b"tenzro/moe/activation/v2"

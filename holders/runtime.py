@@ -42,7 +42,8 @@ from holders import compute
 from holders.ffn import PROJECTIONS, ExpertWeights, expert_forward
 from holders.gating import Gate, Routing, route
 from holders.metering import Meter
-from prepare.blobs import BlobError, blob_hash, blob_uri, parse_blob_uri
+from holders.blobs import blob_hash
+from registry.content import BlobError, blob_uri, parse_blob_uri
 
 log = logging.getLogger(__name__)
 

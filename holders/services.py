@@ -24,11 +24,13 @@ from holders.gating import Gate
 from holders.runtime import ExpertRuntime, GateNotLoaded
 from holders.transports.http import HttpHolderClient, answer_to_batch
 from holders.transports.ws import AgentLink, AgentUnavailable
-from prepare.blobs import BlobStore, parse_blob_uri
-from prepare.models import GateBlob
+from holders.blobs import BlobStore
+from registry.content import parse_blob_uri
+from registry.models import GateBlob
 from registry.models import MoeModel, Provider
 from registry.selectors import expected_experts, provider_infos
-from registry.services import record_holder_outcomes
+from registry import repair
+from registry.services import placement_inputs, record_holder_outcomes
 from registry.shardmap import ReplicationPolicy, ShardView
 
 
@@ -351,3 +353,37 @@ async def _relay_execute(provider: str, p: dict) -> dict:
 
 __all__ = ["ForwardError", "GateNotLoaded", "call_method", "dense_forward", "forward", "live_view", "load_gate",
            "send_batch", "send_to_agent", "send_ws", "site_fetch", "site_runtime"]
+
+
+async def place_model(model_id: str, replication: int = 2, timeout: float = 120.0) -> dict:
+    """Ask live agents to load ``model_id``'s experts, each on its top-``replication`` providers by HRW.
+
+    Returns ``{model_id, replication, assignments: {provider: count}, failed: [...]}``.
+    Raises ``PlacementError``. Agents fetch the blobs themselves and declare them on their
+    next heartbeat; this waits for every load to be acknowledged (or fail).
+    """
+    blobs, providers = await database_sync_to_async(placement_inputs)(model_id)
+    uri_of = {(layer, expert): uri for layer, expert, uri in blobs}
+    plan = repair.place(model_id, sorted(uri_of), providers, replication)
+    link = await AgentLink.get()
+    failed: list[dict] = []
+
+    async def load(provider: str, layer: int, expert: int):
+        try:
+            await link.request(provider, {"type": "load", "model_id": model_id, "layer": layer,
+                                          "expert": expert, "uri": uri_of[(layer, expert)]}, timeout=timeout)
+        except AgentUnavailable as exc:
+            failed.append({"provider": provider, "layer": layer, "expert": expert, "error": str(exc)})
+
+    sem = asyncio.Semaphore(16)
+
+    async def bounded(*args):
+        async with sem:
+            await load(*args)
+
+    await asyncio.gather(*(bounded(p, layer, e) for p, keys in plan.items() for layer, e in keys))
+    warnings = ([f"replication {replication} asked, but only {len(providers)} live agents: each expert is on "
+                 f"{len(providers)}"] if replication > len(providers) else [])
+    return {"model_id": model_id, "replication": min(replication, len(providers)), "warnings": warnings,
+            "assignments": {p: len(keys) for p, keys in sorted(plan.items())}, "failed": failed,
+            "heartbeat_interval_s": settings.TENZRO["HEARTBEAT_INTERVAL_S"]}

@@ -18,7 +18,7 @@ import struct
 import numpy as np
 
 from holders import quant
-from prepare.checkpoint import encode_bf16
+from holders.codec import encode_bf16
 
 FRAME_HEADER_MAX = 64 * 1024
 CARRIERS = ("f32", "q8_0")

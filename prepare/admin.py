@@ -4,7 +4,8 @@ from __future__ import annotations
 from django.contrib import admin
 
 from prepare import jobs
-from prepare.models import ExpertBlob, GateBlob, PrepareItem, PrepareJob
+from prepare.models import PrepareItem, PrepareJob
+from registry.models import ExpertBlob, GateBlob
 
 
 class PrepareItemInline(admin.TabularInline):

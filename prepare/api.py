@@ -7,7 +7,11 @@ from rest_framework import serializers
 from prepare import jobs
 from prepare.models import PrepareJob
 from prepare.tasks import run_prepare_job
-from tenzro_site.rpc import INVALID_PARAMS, RpcError, rpc_method
+from registry.jsonrpc import INVALID_PARAMS, RpcError
+from registry.rpc import MethodTable
+
+
+rpc_methods = MethodTable()
 
 
 class AnyJson(serializers.Field):
@@ -38,7 +42,7 @@ def _start(job: PrepareJob) -> None:
     transaction.on_commit(lambda: run_prepare_job.delay(str(job.job_id)))
 
 
-@rpc_method("tenzro_moePrepareExperts", params=PrepareParams, operator=True)
+@rpc_methods.method("tenzro_moePrepareExperts", params=PrepareParams, operator=True)
 def prepare_experts(p: dict) -> dict:
     """Start a preparation job; returns ``{job_id, model_id, layer, layers, total_experts,
     include_gate, quant, state}`` at once (the work runs in a Celery task)."""
@@ -70,20 +74,20 @@ def _job(job_id) -> PrepareJob:
         raise RpcError(INVALID_PARAMS, f"no preparation job {job_id}", {"field": "job_id"}) from None
 
 
-@rpc_method("tenzro_moePrepareStatus", params=JobParams)
+@rpc_methods.method("tenzro_moePrepareStatus", params=JobParams)
 def prepare_status(p: dict) -> dict:
     """Progress and results of a preparation job (experts done/total, bytes, current tensor,
     per-expert URIs, failures and quantization fallbacks)."""
     return jobs.job_status(_job(p["job_id"]))
 
 
-@rpc_method("tenzro_moePrepareCancel", params=JobParams, operator=True)
+@rpc_methods.method("tenzro_moePrepareCancel", params=JobParams, operator=True)
 def prepare_cancel(p: dict) -> dict:
     """Ask a running job to stop before its next expert; returns its status (no item lists)."""
     return jobs.job_status(jobs.cancel_job(_job(p["job_id"]).job_id), items=False)
 
 
-@rpc_method("tenzro_moePrepareResume", params=JobParams, operator=True)
+@rpc_methods.method("tenzro_moePrepareResume", params=JobParams, operator=True)
 def prepare_resume(p: dict) -> dict:
     """Run an unfinished (crashed, failed) job again; finished experts are skipped."""
     job = _job(p["job_id"])

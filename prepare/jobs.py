@@ -24,10 +24,13 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from prepare.blobs import BlobError, BlobStore
-from prepare.checkpoint import CheckpointError
+from holders.blobs import BlobStore
+
+from registry.content import BlobError
+from holders.codec import CheckpointError
 from prepare.layouts import MoeSpec, expert_sources, load_expert, load_gate, source_dtype, spec_from_config
-from prepare.models import ExpertBlob, GateBlob, PrepareItem, PrepareJob
+from prepare.models import PrepareItem, PrepareJob
+from registry.models import ExpertBlob, GateBlob
 from prepare.quantplan import QuantPlanError, blob_quant_tag, parse_quant_plan, quantize_expert
 from prepare.remote import open_checkpoint
 from registry.models import MoeModel

@@ -45,7 +45,8 @@ import numpy as np
 
 from holders.ffn import PROJECTIONS, ExpertWeights
 from holders.gating import Gate
-from prepare.checkpoint import Checkpoint, CheckpointError, decode_mxfp4
+from prepare.checkpoint import Checkpoint
+from holders.codec import CheckpointError, decode_mxfp4
 
 SUPPORTED_FAMILIES = ("qwen3_moe", "deepseek_v3", "kimi_k2", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss")
 _DEEPSEEK_LIKE = ("deepseek_v3", "kimi_k2", "glm4_moe")

@@ -30,7 +30,9 @@ from pathlib import Path
 
 import httpx
 
-from prepare.checkpoint import Checkpoint, CheckpointError
+from prepare.checkpoint import Checkpoint
+
+from holders.codec import CheckpointError
 
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 _HF_REPO = re.compile(r"^https://huggingface\.co/([^/]+/[^/]+)/?$")

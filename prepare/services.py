@@ -8,11 +8,12 @@ from typing import Callable
 from django.conf import settings
 from django.db import transaction
 
-from prepare.blobs import BlobStore
+from holders.blobs import BlobStore
 from prepare.checkpoint import Checkpoint
 from prepare.jobs import JobParamError, create_job, run_job
 from prepare.layouts import spec_from_config
-from prepare.models import ExpertBlob, PrepareJob
+from prepare.models import PrepareJob
+from registry.models import ExpertBlob
 from prepare.remote import is_url
 from registry.models import MoeModel
 
@@ -70,10 +71,10 @@ def blob_endpoints(uri: str, site_url: str | None = None) -> list[str]:
 
 def resolve_blob(uri: str, store=None, site_url: str | None = None) -> bytes:
     """The bytes of ``tenzro://blob/<hash>``: the site's store, else fetched (and verified)
-    from the holders that declare it. Raises ``prepare.blobs.BlobError``."""
+    from the holders that declare it. Raises ``holders.blobs.BlobError``."""
     from django.conf import settings
 
-    from prepare.blobs import BlobStore, fetch_blob
+    from holders.blobs import BlobStore, fetch_blob
 
     store = store or BlobStore(settings.TENZRO["BLOB_DIR"])
     return fetch_blob(uri, store, blob_endpoints(uri, site_url))

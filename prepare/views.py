@@ -7,7 +7,9 @@ from django.conf import settings
 from django.http import Http404, JsonResponse, StreamingHttpResponse
 from django.shortcuts import render
 
-from prepare.blobs import BlobError, BlobStore, check_hash
+from holders.blobs import BlobStore
+
+from registry.content import BlobError, check_hash
 from prepare.jobs import job_status
 from prepare.models import PrepareJob
 

@@ -16,16 +16,20 @@ from rest_framework import exceptions, permissions, serializers, throttling
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from holders.identity import SignatureError
+from registry.identity import SignatureError
 from registry import catalog, governance, selectors, services
 from registry.heartbeat import HeartbeatError
 from registry.models import Holding, Provider, Proposal
 from registry.planner import PlanningError, TokenRouting, plan_dispatch
 from registry.shardmap import ROLES
-from tenzro_site.operator import is_operator
-from tenzro_site.rpc import AUTH_REFUSED, INVALID_PARAMS, PLANNING_ERROR, RpcError, first_error, rpc_method
+from registry.operator import is_operator
+from registry.jsonrpc import AUTH_REFUSED, INVALID_PARAMS, PLANNING_ERROR, RpcError
+from registry.rpc import MethodTable, first_error
 
 # --------------------------------------------------------------------------- serializers
+
+
+rpc_methods = MethodTable()
 
 
 class ModelParams(serializers.Serializer):
@@ -56,13 +60,6 @@ class PlanParams(serializers.Serializer):
     routings = RoutingParams(many=True, allow_empty=False, max_length=65_536)
     allow_cold = serializers.BooleanField(required=False, default=False)
     split_threshold = serializers.IntegerField(required=False, min_value=0, max_value=2**31 - 1)
-
-
-class PlaceParams(serializers.Serializer):
-    """Params of ``tenzro_moePlaceModel``."""
-
-    model_id = serializers.CharField(max_length=200)
-    replication = serializers.IntegerField(min_value=1, max_value=64, required=False, default=2)
 
 
 class ProviderQuery(serializers.Serializer):
@@ -326,79 +323,70 @@ def _rpc(func, params: dict, operator: bool = False):
         raise RpcError(AUTH_REFUSED, str(exc), {"field": "Authorization"}) from exc
 
 
-@rpc_method("tenzro_moeShardMap", params=ModelParams)
+@rpc_methods.method("tenzro_moeShardMap", params=ModelParams)
 def shard_map(p: dict) -> dict:
     """The live shard map of a model (holders per expert, replication, coverage)."""
     return _rpc(op_shard_map, p)
 
 
-@rpc_method("tenzro_moePlanDispatch", params=PlanParams)
+@rpc_methods.method("tenzro_moePlanDispatch", params=PlanParams)
 def plan(p: dict) -> dict:
     """Plan per-holder batches for the given routings over the live shard view."""
     return _rpc(op_plan, p)
 
 
-@rpc_method("tenzro_moeReplicationPolicy")
+@rpc_methods.method("tenzro_moeReplicationPolicy")
 def replication_policy(p: dict) -> dict:
     """The replication policy in force (from the database; changed only by proposals)."""
     return _rpc(op_policy, p)
 
 
-@rpc_method("tenzro_moeCatalogShape", params=ModelParams)
+@rpc_methods.method("tenzro_moeCatalogShape", params=ModelParams)
 def catalog_shape(p: dict) -> dict:
     """The seed-catalog shape of a model."""
     return _rpc(op_catalog_shape, p)
 
 
-@rpc_method("tenzro_moeListProviders", params=ProviderQuery)
+@rpc_methods.method("tenzro_moeListProviders", params=ProviderQuery)
 def list_providers(p: dict) -> dict:
     """Registered providers (``live`` to keep only live ones)."""
     return _rpc(op_providers, p)
 
 
-@rpc_method("tenzro_moeListProposals", params=ProposalQuery)
+@rpc_methods.method("tenzro_moeListProposals", params=ProposalQuery)
 def list_proposals(p: dict) -> dict:
     """Governance proposals, newest first."""
     return _rpc(op_proposals, p)
 
 
-@rpc_method("tenzro_moeGetProposal", params=ProposalRef)
+@rpc_methods.method("tenzro_moeGetProposal", params=ProposalRef)
 def get_proposal(p: dict) -> dict:
     """One proposal with votes and tally."""
     return _rpc(op_proposal, p)
 
 
-@rpc_method("tenzro_moeCreateProposal", params=ProposalCreate, operator=True)
+@rpc_methods.method("tenzro_moeCreateProposal", params=ProposalCreate, operator=True)
 def create_proposal(p: dict) -> dict:
     """Open a policy proposal (operator)."""
     return _rpc(op_create_proposal, p)
 
 
-@rpc_method("tenzro_moeVoteProposal", params=VoteParams, pass_operator=True)
+@rpc_methods.method("tenzro_moeVoteProposal", params=VoteParams, pass_operator=True)
 def vote_proposal(p: dict) -> dict:
     """A provider's signed vote (open), or the operator's vote (checked in ``op_vote``)."""
     return _rpc(op_vote, p, operator=p.pop("_operator"))
 
 
-@rpc_method("tenzro_moeWithdrawProposal", params=ProposalRef, operator=True)
+@rpc_methods.method("tenzro_moeWithdrawProposal", params=ProposalRef, operator=True)
 def withdraw_proposal(p: dict) -> dict:
     """Withdraw an open proposal (operator)."""
     return _rpc(op_withdraw, p)
 
 
-@rpc_method("tenzro_moeGovernanceAudit", params=AuditQuery)
+@rpc_methods.method("tenzro_moeGovernanceAudit", params=AuditQuery)
 def governance_audit(p: dict) -> dict:
     """The governance audit trail, newest first."""
     return _rpc(op_audit, p)
-
-
-@rpc_method("tenzro_moePlaceModel", params=PlaceParams, operator=True)
-async def place_model(p: dict) -> dict:
-    """Have live agents pull a published model's experts, each on its top providers by rendezvous hashing."""
-    try:
-        return await services.place_model(p["model_id"], p["replication"])
-    except services.PlacementError as exc:
-        raise RpcError(PLANNING_ERROR, str(exc), {"field": "model_id"}) from exc
 
 
 # --------------------------------------------------------------------------- REST

@@ -29,7 +29,7 @@ from django.contrib.auth import get_user_model
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from holders.identity import SignatureError, verify_body
+from registry.identity import SignatureError, verify_body
 from registry import shardmap
 from registry.models import AuditEntry, Proposal, Provider, ReplicationPolicy, Vote
 

@@ -39,8 +39,8 @@ from datetime import datetime, timezone
 from django.conf import settings
 from django.db import connection, transaction
 
-from holders.identity import DOMAIN_HEARTBEAT, SignatureError, verify_body
-from prepare.blobs import URI_PREFIX, BlobError, parse_blob_uri
+from registry.identity import DOMAIN_HEARTBEAT, SignatureError, verify_body
+from registry.content import URI_PREFIX, BlobError, parse_blob_uri
 from registry.models import Holding, Provider, new_holdings_version
 from registry.shardmap import RESIDENCIES, ROLES
 
@@ -184,7 +184,7 @@ def _fill_blob_uris(holdings: list[dict]) -> None:
             wanted.setdefault(h["model_id"], set()).add(h["layer"])
     if not wanted:
         return
-    from prepare.models import ExpertBlob
+    from registry.models import ExpertBlob
 
     known: dict[tuple, str] = {}
     for model_id, layers in wanted.items():

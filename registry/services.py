@@ -1,14 +1,10 @@
-"""Registry writes: heartbeats, agent sessions, and initial placement of a model's experts."""
+"""Registry writes: heartbeats, agent sessions, placement inputs and holder outcomes."""
 from __future__ import annotations
 
-import asyncio
-
-from channels.db import database_sync_to_async
-from django.conf import settings
 from django.db import transaction
 
-from prepare.models import ExpertBlob
-from registry import heartbeat, repair
+from registry.models import ExpertBlob
+from registry import heartbeat
 from registry.models import AgentSession, MoeModel, Provider
 from registry.selectors import live_providers
 
@@ -59,42 +55,6 @@ def placement_inputs(model_id: str) -> tuple[list[tuple[int, int, str]], list[st
     if not providers:
         raise PlacementError("no live holder agents are connected")
     return blobs, providers
-
-
-async def place_model(model_id: str, replication: int = 2, timeout: float = 120.0) -> dict:
-    """Ask live agents to load ``model_id``'s experts, each on its top-``replication`` providers by HRW.
-
-    Returns ``{model_id, replication, assignments: {provider: count}, failed: [...]}``.
-    Raises ``PlacementError``. Agents fetch the blobs themselves and declare them on their
-    next heartbeat; this waits for every load to be acknowledged (or fail).
-    """
-    from holders.transports.ws import AgentLink, AgentUnavailable
-
-    blobs, providers = await database_sync_to_async(placement_inputs)(model_id)
-    uri_of = {(layer, expert): uri for layer, expert, uri in blobs}
-    plan = repair.place(model_id, sorted(uri_of), providers, replication)
-    link = await AgentLink.get()
-    failed: list[dict] = []
-
-    async def load(provider: str, layer: int, expert: int):
-        try:
-            await link.request(provider, {"type": "load", "model_id": model_id, "layer": layer,
-                                          "expert": expert, "uri": uri_of[(layer, expert)]}, timeout=timeout)
-        except AgentUnavailable as exc:
-            failed.append({"provider": provider, "layer": layer, "expert": expert, "error": str(exc)})
-
-    sem = asyncio.Semaphore(16)
-
-    async def bounded(*args):
-        async with sem:
-            await load(*args)
-
-    await asyncio.gather(*(bounded(p, layer, e) for p, keys in plan.items() for layer, e in keys))
-    warnings = ([f"replication {replication} asked, but only {len(providers)} live agents: each expert is on "
-                 f"{len(providers)}"] if replication > len(providers) else [])
-    return {"model_id": model_id, "replication": min(replication, len(providers)), "warnings": warnings,
-            "assignments": {p: len(keys) for p, keys in sorted(plan.items())}, "failed": failed,
-            "heartbeat_interval_s": settings.TENZRO["HEARTBEAT_INTERVAL_S"]}
 
 
 def record_holder_outcomes(failures: dict[str, int], latencies_ms: dict[str, list[float]]) -> None:

@@ -1,8 +1,8 @@
-"""JSON-RPC 2.0 at ``POST /rpc``: one async view, a method table, params validated by DRF serializers.
+"""JSON-RPC 2.0 at ``POST /rpc``: one async view over the methods every app declares.
 
-Methods register with ``@rpc_method(name, params=Serializer, operator=False)``; a method is a
-plain or async function ``(params: dict) -> JSON-able result`` that calls a service module.
-Errors (DESIGN §6): -32700 parse error, -32600 invalid request, -32601 method not found,
+Each installed app's ``api`` module may hold ``rpc_methods`` (a ``registry.rpc.MethodTable``);
+``METHODS`` is their union, collected once at import like ``urls.py`` collects URL patterns.
+Errors (``registry.jsonrpc``, DESIGN §6): -32700 parse error, -32600 invalid request, -32601 method not found,
 -32602 invalid params, -32603 internal error, -32000 planning error, -32001 auth refused,
 -32004 execution error; each has a human-readable ``message`` and a ``data`` object that names
 the field. Batches and notifications follow the spec; clients never see a traceback.
@@ -13,137 +13,44 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from importlib import import_module
+from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.apps import apps
 from django.conf import settings
 from django.core.cache import cache
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
-from rest_framework import serializers
 
-from tenzro_site.operator import is_operator
+from registry.jsonrpc import (AUTH_REFUSED, INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND,
+                              PARSE_ERROR, RpcError, error_response, result_response)
+from registry.operator import is_operator
+from registry.rpc import Method, validate_params
 
 log = logging.getLogger(__name__)
 
-PARSE_ERROR = -32700
-INVALID_REQUEST = -32600
-METHOD_NOT_FOUND = -32601
-INVALID_PARAMS = -32602
-INTERNAL_ERROR = -32603
-PLANNING_ERROR = -32000
-AUTH_REFUSED = -32001
-EXECUTION_ERROR = -32004
 
-
-class RpcError(Exception):
-    """An error to return as a JSON-RPC error object (code, message, data)."""
-
-    def __init__(self, code: int, message: str, data: dict | None = None):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.data = data or {}
-
-    def to_json(self) -> dict:
-        """The JSON-RPC ``error`` member."""
-        return {"code": self.code, "message": self.message, "data": self.data}
-
-
-@dataclass
-class Method:
-    """A registered JSON-RPC method."""
-
-    name: str
-    func: Callable[[dict], Any]
-    params: type[serializers.Serializer] | None
-    operator: bool
-    pass_operator: bool = False
-
-
-METHODS: dict[str, Method] = {}
-
-
-def rpc_method(name: str, params: type[serializers.Serializer] | None = None, operator: bool = False,
-               pass_operator: bool = False):
-    """Register ``func`` as JSON-RPC method ``name``; ``operator`` requires the operator bearer token;
-    ``pass_operator`` adds ``_operator: bool`` (whether the caller holds it) to the validated params."""
-    def deco(func):
-        METHODS[name] = Method(name, func, params, operator, pass_operator)
-        return func
-    return deco
-
-
-def first_error(errors, prefix: str = "") -> tuple[str, str]:
-    """(field path, message) of the first DRF validation error, e.g. ("routings[2].experts", "...")."""
-    if isinstance(errors, dict) and errors:
-        key, value = next(iter(errors.items()))
-        if key == "non_field_errors":  # an error of the object itself: name the object
-            return first_error(value, prefix)
-        return first_error(value, f"{prefix}.{key}" if prefix else str(key))
-    if isinstance(errors, list):
-        for i, item in enumerate(errors):
-            if item:  # DRF reports valid list items as empty dicts
-                return first_error(item, prefix if isinstance(item, str) else f"{prefix}[{i}]")
-    return prefix, str(errors)
-
-
-_JSON_TYPES = (
-    (serializers.BooleanField, (bool,), "a boolean (true or false)"),
-    (serializers.IntegerField, (int,), "an integer"),
-    (serializers.FloatField, (int, float), "a number"),
-    (serializers.ChoiceField, None, None),
-    (serializers.CharField, (str,), "a string"),
-)
-
-
-def strict_types(fields, data, prefix: str = "") -> None:
-    """Refuse JSON values of the wrong type before DRF coerces them ("0" → 0, "yes" → True).
-
-    Walks nested serializers and lists. Raises ``RpcError(-32602)`` naming the field.
-    """
-    if not isinstance(data, dict):
-        return
-    for name, field in fields.items():
-        if name not in data or data[name] is None:
+def collect_methods() -> dict[str, Method]:
+    """The union of ``<app>.api.rpc_methods`` over the installed apps; raises ``ValueError``
+    when two apps declare one name."""
+    methods: dict[str, Method] = {}
+    for config in apps.get_app_configs():
+        try:
+            module = import_module(f"{config.name}.api")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{config.name}.api":
+                raise
             continue
-        value, path = data[name], f"{prefix}{name}"
-        if isinstance(field, serializers.ListSerializer) and isinstance(value, list):
-            for i, item in enumerate(value):
-                strict_types(field.child.fields, item, f"{path}[{i}].")
-            continue
-        if isinstance(field, serializers.Serializer):
-            strict_types(field.fields, value, f"{path}.")
-            continue
-        for cls, types, what in _JSON_TYPES:
-            if isinstance(field, cls):
-                ok = types is None or (isinstance(value, types) and not (bool not in types and isinstance(value, bool)))
-                if not ok:
-                    raise RpcError(INVALID_PARAMS, f"invalid params: {path} must be {what}, got {type(value).__name__}",
-                                   {"field": path})
-                break
+        for name, method in getattr(module, "rpc_methods", {}).items():
+            if name in methods:
+                raise ValueError(f"JSON-RPC method {name!r} declared by two apps")
+            methods[name] = method
+    return methods
 
 
-def validate_params(serializer_cls, params: dict) -> dict:
-    """Validate ``params`` with a DRF serializer; raises ``RpcError(-32602)`` naming the field.
-
-    JSON types are checked strictly first (see ``strict_types``); unknown fields are refused.
-    """
-    if serializer_cls is None:
-        return params
-    ser = serializer_cls(data=params)
-    strict_types(ser.fields, params)
-    if not ser.is_valid():
-        field, msg = first_error(ser.errors)
-        raise RpcError(INVALID_PARAMS, f"invalid params: {field}: {msg}" if field else f"invalid params: {msg}",
-                       {"field": field, "errors": json.loads(json.dumps(ser.errors, default=str))})
-    unknown = sorted(set(params) - set(ser.fields))
-    if unknown:
-        raise RpcError(INVALID_PARAMS, f"invalid params: unknown field {unknown[0]!r}", {"field": unknown[0]})
-    return dict(ser.validated_data)
-
+METHODS = collect_methods()
 
 async def _call(method: Method, params: dict) -> Any:
     if asyncio.iscoroutinefunction(method.func):
@@ -200,11 +107,10 @@ async def handle_one(obj: Any, authorization: str | None) -> dict | None:
         log.exception("JSON-RPC method failed")
         return None if is_notification else _error(
             req_id, RpcError(INTERNAL_ERROR, "internal error; the site log has the details", {}))
-    return None if is_notification else {"jsonrpc": "2.0", "id": req_id, "result": result}
+    return None if is_notification else result_response(req_id, result)
 
 
-def _error(req_id, err: RpcError) -> dict:
-    return {"jsonrpc": "2.0", "id": req_id, "error": err.to_json()}
+_error = error_response
 
 
 async def _rate_limited(request: HttpRequest) -> bool:

@@ -82,6 +82,7 @@ INSTALLED_APPS = [
     "holders",
     "prepare",
     "settlement",
+    "tenzro_site",  # the orchestration commands (tenzro_cluster, tenzro_demo, verify_forward)
 ]
 
 MIDDLEWARE = [

@@ -4,8 +4,6 @@ from django.contrib.staticfiles.views import serve as serve_static
 from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-import holders.api  # noqa: F401  (registers JSON-RPC methods)
-import prepare.api  # noqa: F401  (registers JSON-RPC methods)
 from prepare import views as prepare_views
 from prepare.views import blob
 from registry import api as reg

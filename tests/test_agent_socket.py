@@ -11,7 +11,7 @@ from channels.testing import WebsocketCommunicator
 from nacl.signing import SigningKey
 
 from holders import wire
-from holders.identity import DOMAIN_HELLO, provider_id, sign
+from registry.identity import DOMAIN_HELLO, provider_id, sign
 from registry.models import Holding, Provider
 from tenzro_site.asgi import application
 from tests.conftest import holding, signed_heartbeat

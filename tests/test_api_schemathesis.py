@@ -18,7 +18,7 @@ from schemathesis.checks import not_a_server_error
 
 from registry import governance
 from registry.heartbeat import ingest
-from tenzro_site.operator import operator_token
+from registry.operator import operator_token
 from tests.conftest import signed_heartbeat
 
 

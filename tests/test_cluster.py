@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from holders import wire
-from holders.verify import max_rel_err
+from tenzro_site.verify import max_rel_err
 from tests.cluster_util import ROOT, env_for, pid_alive, rpc, running_cluster
 from tests.conftest import DEEPSEEK, QWEN
 

@@ -20,9 +20,9 @@ from holders.ffn import expert_forward
 from holders.forward import (BatchAnswer, ForwardError, HolderFault, _Rows, distributed_forward,
                              renormalized)
 from holders.gating import route
-from holders.identity import provider_id
+from registry.identity import provider_id
 from holders.receipts import ReceiptError, make_receipt, verify_receipt
-from holders.verify import monolithic
+from tenzro_site.verify import monolithic
 from prepare.checkpoint import Checkpoint
 from prepare.layouts import load_expert, load_gate, spec_from_config
 from registry.shardmap import HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView

@@ -8,13 +8,13 @@ import pytest
 from django.contrib.auth import get_user_model
 from nacl.signing import SigningKey
 
-from holders.identity import SignatureError, provider_id, sign_body
+from registry.identity import SignatureError, provider_id, sign_body
 from registry import governance
 from registry.governance import DOMAIN_VOTE, GovernanceError
 from registry.heartbeat import ingest
 from registry.models import AuditEntry, Proposal, Provider, ReplicationPolicy, Vote
 from registry.selectors import shard_view
-from tenzro_site.operator import operator_token
+from registry.operator import operator_token
 from tests.conftest import signed_heartbeat
 
 pytestmark = pytest.mark.django_db

@@ -6,7 +6,7 @@ import time
 import pytest
 from nacl.signing import SigningKey
 
-from holders.identity import SignatureError, provider_id
+from registry.identity import SignatureError, provider_id
 from registry.heartbeat import HeartbeatError, ingest
 from registry.models import Holding, Provider
 from tests.conftest import holding, signed_heartbeat
@@ -95,7 +95,7 @@ def test_parse_ranges_forms_and_errors():
 
 
 def test_compact_holdings_expand_and_fill_blob_uris():
-    from prepare.models import ExpertBlob
+    from registry.models import ExpertBlob
 
     ExpertBlob.objects.create(model_id="m", layer=1, expert=2, blob_hash="ab" * 32, nbytes=8)
     key = SigningKey.generate()
@@ -138,7 +138,7 @@ def test_compact_and_expanded_declaring_one_expert_twice():
 
 def test_whole_model_in_compact_form_stays_small():
     """Kimi K2's 61 layers × 385 slots: one compact entry instead of 23,485 objects."""
-    from holders.identity import canonical_json
+    from registry.identity import canonical_json
 
     key = SigningKey.generate()
     msg = signed_heartbeat(key, [{"model_id": "kimi-k2-instruct", "layers": "1-61", "experts": "0-384"}])

@@ -22,8 +22,8 @@ from safetensors.numpy import load_file, save
 from holders.ffn import (ExpertWeights, MissingExpertRows, combine, expert_forward,
                          moe_layer_forward)
 from holders.gating import Gate, Routing, route
-from prepare.checkpoint import (Checkpoint, CheckpointError, decode_f32, dumps_safetensors,
-                                encode_bf16, loads_safetensors)
+from prepare.checkpoint import Checkpoint
+from holders.codec import CheckpointError, decode_f32, dumps_safetensors, encode_bf16, loads_safetensors
 from prepare.layouts import MoeSpec, load_expert, load_gate, spec_from_config
 
 FIXTURES = Path(__file__).parent / "fixtures"

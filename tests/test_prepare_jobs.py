@@ -15,10 +15,13 @@ from django.conf import settings
 
 from holders.ffn import ExpertWeights
 from prepare import jobs
-from prepare.blobs import BlobError, BlobStore, blob_hash, fetch_blob
-from prepare.checkpoint import Checkpoint, loads_safetensors
-from prepare.models import ExpertBlob, GateBlob, PrepareJob
-from tenzro_site.operator import operator_token
+from holders.blobs import BlobStore, blob_hash, fetch_blob
+from registry.content import BlobError
+from prepare.checkpoint import Checkpoint
+from holders.codec import loads_safetensors
+from prepare.models import PrepareJob
+from registry.models import ExpertBlob, GateBlob
+from registry.operator import operator_token
 from tests.ckpt_util import make_checkpoint
 from tests.cluster_util import ROOT, env_for
 from tests.conftest import DEEPSEEK

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from nacl.signing import SigningKey
 
-from holders.identity import provider_id
+from registry.identity import provider_id
 from registry import governance
 from registry.heartbeat import ingest
 from registry.models import Provider
-from tenzro_site.operator import operator_token
+from registry.operator import operator_token
 from tests.conftest import signed_heartbeat
 
 pytestmark = pytest.mark.django_db

@@ -9,7 +9,7 @@ from safetensors.numpy import load_file
 
 from holders import wire
 from prepare.services import publish_checkpoint
-from tenzro_site.operator import operator_token
+from registry.operator import operator_token
 from tests.conftest import QWEN
 
 pytestmark = pytest.mark.django_db(transaction=True)

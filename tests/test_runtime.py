@@ -17,7 +17,7 @@ from holders.metering import Meter
 from holders.quant import QuantizedMatrix
 from holders.runtime import (BadBlob, DimensionMismatch, ExpertNotLoaded, ExpertRuntime, GateNotLoaded,
                              NonFiniteInput, default_memory_budget)
-from prepare.blobs import blob_hash
+from holders.blobs import blob_hash
 
 H, F = 64, 32
 

@@ -12,7 +12,7 @@ from safetensors.numpy import load_file
 
 from holders import wire
 from holders.ffn import expert_forward
-from holders.verify import max_rel_err
+from tenzro_site.verify import max_rel_err
 from tests.cluster_util import env_for, rpc, running_cluster
 from tests.conftest import QWEN
 from tests.test_runtime import expert, rows

@@ -9,8 +9,9 @@ import pytest
 from holders import services, wire
 from holders.ffn import expert_forward
 from holders.runtime import ExpertRuntime
-from prepare.blobs import BlobStore, blob_uri
-from tenzro_site.operator import operator_token
+from holders.blobs import BlobStore
+from registry.content import blob_uri
+from registry.operator import operator_token
 from tests.test_rpc import call, req
 from tests.test_runtime import EXPERT_BYTES, H, expert, gate_blob, rows
 

@@ -8,7 +8,7 @@ from safetensors.numpy import load_file
 
 from holders import wire
 from holders.receipts import verify_receipt
-from holders.verify import max_rel_err
+from tenzro_site.verify import max_rel_err
 from tests.cluster_util import env_for, rpc, running_cluster
 from tests.conftest import QWEN
 

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from holders.verify import max_rel_err, monolithic, reference_layers
+from tenzro_site.verify import max_rel_err, monolithic, reference_layers
 from prepare.checkpoint import Checkpoint
 from tests.ckpt_util import make_checkpoint, make_gpt_oss, write_gpt_oss_reference, write_reference
 from tests.cluster_util import ROOT, env_for

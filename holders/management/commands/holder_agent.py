@@ -12,7 +12,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from holders import compute
 from holders.agent import AuthRefused, HolderAgent, ws_url
-from holders.identity import load_or_create_key, provider_id
+from registry.identity import load_or_create_key, provider_id
 
 
 class Command(BaseCommand):

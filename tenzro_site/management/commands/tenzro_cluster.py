@@ -8,7 +8,7 @@ import threading
 
 from django.core.management.base import BaseCommand, CommandError
 
-from holders.cluster import ClusterError, LocalCluster
+from tenzro_site.cluster import ClusterError, LocalCluster
 from prepare.quantplan import QuantPlanError, parse_quant_plan
 
 

@@ -14,9 +14,9 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from holders import wire
-from holders.cluster import ClusterError, LocalCluster
+from tenzro_site.cluster import ClusterError, LocalCluster
 from holders.dense import dense_model_id
-from holders.verify import REL_TOLERANCE, verify_dense_layers, verify_layers
+from tenzro_site.verify import REL_TOLERANCE, verify_dense_layers, verify_layers
 from prepare.quantplan import QuantPlanError, parse_quant_plan
 from prepare.services import default_model_id
 from registry.selectors import shard_view

@@ -20,12 +20,12 @@ import httpx
 from django.conf import settings
 from django.core.management import call_command
 
-from holders.identity import load_or_create_key, provider_id
+from registry.identity import load_or_create_key, provider_id
 from prepare.services import publish_checkpoint, publish_dense
 from registry.models import Provider
 from registry.services import reset_sessions
 from registry.selectors import shard_view
-from tenzro_site.operator import operator_token
+from registry.operator import operator_token
 
 
 class ClusterError(RuntimeError):

@@ -6,9 +6,9 @@ import sys
 
 from django.core.management.base import BaseCommand, CommandError
 
-from holders.cluster import ClusterError, LocalCluster
-from holders.verify import REL_TOLERANCE, reference_layers, verify_dense_layers, verify_layers
-from prepare.checkpoint import CheckpointError
+from tenzro_site.cluster import ClusterError, LocalCluster
+from tenzro_site.verify import REL_TOLERANCE, reference_layers, verify_dense_layers, verify_layers
+from holders.codec import CheckpointError
 from prepare.quantplan import QuantPlanError, parse_quant_plan
 
 
