@@ -83,17 +83,56 @@ def blob(request, blob_hash: str):
     return resp
 
 
+#: htmx stops polling an element when its answer has this status (htmx docs, "hx-trigger every").
+HTMX_STOP_POLLING = 286
+
+
+def _jobs():
+    return PrepareJob.objects.all()[:100]
+
+
 def jobs(request):
-    """``/prepare/``: recent preparation jobs with their progress."""
-    return render(request, "prepare/jobs.html", {"jobs": PrepareJob.objects.all()[:100]})
+    """``/prepare/``: recent preparation jobs with their progress; the rows refresh themselves
+    (htmx polling of ``/prepare/rows``) while a job is pending or running."""
+    rows = _jobs()
+    return render(request, "prepare/jobs.html", {"jobs": rows, "live": any(not j.done for j in rows),
+                                                 "nav_section": "prepare"})
 
 
-def job_detail(request, job_id):
-    """``/prepare/<job_id>``: one job's progress, published experts, failures and fallbacks."""
+def job_rows(request):
+    """``/prepare/rows``: the jobs table body (htmx fragment); answers 286 (stop polling) once
+    every listed job is final."""
+    rows = _jobs()
+    live = any(not j.done for j in rows)
+    return render(request, "prepare/_job_rows.html", {"jobs": rows, "live": live},
+                  status=200 if live else _final_status(request))
+
+
+def _final_status(request) -> int:
+    """286 for an htmx poll (stops it), 200 for a plain request."""
+    return HTMX_STOP_POLLING if request.headers.get("HX-Request") == "true" else 200
+
+
+def _job_or_404(job_id) -> PrepareJob:
     job = PrepareJob.objects.filter(job_id=job_id).first()
     if job is None:
         raise Http404(f"no preparation job {job_id}")
-    return render(request, "prepare/job.html", {"job": job, "s": job_status(job)})
+    return job
 
 
-__all__ = ["blob", "jobs", "job_detail"]
+def job_detail(request, job_id):
+    """``/prepare/<job_id>``: one job's progress (live while it runs), published experts,
+    failures and fallbacks."""
+    job = _job_or_404(job_id)
+    return render(request, "prepare/job.html", {"job": job, "s": job_status(job), "nav_section": "prepare"})
+
+
+def job_progress(request, job_id):
+    """``/prepare/<job_id>/progress``: the progress block (experts done/total, bytes, current
+    tensor, state) as an htmx fragment, polled every second; 286 once the job is final."""
+    job = _job_or_404(job_id)
+    status = _final_status(request) if job.done else 200
+    return render(request, "prepare/_progress.html", {"job": job}, status=status)
+
+
+__all__ = ["blob", "jobs", "job_rows", "job_detail", "job_progress"]

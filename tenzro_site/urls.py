@@ -1,4 +1,4 @@
-"""URL routes: JSON-RPC, REST mirror + OpenAPI, blobs, pages, admin, static files."""
+"""URL routes: JSON-RPC, REST mirror + OpenAPI, blobs, console pages, admin, static files."""
 from django.contrib import admin
 from django.contrib.staticfiles.views import serve as serve_static
 from django.urls import include, path, re_path
@@ -28,8 +28,7 @@ api_v1 = [
 ]
 
 urlpatterns = [
-    path("", views.index, name="index"),
-    path("coverage/<str:model_id>", views.coverage, name="coverage"),
+    path("", include("tenzro_site.console.urls")),
     path("healthz", views.healthz, name="healthz"),
     path("rpc", rpc_view, name="rpc"),
     path("api/v1/", include(api_v1)),
@@ -38,6 +37,8 @@ urlpatterns = [
     path("blobs/<str:blob_hash>", blob, name="blob"),
     path("prepare/", prepare_views.jobs, name="prepare-jobs"),
     path("prepare/<uuid:job_id>", prepare_views.job_detail, name="prepare-job"),
+    path("prepare/<uuid:job_id>/progress", prepare_views.job_progress, name="prepare-job-progress"),
+    path("prepare/rows", prepare_views.job_rows, name="prepare-job-rows"),
     path("admin/", admin.site.urls),
     # Admin CSS and the Swagger UI bundle (drf-spectacular-sidecar) from the apps' static dirs:
     # the site ships without a CDN or a separate static server.

@@ -1,0 +1,21 @@
+"""Console routes, included at the site root by ``tenzro_site.urls``."""
+from django.contrib.auth import views as auth_views
+from django.urls import path
+
+from tenzro_site.console import views
+
+urlpatterns = [
+    path("", views.index, name="index"),
+    path("login/", auth_views.LoginView.as_view(template_name="console/login.html"), name="console-login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="console-logout"),
+    path("governance/", views.governance_page, name="console-governance"),
+    path("governance/proposals", views.proposal_create, name="console-proposal-create"),
+    path("governance/proposals/<int:proposal_id>/vote", views.proposal_vote, name="console-proposal-vote"),
+    path("governance/proposals/<int:proposal_id>/withdraw", views.proposal_withdraw,
+         name="console-proposal-withdraw"),
+    path("providers/", views.providers, name="console-providers"),
+    path("providers/<str:provider>", views.provider, name="console-provider"),
+    path("coverage/", views.coverage_index, name="console-coverage-index"),
+    path("coverage/<str:model_id>", views.coverage, name="coverage"),
+    path("coverage/<str:model_id>/holders", views.expert_holders, name="console-expert-holders"),
+]

@@ -1,0 +1,147 @@
+"""Console pages (thin): parse input with ``forms``, read with ``selectors``, write with services.
+
+Reads are open to everyone; writes are POST-only (CSRF-checked) and need a staff user:
+anonymous users are redirected to the login page, other users get 403. Bad input re-renders
+the form with its errors (HTTP 400) and changes nothing.
+"""
+from __future__ import annotations
+
+from functools import wraps
+
+from django.contrib import messages
+from django.contrib.auth.views import redirect_to_login
+from django.http import Http404, HttpResponseForbidden
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_POST
+
+from registry import governance
+from tenzro_site.console import forms, selectors
+
+
+def staff_required(view):
+    """Let staff users through; redirect anonymous users to the login page, refuse others with 403."""
+    @wraps(view)
+    def wrapper(request, *args, **kwargs):
+        if not request.user.is_authenticated:
+            return redirect_to_login(request.get_full_path())
+        if not request.user.is_staff:
+            return HttpResponseForbidden("only staff users can change the network's state")
+        return view(request, *args, **kwargs)
+    return wrapper
+
+
+def _voter(request) -> str:
+    """The governance voter id of the logged-in staff user (``user:<username>``)."""
+    return f"user:{request.user.get_username()}"
+
+
+def _filter(request, form_class):
+    """Bind a query-string filter form; an invalid one is ignored with a warning (still a 200)."""
+    form = form_class(request.GET or None)
+    if form.is_bound and not form.is_valid():
+        messages.warning(request, "ignored invalid filter: " + "; ".join(
+            f"{k}: {' '.join(v)}" for k, v in form.errors.items()))
+        return form, {}
+    return form, (form.cleaned_data if form.is_bound else {})
+
+
+def index(request):
+    """``/``: models and their coverage, live providers, recent failures, preparation job states."""
+    return render(request, "console/overview.html", {
+        "nav_section": "overview", "models": selectors.model_summaries(),
+        "providers": selectors.provider_rows(live_only=True), "failures": selectors.recent_failures(),
+        "prepare": selectors.prepare_summary()})
+
+
+def governance_page(request, form=None, status: int = 200):
+    """``/governance/``: policy in force, proposals with quorum progress, the create form, the audit trail."""
+    filt, q = _filter(request, forms.ProposalFilter)
+    ctx = selectors.governance_state(status=q.get("status") or None)
+    ctx.update(nav_section="governance", form=form or forms.ProposalForm(), filter=filt,
+               voter=_voter(request) if request.user.is_authenticated else None)
+    return render(request, "console/governance.html", ctx, status=status)
+
+
+@require_POST
+@staff_required
+def proposal_create(request):
+    """``POST /governance/proposals``: open a proposal as ``user:<username>`` (validated as the RPC does)."""
+    form = forms.ProposalForm(request.POST)
+    if form.is_valid():
+        try:
+            p = governance.create_proposal(form.cleaned_data["title"], form.cleaned_data["changes"],
+                                           _voter(request), form.cleaned_data["description"])
+        except governance.GovernanceError as exc:
+            form.add_governance_error(exc.field, str(exc))
+        else:
+            messages.success(request, f"proposal #{p.pk} opened")
+            return redirect("console-governance")
+    return governance_page(request, form=form, status=400)
+
+
+@require_POST
+@staff_required
+def proposal_vote(request, proposal_id: int):
+    """``POST /governance/proposals/<id>/vote``: the staff user's final vote; applies the change at quorum."""
+    form = forms.VoteForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, "approve: choose yes or no")
+        return redirect("console-governance")
+    try:
+        p = governance.vote(proposal_id, _voter(request), form.cleaned_data["approve"] == "yes")
+    except governance.GovernanceError as exc:
+        messages.error(request, f"{exc.field}: {exc}")
+    else:
+        messages.success(request, f"vote recorded; proposal #{p.pk} is {p.status}")
+    return redirect("console-governance")
+
+
+@require_POST
+@staff_required
+def proposal_withdraw(request, proposal_id: int):
+    """``POST /governance/proposals/<id>/withdraw``: withdraw an open proposal (audited)."""
+    try:
+        governance.withdraw(proposal_id, _voter(request))
+    except governance.GovernanceError as exc:
+        messages.error(request, f"{exc.field}: {exc}")
+    else:
+        messages.success(request, f"proposal #{proposal_id} withdrawn")
+    return redirect("console-governance")
+
+
+def providers(request):
+    """``/providers/``: every provider (``?live=1``, ``?role=``) with roles, GPU, residency counts,
+    committed tps, reputation, status and last heartbeat."""
+    filt, q = _filter(request, forms.ProviderFilter)
+    return render(request, "console/providers.html", {
+        "nav_section": "providers", "filter": filt,
+        "rows": selectors.provider_rows(live_only=q.get("live", False), role=q.get("role") or None)})
+
+
+def provider(request, provider: str):
+    """``/providers/<id>``: one provider's record, holdings (compact ranges) and failure record."""
+    ctx = selectors.provider_detail(provider)
+    if ctx is None:
+        raise Http404(f"no provider {provider}")
+    return render(request, "console/provider.html", {"nav_section": "providers", **ctx})
+
+
+def coverage_index(request):
+    """``/coverage/``: the published models, each linking to its heatmap."""
+    return render(request, "console/coverage_index.html", {"nav_section": "coverage",
+                                                            "models": selectors.model_summaries()})
+
+
+def coverage(request, model_id: str):
+    """``/coverage/<model_id>``: layer × expert heatmap by replication (hot marked), holders on
+    click, the under-replicated list and a histogram of slots by replication."""
+    return render(request, "console/coverage.html", {"nav_section": "coverage", **selectors.coverage(model_id)})
+
+
+def expert_holders(request, model_id: str):
+    """``/coverage/<model_id>/holders?layer=&expert=``: the holders panel (htmx fragment); 400 on bad input."""
+    form = forms.ExpertQuery(request.GET)
+    if not form.is_valid():
+        return render(request, "console/_holders.html", {"errors": form.errors}, status=400)
+    q = form.cleaned_data
+    return render(request, "console/_holders.html", selectors.expert_holders(model_id, q["layer"], q["expert"]))
