@@ -39,6 +39,12 @@ needs_services = pytest.mark.skipif(
     reason=f"Redis ({REDIS_URL}) and PostgreSQL ({PG_URL}) not reachable; .ci/run starts them")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Run browser tests last: Playwright's sync API (session-scoped in pytest-playwright) keeps an
+    event loop running in the main thread, which asyncio tests after it could not start."""
+    items.sort(key=lambda item: item.get_closest_marker("browser") is not None)
+
+
 def signed_heartbeat(key: SigningKey, holdings=(), ts_ms: int | None = None, **fields) -> dict:
     """A heartbeat message signed by ``key`` (fields override the body)."""
     body = {"provider": provider_id(key), "timestamp_ms": ts_ms or int(time.time() * 1000),
