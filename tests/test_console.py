@@ -116,6 +116,7 @@ def test_staff_create_vote_apply_and_withdraw(client):
     assert "already voted" in r.content.decode()
     governance.vote(p.pk, "operator", True)
     assert governance.policy_json()["min_replication"] == 3
+    assert "min_replication 2 → 3 (policy v2)" in client.get("/governance/").content.decode()
     q = governance.create_proposal("later", {"max_replication": 4}, "operator")
     client.post(f"/governance/proposals/{q.pk}/withdraw")
     assert Proposal.objects.get(pk=q.pk).status == "Withdrawn"

@@ -94,7 +94,8 @@ def _cell_class(n: int, hot: bool, min_rep: int) -> str:
 def coverage(model_id: str) -> dict:
     """The coverage page of ``model_id``: ``rows`` ``[(layer, [(expert, replication, class)])]``,
     ``policy``, ``slots``, ``covered``, ``under`` (``[(layer, expert, replication)]``), ``hot``
-    count, ``providers`` ``[{p, held}]`` and ``histogram`` (a ``BarChart`` of slots by replication).
+    count, ``providers`` ``[{p, held}]``, ``big_cells`` (≤ 64 slots a layer: draw larger cells)
+    and ``histogram`` (a ``BarChart`` of slots by replication).
 
     Slots come from the published model, else the seed catalog, else the covered experts.
     """
@@ -114,6 +115,7 @@ def coverage(model_id: str) -> dict:
     return {"model_id": model_id, "rows": sorted(layers.items()), "policy": policy, "slots": len(keys),
             "covered": sum(1 for k in keys if view.replication(*k) > 0), "under": under,
             "hot": len(view.hot_experts()), "providers": providers,
+            "big_cells": max((len(c) for c in layers.values()), default=0) <= 64,
             "histogram": replication_histogram(counts, policy.min_replication)}
 
 
@@ -140,7 +142,7 @@ def expert_holders(model_id: str, layer: int, expert: int) -> dict:
 def governance_state(status: str | None = None, audit_limit: int = 50) -> dict:
     """The governance page: ``policy`` (``governance.policy_json``), ``proposals`` as
     ``[{p, tally, percent (of quorum, 0–100), votes}]`` (filtered by ``status`` when given),
-    ``electorate`` (voter ids) and ``audit`` (newest ``audit_limit`` entries)."""
+    ``electorate`` (voter ids) and ``audit`` (newest ``audit_limit`` entries as ``{entry, summary}``)."""
     qs = Proposal.objects.prefetch_related("votes")
     if status:
         qs = qs.filter(status=status)
@@ -150,7 +152,24 @@ def governance_state(status: str | None = None, audit_limit: int = 50) -> dict:
         rows.append({"p": p, "tally": t, "percent": min(100, round(100 * t["yes"] / t["quorum"])),
                      "votes": list(p.votes.all())})
     return {"policy": governance.policy_json(), "proposals": rows, "electorate": governance.electorate(),
-            "audit": list(AuditEntry.objects.all()[:audit_limit])}
+            "audit": [{"entry": a, "summary": audit_summary(a)} for a in AuditEntry.objects.all()[:audit_limit]]}
+
+
+def audit_summary(entry: AuditEntry) -> str:
+    """One line for an audit entry: the changes proposed, the vote, the fields an applied
+    proposal changed (``field before → after``) and the new version, or the rejection reason."""
+    d = entry.detail or {}
+    if entry.action == AuditEntry.Action.PROPOSED:
+        return ", ".join(f"{k} = {v}" for k, v in (d.get("changes") or {}).items())
+    if entry.action == AuditEntry.Action.VOTED:
+        return "approve" if d.get("approve") else "reject"
+    if entry.action == AuditEntry.Action.APPLIED:
+        before, after = d.get("before") or {}, d.get("after") or {}
+        changed = [f"{k} {before.get(k)} → {v}" for k, v in after.items() if before.get(k) != v]
+        return "; ".join(changed) + (f" (policy v{d['version']})" if "version" in d else "")
+    if entry.action == AuditEntry.Action.REJECTED:
+        return str(d.get("reason", ""))
+    return ""
 
 
 def prepare_summary() -> dict:
