@@ -37,6 +37,7 @@ from holders import wire
 from holders.ffn import combine
 from holders.gating import Gate, Routing, route
 from holders.receipts import ReceiptError, verify_receipt
+from registry.jsonrpc import ParamError
 from registry.planner import DispatchPlan, PlanningError, TokenRouting, plan_dispatch
 from registry.shardmap import ShardView
 
@@ -232,8 +233,8 @@ class LayerForward:
         else:
             self.d_model = int(hs.shape[1])
             if self.routing.expert_ids.shape[0] != hs.shape[0]:
-                raise ValueError(f"routing has {self.routing.expert_ids.shape[0]} tokens, "
-                                 f"hidden_states {hs.shape[0]}")
+                raise ParamError(f"routing has {self.routing.expert_ids.shape[0]} tokens, "
+                             f"hidden_states {hs.shape[0]}", "hidden_states")
         self.carrier_kind, self.output_kind = wire.choose_carrier(self.carrier, self.d_model)
         self.x = np.ascontiguousarray(hs, dtype=np.float32)
         self.rows = _Rows(self.routing, self.d_model)
