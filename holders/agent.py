@@ -32,7 +32,7 @@ from nacl.signing import SigningKey
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from holders import compute, methods, wire
+from holders import compute, messages, methods, wire
 from registry.identity import DOMAIN_HEARTBEAT, DOMAIN_HELLO, provider_id, sign, sign_body
 from holders.receipts import make_receipt
 from holders.runtime import ExpertNotLoaded, ExpertRuntime, RuntimeFault
@@ -148,8 +148,7 @@ class HolderAgent:
         if challenge.get("type") != "challenge":
             raise ConnectionError(f"expected a challenge, got {challenge.get('type')!r}")
         nonce = bytes.fromhex(challenge["nonce"])
-        await ws.send(json.dumps({"type": "hello", "provider": self.provider,
-                                  "signature": sign(self.key, DOMAIN_HELLO, nonce)}))
+        await ws.send(json.dumps(messages.hello(self.provider, sign(self.key, DOMAIN_HELLO, nonce))))
         welcome = json.loads(await ws.recv())
         if welcome.get("type") != "welcome":
             raise ConnectionError(f"site refused hello: {welcome.get('message', welcome)}")
@@ -183,7 +182,7 @@ class HolderAgent:
                 "name": self.name, "roles": list(self.roles), "http_endpoint": self.http_endpoint,
                 "iroh_endpoint_id": "",
                 "moe_gpu": bool(self.backend.gpu), "holdings": self.runtime.holdings()}
-        return {"type": "heartbeat", "body": body, "signature": sign_body(self.key, DOMAIN_HEARTBEAT, body)}
+        return messages.heartbeat(body, sign_body(self.key, DOMAIN_HEARTBEAT, body))
 
     async def send_heartbeat(self) -> None:
         """Send one signed heartbeat now."""
@@ -223,22 +222,21 @@ class HolderAgent:
             if kind == "execute":
                 answer, out = await self.execute_request({**header, "request_id": req_id},
                                                          header.get("carrier", "f32"), payload)
-                await self._reply({"id": req_id, "ok": True, **answer}, out)
+                await self._reply(messages.reply(req_id, **answer), out)
             elif kind == "load":
                 await self._load(header)
-                await self._reply({"id": req_id, "ok": True})
+                await self._reply(messages.reply(req_id))
             elif kind == "rpc":
                 body = json.dumps(await self._rpc(header, payload)).encode()
                 if len(body) > self.max_message - wire.FRAME_HEADER_MAX:  # the site would drop the socket
                     body = json.dumps({"error": RpcError(
                         EXECUTION_ERROR, f"the result is {len(body)} bytes, over the socket's {self.max_message}"
                         "-byte frame cap", field="params").to_json()}).encode()
-                await self._reply({"id": req_id, "ok": True}, body)
+                await self._reply(messages.reply(req_id), body)
             else:
-                await self._reply({"id": req_id, "ok": False, "code": "bad_request",
-                                   "message": f"unknown request type {kind!r}"})
+                await self._reply(messages.failure(req_id, "bad_request", f"unknown request type {kind!r}"))
         except (RuntimeFault, wire.WireError, BlobError, ValueError, KeyError, TypeError, httpx.HTTPError) as exc:
-            await self._reply({"id": req_id, "ok": False, "code": type(exc).__name__, "message": str(exc)})
+            await self._reply(messages.failure(req_id, type(exc).__name__, str(exc)))
         except ConnectionClosed:
             pass
 

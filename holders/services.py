@@ -17,12 +17,13 @@ import numpy as np
 from channels.db import database_sync_to_async
 from django.conf import settings
 
-from holders import methods, wire
+from holders import messages, methods, wire
 from holders.dense import dense_model_id, dense_routing
-from holders.forward import BatchAnswer, BatchRequest, ForwardError, distributed_forward
+from holders.forward import ForwardError, distributed_forward
+from holders.messages import BatchAnswer, BatchRequest, answer_to_batch
 from holders.gating import Gate
 from holders.runtime import ExpertRuntime, GateNotLoaded
-from holders.transports.http import HttpHolderClient, answer_to_batch
+from holders.transports.http import HttpHolderClient
 from holders.transports.ws import AgentLink, AgentUnavailable
 from holders.blobs import BlobStore
 from registry.content import parse_blob_uri
@@ -94,12 +95,11 @@ async def send_ws(provider: str, req: BatchRequest) -> BatchAnswer:
     Raises ``AgentUnavailable`` (a ``ConnectionError``), ``HolderFault`` or ``AuthRefusal``.
     """
     link = await AgentLink.get()
-    header = {"type": "execute", "model_id": req.model_id, "layer": req.layer, "expert": req.expert,
-              "token_indices": req.tokens, "d_model": req.d_model, "carrier": req.carrier, "output": req.output}
+    header = messages.request_header(req)
     answer, payload = await link.request(provider, header, req.payload, settings.TENZRO["BATCH_TIMEOUT_S"],
                                          req_id=req.request_id)
     # Bytes on the agent's socket: frame length prefix + JSON header + payload, each way.
-    out = 4 + len(json.dumps({**header, "id": req.request_id}, separators=(",", ":"))) + len(req.payload)
+    out = 4 + len(json.dumps(header, separators=(",", ":"))) + len(req.payload)
     back = 4 + len(json.dumps(answer, separators=(",", ":"))) + len(payload)
     return answer_to_batch(answer, payload, req, "ws", out, back)
 
@@ -118,8 +118,8 @@ async def send_to_agent(model_id: str, provider: str, layer: int, expert: int, t
 
     async def one(lo: int):
         chunk = tokens[lo:lo + per]
-        header = {"type": "execute", "model_id": model_id, "layer": layer, "expert": expert,
-                  "token_indices": chunk, "d_model": d_model, "carrier": "f32", "purpose": purpose}
+        header = messages.execute_header(model_id=model_id, layer=layer, expert=expert, token_indices=chunk,
+                                         d_model=d_model, carrier="f32", purpose=purpose)
         answer, payload = await link.request(provider, header, wire.encode_f32(rows[lo:lo + per]), timeout)
         return wire.decode_f32(payload, d_model, n_rows=len(chunk), field="outputs")
 
@@ -320,7 +320,7 @@ async def call_method(method: str, params: dict, provider: str | None = None) ->
     timeout = 120.0 if method in methods.MANAGEMENT else settings.TENZRO["BATCH_TIMEOUT_S"]
     link = await AgentLink.get()
     try:
-        _answer, payload = await link.request(provider, {"type": "rpc", "method": method}, body, timeout)
+        _answer, payload = await link.request(provider, messages.rpc_header(method), body, timeout)
         reply = json.loads(payload)
     except AgentUnavailable as exc:
         raise RpcError(EXECUTION_ERROR, str(exc), field="provider") from exc
@@ -367,8 +367,8 @@ async def place_model(model_id: str, replication: int = 2, timeout: float = 120.
 
     async def load(provider: str, layer: int, expert: int):
         try:
-            await link.request(provider, {"type": "load", "model_id": model_id, "layer": layer,
-                                          "expert": expert, "uri": uri_of[(layer, expert)]}, timeout=timeout)
+            await link.request(provider, messages.load_header(model_id, layer, expert, uri_of[(layer, expert)]),
+                               timeout=timeout)
         except AgentUnavailable as exc:
             failed.append({"provider": provider, "layer": layer, "expert": expert, "error": str(exc)})
 

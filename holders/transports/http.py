@@ -25,7 +25,8 @@ from typing import Awaitable, Callable
 import httpx
 
 from holders import wire
-from holders.forward import AuthRefusal, BatchAnswer, BatchRequest, HolderFault
+from holders import messages
+from holders.messages import AuthRefusal, BatchAnswer, BatchRequest, HolderFault, answer_to_batch
 from registry.jsonrpc import (AUTH_REFUSED, INVALID_PARAMS, INVALID_REQUEST, PARSE_ERROR, RpcError, error_response,
                               result_response)
 
@@ -84,12 +85,12 @@ async def _frame(frame_handler: FrameHandler, body: bytes) -> bytes:
     try:
         header, payload = wire.unpack_frame(body)
     except wire.WireError as exc:
-        return wire.pack_frame({"ok": False, "code": PARSE_ERROR, "message": str(exc)})
+        return wire.pack_frame(messages.failure(None, PARSE_ERROR, str(exc)))
     try:
         answer, out = await frame_handler(header, payload)
     except RpcError as exc:
-        return wire.pack_frame({"id": header.get("id"), "ok": False, "code": exc.code, "message": exc.message})
-    return wire.pack_frame({"id": header.get("id"), "ok": True, **answer}, out)
+        return wire.pack_frame(messages.failure(header.get("id"), exc.code, exc.message))
+    return wire.pack_frame(messages.reply(header.get("id"), **answer), out)
 
 
 async def serve_http(handler: Handler, host: str, port: int,
@@ -213,10 +214,7 @@ class HttpHolderClient:
         if parts.scheme != "http" or not parts.hostname:
             raise ConnectionError(f"{endpoint}: only http:// endpoints are supported")
         host, port = parts.hostname, parts.port or 80
-        header = {"type": "execute", "id": req.request_id, "model_id": req.model_id, "layer": req.layer,
-                  "expert": req.expert, "token_indices": req.tokens, "d_model": req.d_model,
-                  "carrier": req.carrier, "output": req.output}
-        body = wire.pack_frame(header, req.payload)
+        body = wire.pack_frame(messages.request_header(req), req.payload)
         idle = self._idle.setdefault((host, port), [])
         try:
             reader, writer = idle.pop() if idle else await asyncio.wait_for(
@@ -247,19 +245,3 @@ class HttpHolderClient:
             raise HolderFault(f"{endpoint}: {exc}") from exc
         return answer_to_batch(answer, out, req, "http", len(body), len(data))
 
-
-def answer_to_batch(answer: dict, data: bytes, req: BatchRequest, transport: str, bytes_out: int,
-                    bytes_back: int) -> BatchAnswer:
-    """Decode a holder's binary answer (header + output bytes) to a request; raises
-    ``AuthRefusal`` (code -32001), ``HolderFault`` (refusal, wrong tokens, bad rows)."""
-    if not answer.get("ok"):
-        if answer.get("code") == AUTH_REFUSED:
-            raise AuthRefusal(str(answer.get("message")))
-        raise HolderFault(f"holder error {answer.get('code')}: {answer.get('message')}")
-    if answer.get("token_indices", req.tokens) != req.tokens:
-        raise HolderFault("answer's token_indices differ from the request's")
-    try:
-        rows = wire.decode_rows(data, answer.get("output", "f32"), req.d_model, len(req.tokens), field="outputs")
-    except wire.WireError as exc:
-        raise HolderFault(str(exc)) from exc
-    return BatchAnswer(rows, answer.get("receipt"), transport, bytes_out, bytes_back)
