@@ -295,6 +295,13 @@ class Routing:
         bounds = list(starts[1:]) + [len(order)]
         return {int(e): tokens[a:b] for e, a, b in zip(experts, starts, bounds)}
 
+    def routed(self, layer: int) -> list[dict]:
+        """The ``routed`` JSON of route and forward results: per token ascending
+        ``{token_index, slots: [{layer, expert, weight}]}`` in slot order (weights as float)."""
+        return [{"token_index": t, "slots": [{"layer": layer, "expert": int(e), "weight": float(w)}
+                                             for e, w in zip(self.expert_ids[t], self.weights[t])]}
+                for t in range(self.expert_ids.shape[0])]
+
 
 def _topk_desc(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest entries of each row, largest first, ties to the lower index."""

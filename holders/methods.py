@@ -78,7 +78,7 @@ def decode_rows(p: dict, n_tokens: int, d_model: int) -> np.ndarray:
         raise _invalid("give exactly one of hidden_states or hidden_q8", "hidden_states")
     try:
         if f32:
-            return wire.decode_f32(wire.b64decode(f32, "hidden_states"), d_model, n_rows=n_tokens)
+            return wire.rows_from_b64(f32, d_model, n_tokens)
         data = wire.b64decode(q8, "hidden_q8")
     except wire.WireError as exc:
         raise RpcError.invalid_params(exc, "hidden_states") from exc
@@ -149,7 +149,7 @@ def _route(rt: ExpertRuntime, p: dict) -> dict:
         raise _invalid(f"d_model is {d_model} but the gate of layer {layer} has d_model "
                           f"{gate.d_model}", "d_model")
     try:
-        x = wire.decode_f32(wire.b64decode(p.get("hidden_states"), "hidden_states"), d_model)
+        x = wire.rows_from_b64(p.get("hidden_states"), d_model)
     except wire.WireError as exc:
         raise _invalid(str(exc), "hidden_states") from exc
     if x.shape[0] == 0:
@@ -164,9 +164,7 @@ def _route(rt: ExpertRuntime, p: dict) -> dict:
     promoted = rt.readahead(model_id, ((layer, int(e)) for e in np.unique(r.expert_ids)))
     return {"model_id": model_id, "layer": layer, "top_k": r.top_k, "tokens": int(x.shape[0]),
             "readahead": promoted,
-            "routed": [{"token_index": t, "slots": [{"layer": layer, "expert": int(e), "weight": float(w)}
-                                                    for e, w in zip(r.expert_ids[t], r.weights[t])]}
-                       for t in range(r.expert_ids.shape[0])]}
+            "routed": r.routed(layer)}
 
 
 def _execute(rt: ExpertRuntime, p: dict) -> dict:
@@ -181,5 +179,12 @@ def _execute(rt: ExpertRuntime, p: dict) -> dict:
                        {"kind": "ExpertNotLoaded"}, field="expert")
     rows = decode_rows(p, len(tokens), d_model)
     out = rt.execute(model_id, layer, expert, rows, len(tokens), d_model=d_model, metered=purpose == "serve")
+    return execute_result(model_id, layer, expert, tokens, d_model, out)
+
+
+def execute_result(model_id: str, layer: int, expert: int, tokens: list[int], d_model: int,
+                   out: np.ndarray) -> dict:
+    """The ``tenzro_moeExecute`` result: the request's key, ``token_indices``, ``d_model`` and
+    ``outputs`` (base64 f32 LE of ``out`` f32 ``[n, d_model]``)."""
     return {"model_id": model_id, "layer": layer, "expert": expert, "token_indices": tokens, "d_model": d_model,
-            "outputs": wire.b64encode(wire.encode_f32(out))}
+            "outputs": wire.rows_to_b64(out)}

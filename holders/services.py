@@ -26,7 +26,7 @@ from holders.runtime import ExpertRuntime, GateNotLoaded
 from holders.transports.http import HttpHolderClient
 from holders.transports.ws import AgentLink, AgentUnavailable
 from holders.blobs import BlobStore
-from registry.content import parse_blob_uri
+from registry.content import blob_uri, parse_blob_uri
 from registry.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, ParamError, RpcError
 from registry.models import GateBlob
 from registry.models import MoeModel, Provider
@@ -187,15 +187,13 @@ async def forward(model_id: str, layer: int, d_model: int, hidden_states: np.nda
         "model_id": model_id, "layer": layer, "d_model": d_model, "top_k": r.top_k,
         "tokens": int(hidden_states.shape[0]), "batches": res.batches, "replans": res.replans,
         "missing": res.missing, "transports": res.transports,
-        "routed": [{"token_index": tk, "slots": [{"layer": layer, "expert": int(e), "weight": float(w)}
-                                                 for e, w in zip(r.expert_ids[tk], r.weights[tk])]}
-                   for tk in range(r.expert_ids.shape[0])],
+        "routed": r.routed(layer),
         "holders": res.holders, "failures": res.failures, "receipts": len(res.receipts),
         "wire": {"bytes_out": res.bytes_out, "bytes_back": res.bytes_back,
                  "routed_elements": int(sum(len(toks) for toks in r.tokens_by_expert().values())) * d_model,
                  "input_elements": elems},
         "timings_ms": res.timings_ms,
-        "outputs": wire.b64encode(wire.encode_f32(res.output)),
+        "outputs": wire.rows_to_b64(res.output),
     }
 
 
@@ -229,7 +227,7 @@ async def dense_forward(model_id: str, layer: int, d_model: int, hidden_states: 
             "holders": res.holders, "failures": res.failures, "receipts": len(res.receipts),
             "wire": {"bytes_out": res.bytes_out, "bytes_back": res.bytes_back,
                      "routed_elements": int(hidden_states.shape[0]) * parts * d_model},
-            "timings_ms": res.timings_ms, "outputs": wire.b64encode(wire.encode_f32(res.output))}
+            "timings_ms": res.timings_ms, "outputs": wire.rows_to_b64(res.output)}
 
 
 _recording: set[asyncio.Task] = set()
@@ -312,7 +310,7 @@ async def call_method(method: str, params: dict, provider: str | None = None) ->
         except wire.WireError as exc:
             raise RpcError(INVALID_PARAMS, str(exc), field="blob_base64") from exc
         h = await asyncio.to_thread(BlobStore(settings.TENZRO["BLOB_DIR"]).put, data)
-        params = {**{k: v for k, v in params.items() if k != "blob_base64"}, "uri": f"tenzro://blob/{h}"}
+        params = {**{k: v for k, v in params.items() if k != "blob_base64"}, "uri": blob_uri(h)}
     body = json.dumps(params).encode()
     if len(body) > settings.TENZRO["WS_MAX_MESSAGE"] - wire.FRAME_HEADER_MAX:
         raise RpcError(INVALID_PARAMS, f"params of {len(body)} bytes are too large to relay to an agent; send "
@@ -344,8 +342,7 @@ async def _relay_execute(provider: str, p: dict) -> dict:
         raise RpcError(EXECUTION_ERROR, str(exc), {"kind": exc.code}, field=field) from exc
     except wire.WireError as exc:
         raise RpcError(EXECUTION_ERROR, f"agent answered malformed rows: {exc}", field="provider") from exc
-    return {"model_id": p["model_id"], "layer": p["layer"], "expert": p["expert"], "token_indices": tokens,
-            "d_model": p["d_model"], "outputs": wire.b64encode(wire.encode_f32(out))}
+    return methods.execute_result(p["model_id"], p["layer"], p["expert"], tokens, p["d_model"], out)
 
 
 __all__ = ["ForwardError", "GateNotLoaded", "call_method", "dense_forward", "forward", "live_view", "load_gate",

@@ -100,6 +100,17 @@ def b64encode(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
+def rows_to_b64(rows: np.ndarray) -> str:
+    """Base64 of f32 rows as little-endian float32 (the JSON form of ``hidden_states``/``outputs``)."""
+    return b64encode(encode_f32(rows))
+
+
+def rows_from_b64(text: str, d_model: int, n_rows: int | None = None, field: str = "hidden_states") -> np.ndarray:
+    """f32 rows ``[n, d_model]`` from base64 little-endian float32 ``text``; raises ``WireError``
+    naming ``field`` (or ``token_indices`` when the row count differs from ``n_rows``)."""
+    return decode_f32(b64decode(text, field), d_model, n_rows=n_rows, field=field)
+
+
 def rows_per_frame(d_model: int, max_message: int, bytes_per_value: float = 4) -> int:
     """How many rows of ``d_model`` values fit one frame below ``max_message`` bytes.
 
