@@ -27,7 +27,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-import httpx
 from nacl.signing import SigningKey
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
@@ -37,8 +36,8 @@ from registry.identity import DOMAIN_HEARTBEAT, DOMAIN_HELLO, provider_id, sign,
 from holders.receipts import make_receipt
 from holders.runtime import ExpertNotLoaded, ExpertRuntime, RuntimeFault
 from holders.transports.http import serve_http
-from holders.blobs import BlobStore, verify_blob
-from registry.content import BlobError, parse_blob_uri
+from holders.blobs import MAX_BLOB_BYTES, BlobStore, fetch_blob
+from registry.content import BlobError
 from registry.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND, RpcError
 
 log = logging.getLogger("tenzro.agent")
@@ -235,7 +234,7 @@ class HolderAgent:
                 await self._reply(messages.reply(req_id), body)
             else:
                 await self._reply(messages.failure(req_id, "bad_request", f"unknown request type {kind!r}"))
-        except (RuntimeFault, wire.WireError, BlobError, ValueError, KeyError, TypeError, httpx.HTTPError) as exc:
+        except (RuntimeFault, wire.WireError, BlobError, ValueError, KeyError, TypeError) as exc:
             await self._reply(messages.failure(req_id, type(exc).__name__, str(exc)))
         except ConnectionClosed:
             pass
@@ -256,19 +255,12 @@ class HolderAgent:
         return {"result": result}
 
     def fetch(self, uri: str) -> bytes:
-        """Blob bytes for ``tenzro://blob/<hash>``: the local store, else the site's ``/blobs/`` (hash checked).
+        """Blob bytes for ``tenzro://blob/<hash>``: the local store, else the site's ``/blobs/``
+        (``holders.blobs.fetch_blob``: hash checked, at most ``MAX_BLOB_BYTES``).
 
-        Raises ``BlobError`` (bad URI, hash mismatch) or ``httpx.HTTPError``.
+        Raises ``BlobError`` (bad URI, hash mismatch, not served, too large).
         """
-        h = parse_blob_uri(uri)
-        if self.store.has(h):
-            return self.store.get(h, verify=True)
-        resp = httpx.get(f"{self.site}/blobs/{h}", timeout=60)
-        resp.raise_for_status()
-        data = resp.content
-        verify_blob(data, h)
-        self.store.put_verified(data, h)
-        return data
+        return fetch_blob(uri, self.store, [self.site], max_bytes=MAX_BLOB_BYTES)
 
     def _blob_identity(self, model_id: str, layer: int, expert: int) -> tuple[str, str]:
         """(blob hash, quant kind) of a held expert, for its receipts."""

@@ -18,7 +18,6 @@ from collections.abc import Callable
 import numpy as np
 
 from holders import wire
-from holders.quant import BLOCK_BYTES, dequantize
 from holders.runtime import ExpertRuntime, RuntimeFault
 from registry.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND, RpcError
 
@@ -66,32 +65,24 @@ def _blob(p: dict, fetch: Fetch) -> tuple[bytes, str | None]:
         raise RpcError(EXECUTION_ERROR, f"cannot fetch {uri}: {exc}", field="uri") from exc
 
 
-def decode_rows(p: dict, n_tokens: int, d_model: int) -> np.ndarray:
-    """Rows f32 ``[n, d_model]`` of an execute/route request from ``hidden_states`` (base64 f32
-    LE) or ``hidden_q8`` (base64 Q8_0 blocks, exactly ``n·d_model/32`` of them).
+def request_rows(p: dict, n_tokens: int, d_model: int) -> np.ndarray:
+    """Rows f32 ``[n, d_model]`` of an execute request from ``hidden_states`` (base64 f32 LE)
+    or ``hidden_q8`` (base64 Q8_0 blocks, exactly ``n·d_model/32`` of them).
 
-    Raises ``RpcError`` (−32602) naming the field for bad base64, a length that does not
-    match ``n_tokens × d_model``, or non-finite values.
+    Raises ``RpcError`` (−32602) naming the field for bad base64, ``d_model`` not divisible
+    by 32 with Q8_0, a length that does not match ``n_tokens × d_model``, or non-finite values.
     """
     f32, q8 = p.get("hidden_states"), p.get("hidden_q8")
     if bool(f32) == bool(q8):
         raise _invalid("give exactly one of hidden_states or hidden_q8", "hidden_states")
+    if q8 and d_model % 32:
+        raise _invalid(f"hidden_q8 needs d_model divisible by 32, got {d_model}", "d_model")
     try:
         if f32:
             return wire.rows_from_b64(f32, d_model, n_tokens)
-        data = wire.b64decode(q8, "hidden_q8")
+        return wire.decode_rows(wire.b64decode(q8, "hidden_q8"), "q8_0", d_model, n_tokens, field="hidden_q8")
     except wire.WireError as exc:
         raise RpcError.invalid_params(exc, "hidden_states") from exc
-    if d_model % 32:
-        raise _invalid(f"hidden_q8 needs d_model divisible by 32, got {d_model}", "d_model")
-    want = n_tokens * d_model // 32 * BLOCK_BYTES["q8_0"]
-    if len(data) != want:
-        raise _invalid(f"hidden_q8 holds {len(data)} bytes; {n_tokens} rows of d_model "
-                          f"{d_model} need exactly {want}", "hidden_q8")
-    rows = dequantize(np.frombuffer(data, dtype=np.uint8), "q8_0", (n_tokens, d_model))
-    if not np.isfinite(rows).all():
-        raise _invalid("hidden_q8 decodes to non-finite values", "hidden_q8")
-    return rows
 
 
 def _token_indices(p: dict) -> list[int]:
@@ -177,7 +168,7 @@ def _execute(rt: ExpertRuntime, p: dict) -> dict:
     if not rt.has(model_id, layer, expert):
         raise RpcError(EXECUTION_ERROR, f"expert {model_id} l{layer}/e{expert} is not loaded on this holder",
                        {"kind": "ExpertNotLoaded"}, field="expert")
-    rows = decode_rows(p, len(tokens), d_model)
+    rows = request_rows(p, len(tokens), d_model)
     out = rt.execute(model_id, layer, expert, rows, len(tokens), d_model=d_model, metered=purpose == "serve")
     return execute_result(model_id, layer, expert, tokens, d_model, out)
 

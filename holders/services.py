@@ -333,7 +333,7 @@ async def call_method(method: str, params: dict, provider: str | None = None) ->
 
 async def _relay_execute(provider: str, p: dict) -> dict:
     tokens = p["token_indices"]
-    rows = methods.decode_rows(p, len(tokens), p["d_model"])
+    rows = methods.request_rows(p, len(tokens), p["d_model"])
     try:
         out = await send_to_agent(p["model_id"], provider, p["layer"], p["expert"], tokens, rows,
                                   p.get("purpose", "serve"))
