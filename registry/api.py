@@ -704,3 +704,22 @@ class AuditView(ApiView):
 __all__ = ["AuditView", "CatalogShapeView", "CatalogView", "HeartbeatView", "HoldingsView", "PlanView",
            "PolicyView", "ProposalView", "ProposalsView", "ProviderView", "ProvidersView", "ShardMapView",
            "VoteView", "WithdrawView", "compact_holdings", "provider_json"]
+
+
+# --------------------------------------------------------------------------- repair passes
+
+
+class RepairStatusParams(serializers.Serializer):
+    """``{model_id?, limit?}`` of ``tenzro_moeRepairStatus``."""
+
+    model_id = serializers.CharField(max_length=200, required=False)
+    limit = serializers.IntegerField(min_value=1, max_value=500, required=False, default=20)
+
+
+@rpc_methods.method("tenzro_moeRepairStatus", params=RepairStatusParams)
+def repair_status(p: dict) -> dict:
+    """Recorded repair passes, newest first: period, plan rows, accepted, declined with reason,
+    released, fetched bytes, duration (``registry.repair_service.repair_status``)."""
+    from registry import repair_service
+
+    return repair_service.repair_status(p.get("model_id"), p["limit"])

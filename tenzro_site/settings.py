@@ -78,6 +78,7 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "channels",
+    "django_celery_beat",  # the repair schedule, editable in the admin
     "registry",
     "holders",
     "prepare",
@@ -212,6 +213,15 @@ TENZRO = {
     "BATCH_DEADLINE_S": float(os.environ.get("TENZRO_BATCH_DEADLINE", "10")),
     "DATA_TRANSPORT": os.environ.get("TENZRO_DATA_TRANSPORT", "ws"),
     "VIEW_CACHE_S": float(os.environ.get("TENZRO_VIEW_CACHE", "1.0")),
+    # Repair pass (DESIGN §8): seconds between passes; 0 = the governance policy's
+    # repair_interval_s (a local cluster or a test sets a short one). Release grace: seconds an
+    # expert must stay above target and cool before its surplus replicas are dropped.
+    "REPAIR_INTERVAL_S": _env_int("TENZRO_REPAIR_INTERVAL", 0),
+    "REPAIR_RELEASE_GRACE_S": _env_int("TENZRO_REPAIR_RELEASE_GRACE", 600),
+    # Expert-coverage market (Kvasir contract §2): HMAC secret of node tokens (default: derived
+    # from SECRET_KEY), token lifetime in seconds.
+    "MARKET_TOKEN_SECRET": os.environ.get("TENZRO_MARKET_TOKEN_SECRET", ""),
+    "MARKET_TOKEN_TTL_S": _env_int("TENZRO_MARKET_TOKEN_TTL", 30 * 86400),
 }
 
 LOGGING = {
