@@ -222,6 +222,8 @@ TENZRO = {
     # from SECRET_KEY), token lifetime in seconds.
     "MARKET_TOKEN_SECRET": os.environ.get("TENZRO_MARKET_TOKEN_SECRET", ""),
     "MARKET_TOKEN_TTL_S": _env_int("TENZRO_MARKET_TOKEN_TTL", 30 * 86400),
+    # Machine-to-machine secret accepted in X-Kvasir-Service-Token / X-Linkcpp-Service-Token (unset: none).
+    "MARKET_SERVICE_TOKEN": os.environ.get("TENZRO_MARKET_SERVICE_TOKEN", ""),
 }
 
 LOGGING = {
