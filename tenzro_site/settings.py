@@ -165,6 +165,8 @@ CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TASK_TIME_LIMIT = 3600
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+# Beat reads its schedule from the database (django-celery-beat: editable in the admin).
+CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 
 # Request bodies: JSON-RPC carries base64 hidden states, so the cap is explicit.
 DATA_UPLOAD_MAX_MEMORY_SIZE = _env_int("TENZRO_MAX_BODY", 64 * 1024 * 1024)
