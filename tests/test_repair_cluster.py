@@ -41,8 +41,11 @@ def test_sigkilled_holder_is_repaired(tmp_path):
                   for layer in layers}
         victim = info["agents"][0]
         held = rpc(info["rpc"], "tenzro_moeShardMap", {"model_id": MODEL})["result"]
-        lost = sum(1 for row in held["holders"] if victim["provider"] in {h["provider"] for h in row["holders"]})
+        # Experts the kill leaves under min_replication (a repair racing placement may have left a third copy).
+        lost = sum(1 for row in held["holders"]
+                   if victim["provider"] in {h["provider"] for h in row["holders"]} and row["replication"] <= 2)
         assert lost > 2, "the victim should hold more experts than one pass repairs"
+        killed_at = time.time()
         os.kill(victim["pid"], signal.SIGKILL)
         deadline = time.time() + 40 * INTERVAL_S
         while pid_alive(victim["pid"]) and time.time() < deadline:
@@ -62,7 +65,8 @@ def test_sigkilled_holder_is_repaired(tmp_path):
 
         status = rpc(info["rpc"], "tenzro_moeRepairStatus", {"model_id": MODEL, "limit": 50})["result"]
         assert status["interval_s"] == INTERVAL_S
-        passes = status["passes"]
+        # Passes of periods ending after the kill (earlier ones may have pulled during placement).
+        passes = [p for p in status["passes"] if (p["period"] + 1) * p["interval_s"] > killed_at]
         accepted = [a for p in passes for a in p["accepted"]]
         assert len(accepted) >= lost, status
         assert all(a["provider"] in live for a in accepted)
