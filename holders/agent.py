@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import secrets
 import threading
 import time
@@ -37,6 +38,7 @@ from holders.receipts import make_receipt
 from holders.runtime import ExpertNotLoaded, ExpertRuntime, RuntimeFault
 from holders.transports.http import serve_http
 from holders.blobs import MAX_BLOB_BYTES, BlobStore, fetch_blob
+from holders.repair_agent import RepairWorker
 from registry.content import BlobError
 from registry.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND, RpcError
 
@@ -98,6 +100,10 @@ class HolderAgent:
         self.http_host = http_host
         self.http_endpoint = f"http://{http_host}:{http_port}/rpc" if http_port else ""
         self._compute = ThreadPoolExecutor(max_workers=compute_threads, thread_name_prefix="compute")
+        # Repair (DESIGN §8): passes on the site's offers, and on its own timer without them.
+        self.repair = RepairWorker(self.site, self.provider, self.runtime, self.store,
+                                   interval_s=float(os.environ.get("TENZRO_REPAIR_INTERVAL") or 120),
+                                   release_grace_s=float(os.environ.get("TENZRO_REPAIR_RELEASE_GRACE") or 600))
 
     def stop(self) -> None:
         """Ask ``run()`` to return after closing the socket."""
@@ -111,11 +117,25 @@ class HolderAgent:
         self._loop = asyncio.get_running_loop()
         server = (await serve_http(self._http_rpc, self.http_host, self.http_port, self._http_frame)
                   if self.http_port else None)
+        own_repair = asyncio.create_task(self._repair_timer())
         try:
             await self._run_socket()
         finally:
+            own_repair.cancel()
             if server is not None:
                 server.close()
+
+    async def _repair_timer(self) -> None:
+        """Own repair passes, every interval, when the site sent no offer for 1.5 intervals."""
+        while not self._stop.is_set():
+            await asyncio.sleep(self.repair.interval_s)
+            if self.repair.due():
+                try:
+                    outcome = await asyncio.to_thread(self.repair.run_pass, None)
+                    if outcome["accepted"] or outcome["released"]:
+                        log.info("own repair pass: %s", outcome)
+                except Exception:  # a failed pass must not stop the timer
+                    log.exception("own repair pass failed")
 
     async def _run_socket(self) -> None:
         backoff = 1.0
@@ -225,6 +245,9 @@ class HolderAgent:
             elif kind == "load":
                 await self._load(header)
                 await self._reply(messages.reply(req_id))
+            elif kind == "repair":
+                outcome = await asyncio.to_thread(self.repair.run_pass, json.loads(payload or b"{}"))
+                await self._reply(messages.reply(req_id), json.dumps(outcome).encode())
             elif kind == "rpc":
                 body = json.dumps(await self._rpc(header, payload)).encode()
                 if len(body) > self.max_message - wire.FRAME_HEADER_MAX:  # the site would drop the socket

@@ -18,7 +18,7 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
-from holders import messages, wire
+from holders import messages, repair_site, wire
 from registry.identity import DOMAIN_HELLO, SignatureError, verify
 from holders.transports.ws import agent_group
 from registry import services as registry_services
@@ -41,6 +41,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         await self.accept()
         await self.send(text_data=json.dumps(messages.challenge(self.nonce)))
         self._hello_timer = asyncio.get_running_loop().create_task(self._hello_timeout())
+        repair_site.ensure_timer()  # without Redis, this site process runs the repair schedule
 
     async def _hello_timeout(self):
         await asyncio.sleep(settings.TENZRO["AGENT_HELLO_TIMEOUT_S"])

@@ -704,3 +704,50 @@ class AuditView(ApiView):
 __all__ = ["AuditView", "CatalogShapeView", "CatalogView", "HeartbeatView", "HoldingsView", "PlanView",
            "PolicyView", "ProposalView", "ProposalsView", "ProviderView", "ProvidersView", "ShardMapView",
            "VoteView", "WithdrawView", "compact_holdings", "provider_json"]
+
+
+# --------------------------------------------------------------------------- repair passes
+
+
+class RepairStatusParams(serializers.Serializer):
+    """``{model_id?, limit?}`` of ``tenzro_moeRepairStatus``."""
+
+    model_id = serializers.CharField(max_length=200, required=False)
+    limit = serializers.IntegerField(min_value=1, max_value=500, required=False, default=20)
+
+
+@rpc_methods.method("tenzro_moeRepairStatus", params=RepairStatusParams)
+def repair_status(p: dict) -> dict:
+    """Recorded repair passes, newest first: period, plan rows, accepted, declined with reason,
+    released, fetched bytes, duration (``registry.repair_service.repair_status``)."""
+    from registry import repair_service
+
+    return repair_service.repair_status(p.get("model_id"), p["limit"])
+
+
+# --------------------------------------------------------------------------- expert-coverage market
+
+
+class MarketModelParams(serializers.Serializer):
+    """``{model_id, name?, n_embd, n_layer, n_expert, expert_layers}`` of ``tenzro_moeMarketAddModel``."""
+
+    model_id = serializers.CharField(max_length=200)
+    name = serializers.CharField(max_length=200, required=False, default="", allow_blank=True)
+    n_embd = serializers.IntegerField(min_value=1, max_value=1 << 20)
+    n_layer = serializers.IntegerField(min_value=1, max_value=10_000)
+    n_expert = serializers.IntegerField(min_value=1, max_value=1 << 16)
+    expert_layers = serializers.ListField(child=serializers.IntegerField(min_value=0, max_value=10_000),
+                                          allow_empty=False, max_length=10_000)
+
+
+@rpc_methods.method("tenzro_moeMarketAddModel", params=MarketModelParams, operator=True)
+def market_add_model(p: dict) -> dict:
+    """List a catalog model on the expert-coverage market (``registry.market.add_model``)."""
+    from registry import market
+
+    try:
+        return market.add_model(p["model_id"], p["n_embd"], p["n_layer"], p["n_expert"], p["expert_layers"],
+                                p.get("name", ""))
+    except ValueError as exc:
+        field, message = exc.args
+        raise RpcError(INVALID_PARAMS, message, {"field": field}) from exc

@@ -264,3 +264,108 @@ class GateBlob(models.Model):
     def blob_uri(self) -> str:
         """``tenzro://blob/<hash>``."""
         return blob_uri(self.blob_hash)
+
+
+class RepairPass(models.Model):
+    """One scheduled repair pass (DESIGN §8): the plan offered to agents and what they did.
+
+    ``period_key`` is the idempotency key ``"<interval_s>:<period>"`` with ``period =
+    floor(unix seconds / interval_s)``; its unique constraint makes two beats, a retried task
+    or a slow pass run one period at most once (the loser only bumps ``attempts``).
+    ``rows``: the plan (``RepairRow.to_json`` plus ``kind`` "repair"/"hot"); ``accepted`` /
+    ``declined``: ``[{provider, layer, expert, model_id, reason?}]`` as agents reported them;
+    ``fetched_bytes``: blob bytes agents pulled; ``duration_ms``: wall time of the pass.
+    """
+
+    class Status(models.TextChoices):
+        RUNNING = "running"
+        DONE = "done"
+        FAILED = "failed"
+
+    period_key = models.CharField(max_length=64, unique=True)
+    period = models.BigIntegerField()
+    interval_s = models.PositiveIntegerField()
+    source = models.CharField(max_length=32, default="timer")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.RUNNING)
+    attempts = models.PositiveIntegerField(default=1)
+    models_planned = models.JSONField(default=list, blank=True)
+    rows = models.JSONField(default=list, blank=True)
+    accepted = models.JSONField(default=list, blank=True)
+    declined = models.JSONField(default=list, blank=True)
+    released = models.JSONField(default=list, blank=True)
+    offered_to = models.PositiveIntegerField(default=0)
+    fetched_bytes = models.BigIntegerField(default=0)
+    duration_ms = models.FloatField(default=0.0)
+    error = models.TextField(blank=True, default="")
+    started = models.DateTimeField(auto_now_add=True)
+    finished = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-period"]
+        verbose_name_plural = "repair passes"
+
+    def __str__(self) -> str:
+        return f"repair pass {self.period_key} ({self.status})"
+
+
+class MarketModel(models.Model):
+    """A catalog model listed on the expert-coverage market (Kvasir contract §1.3–1.4).
+
+    ``n_layer`` is the block count (echoed to workers), ``expert_layers`` the layers whose
+    experts the market offers; ``name`` is an alternative reference (``model=`` queries).
+    """
+
+    model_id = models.CharField(max_length=200, primary_key=True)
+    name = models.CharField(max_length=200, blank=True, default="")
+    n_embd = models.PositiveIntegerField()
+    n_layer = models.PositiveIntegerField()
+    n_expert = models.PositiveIntegerField()
+    expert_layers = models.JSONField(default=list)
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["created", "model_id"]
+
+    def __str__(self) -> str:
+        return self.model_id
+
+
+class MarketWorker(models.Model):
+    """The last coverage post of one market worker (contract §1.5); live for 120 s after ``ts``."""
+
+    worker_id = models.CharField(max_length=200, primary_key=True)
+    wallet = models.CharField(max_length=64, blank=True, default="")
+    model = models.CharField(max_length=200)
+    n_layer = models.IntegerField(default=0)
+    n_expert = models.IntegerField(default=0)
+    segments = models.JSONField(default=list, blank=True)
+    url = models.CharField(max_length=300, blank=True, default="")
+    owner = models.CharField(max_length=64, blank=True, default="")
+    platform = models.JSONField(default=dict, blank=True)
+    ts = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return self.worker_id
+
+
+class MarketChallenge(models.Model):
+    """An outstanding auth nonce (contract §2): bound to ``wallet``, single use, 5 minutes."""
+
+    nonce = models.CharField(max_length=32, primary_key=True)
+    wallet = models.CharField(max_length=64)
+    created = models.DateTimeField()
+
+
+class MarketClaim(models.Model):
+    """A pending volunteer assignment (contract §1.11 item 3): one replica of the range for 120 s."""
+
+    wallet = models.CharField(max_length=64)
+    model = models.CharField(max_length=200)
+    layer = models.IntegerField()
+    begin = models.IntegerField()
+    end = models.IntegerField()
+    ts = models.DateTimeField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["wallet", "model", "layer", "begin", "end"],
+                                               name="one_claim_per_range")]

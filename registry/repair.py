@@ -25,9 +25,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable
 
-from registry.shardmap import ReplicationPolicy, ShardView, check_provider_id, expert_key, is_int
+from registry.shardmap import (HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView, check_provider_id,
+                               expert_key, is_int)
 
-__all__ = ["PLACEMENT_DOMAIN", "RepairRow", "placement_score", "rank_providers", "plan_repair", "rows_for", "place"]
+__all__ = ["PLACEMENT_DOMAIN", "ReleaseRow", "RepairRow", "placement_score", "rank_providers", "plan_release",
+           "plan_repair", "rows_for", "place", "view_from_map"]
 
 PLACEMENT_DOMAIN = b"tenzro/moe/placement"
 
@@ -113,35 +115,32 @@ class RepairRow:
         }
 
 
-def _blob_source(view: ShardView, layer: int, expert: int) -> str | None:
-    # Most-declared blob_uri among holders; ties by holder order. Deterministic on all nodes.
-    uris = [h.blob_uri for h in view.holders(layer, expert) if h.blob_uri is not None]
-    if not uris:
-        return None
-    counts = Counter(uris)
-    top = max(counts.values())
-    return next(u for u in uris if counts[u] == top)
-
-
 def plan_repair(
     view: ShardView,
     policy: ReplicationPolicy | None = None,
     expected: Iterable[tuple[int, int]] | None = None,
     candidates: Iterable[str] | None = None,
+    exclude: Iterable[tuple[int, int, str]] = (),
 ) -> list[RepairRow]:
     """Rows that bring every expected expert up to its replication target (DESIGN §8).
 
     Target: ``policy.max_replication`` for hot experts (any holder ``committed_tps >=
     policy.hot_threshold_tps``), else ``policy.min_replication``; replication counts
     distinct Warm/Cold providers (see :class:`ShardView`). For each expert under target,
-    candidates not already holding it (in any residency) are ranked by HRW and the top
-    ``missing`` become rows. ``policy`` defaults to ``view.policy``; ``expected`` to the
-    view's catalog, else its covered experts; ``candidates`` to
-    ``view.distinct_providers()`` (providers already declaring holdings for the model: no
-    node is conscripted into a model it does not serve).
+    candidates not already holding it (in any residency) and not in ``exclude`` ((layer,
+    expert, provider) triples, e.g. recent declines, so the next candidate is asked) are
+    ranked by HRW and the top ``missing`` become rows. ``policy`` defaults to
+    ``view.policy``; ``expected`` to the view's catalog, else its covered experts;
+    ``candidates`` to ``view.distinct_providers()`` (providers already declaring holdings
+    for the model: no node is conscripted into a model it does not serve).
 
-    Rows are ordered most urgent first: current replication ascending, then (layer,
-    expert), then HRW rank. Raises ``ValueError`` for malformed ids or expert keys.
+    Order, most urgent first: rows that lift an expert towards ``min_replication`` (current
+    replication ascending, then (layer, expert), then HRW rank); then the hot-expert rows
+    above the minimum in DeepSeek EPLB order (``eplb/eplb.py`` ``replicate_experts``: each
+    next replica goes to the expert with the largest load per replica, load = the sum of its
+    holders' ``committed_tps``; ties by (layer, expert)). An agent taking the first
+    ``max_repairs_per_pass`` rows naming it therefore fixes coverage before adding hot
+    replicas. Raises ``ValueError`` for malformed ids or expert keys.
     """
     policy = view.policy if policy is None else policy
     if not isinstance(policy, ReplicationPolicy):
@@ -151,28 +150,147 @@ def plan_repair(
     else:
         keys = sorted({expert_key(item, "expected") for item in expected})
     pool = _pool(view.distinct_providers() if candidates is None else candidates, "candidates")
+    skip: dict[tuple[int, int], set[str]] = {}
+    for layer, expert, p in exclude:
+        skip.setdefault((layer, expert), set()).add(p)
     threshold = policy.hot_threshold_tps
+    lo, hi = policy.min_replication, policy.max_replication
     model_id = view.model_id
+    # Read the view's index directly: materializing HolderInfo objects for every expert
+    # dominated the plan at Kimi-K2 size (23k experts).
+    entries, evicting, plist = view._entries, view._evicting, view._plist
 
-    rows: list[tuple[int, RepairRow]] = []
-    for layer, expert in keys:
-        holders = view.holders(layer, expert)
-        hot = any(h.committed_tps >= threshold for h in holders)
-        target = policy.max_replication if hot else policy.min_replication
-        have = view.replication(layer, expert)
+    urgent: list[tuple[int, RepairRow]] = []
+    hot: list[tuple[tuple[int, int], list[str], str | None, int, int, int]] = []
+    for key in keys:
+        lst = entries.get(key)
+        have = len(lst) - evicting.get(key, 0) if lst else 0
+        if have >= hi:
+            continue
+        is_hot = bool(lst) and any(-e[1] >= threshold for e in lst)
+        target = hi if is_hot else lo
         missing = target - have
         if missing <= 0:
             continue
-        holding = {h.provider for h in holders}
-        free = [pb for pb in pool if pb[0] not in holding]
+        holding = {plist[e[2]].provider for e in lst} if lst else set()
+        holding |= skip.get(key, set())
+        free = [pb for pb in pool if pb[0] not in holding] if holding else pool
         if not free:
             continue
-        uri = _blob_source(view, layer, expert)
-        for p in _ranked(_prefix(model_id, layer, expert), free, missing):
-            rows.append((have, RepairRow(model_id, layer, expert, p, uri, missing)))
+        uri = _first_uri(lst)
+        ranked = _ranked(_prefix(model_id, *key), free, missing)
+        n_urgent = max(0, min(lo - have, len(ranked)))
+        for p in ranked[:n_urgent]:
+            urgent.append((have, RepairRow(model_id, key[0], key[1], p, uri, missing)))
+        if len(ranked) > n_urgent:
+            load = sum(-e[1] for e in lst)
+            hot.append((key, ranked[n_urgent:], uri, missing, load, have + n_urgent))
     # Stable sort keeps (layer, expert, rank) order inside each replication level.
-    rows.sort(key=lambda hr: hr[0])
-    return [r for _, r in rows]
+    urgent.sort(key=lambda hr: hr[0])
+    out = [r for _, r in urgent]
+    # EPLB greedy over the hot experts' remaining replicas: largest load per replica first.
+    heap = [(-load / max(reps, 1), key, 0, i) for i, (key, _, _, _, load, reps) in enumerate(hot)]
+    heapq.heapify(heap)
+    while heap:
+        _, key, k, i = heapq.heappop(heap)
+        _, ranked, uri, missing, load, reps = hot[i]
+        out.append(RepairRow(model_id, key[0], key[1], ranked[k], uri, missing))
+        if k + 1 < len(ranked):
+            heapq.heappush(heap, (-load / (reps + k + 1), key, k + 1, i))
+    return out
+
+
+def _first_uri(lst: list | None) -> str | None:
+    """Most-declared ``blob_uri`` among an expert's holder entries (ties: holder order)."""
+    if not lst:
+        return None
+    uris = [e[3] for e in lst if e[3] is not None]
+    if not uris:
+        return None
+    if len(set(uris)) == 1:
+        return uris[0]
+    counts = Counter(uris)
+    top = max(counts.values())
+    return next(u for u in uris if counts[u] == top)
+
+
+@dataclass(frozen=True)
+class ReleaseRow:
+    """``provider`` holds a replica of ``(model_id, layer, expert)`` above its target.
+
+    ``target`` is the replication the expert should keep (``min_replication`` when cool,
+    ``max_replication`` when hot); ``replication`` what it has now.
+    """
+
+    model_id: str
+    layer: int
+    expert: int
+    provider: str
+    replication: int
+    target: int
+
+    def to_json(self) -> dict:
+        """``{model_id, layer, expert, provider, replication, target}``."""
+        return {"model_id": self.model_id, "layer": self.layer, "expert": self.expert,
+                "provider": self.provider, "replication": self.replication, "target": self.target}
+
+
+def plan_release(view: ShardView, policy: ReplicationPolicy | None = None) -> list[ReleaseRow]:
+    """Replicas above target, to drop once the expert has stayed cool for a grace period.
+
+    For each expert with more Warm/Cold holders than its target (``max_replication`` when
+    hot, else ``min_replication``) the holders are ranked by the same HRW score as
+    placement; the top ``target`` keep their copy, every other holder gets a row. Every node
+    computes the same rows from the same view, so the replicas that stay are exactly those
+    placement and repair would pick. Evicting holders are already leaving and get no row.
+    """
+    policy = view.policy if policy is None else policy
+    threshold = policy.hot_threshold_tps
+    out: list[ReleaseRow] = []
+    entries, evicting, plist = view._entries, view._evicting, view._plist
+    for key, lst in entries.items():
+        have = len(lst) - evicting.get(key, 0)
+        if have <= policy.min_replication:
+            continue
+        target = policy.max_replication if any(-e[1] >= threshold for e in lst) else policy.min_replication
+        if have <= target:
+            continue
+        live = [plist[e[2]].provider for e in lst if e[0] != 2]
+        ranked = rank_providers(view.model_id, key[0], key[1], live)
+        out.extend(ReleaseRow(view.model_id, key[0], key[1], p, have, target) for p in ranked[target:])
+    return out
+
+
+def view_from_map(shard_map: dict, expected: Iterable[tuple[int, int]] | None = None) -> ShardView:
+    """Rebuild a :class:`ShardView` from a ``tenzro_moeShardMap`` result (what an agent fetches).
+
+    Holders become providers with their declared residency, ``committed_tps``, ``blob_uri``,
+    ``http_endpoint`` and gpu flag; ``expected`` defaults to the map's covered experts plus
+    its under-replicated ones (which include catalog experts nobody holds). Reputation is not
+    in the map, so holder order may differ from the site's, but HRW rankings and replication
+    counts, all that planning reads, are the same. Raises ``ValueError`` for a malformed map.
+    """
+    if not isinstance(shard_map, dict) or not isinstance(shard_map.get("holders"), list):
+        raise ValueError("shard map must be an object with a holders list")
+    model_id = shard_map.get("model_id")
+    policy = ReplicationPolicy.from_mapping(shard_map.get("policy") or {})
+    per: dict[str, list[HoldingInfo]] = {}
+    meta: dict[str, tuple[str | None, bool]] = {}
+    for row in shard_map["holders"]:
+        layer, expert = expert_key((row.get("layer"), row.get("expert")), "holders")
+        for h in row.get("holders") or ():
+            pid = h.get("provider")
+            check_provider_id(pid, "holders.provider")
+            per.setdefault(pid, []).append(HoldingInfo(model_id, layer, expert, h.get("residency", "Warm"),
+                                                       int(h.get("committed_tps") or 0), h.get("blob_uri")))
+            meta[pid] = (h.get("http_endpoint") or None, bool(h.get("gpu")))
+    if expected is None:
+        keys = {(c["layer"], c["expert"]) for c in shard_map.get("covered") or ()}
+        keys |= {(c["layer"], c["expert"]) for c in shard_map.get("under_replicated_experts") or ()}
+        expected = sorted(keys)
+    infos = [ProviderInfo(provider=p, roles=("ExpertHolder",), http_endpoint=meta[p][0], gpu=meta[p][1],
+                          holdings=tuple(hs)) for p, hs in per.items()]
+    return ShardView.build(model_id, infos, policy=policy, expected=expected)
 
 
 def rows_for(rows: Iterable[RepairRow], provider: str,

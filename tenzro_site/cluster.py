@@ -55,13 +55,15 @@ class LocalCluster:
     ids). ``say`` receives progress lines (default: silent). ``agent_http``: each agent also
     serves its HTTP endpoint (``--http-port``) on a free port and advertises it.
     ``dense_parts``: dense MLP layers are split into this many intermediate slices and
-    placed like experts (``holders.dense``; model ids in ``dense_ids``). Raises ``ClusterError``.
+    placed like experts (``holders.dense``; model ids in ``dense_ids``). ``repair_interval``:
+    seconds between repair passes of the site and of every agent (``TENZRO_REPAIR_INTERVAL``;
+    None = the policy's). Raises ``ClusterError``.
     """
 
     def __init__(self, checkpoints: list[str | Path], holders: int = 4, port: int = 0, replication: int = 2,
                  heartbeat_interval: int = 5, say: Callable[[str], None] | None = None,
                  model_ids: list[str | None] | None = None, quants: list | None = None,
-                 agent_http: bool = False, dense_parts: int = 2):
+                 agent_http: bool = False, dense_parts: int = 2, repair_interval: int | None = None):
         if holders < 1:
             raise ClusterError("--holders must be at least 1")
         if port and not 0 < port < 65536:
@@ -85,6 +87,7 @@ class LocalCluster:
         self.model_ids: list[str] = []
         self.dense_ids: list[str] = []
         self.dense_parts = dense_parts
+        self.repair_interval = repair_interval
         self._req_id = 0
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -106,6 +109,8 @@ class LocalCluster:
         env = {**os.environ, "TENZRO_HEARTBEAT_INTERVAL": str(self.heartbeat_interval),
                "TENZRO_VAR_DIR": str(settings.VAR_DIR), "TENZRO_BLOB_DIR": str(settings.TENZRO["BLOB_DIR"]),
                "TENZRO_OPERATOR_TOKEN": operator_token(), "PYTHONUNBUFFERED": "1"}
+        if self.repair_interval:
+            env["TENZRO_REPAIR_INTERVAL"] = str(self.repair_interval)
         self.site = self._spawn("site", [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port),
                                          "--websocket-max-message-size", str(settings.TENZRO["WS_MAX_MESSAGE"]),
                                          "--websocket_timeout", "-1", "tenzro_site.asgi:application"], env)

@@ -79,6 +79,7 @@ INSTALLED_APPS = [
     "drf_spectacular_sidecar",
     "channels",
     "django_htmx",
+    "django_celery_beat",  # the repair schedule, editable in the admin
     "registry",
     "holders",
     "prepare",
@@ -171,6 +172,8 @@ CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TASK_TIME_LIMIT = 3600
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+# Beat reads its schedule from the database (django-celery-beat: editable in the admin).
+CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 
 # Request bodies: JSON-RPC carries base64 hidden states, so the cap is explicit.
 DATA_UPLOAD_MAX_MEMORY_SIZE = _env_int("TENZRO_MAX_BODY", 64 * 1024 * 1024)
@@ -219,6 +222,17 @@ TENZRO = {
     "BATCH_DEADLINE_S": float(os.environ.get("TENZRO_BATCH_DEADLINE", "10")),
     "DATA_TRANSPORT": os.environ.get("TENZRO_DATA_TRANSPORT", "ws"),
     "VIEW_CACHE_S": float(os.environ.get("TENZRO_VIEW_CACHE", "1.0")),
+    # Repair pass (DESIGN §8): seconds between passes; 0 = the governance policy's
+    # repair_interval_s (a local cluster or a test sets a short one). Release grace: seconds an
+    # expert must stay above target and cool before its surplus replicas are dropped.
+    "REPAIR_INTERVAL_S": _env_int("TENZRO_REPAIR_INTERVAL", 0),
+    "REPAIR_RELEASE_GRACE_S": _env_int("TENZRO_REPAIR_RELEASE_GRACE", 600),
+    # Expert-coverage market (Kvasir contract §2): HMAC secret of node tokens (default: derived
+    # from SECRET_KEY), token lifetime in seconds.
+    "MARKET_TOKEN_SECRET": os.environ.get("TENZRO_MARKET_TOKEN_SECRET", ""),
+    "MARKET_TOKEN_TTL_S": _env_int("TENZRO_MARKET_TOKEN_TTL", 30 * 86400),
+    # Machine-to-machine secret accepted in X-Kvasir-Service-Token / X-Linkcpp-Service-Token (unset: none).
+    "MARKET_SERVICE_TOKEN": os.environ.get("TENZRO_MARKET_SERVICE_TOKEN", ""),
 }
 
 LOGGING = {

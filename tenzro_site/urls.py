@@ -7,6 +7,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from prepare import views as prepare_views
 from prepare.views import blob
 from registry import api as reg
+from registry import market_views as market
 from tenzro_site import views
 from tenzro_site.rpc import rpc_view
 
@@ -32,6 +33,12 @@ urlpatterns = [
     path("healthz", views.healthz, name="healthz"),
     path("rpc", rpc_view, name="rpc"),
     path("api/v1/", include(api_v1)),
+    # Expert-coverage market (Kvasir wire contract): with or without a trailing slash, no redirect.
+    re_path(r"^api/auth/challenge/?$", market.challenge, name="market-challenge"),
+    re_path(r"^api/auth/node-token/?$", market.node_token, name="market-node-token"),
+    re_path(r"^api/expert-coverage/?$", market.coverage, name="market-coverage"),
+    re_path(r"^api/expert-demand/?$", market.demand, name="market-demand"),
+    re_path(r"^api/expert-volunteer/?$", market.volunteer, name="market-volunteer"),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     path("blobs/<str:blob_hash>", blob, name="blob"),

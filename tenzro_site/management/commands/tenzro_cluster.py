@@ -25,6 +25,8 @@ class Command(BaseCommand):
                             help="agents also serve POST /rpc on free ports (--http-port) and advertise them")
         parser.add_argument("--model-id", action="append", default=None,
                             help="model id per checkpoint (default: from the directory name)")
+        parser.add_argument("--repair-interval", type=int, default=None, metavar="S",
+                            help="seconds between repair passes (default: the governance policy's, 120)")
         parser.add_argument("--quant", default=None,
                             help="publish the experts quantized: q4_k_m, q8_0, q4_k, q6_k or a JSON object")
 
@@ -35,6 +37,8 @@ class Command(BaseCommand):
             raise CommandError(f"--quant: {exc}") from exc
         if opts["model_id"] and len(opts["model_id"]) != len(opts["checkpoint"]):
             raise CommandError("--model-id: give one per --checkpoint")
+        if opts["repair_interval"] is not None and not 1 <= opts["repair_interval"] <= 86_400:
+            raise CommandError(f"--repair-interval must be between 1 and 86400 seconds, got {opts['repair_interval']}")
 
         def say(line: str) -> None:
             print(line, file=sys.stderr, flush=True)
@@ -50,7 +54,7 @@ class Command(BaseCommand):
             cluster = LocalCluster(opts["checkpoint"], holders=opts["holders"], port=opts["port"], say=say,
                                    model_ids=opts["model_id"],
                                    quants=[plan.to_json() if plan else None] * len(opts["checkpoint"]),
-                                   agent_http=opts["agent_http"])
+                                   agent_http=opts["agent_http"], repair_interval=opts["repair_interval"])
             cluster.start()
             for sig in (signal.SIGINT, signal.SIGTERM):  # ready: the next signal ends the wait below
                 signal.signal(sig, lambda *_: stop.set())

@@ -1,0 +1,88 @@
+"""The site's repair pass over the agent sockets (DESIGN §8): claim the period, plan, offer.
+
+``run_pass`` is what both schedulers run — the Celery task ``holders.repair_pass`` (beat,
+with Redis) and the in-process timer (``ensure_timer``, without Redis). The period claim in
+``registry.repair_service.begin_pass`` makes any number of schedulers run each period once.
+Each live agent gets its offer (the plan's rows naming it, its surplus replicas, the
+exclusions) as a ``repair`` frame; it recomputes the plan itself, pulls what fits and
+answers with its outcome, which is recorded on the pass.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from channels.db import database_sync_to_async
+from django.conf import settings
+
+from holders.transports.ws import AgentLink, AgentUnavailable
+from registry import repair_service
+
+log = logging.getLogger("tenzro.repair")
+
+#: Seconds an agent has to answer an offer (fetch and load up to max_repairs blobs).
+OFFER_TIMEOUT_S = 300.0
+
+_timer: asyncio.Task | None = None
+
+
+async def run_pass(source: str = "timer") -> dict | None:
+    """Run the current period's pass unless another scheduler already claimed it.
+
+    Returns the recorded pass (``tenzro_moeRepairStatus`` shape) or None when the period
+    was already claimed. Agent failures (disconnect, timeout, bad answer) are recorded on the
+    pass, each offered row as a decline with the reason; they never fail the pass.
+    """
+    rp = await database_sync_to_async(repair_service.begin_pass)(source)
+    if rp is None:
+        return None
+    started = time.monotonic()
+    error = ""
+    try:
+        offers = await database_sync_to_async(repair_service.plan_offers)(rp)
+        link = await AgentLink.get()
+
+        async def offer(provider: str, body: dict) -> None:
+            outcome, err = None, ""
+            try:
+                _answer, payload = await link.request(provider, {"type": "repair"}, json.dumps(body).encode(),
+                                                      timeout=OFFER_TIMEOUT_S)
+                outcome = json.loads(payload)
+                if not isinstance(outcome, dict):
+                    raise ValueError("outcome is not an object")
+            except (AgentUnavailable, ValueError, UnicodeDecodeError) as exc:
+                err = str(exc)
+                outcome = {"declined": [{**r, "reason": f"no answer to the offer: {exc}"} for r in body["rows"]]}
+            await database_sync_to_async(repair_service.record_outcome)(rp.pk, provider, outcome, err)
+
+        await asyncio.gather(*(offer(p, body) for p, body in offers.items()))
+    except Exception as exc:  # recorded on the pass; the scheduler keeps running
+        log.exception("repair pass %s failed", rp.period_key)
+        error = f"{type(exc).__name__}: {exc}"
+    await database_sync_to_async(repair_service.finish_pass)(rp.pk, started, error)
+    rp = await database_sync_to_async(type(rp).objects.get)(pk=rp.pk)
+    return repair_service.pass_json(rp)
+
+
+async def _timer_loop() -> None:
+    """Run a pass at every period boundary (the first one skipped, as the reference does)."""
+    while True:
+        interval = await database_sync_to_async(repair_service.interval_s)()
+        now = time.time()
+        await asyncio.sleep(((now // interval) + 1) * interval - now + 0.05)
+        try:
+            await run_pass("timer")
+        except Exception:  # the timer outlives a failed pass
+            log.exception("repair timer pass failed")
+
+
+def ensure_timer() -> None:
+    """Start the in-process repair timer on the running event loop, once per process, when
+    Celery runs tasks inline (no ``REDIS_URL``: no beat). Idempotent."""
+    global _timer
+    if not settings.CELERY_TASK_ALWAYS_EAGER:
+        return
+    if _timer is None or _timer.done():
+        _timer = asyncio.get_running_loop().create_task(_timer_loop())

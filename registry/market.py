@@ -1,0 +1,360 @@
+"""The Kvasir-compatible expert-coverage market (``kvasir_market_contract.md`` §1.0–1.5,
+§1.11–1.13, §2): wallet auth, node tokens, the coverage census, demand and volunteer.
+
+Services only (the thin views are ``registry.market_views``). State lives in the database:
+``MarketChallenge`` (nonces, 5 min, single use, bound to a wallet), ``MarketWorker`` (last
+coverage post per worker, live 120 s, evicted on every read), ``MarketClaim`` (pending
+volunteer assignments, 120 s). Node tokens are stateless: base64url (no padding) of
+``node|<wallet>|<exp>|<hex HMAC-SHA256(secret, "node|<wallet>|<exp>")>`` (contract §2.5).
+
+Demand folds three sources into one replica count per (model, expert layer, expert): live
+market workers' segments (same-worker overlaps count twice, as the contract says), pending
+claims, and the heartbeat holdings of live providers (one per distinct provider), so market
+workers and providers see one scarcity. Target replicas = the policy's ``min_replication``.
+Every refusal raises ``MarketError(status, message)``; the views answer ``{"error": message}``.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import math
+import secrets
+import time
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+from nacl.exceptions import BadSignatureError
+from nacl.signing import VerifyKey
+
+from registry import governance, selectors
+from registry.models import Holding, MarketChallenge, MarketClaim, MarketModel, MarketWorker
+
+LIVE_S = 120
+CHALLENGE_TTL_S = 300
+MAX_CHALLENGES = 10_000
+MAX_WORKERS = 4_096
+MAX_SEGMENTS = 256
+MAX_WALLET = 64
+_B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+
+
+class MarketError(Exception):
+    """A refused market call: HTTP ``status`` and the contract's ``message``."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+# --------------------------------------------------------------------------- auth (§1.1, §1.2, §2)
+
+def b58decode(text: str) -> bytes:
+    """Base58 (Bitcoin alphabet) → bytes; each leading ``1`` is a zero byte. Raises ``ValueError``."""
+    n = 0
+    for ch in text:
+        i = _B58.find(ch)
+        if i < 0:
+            raise ValueError(f"{ch!r} is not a base58 character")
+        n = n * 58 + i
+    body = n.to_bytes((n.bit_length() + 7) // 8, "big") if n else b""
+    return b"\0" * (len(text) - len(text.lstrip("1"))) + body
+
+
+def b58encode(data: bytes) -> str:
+    """Bytes → base58 (Bitcoin alphabet), the Solana address form of a 32-byte ed25519 key."""
+    n = int.from_bytes(data, "big")
+    out = ""
+    while n:
+        n, r = divmod(n, 58)
+        out = _B58[r] + out
+    return "1" * (len(data) - len(data.lstrip(b"\0"))) + out
+
+
+def challenge_message(wallet: str, nonce: str) -> str:
+    """The text a wallet signs (UTF-8): title, ``wallet: W``, ``nonce: N``; no trailing newline."""
+    return f"Tenzro expert market \u2014 prove you operate this node.\nwallet: {wallet}\nnonce: {nonce}"
+
+
+def issue_challenge(wallet) -> dict:
+    """``POST /api/auth/challenge``: ``{nonce, message}``. Raises ``MarketError`` 400 / 429."""
+    wallet = wallet.strip() if isinstance(wallet, str) else ""
+    if not wallet:
+        raise MarketError(400, "wallet is required")
+    if len(wallet) > MAX_WALLET:
+        raise MarketError(400, "that is not a wallet address")
+    now = timezone.now()
+    MarketChallenge.objects.filter(created__lt=now - timedelta(seconds=CHALLENGE_TTL_S)).delete()
+    if MarketChallenge.objects.count() >= MAX_CHALLENGES:
+        raise MarketError(429, "too many challenges are outstanding; try again shortly")
+    nonce = secrets.token_hex(16)
+    MarketChallenge.objects.create(nonce=nonce, wallet=wallet, created=now)
+    return {"nonce": nonce, "message": challenge_message(wallet, nonce)}
+
+
+def _secret() -> bytes:
+    s = settings.TENZRO.get("MARKET_TOKEN_SECRET") or ""
+    return s.encode() if s else hashlib.sha256(b"tenzro/market/node-token\0" + settings.SECRET_KEY.encode()).digest()
+
+
+def _mac(payload: str) -> str:
+    return hmac.new(_secret(), payload.encode(), hashlib.sha256).hexdigest()
+
+
+def make_token(wallet: str, now: float | None = None) -> tuple[str, int]:
+    """A node token for ``wallet`` and its lifetime in seconds (contract §2.5)."""
+    ttl = int(settings.TENZRO.get("MARKET_TOKEN_TTL_S") or 30 * 86400)
+    exp = int((time.time() if now is None else now) + ttl)
+    payload = f"node|{wallet}|{exp}"
+    raw = f"{payload}|{_mac(payload)}".encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("="), ttl
+
+
+def token_wallet(token: str, now: float | None = None) -> str | None:
+    """The wallet of a valid, unexpired node token, else None (scope word, wallet, expiry, HMAC)."""
+    if not isinstance(token, str) or not token or len(token) > 1000:
+        return None
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        return None
+    parts = raw.split("|")
+    if len(parts) != 4 or parts[0] != "node" or not parts[1] or not parts[2].isdigit():
+        return None
+    if int(parts[2]) < (time.time() if now is None else now):
+        return None
+    if not hmac.compare_digest(_mac("|".join(parts[:3])), parts[3]):
+        return None
+    return parts[1]
+
+
+def issue_node_token(wallet, nonce, signature) -> dict:
+    """``POST /api/auth/node-token``: ``{node_token, wallet, expires_in}``.
+
+    The nonce is consumed by any attempt (a failed one burns it). Raises ``MarketError``:
+    400 missing field, 401 unknown/expired/foreign nonce, 401 bad signature.
+    """
+    wallet = wallet.strip() if isinstance(wallet, str) else ""
+    nonce = nonce.strip() if isinstance(nonce, str) else ""
+    if not wallet or not nonce or not isinstance(signature, str) or not signature:
+        raise MarketError(400, "wallet, nonce and signature are required")
+    with transaction.atomic():
+        ch = MarketChallenge.objects.select_for_update().filter(nonce=nonce).first()
+        if ch is not None:
+            ch.delete()
+    if (ch is None or ch.wallet != wallet
+            or ch.created < timezone.now() - timedelta(seconds=CHALLENGE_TTL_S)):
+        raise MarketError(401, "that challenge is unknown, expired, or already used")
+    try:
+        key = b58decode(wallet)
+        sig = base64.b64decode(signature.strip() + "=" * (-len(signature.strip()) % 4))
+        if len(key) != 32 or len(sig) != 64:
+            raise ValueError("bad lengths")
+        VerifyKey(key).verify(challenge_message(wallet, nonce).encode("utf-8"), sig)
+    except (ValueError, binascii.Error, BadSignatureError):
+        raise MarketError(401, "the signature does not match that wallet") from None
+    token, ttl = make_token(wallet)
+    return {"node_token": token, "wallet": wallet, "expires_in": ttl}
+
+
+def authenticate(headers) -> str:
+    """The caller's wallet from ``Authorization: Bearer <token>`` (case-insensitive prefix) or a
+    node token in ``X-Kvasir-Service-Token`` / ``X-Linkcpp-Service-Token``; ``""`` for the
+    service secret (``TENZRO_MARKET_SERVICE_TOKEN``, no wallet). Raises ``MarketError`` 401."""
+    candidates = []
+    auth = headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        candidates.append(auth[7:].strip())
+    for h in ("X-Kvasir-Service-Token", "X-Linkcpp-Service-Token"):
+        if headers.get(h):
+            candidates.append(headers[h].strip())
+    service = settings.TENZRO.get("MARKET_SERVICE_TOKEN") or ""
+    for c in candidates:
+        if service and hmac.compare_digest(c.encode(), service.encode()):
+            return ""
+        wallet = token_wallet(c)
+        if wallet:
+            return wallet
+    raise MarketError(401, "authentication required")
+
+
+# --------------------------------------------------------------------------- census and fold (§1.5, §1.11)
+
+def _evict(now) -> None:
+    cutoff = now - timedelta(seconds=LIVE_S)
+    MarketWorker.objects.filter(ts__lt=cutoff).delete()
+    MarketClaim.objects.filter(ts__lt=cutoff).delete()
+
+
+def _basename(ref: str) -> str:
+    return ref.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _segments(raw) -> list[list[int]]:
+    """Keep 3-element arrays of finite numbers (first 256), silently dropping the rest (§1.5)."""
+    out = []
+    for seg in (raw if isinstance(raw, list) else [])[:MAX_SEGMENTS]:
+        if not isinstance(seg, list) or len(seg) != 3:
+            continue
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in seg):
+            continue
+        out.append([int(v) for v in seg])
+    return out
+
+
+def post_coverage(wallet: str, body: dict) -> dict:
+    """``POST /api/expert-coverage`` (the worker heartbeat). Raises ``MarketError`` 400 / 503.
+
+    Relay wiring (§1.6–1.10) is not offered by this site: ``wired`` is false.
+    """
+    worker_id = body.get("worker_id").strip() if isinstance(body.get("worker_id"), str) else ""
+    model = body.get("model").strip() if isinstance(body.get("model"), str) else ""
+    if not worker_id or not model:
+        raise MarketError(400, "worker_id and model are required")
+    worker_id = worker_id[:200]
+    now = timezone.now()
+    segs = _segments(body.get("segments"))
+    _evict(now)
+    with transaction.atomic():
+        w = MarketWorker.objects.select_for_update().filter(worker_id=worker_id).first()
+        if w is None and MarketWorker.objects.count() >= MAX_WORKERS:
+            raise MarketError(503, "the coverage census is full; try again shortly")
+        w = w or MarketWorker(worker_id=worker_id)
+        w.wallet = wallet or w.wallet
+        w.model = _basename(model)[:200]
+        w.n_layer = int(body["n_layer"]) if isinstance(body.get("n_layer"), int) else 0
+        w.n_expert = int(body["n_expert"]) if isinstance(body.get("n_expert"), int) else 0
+        w.segments = segs
+        w.url = body["url"][:300] if isinstance(body.get("url"), str) else ""
+        if isinstance(body.get("owner"), str) and body["owner"].strip():
+            w.owner = body["owner"].strip()[:64]
+        platform = dict(w.platform or {})
+        for k in ("os", "device_kind", "accelerator", "backend"):
+            if isinstance(body.get(k), str):
+                platform[k] = body[k][:64]
+        w.platform = platform
+        w.ts = now
+        w.save()
+        if wallet:  # a claim ends once its wallet reports a segment covering the range
+            for c in MarketClaim.objects.filter(wallet=wallet):
+                if any(s[0] == c.layer and s[1] <= c.begin and s[2] >= c.end for s in segs):
+                    c.delete()
+    return {"ok": True, "workers": MarketWorker.objects.count(), "wired": False, "listen_port": None,
+            "session": None}
+
+
+def _models(ref: str | None) -> list[MarketModel]:
+    ms = list(MarketModel.objects.all())
+    if ref:
+        ms = [m for m in ms if m.model_id == ref or m.name == ref or m.model_id.endswith(ref)]
+    return ms
+
+
+def fold(m: MarketModel) -> dict[int, list[int]]:
+    """Replica counts ``{layer: [r_0 … r_{n_expert-1}]}`` of a market model (§1.11 items 2–3)."""
+    n = m.n_expert
+    layers = sorted({int(x) for x in m.expert_layers})
+    r = {layer: [0] * n for layer in layers}
+    names = {_basename(m.model_id), m.model_id} | ({m.name, _basename(m.name)} if m.name else set())
+    for segs in MarketWorker.objects.filter(model__in=names).values_list("segments", flat=True):
+        for layer, b, e in segs:
+            if layer in r:
+                for i in range(max(0, b), min(e, n)):
+                    r[layer][i] += 1
+    for c in MarketClaim.objects.filter(model=m.model_id):
+        if c.layer in r:
+            for i in range(max(0, c.begin), min(c.end, n)):
+                r[c.layer][i] += 1
+    for layer, expert in _provider_counts(m):
+        if layer in r and expert < n:
+            r[layer][expert] += 1
+    return r
+
+
+def _provider_counts(m: MarketModel):
+    """(layer, expert) once per live provider holding it (heartbeat holdings)."""
+    return Holding.objects.filter(model_id=m.model_id, provider__in=selectors.live_providers()).values_list(
+        "layer", "expert")
+
+
+def segments_of(r: list[int], target: int) -> list[dict]:
+    """Maximal runs of equal replica count with their scarcity ``round3(max(0, (T-r)/T))``."""
+    out, i = [], 0
+    while i < len(r):
+        j = i
+        while j < len(r) and r[j] == r[i]:
+            j += 1
+        out.append({"experts": [i, j], "replicas": r[i], "target": target,
+                    "scarcity": round(max(0.0, (target - r[i]) / target), 3)})
+        i = j
+    return out
+
+
+def demand(ref: str | None) -> dict:
+    """``GET /api/expert-demand[?model=]`` (§1.3): every expert layer of every matching model."""
+    _evict(timezone.now())
+    target = governance.current_policy().min_replication
+    models = []
+    for m in _models(ref):
+        r = fold(m)
+        models.append({"model": m.model_id, "n_layer": m.n_layer, "n_expert": m.n_expert, "target_replicas": target,
+                       "recruiting": True,
+                       "layers": [{"layer": layer, "segments": segments_of(r[layer], target)} for layer in sorted(r)]})
+    return {"target_replicas": target, "recruiting": True, "models": models}
+
+
+def volunteer(wallet: str, body: dict) -> dict:
+    """``POST /api/expert-volunteer`` (§1.4, §1.11 item 5): the scarcest run (ties: wider before
+    clipping, then first), clipped to ``max_experts`` (≤ 0 or missing: no cap); a wallet's
+    assignment is claimed as one replica for 120 s (a repeat refreshes it)."""
+    now = timezone.now()
+    _evict(now)
+    ref = body.get("model") if isinstance(body.get("model"), str) else ""
+    cap = body.get("max_experts")
+    cap = int(cap) if isinstance(cap, (int, float)) and not isinstance(cap, bool) and math.isfinite(cap) else 0
+    target = governance.current_policy().min_replication
+    best = None
+    for m in _models(ref.strip() or None):
+        r = fold(m)
+        for layer in sorted(r):
+            for seg in segments_of(r[layer], target):
+                if seg["scarcity"] <= 0:
+                    continue
+                width = seg["experts"][1] - seg["experts"][0]
+                if best is None or (seg["scarcity"], width) > (best[2]["scarcity"], best[3]):
+                    best = (m, layer, seg, width)
+    if best is None:
+        return {"assigned": False, "reason": "expert coverage at target"}
+    m, layer, seg, _ = best
+    begin, end = seg["experts"]
+    if cap > 0:
+        end = min(end, begin + cap)
+    if wallet:
+        try:
+            with transaction.atomic():
+                MarketClaim.objects.update_or_create(wallet=wallet, model=m.model_id, layer=layer, begin=begin,
+                                                     end=end, defaults={"ts": now})
+        except IntegrityError:  # a concurrent identical claim: it exists, which is all we need
+            pass
+    return {"assigned": True, "model": m.model_id, "layer": layer, "experts": [begin, end],
+            "scarcity": seg["scarcity"], "replicas": seg["replicas"], "target": target, "n_embd": m.n_embd,
+            "n_layer": m.n_layer, "n_expert": m.n_expert}
+
+
+def add_model(model_id: str, n_embd: int, n_layer: int, n_expert: int, expert_layers: list[int],
+              name: str = "") -> dict:
+    """List (or update) a catalog model on the market. Raises ``ValueError(field, message)``
+    for an expert layer outside ``[0, n_layer)``."""
+    layers = sorted(set(expert_layers))
+    bad = [x for x in layers if not 0 <= x < n_layer]
+    if bad:
+        raise ValueError("expert_layers", f"expert layers {bad} are outside [0, {n_layer})")
+    m, created = MarketModel.objects.update_or_create(
+        model_id=model_id, defaults={"name": name, "n_embd": n_embd, "n_layer": n_layer, "n_expert": n_expert,
+                                     "expert_layers": layers})
+    return {"model_id": m.model_id, "name": m.name, "n_embd": m.n_embd, "n_layer": m.n_layer,
+            "n_expert": m.n_expert, "expert_layers": m.expert_layers, "created": created}
