@@ -91,6 +91,29 @@ class BatchAnswer:
     bytes_back: int
 
 
+@dataclass
+class VerifiedBatch:
+    """One remote batch whose receipt verified: what the receipts economy keeps or settles.
+
+    ``payload`` the exact carrier bytes sent (``carrier`` "f32"/"q8_0"), ``rows`` the decoded
+    output f32 ``[n, d_model]`` (``output`` encoding on the wire), ``receipt`` the holder's
+    signed receipt. Listed in arrival order.
+    """
+
+    provider: str
+    request_id: str
+    model_id: str
+    layer: int
+    expert: int
+    tokens: list[int]
+    carrier: str
+    payload: bytes
+    output: str
+    d_model: int
+    receipt: dict
+    rows: np.ndarray
+
+
 # send(holder provider id, holder info or None, request) -> answer; raises HolderFault,
 # AuthRefusal, ConnectionError, asyncio.TimeoutError or ValueError.
 Send = Callable[[str, object, BatchRequest], Awaitable[BatchAnswer]]
@@ -113,6 +136,8 @@ class ForwardResult:
     bytes_back: int = 0
     receipts: list[dict] = field(default_factory=list)
     timings_ms: dict = field(default_factory=dict)
+    verified: list[VerifiedBatch] = field(default_factory=list)
+    forward_id: str = ""
 
 
 def token_routings(pairs: dict[int, list[int]], layer: int) -> list[TokenRouting]:
@@ -221,6 +246,7 @@ async def distributed_forward(*, gate: Gate | None, model_id: str, layer: int, h
     latencies: dict[str, list[float]] = {}
     transports: dict[str, int] = {"local": 0, "ws": 0, "http": 0, "iroh": 0}
     receipts: list[dict] = []
+    verified: list[VerifiedBatch] = []
     used: set[str] = set()
     stats = {"batches": 0, "out": 0, "back": 0}
     replans = 0
@@ -280,6 +306,9 @@ async def distributed_forward(*, gate: Gate | None, model_id: str, layer: int, h
         if ans.receipt is not None:
             receipts.append({"provider": provider, "expert": expert, "tokens": len(tokens),
                              "commitment": ans.receipt["commitment"]})
+            if verify and ans.transport != "local":
+                verified.append(VerifiedBatch(provider, req.request_id, model_id, layer, expert, list(tokens),
+                                              carrier_kind, payload, output_kind, d_model, ans.receipt, ans.rows))
         return "ok"
 
     # Rows encode independently, so each token's carrier row is encoded once and batches
@@ -349,6 +378,6 @@ async def distributed_forward(*, gate: Gate | None, model_id: str, layer: int, h
     return ForwardResult(
         output=output, routing=use, holders=sorted(used), batches=stats["batches"], replans=replans, missing=missing,
         failures=failures, latencies_ms={p: v for p, v in latencies.items()}, transports=transports,
-        bytes_out=stats["out"], bytes_back=stats["back"], receipts=receipts,
+        bytes_out=stats["out"], bytes_back=stats["back"], receipts=receipts, verified=verified,
         timings_ms={"gate": round((t_gate - t0) * 1e3, 3), "execute": round((t_exec - t_gate) * 1e3, 3),
                     "combine": round((t_end - t_exec) * 1e3, 3), "total": round((t_end - t0) * 1e3, 3)})
