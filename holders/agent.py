@@ -34,6 +34,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from holders import compute, messages, methods, wire
 from registry.identity import DOMAIN_HEARTBEAT, DOMAIN_HELLO, provider_id, sign, sign_body
+from holders.faults import Fault, FaultInjector
 from holders.receipts import make_receipt
 from holders.runtime import ExpertNotLoaded, ExpertRuntime, RuntimeFault
 from holders.transports.http import serve_http
@@ -74,7 +75,8 @@ class HolderAgent:
     def __init__(self, site: str, key: SigningKey, blob_dir: str | Path, name: str = "",
                  heartbeat_interval: float = 15.0, roles: tuple[str, ...] = ("ExpertHolder",),
                  memory_budget: int | None = None, disk_dir: str | Path | None = None,
-                 http_port: int | None = None, http_host: str = "127.0.0.1", compute_threads: int = 1):
+                 http_port: int | None = None, http_host: str = "127.0.0.1", compute_threads: int = 1,
+                 fault: Fault | None = None):
         self.site = site.rstrip("/")
         self.url = ws_url(site)
         self.key = key
@@ -104,6 +106,10 @@ class HolderAgent:
         self.repair = RepairWorker(self.site, self.provider, self.runtime, self.store,
                                    interval_s=float(os.environ.get("TENZRO_REPAIR_INTERVAL") or 120),
                                    release_grace_s=float(os.environ.get("TENZRO_REPAIR_RELEASE_GRACE") or 600))
+        self.faults = FaultInjector(fault)  # drill mode (holders.faults): off unless asked for
+        if fault is not None:
+            log.warning("DRILL FAULT ENABLED: this agent will %s", f"sign perturbed rows for {fault.value:.0%} of "
+                        "its batches" if fault.kind == "corrupt" else f"stall {fault.value:g} s per batch")
 
     def stop(self) -> None:
         """Ask ``run()`` to return after closing the socket."""
@@ -314,8 +320,11 @@ class HolderAgent:
             raise wire.WireError(f"unsupported output encoding {output!r}")
 
         def run():
+            self.faults.before_batch()
             rows = wire.decode_rows(payload, carrier, d_model, len(tokens))
             out = self.runtime.execute(model_id, layer, expert, rows, len(tokens), d_model, metered)
+            lie = self.faults.corrupt(out) if metered else None
+            out = out if lie is None else lie
             data = wire.encode_rows(out, output)
             sent = out if output == "f32" else wire.decode_rows(data, output, d_model, len(tokens), "outputs")
             blob_hash, quant = self._blob_identity(model_id, layer, expert)

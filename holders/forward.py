@@ -58,6 +58,29 @@ class ForwardError(Exception):
 
 
 @dataclass
+class VerifiedBatch:
+    """One remote batch whose receipt verified: what the receipts economy keeps or settles.
+
+    ``payload`` the exact carrier bytes sent (``carrier`` "f32"/"q8_0"), ``rows`` the decoded
+    output f32 ``[n, d_model]`` (``output`` encoding on the wire), ``receipt`` the holder's
+    signed receipt. Listed in arrival order.
+    """
+
+    provider: str
+    request_id: str
+    model_id: str
+    layer: int
+    expert: int
+    tokens: list[int]
+    carrier: str
+    payload: bytes
+    output: str
+    d_model: int
+    receipt: dict
+    rows: np.ndarray
+
+
+@dataclass
 class ForwardResult:
     """Output of a distributed forward: ``output`` f32 [T, H] plus what it took."""
 
@@ -74,6 +97,8 @@ class ForwardResult:
     bytes_back: int = 0
     receipts: list[dict] = field(default_factory=list)
     timings_ms: dict = field(default_factory=dict)
+    verified: list[VerifiedBatch] = field(default_factory=list)
+    forward_id: str = ""
 
 
 def token_routings(pairs: dict[int, list[int]], layer: int) -> list[TokenRouting]:
@@ -173,6 +198,7 @@ class LayerForward:
         self.latencies: dict[str, list[float]] = {}
         self.transports: dict[str, int] = {"local": 0, "ws": 0, "http": 0, "iroh": 0}
         self.receipts: list[dict] = []
+        self.verified: list[VerifiedBatch] = []
         self.used: set[str] = set()
         self.batches = 0
         self.bytes_out = 0
@@ -264,6 +290,10 @@ class LayerForward:
         if ans.receipt is not None:
             self.receipts.append({"provider": provider, "expert": expert, "tokens": len(tokens),
                                   "commitment": ans.receipt["commitment"]})
+            if self.verify and ans.transport != "local":
+                self.verified.append(VerifiedBatch(provider, req.request_id, self.model_id, self.layer, expert,
+                                                   list(tokens), req.carrier, payload, req.output, req.d_model,
+                                                   ans.receipt, ans.rows))
         if self.on_verified_batch is not None and ans.transport != "local":
             hooked = self.on_verified_batch(provider, req, payload, ans.rows, ans.receipt)
             if inspect.isawaitable(hooked):
@@ -363,7 +393,7 @@ class LayerForward:
         return ForwardResult(
             output=output, routing=use, holders=sorted(self.used), batches=self.batches, replans=self.replans,
             missing=missing, failures=self.failures, latencies_ms=dict(self.latencies), transports=self.transports,
-            bytes_out=self.bytes_out, bytes_back=self.bytes_back, receipts=self.receipts,
+            bytes_out=self.bytes_out, bytes_back=self.bytes_back, receipts=self.receipts, verified=self.verified,
             timings_ms={"gate": round((t_gate - t0) * 1e3, 3), "execute": round((t_exec - t_gate) * 1e3, 3),
                         "combine": round((t_end - t_exec) * 1e3, 3), "total": round((t_end - t0) * 1e3, 3)})
 

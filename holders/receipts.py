@@ -208,3 +208,53 @@ def verify_receipt(receipt: dict | None, *, provider: str, request_id: str, mode
     except SignatureError as exc:
         raise ReceiptError(f"receipt signature: {exc}") from exc
     return receipt
+
+
+def parse_commitment_bytes(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Inverse of ``commitment_bytes``: (tokens uint32 ``[n]``, indices uint32 ``[n, k]``,
+    values float32 ``[n, k]``, projections float64 ``[n, p]``).
+
+    Raises ``ReceiptError`` for bytes that are not canonical commitment bytes.
+    """
+    head = len(ACTIVATION_DOMAIN) + 6
+    if len(data) < head or not data.startswith(ACTIVATION_DOMAIN):
+        raise ReceiptError("not canonical commitment bytes (domain)")
+    k, p, n = struct.unpack_from("<BBI", data, len(ACTIVATION_DOMAIN))
+    dt = np.dtype([("t", "<u4"), ("f", [("i", "<u4"), ("v", "<f4")], (k,)), ("s", "<f8", (p,))])
+    if len(data) != head + n * dt.itemsize:
+        raise ReceiptError(f"commitment bytes hold {len(data) - head} row bytes; expected {n * dt.itemsize}")
+    rec = np.frombuffer(data, dtype=dt, offset=head, count=n)
+    return (rec["t"].copy(), rec["f"]["i"].reshape(n, k).copy(), rec["f"]["v"].reshape(n, k).copy(),
+            rec["s"].reshape(n, p).copy())
+
+
+def verify_stored_receipt(receipt: dict, *, provider: str, request_id: str, model_id: str, layer: int, expert: int,
+                          tokens: list[int], d_model: int, carrier_kind: str, carrier: bytes,
+                          commitment: bytes) -> None:
+    """Re-verify a kept receipt without the output rows (disputes; reference §7.5 step 2).
+
+    ``commitment`` is the canonical commitment bytes that were stored with it. Checks the
+    signer, that the carrier hashes to the signed input hash, that the stored rows hash to
+    the signed commitment, the rows' tokens, and the signature over the request identity.
+    A tampered store therefore cannot manufacture a fraud proof. Raises ``ReceiptError``.
+    """
+    if not isinstance(receipt, dict) or not all(isinstance(receipt.get(f), str) for f in
+                                                ("provider", "commitment", "signature", "blob_hash", "quant")):
+        raise ReceiptError("the stored receipt is malformed")
+    if receipt["provider"] != provider:
+        raise ReceiptError("the stored receipt is signed by another key than the accused provider's")
+    ih = carrier_hash(carrier_kind, carrier)
+    if receipt.get("input_hash") != ih.hex():
+        raise ReceiptError("the stored carrier does not hash to the receipt's input_hash")
+    if hashlib.sha256(commitment).hexdigest() != receipt["commitment"]:
+        raise ReceiptError("the stored commitment rows do not hash to the receipt's commitment")
+    toks = parse_commitment_bytes(commitment)[0]
+    if toks.tolist() != [int(t) for t in tokens]:
+        raise ReceiptError("the stored commitment rows are for other tokens")
+    body = _body(request_id=request_id, model_id=model_id, layer=layer, expert=expert, tokens=tokens,
+                 input_hash=ih.hex(), commitment=receipt["commitment"], d_model=d_model,
+                 blob_hash=receipt["blob_hash"], quant=receipt["quant"], provider=provider)
+    try:
+        verify_body(provider, DOMAIN_RECEIPT, body, receipt["signature"])
+    except SignatureError as exc:
+        raise ReceiptError(f"stored receipt signature: {exc}") from exc

@@ -12,6 +12,7 @@ import asyncio
 import json
 import threading
 import time
+import uuid
 
 import numpy as np
 from channels.db import database_sync_to_async
@@ -22,6 +23,7 @@ from holders.dense import dense_model_id, dense_routing
 from holders.forward import ForwardError, distributed_forward
 from holders.messages import BatchAnswer, BatchRequest, answer_to_batch
 from holders.gating import Gate
+from holders.hooks import ForwardRecord, emit_forward
 from holders.runtime import ExpertRuntime, GateNotLoaded
 from holders.transports.http import HttpHolderClient
 from holders.transports.ws import AgentLink, AgentUnavailable
@@ -192,7 +194,7 @@ async def forward(model_id: str, layer: int, d_model: int, hidden_states: np.nda
         "wire": {"bytes_out": res.bytes_out, "bytes_back": res.bytes_back,
                  "routed_elements": int(sum(len(toks) for toks in r.tokens_by_expert().values())) * d_model,
                  "input_elements": elems},
-        "timings_ms": res.timings_ms,
+        "timings_ms": res.timings_ms, "forward_id": res.forward_id,
         "outputs": wire.rows_to_b64(res.output),
     }
 
@@ -227,7 +229,7 @@ async def dense_forward(model_id: str, layer: int, d_model: int, hidden_states: 
             "holders": res.holders, "failures": res.failures, "receipts": len(res.receipts),
             "wire": {"bytes_out": res.bytes_out, "bytes_back": res.bytes_back,
                      "routed_elements": int(hidden_states.shape[0]) * parts * d_model},
-            "timings_ms": res.timings_ms, "outputs": wire.rows_to_b64(res.output)}
+            "timings_ms": res.timings_ms, "forward_id": res.forward_id, "outputs": wire.rows_to_b64(res.output)}
 
 
 _recording: set[asyncio.Task] = set()
@@ -235,7 +237,9 @@ _recording: set[asyncio.Task] = set()
 
 async def _recorded_forward(**kwargs):
     """``distributed_forward`` over ``send_batch`` with the site's deadlines and frame cap; each
-    holder's failures and latencies are recorded afterwards, also when the forward fails."""
+    holder's failures and latencies are recorded afterwards, also when the forward fails.
+    A successful forward gets a fresh ``forward_id`` (set on the result) and is handed to the
+    forward listeners (``holders.hooks``: receipt sampling, settlement) in the background."""
     t = settings.TENZRO
     try:
         res = await distributed_forward(send=send_batch, deadline_s=t["BATCH_DEADLINE_S"],
@@ -245,6 +249,8 @@ async def _recorded_forward(**kwargs):
         _record_later(exc.data.get("failures", []), {})
         raise
     _record_later(res.failures, res.latencies_ms)
+    res.forward_id = uuid.uuid4().hex
+    emit_forward(ForwardRecord(res.forward_id, kwargs["model_id"], kwargs["layer"], res.verified))
     return res
 
 

@@ -160,7 +160,8 @@ def provider_json(p: Provider, holdings: int | None = None) -> dict:
                          and p.last_heartbeat >= cutoff),
             "last_heartbeat": p.last_heartbeat.isoformat() if p.last_heartbeat else None,
             "last_heartbeat_ms": p.last_heartbeat_ms,
-            "holdings": holdings if holdings is not None else p.holdings.count()}
+            "holdings": holdings if holdings is not None else p.holdings.count(),
+            "balance": p.balance, "quarantined_until_ms": p.quarantined_until_ms}
 
 
 def op_providers(p: dict) -> dict:

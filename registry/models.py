@@ -48,6 +48,11 @@ class Provider(models.Model):
     last_heartbeat = models.DateTimeField(null=True, blank=True)
     last_heartbeat_ms = models.BigIntegerField(default=0)
     holdings_version = models.BigIntegerField(default=new_holdings_version, db_default=0)
+    # Economy (settlement app): credited holder amounts, upheld-dispute streak, quarantine end
+    # (unix ms; the shard view and planner skip the provider until then).
+    balance = models.BigIntegerField(default=0, db_default=0)
+    dispute_streak = models.PositiveIntegerField(default=0, db_default=0)
+    quarantined_until_ms = models.BigIntegerField(default=0, db_default=0)
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -115,8 +120,11 @@ class ReplicationPolicy(models.Model):
     to the holder; the network fee is the remaining ``10000 - share``); dispute tolerances
     (reference §7.5, DESIGN §7): a re-executed row passes when its top-feature overlap is
     ``≥ dispute_min_overlap`` and its relative delta ``≤ dispute_max_rel_delta``; a
-    commitment passes when ``≥ dispute_min_rows_passed`` of its rows pass. ``version`` counts
-    applied changes. Read and validate through ``registry.governance``.
+    commitment passes when ``≥ dispute_min_rows_passed`` of its rows pass. Receipts economy
+    (DESIGN §7): a verified batch is kept when ``HMAC(router secret, commitment) mod
+    receipt_sample_one_in == 0``; an upheld dispute costs ``dispute_penalty`` reputation and
+    ``quarantine_after_upheld`` upheld disputes in a row quarantine the provider for
+    ``quarantine_ms``. ``version`` counts applied changes. Read and validate through ``registry.governance``.
     """
 
     id = models.PositiveSmallIntegerField(primary_key=True, default=1, editable=False)
@@ -129,6 +137,10 @@ class ReplicationPolicy(models.Model):
     dispute_min_overlap = models.FloatField(default=0.75)
     dispute_max_rel_delta = models.FloatField(default=0.05)
     dispute_min_rows_passed = models.FloatField(default=0.9)
+    receipt_sample_one_in = models.PositiveIntegerField(default=64, db_default=64)
+    dispute_penalty = models.PositiveIntegerField(default=15, db_default=15)
+    quarantine_after_upheld = models.PositiveIntegerField(default=3, db_default=3)
+    quarantine_ms = models.BigIntegerField(default=300_000, db_default=300_000)
     version = models.PositiveIntegerField(default=1)
     updated = models.DateTimeField(auto_now=True)
     applied_proposal = models.ForeignKey("Proposal", null=True, blank=True, on_delete=models.SET_NULL,

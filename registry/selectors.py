@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from datetime import timedelta
 
@@ -21,9 +22,11 @@ def live_cutoff():
 
 
 def live_providers():
-    """Active providers whose agent socket is open and whose last heartbeat is fresh."""
+    """Active providers whose agent socket is open, whose last heartbeat is fresh and that are
+    not quarantined (``quarantined_until_ms`` in the past: upheld disputes, DESIGN §7)."""
     return Provider.objects.filter(status=Provider.Status.ACTIVE, connected=True,
-                                   last_heartbeat__gte=live_cutoff())
+                                   last_heartbeat__gte=live_cutoff(),
+                                   quarantined_until_ms__lte=int(time.time() * 1000))
 
 
 _LIVE_FIELDS = ("provider", "roles", "status", "moe_gpu", "iroh_endpoint_id", "http_endpoint", "reputation",

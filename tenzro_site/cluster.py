@@ -57,13 +57,16 @@ class LocalCluster:
     ``dense_parts``: dense MLP layers are split into this many intermediate slices and
     placed like experts (``holders.dense``; model ids in ``dense_ids``). ``repair_interval``:
     seconds between repair passes of the site and of every agent (``TENZRO_REPAIR_INTERVAL``;
-    None = the policy's). Raises ``ClusterError``.
+    None = the policy's). ``agent_faults``:
+    ``{agent index: "corrupt:P" | "stall:S"}`` drill faults (``holder_agent --fault``). Raises
+    ``ClusterError``.
     """
 
     def __init__(self, checkpoints: list[str | Path], holders: int = 4, port: int = 0, replication: int = 2,
                  heartbeat_interval: int = 5, say: Callable[[str], None] | None = None,
                  model_ids: list[str | None] | None = None, quants: list | None = None,
-                 agent_http: bool = False, dense_parts: int = 2, repair_interval: int | None = None):
+                 agent_http: bool = False, dense_parts: int = 2, repair_interval: int | None = None,
+                 agent_faults: dict[int, str] | None = None):
         if holders < 1:
             raise ClusterError("--holders must be at least 1")
         if port and not 0 < port < 65536:
@@ -74,6 +77,10 @@ class LocalCluster:
         if len(self.quants) != len(self.checkpoints) or len(self.model_id_overrides) != len(self.checkpoints):
             raise ClusterError("give one model id and one quant plan per checkpoint")
         self.holders = holders
+        self.agent_faults = dict(agent_faults or {})
+        bad = [i for i in self.agent_faults if not 0 <= i < holders]
+        if bad:
+            raise ClusterError(f"--agent-fault: agent index {bad[0]} is out of range 0..{holders - 1}")
         self.agent_http = agent_http
         self.port = port or free_port()
         self.replication = replication
@@ -125,7 +132,8 @@ class LocalCluster:
                                               "--site", self.url, "--key", str(key_path), "--name", f"agent-{i}",
                                               "--blob-dir", str(settings.VAR_DIR / "agents" / f"agent-{i}" / "blobs"),
                                               "--heartbeat-interval", str(self.heartbeat_interval)]
-                               + (["--http-port", str(free_port())] if self.agent_http else []), env)
+                               + (["--http-port", str(free_port())] if self.agent_http else [])
+                               + (["--fault", self.agent_faults[i]] if i in self.agent_faults else []), env)
             self.agents.append((pid, proc))
         self._wait(lambda: Provider.objects.filter(provider__in=ids, connected=True,
                                                    last_heartbeat__isnull=False).count() == len(ids),
@@ -159,7 +167,8 @@ class LocalCluster:
         """The JSON line ``tenzro_cluster`` prints."""
         return {"url": self.url, "rpc": self.rpc_url, "model_id": self.model_ids[0] if self.model_ids else None,
                 "model_ids": self.model_ids, "operator_token": operator_token(),
-                "agents": [{"provider": pid, "pid": p.pid} for pid, p in self.agents],
+                "agents": [{"provider": pid, "pid": p.pid, "fault": self.agent_faults.get(i)}
+                           for i, (pid, p) in enumerate(self.agents)],
                 "site_pid": self.site.pid if self.site else None, "logs": str(self.log_dir)}
 
     # -- helpers ---------------------------------------------------------------------------

@@ -174,6 +174,12 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 # Beat reads its schedule from the database (django-celery-beat: editable in the admin).
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+# Receipts economy sweeps (settlement.tasks), synced into the database schedule by beat; without a
+# broker an inline timer does the same.
+CELERY_BEAT_SCHEDULE = {
+    "settlement-audit-pending": {"task": "settlement.audit_pending", "schedule": 30.0},
+    "settlement-settle-pending": {"task": "settlement.settle_pending", "schedule": 60.0},
+}
 
 # Request bodies: JSON-RPC carries base64 hidden states, so the cap is explicit.
 DATA_UPLOAD_MAX_MEMORY_SIZE = _env_int("TENZRO_MAX_BODY", 64 * 1024 * 1024)

@@ -8,6 +8,7 @@ from prepare import views as prepare_views
 from prepare.views import blob
 from registry import api as reg
 from registry import market_views as market
+from settlement import api as eco
 from tenzro_site import views
 from tenzro_site.rpc import rpc_view
 
@@ -26,6 +27,11 @@ api_v1 = [
     path("proposals/<int:proposal_id>/vote", reg.VoteView.as_view(), name="proposal-vote"),
     path("proposals/<int:proposal_id>/withdraw", reg.WithdrawView.as_view(), name="proposal-withdraw"),
     path("governance/audit", reg.AuditView.as_view(), name="audit"),
+    path("receipts", eco.ReceiptsView.as_view(), name="receipts"),
+    path("receipts/<str:key>", eco.ReceiptView.as_view(), name="receipt"),
+    path("receipts/<str:key>/dispute", eco.DisputeView.as_view(), name="receipt-dispute"),
+    path("disputes", eco.DisputesView.as_view(), name="disputes"),
+    path("settlements", eco.SettlementsView.as_view(), name="settlements"),
 ]
 
 urlpatterns = [

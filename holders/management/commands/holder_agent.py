@@ -12,6 +12,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from holders import compute
 from holders.agent import AuthRefused, HolderAgent, ws_url
+from holders.faults import parse_fault
 from registry.identity import load_or_create_key, provider_id
 
 
@@ -39,6 +40,9 @@ class Command(BaseCommand):
         parser.add_argument("--blas-threads", type=int, default=1,
                             help="BLAS threads per matmul (default 1: batches run concurrently, and several "
                                  "spinning BLAS pools on shared cores made a 48-token forward ~40x slower)")
+        parser.add_argument("--fault", default=None,
+                            help="DRILL ONLY: corrupt:P signs perturbed rows for a fraction P of batches; "
+                                 "stall:S sleeps S seconds per batch (default off)")
 
     def handle(self, *args, **opts):
         try:
@@ -61,19 +65,25 @@ class Command(BaseCommand):
         threadpool_limits(limits=opts["blas_threads"])
         if opts["http_port"] is not None and not 0 < opts["http_port"] < 65536:
             raise CommandError("--http-port must be between 1 and 65535")
+        try:
+            fault = parse_fault(opts["fault"])
+        except ValueError as exc:
+            raise CommandError(str(exc)) from exc
         blob_dir = opts["blob_dir"] or settings.VAR_DIR / "agent-blobs"
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         try:
             compute.set_backend(compute.select_backend(opts["compute"]))
             agent = HolderAgent(opts["site"], key, blob_dir, name=opts["name"], heartbeat_interval=interval,
                                 memory_budget=opts["budget"], disk_dir=opts["disk_dir"],
-                                http_port=opts["http_port"], http_host=opts["http_host"])
+                                http_port=opts["http_port"], http_host=opts["http_host"], fault=fault)
         except compute.BackendUnavailable as exc:
             raise CommandError(f"--compute: {exc}") from exc
         except ValueError as exc:  # TENZRO_MEMORY_BUDGET / TENZRO_COMPUTE_BACKEND malformed
             raise CommandError(str(exc)) from exc
         except OSError as exc:
             raise CommandError(f"--blob-dir / --disk-dir: {exc}") from exc
+        if fault is not None:
+            self.stderr.write(f"WARNING: drill fault {fault} is ON: this agent misbehaves on purpose")
         self.stdout.write(f"holder agent {provider_id(key)} → {opts['site']} (compute {agent.backend.tag}, "
                           f"memory budget {agent.runtime.budget} bytes, disk tier {agent.runtime.disk.root})")
 

@@ -9,7 +9,23 @@ import threading
 from django.core.management.base import BaseCommand, CommandError
 
 from tenzro_site.cluster import ClusterError, LocalCluster
+from holders.faults import parse_fault
 from prepare.quantplan import QuantPlanError, parse_quant_plan
+
+
+def parse_agent_faults(items: list[str] | None) -> dict[int, str]:
+    """``["1=corrupt:0.25", ...]`` → ``{1: "corrupt:0.25"}``; raises ``CommandError`` naming the flag."""
+    out: dict[int, str] = {}
+    for item in items or []:
+        index, sep, mode = item.partition("=")
+        if not sep or not index.strip().isdigit():
+            raise CommandError(f"--agent-fault {item!r}: expected INDEX=corrupt:P or INDEX=stall:S")
+        try:
+            parse_fault(mode)
+        except ValueError as exc:
+            raise CommandError(f"--agent-fault {item!r}: {exc}") from exc
+        out[int(index)] = mode
+    return out
 
 
 class Command(BaseCommand):
@@ -29,12 +45,15 @@ class Command(BaseCommand):
                             help="seconds between repair passes (default: the governance policy's, 120)")
         parser.add_argument("--quant", default=None,
                             help="publish the experts quantized: q4_k_m, q8_0, q4_k, q6_k or a JSON object")
+        parser.add_argument("--agent-fault", action="append", default=None, metavar="INDEX=MODE",
+                            help="DRILL: run agent INDEX with --fault MODE (corrupt:P or stall:S); repeatable")
 
     def handle(self, *args, **opts):
         try:
             plan = parse_quant_plan(opts["quant"])
         except QuantPlanError as exc:
             raise CommandError(f"--quant: {exc}") from exc
+        faults = parse_agent_faults(opts["agent_fault"])
         if opts["model_id"] and len(opts["model_id"]) != len(opts["checkpoint"]):
             raise CommandError("--model-id: give one per --checkpoint")
         if opts["repair_interval"] is not None and not 1 <= opts["repair_interval"] <= 86_400:
@@ -54,7 +73,8 @@ class Command(BaseCommand):
             cluster = LocalCluster(opts["checkpoint"], holders=opts["holders"], port=opts["port"], say=say,
                                    model_ids=opts["model_id"],
                                    quants=[plan.to_json() if plan else None] * len(opts["checkpoint"]),
-                                   agent_http=opts["agent_http"], repair_interval=opts["repair_interval"])
+                                   agent_http=opts["agent_http"], repair_interval=opts["repair_interval"],
+                                   agent_faults=faults)
             cluster.start()
             for sig in (signal.SIGINT, signal.SIGTERM):  # ready: the next signal ends the wait below
                 signal.signal(sig, lambda *_: stop.set())

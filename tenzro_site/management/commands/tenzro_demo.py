@@ -65,6 +65,7 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from exc
         results = []
         failover = None
+        economy = None
         dense: list[tuple[str, dict]] = []
         try:
             cluster.start()
@@ -76,6 +77,7 @@ class Command(BaseCommand):
                 if dense_model_id(model_id) in cluster.dense_ids:
                     dense += [(model_id, r) for r in verify_dense_layers(
                         cluster.rpc, model_id, ckpt, ckpt / "reference.safetensors", cluster.dense_parts)]
+            economy = self._economy_scene(cluster, cluster.model_ids[0], ckpts[0])
             failover = self._failover_scene(cluster, cluster.model_ids[0], ckpts[0])
             if opts["keep_running"]:
                 self.stdout.write(f"cluster running at {cluster.url} (Ctrl-C to stop)")
@@ -87,9 +89,90 @@ class Command(BaseCommand):
             pass
         finally:
             cluster.stop()
-        ok = self._summary(results, t_up - t0, time.perf_counter() - t0, opts["holders"], failover, dense)
+        ok = self._summary(results, t_up - t0, time.perf_counter() - t0, opts["holders"], failover, dense, economy)
         if not ok:
             sys.exit(1)
+
+    def _economy_scene(self, cluster: LocalCluster, model_id: str, ckpt: Path, max_forwards: int = 60) -> dict:
+        """Receipts economy: forwards of the first MoE layer until the router's secret keeps a
+        batch (about 1 in ``receipt_sample_one_in``), the automatic audit of that receipt, and
+        the settlements of every forward the demo ran (the failover scene runs after this)."""
+        tensors = load_file(str(ckpt / "reference.safetensors"))
+        layer = min(int(k[len("layer"):].split(".")[0]) for k in tensors if k.endswith(".hidden_states"))
+        x = tensors[f"layer{layer}.hidden_states"].astype(np.float32)
+        one_in = cluster.rpc("tenzro_moeReplicationPolicy", {})["receipt_sample_one_in"]
+        before = {r["key"] for r in cluster.rpc("tenzro_moeListReceipts", {"limit": 1000})["receipts"]}
+        batches = forwards = 0
+        kept = None
+        for i in range(max_forwards):
+            res = cluster.rpc("tenzro_moeForward", {"model_id": model_id, "layer": layer, "d_model": int(x.shape[1]),
+                                                    "hidden_states": wire.b64encode(wire.encode_f32(
+                                                        x * np.float32(1 + i / 64)))})
+            forwards += 1
+            batches += res["receipts"]
+            deadline = time.time() + 5
+            while kept is None and time.time() < deadline:  # samples are written just after the answer
+                new = [r for r in cluster.rpc("tenzro_moeListReceipts", {"limit": 1000})["receipts"]
+                       if r["key"] not in before and r["forward_id"] == res["forward_id"]]
+                kept = new[0] if new else None
+                if kept is None and res["receipts"]:
+                    time.sleep(0.2)
+                else:
+                    break
+            if kept is not None:
+                break
+        audit = None
+        if kept is not None:
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                got = cluster.rpc("tenzro_moeGetReceipt", {"key": kept["key"]})
+                if got["dispute_outcome"] is not None:
+                    audit = got["dispute_outcome"]
+                    break
+                time.sleep(0.3)
+        time.sleep(1.0)  # settlements of the last forwards are written in the background
+        settled = cluster.rpc("tenzro_moeListSettlements", {"limit": 1000})["settlements"]
+        providers = {p["provider"]: p for p in cluster.rpc("tenzro_moeListProviders", {})["providers"]}
+        return {"one_in": one_in, "forwards": forwards, "batches": batches, "kept": kept, "audit": audit,
+                "settlements": settled, "providers": providers}
+
+    def _economy_summary(self, eco: dict | None) -> bool:
+        """Print the settlements per holder and the audit; True when the audit ran and passed."""
+        if eco is None:
+            return True
+        w = self.stdout.write
+        per: dict[str, dict] = {}
+        for s in eco["settlements"]:
+            row = per.setdefault(s["provider"], {"forwards": 0, "tokens": 0, "gross": 0, "holder": 0, "fee": 0})
+            row["forwards"] += 1
+            row["tokens"] += s["tokens"]
+            row["gross"] += s["gross"]
+            row["holder"] += s["holder_amount"]
+            row["fee"] += s["network_fee"]
+        w("")
+        w("settlement of the demo's forwards (one record per forward and holder, exactly once):")
+        w(f"{'holder':<16} {'forwards':>8} {'tokens':>8} {'gross':>10} {'holder share':>12} {'network fee':>11} "
+          f"{'balance':>10} {'reputation':>10}")
+        for pid, r in sorted(per.items()):
+            p = eco["providers"].get(pid, {})
+            w(f"{pid[:12] + '…':<16} {r['forwards']:>8} {r['tokens']:>8} {r['gross']:>10} {r['holder']:>12} "
+              f"{r['fee']:>11} {p.get('balance', 0):>10} {p.get('reputation', 0):>10}")
+        kept, audit = eco["kept"], eco["audit"]
+        if kept is None:
+            w(f"audit: no batch was kept in {eco['forwards']} forwards ({eco['batches']} batches) at 1 in "
+              f"{eco['one_in']}  FAILED")
+            return False
+        if audit is None:
+            w(f"audit: receipt {kept['key']} was kept but not audited in time  FAILED")
+            return False
+        v = audit["verification"]
+        ok = not audit["disputed"] and v["pass"]
+        w(f"audit: 1 in {eco['one_in']} sampling kept a batch after {eco['forwards']} forward(s) "
+          f"({eco['batches']} remote batches): {kept['model_id']} l{kept['layer']}/e{kept['expert']} "
+          f"({kept['tokens']} tokens) from {kept['provider'][:12]}…; re-executed by {audit['executed_by']}: "
+          f"{v['rows_passed']}/{v['rows_total']} rows within tolerance -> "
+          f"{'honest' if ok else 'UPHELD (fraud proof signed by the site)'}  {'ok' if ok else 'FAILED'}")
+        return ok
 
     def _failover_scene(self, cluster: LocalCluster, model_id: str, ckpt: Path) -> dict:
         """Kill the busiest primary holder of the first MoE layer in the middle of that layer's
@@ -120,7 +203,7 @@ class Command(BaseCommand):
                 "ms": after["timings_ms"]["total"]}
 
     def _summary(self, results, t_start: float, t_total: float, holders: int, failover: dict | None = None,
-                 dense: list[tuple[str, dict]] = ()) -> bool:
+                 dense: list[tuple[str, dict]] = (), economy: dict | None = None) -> bool:
         w = self.stdout.write
         w("")
         w(f"{'model':<26} {'layer':>5} {'tokens':>6} {'holders':>7} {'rel err vs transformers':>24} "
@@ -170,5 +253,6 @@ class Command(BaseCommand):
             w(f"quantized forward ({quant_rows[0]['quant']}): max rel err vs dense "
               f"{max(r['max_rel_err_vs_dense'] for r in quant_rows):.3e}, vs transformers "
               f"{max(r['max_rel_err_vs_reference'] for r in quant_rows):.3e}")
+        all_ok &= self._economy_summary(economy)
         w("ALL CHECKS PASSED" if all_ok else "SOME CHECKS FAILED")
         return all_ok

@@ -1,0 +1,73 @@
+"""Registration point for what happens after a forward (the receipts economy lives above holders).
+
+``settlement`` sits above ``holders`` in the layers, so the router cannot call it; instead the
+settlement app registers a listener here from its ``AppConfig.ready()`` and the router
+(``holders.services``) hands every finished forward to the listeners. Listeners are async
+callables ``(ForwardRecord) -> None`` started as background tasks on the router's event
+loop: the forward's answer never waits on them, and a failing listener is logged, never
+raised into the forward.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from holders.forward import VerifiedBatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ForwardRecord:
+    """A finished forward: its ``forward_id``, the model id its experts belong to (a dense
+    layer's slice model for ``tenzro_moeDenseForward``), the layer and the remote,
+    receipt-verified batches in arrival order."""
+
+    forward_id: str
+    model_id: str
+    layer: int
+    verified: list[VerifiedBatch]
+
+
+Listener = Callable[[ForwardRecord], Awaitable[None]]
+_listeners: list[Listener] = []
+_running: set[asyncio.Task] = set()
+
+
+def add_forward_listener(fn: Listener) -> None:
+    """Register ``fn`` to receive every finished forward (idempotent for the same function)."""
+    if fn not in _listeners:
+        _listeners.append(fn)
+
+
+def remove_forward_listener(fn: Listener) -> None:
+    """Unregister ``fn`` (no-op when it is not registered)."""
+    if fn in _listeners:
+        _listeners.remove(fn)
+
+
+async def _run(fn: Listener, record: ForwardRecord) -> None:
+    try:
+        await fn(record)
+    except Exception:  # a listener bug must never surface in (or after) the forward
+        log.exception("forward listener %r failed for forward %s", fn, record.forward_id)
+
+
+def emit_forward(record: ForwardRecord) -> None:
+    """Start every listener on ``record`` in the background of the running event loop."""
+    if not _listeners:
+        return
+    loop = asyncio.get_running_loop()
+    for fn in list(_listeners):
+        task = loop.create_task(_run(fn, record))
+        _running.add(task)
+        task.add_done_callback(_running.discard)
+
+
+async def drain(timeout: float = 60.0) -> None:
+    """Wait (up to ``timeout`` s) for the listener tasks started so far: tests and benches."""
+    pending = [t for t in _running if not t.done()]
+    if pending:
+        await asyncio.wait(pending, timeout=timeout)

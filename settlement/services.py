@@ -1,0 +1,424 @@
+"""Receipts economy services (DESIGN §7; reference §7.4–7.6, §8 with the §14 fixes).
+
+- ``record_forward``: after each forward (background), keep the sampled verified batches in
+  full (``settlement.audit.is_sampled`` under the router secret) and write one pending
+  settlement per holder that served remote, receipt-verified batches.
+- ``settle_one`` / ``settle_forward`` / ``settle_pending``: claim a pending settlement exactly
+  once (conditional update on its state, inside the transaction that credits the holder).
+- ``dispute``: re-verify a kept receipt, re-execute its carrier on a copy of the same blob
+  (the site's own dispute runtime, or another live holder of that blob, never the accused),
+  compare under the governance tolerances, and apply the outcome once per receipt.
+- ``audit_pending``: the automatic audit of kept samples not yet disputed.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import logging
+import os
+import secrets
+import threading
+import time
+
+import numpy as np
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import F, Value
+from django.db.models.functions import Least
+
+from holders import wire
+from holders.blobs import BlobStore
+from holders.hooks import ForwardRecord
+from holders.receipts import (ReceiptError, carrier_hash, commitment_bytes, sketch, verify_stored_receipt)
+from holders.runtime import ExpertRuntime, RuntimeFault
+from registry.content import BlobError, blob_uri
+from registry.governance import current_policy
+from registry.identity import load_or_create_key, provider_id, sign_body
+from registry.jsonrpc import EXECUTION_ERROR
+from registry.models import Holding, Provider
+from registry.selectors import live_providers
+from settlement.audit import Tolerances, is_sampled, verify_rows
+from settlement.models import Dispute, ReceiptSample, Settlement
+
+log = logging.getLogger(__name__)
+
+INLINE_CARRIER_MAX = 64 * 1024  # larger carriers go to the receipt store (files), not into a row
+REPUTATION_CAP = 1000
+DOMAIN_FRAUD_PROOF = b"tenzro/moe/fraud-proof/v1"
+DEFAULT_PRICE_PER_INPUT_TOKEN = 10
+DEFAULT_MINIMUM_PRICE = 100
+
+
+class EconomyError(Exception):
+    """A refused economy request: JSON-RPC ``code``, ``message``, ``field`` and extra ``data``."""
+
+    def __init__(self, code: int, message: str, field: str, **data):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.data = {"field": field, **data}
+
+
+def now_ms() -> int:
+    """Unix time in milliseconds."""
+    return int(time.time() * 1000)
+
+
+def router_secret() -> bytes:
+    """The router's sampling secret (32 bytes): ``TENZRO_ROUTER_SECRET`` (hex) when set, else
+    generated on first use into ``$TENZRO_VAR_DIR/router_secret`` (mode 0600) so every process
+    of one site agrees (the way ``registry.operator`` keeps the operator token)."""
+    env = os.environ.get("TENZRO_ROUTER_SECRET", "").strip()
+    if env:
+        return bytes.fromhex(env)
+    path = settings.VAR_DIR / "router_secret"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_hex(32))
+        try:
+            os.link(tmp, path)  # first writer wins
+        except FileExistsError:
+            pass
+        os.unlink(tmp)
+    return bytes.fromhex(path.read_text().strip())
+
+
+def site_key():
+    """The site's ed25519 key that signs fraud proofs (``$TENZRO_VAR_DIR/site.key``, created once)."""
+    return load_or_create_key(settings.VAR_DIR / "site.key")
+
+
+def receipt_store() -> BlobStore:
+    """Content-addressed store of large kept carriers (``$TENZRO_VAR_DIR/receipts``; never served)."""
+    return BlobStore(settings.VAR_DIR / "receipts")
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def record_forward(record: ForwardRecord, one_in: int | None = None) -> dict:
+    """Keep the sampled batches of a finished forward and write its pending settlements.
+
+    ``one_in``: sampling rate N (default: the governance field ``receipt_sample_one_in``).
+    Idempotent per forward: samples are keyed by request id and settlements unique per
+    (forward_id, provider). Returns ``{"samples": [keys], "settlements": [providers]}``.
+    """
+    if not record.verified:
+        return {"samples": [], "settlements": []}
+    n = one_in if one_in is not None else current_policy().receipt_sample_one_in
+    secret = router_secret()
+    t = now_ms()
+    samples: list[ReceiptSample] = []
+    per_holder: dict[str, list] = {}
+    for b in record.verified:
+        per_holder.setdefault(b.provider, []).append(b)
+        commit = b.receipt["commitment"]
+        if not is_sampled(secret, commit, n):
+            continue
+        proj = np.frombuffer(base64.b64decode(b.receipt["sketch"]), dtype="<f8").reshape(len(b.tokens), -1)
+        inline = len(b.payload) <= INLINE_CARRIER_MAX
+        samples.append(ReceiptSample(
+            key=f"moe_receipt:{record.model_id}:{t:013d}:{commit[:16]}{b.request_id[:8]}",
+            forward_id=record.forward_id, provider=b.provider, model_id=b.model_id, layer=b.layer, expert=b.expert,
+            tokens=[int(x) for x in b.tokens], d_model=b.d_model, request_id=b.request_id, carrier_kind=b.carrier,
+            output_kind=b.output, blob_hash=b.receipt.get("blob_hash", ""), quant=b.receipt.get("quant", ""),
+            commitment=commit, commitment_rows=commitment_bytes(b.tokens, b.rows, proj), receipt=b.receipt,
+            carrier_inline=b.payload if inline else None,
+            carrier_hash="" if inline else receipt_store().put(b.payload),
+            carrier_bytes=len(b.payload), stored_at_ms=t))
+    rows = [Settlement(forward_id=record.forward_id, provider=p, model_id=record.model_id,
+                       tokens=sum(len(b.tokens) for b in bs), batches=len(bs),
+                       commitments_digest=hashlib.sha256(b"".join(bytes.fromhex(b.receipt["commitment"])
+                                                                  for b in bs)).hexdigest(),
+                       created_ms=t)
+            for p, bs in per_holder.items()]
+    with transaction.atomic():
+        ReceiptSample.objects.bulk_create(samples, ignore_conflicts=True)
+        Settlement.objects.bulk_create(rows, ignore_conflicts=True)
+        kept = list(ReceiptSample.objects.filter(key__in=[s.key for s in samples]).values_list("key", flat=True))
+    return {"samples": sorted(kept), "settlements": sorted(per_holder)}
+
+
+# ----------------------------------------------------------------------------- settlement
+
+
+def price(tokens: int, price_per_input_token: int, minimum_price: int, share_bps: int) -> tuple[int, int, int]:
+    """(gross, holder_amount, network_fee) of ``tokens`` (reference §8): ``gross = max(tokens ×
+    price_per_input_token, minimum_price)``, ``holder_amount = gross × share_bps // 10000``,
+    ``network_fee = gross − holder_amount``. Integers (smallest currency units)."""
+    gross = max(int(tokens) * int(price_per_input_token), int(minimum_price))
+    holder = gross * int(share_bps) // 10_000
+    return gross, holder, gross - holder
+
+
+def settle_one(pk: int) -> bool:
+    """Claim and pay one pending settlement exactly once; returns whether this call paid it.
+
+    The claim is ``UPDATE … SET state='settled' WHERE id=pk AND state='pending'`` inside the
+    transaction that credits the holder (``balance += holder_amount``, reputation +1 capped at
+    ``REPUTATION_CAP`` when ``holder_amount > 0``: the only way reputation rises). A second
+    worker, a retried task or another beat finds the row settled (on PostgreSQL its update
+    waits for the first transaction and then matches no row) and pays nothing.
+    Pricing: the holder's advertised ``price_per_input_token`` / ``minimum_price`` (signed
+    heartbeat; defaults 10 / 100), split by ``settlement_holder_share_bps``.
+    """
+    with transaction.atomic():
+        row = Settlement.objects.filter(pk=pk, state=Settlement.State.PENDING).values(
+            "provider", "tokens").first()
+        if row is None:
+            return False
+        prices = Provider.objects.filter(provider=row["provider"]).values_list(
+            "price_per_input_token", "minimum_price").first() or (DEFAULT_PRICE_PER_INPUT_TOKEN,
+                                                                   DEFAULT_MINIMUM_PRICE)
+        gross, holder, fee = price(row["tokens"], prices[0], prices[1],
+                                   current_policy().settlement_holder_share_bps)
+        claimed = Settlement.objects.filter(pk=pk, state=Settlement.State.PENDING).update(
+            state=Settlement.State.SETTLED, gross=gross, holder_amount=holder, network_fee=fee,
+            settled_at_ms=now_ms())
+        if claimed != 1:
+            return False
+        if holder > 0:
+            Provider.objects.filter(provider=row["provider"]).update(
+                balance=F("balance") + holder,
+                reputation=Least(F("reputation") + 1, Value(REPUTATION_CAP)))
+        return True
+
+
+def settle_forward(forward_id: str) -> int:
+    """Settle every pending settlement of ``forward_id``; returns how many this call paid."""
+    pks = list(Settlement.objects.filter(forward_id=forward_id, state=Settlement.State.PENDING)
+               .values_list("pk", flat=True))
+    return sum(settle_one(pk) for pk in pks)
+
+
+def settle_pending(limit: int = 1000) -> int:
+    """Sweep: settle up to ``limit`` pending settlements (oldest first); returns how many were paid."""
+    pks = list(Settlement.objects.filter(state=Settlement.State.PENDING).order_by("id")
+               .values_list("pk", flat=True)[:limit])
+    return sum(settle_one(pk) for pk in pks)
+
+
+# ----------------------------------------------------------------------------- disputes
+
+
+_dispute_rt: ExpertRuntime | None = None
+_dispute_rt_lock = threading.Lock()
+
+
+def dispute_runtime() -> ExpertRuntime:
+    """The site's runtime for dispute re-execution (separate from the serving runtime, so
+    holding a disputed blob never makes the router execute that expert locally). Experts are
+    keyed by blob hash (model id ``blob:<hash>``), so a republished model cannot mix copies."""
+    global _dispute_rt
+    with _dispute_rt_lock:
+        if _dispute_rt is None:
+            _dispute_rt = ExpertRuntime(memory_budget=int(os.environ.get("TENZRO_DISPUTE_BUDGET", 1 << 30)))
+    return _dispute_rt
+
+
+def sample_carrier(s: ReceiptSample) -> bytes:
+    """The exact carrier bytes kept with ``s``; raises ``EconomyError`` when the file is gone or altered."""
+    if s.carrier_inline is not None:
+        return bytes(s.carrier_inline)
+    try:
+        return receipt_store().get(s.carrier_hash, verify=True)
+    except (BlobError, OSError) as exc:
+        raise EconomyError(EXECUTION_ERROR, f"the kept carrier of {s.key} cannot be read: {exc}", "key") from exc
+
+
+def _site_execute(s: ReceiptSample, rows: np.ndarray) -> np.ndarray | None:
+    """Re-execute on the site's dispute runtime when the site's blob store has the blob; else None."""
+    store = BlobStore(settings.TENZRO["BLOB_DIR"])
+    if not s.blob_hash or not store.has(s.blob_hash):
+        return None
+    rt = dispute_runtime()
+    mid = f"blob:{s.blob_hash}"
+    if not rt.has(mid, 0, 0):
+        rt.load_expert(mid, 0, 0, store.get(s.blob_hash, verify=True), blob_uri(s.blob_hash))
+    return rt.execute(mid, 0, 0, rows, rows.shape[0], s.d_model, metered=False)
+
+
+def _other_holders(s: ReceiptSample) -> list[str]:
+    """Live holders of the same blob for the same expert, the accused excluded."""
+    return list(Holding.objects.filter(model_id=s.model_id, layer=s.layer, expert=s.expert,
+                                       blob_uri=blob_uri(s.blob_hash), provider__in=live_providers())
+                .exclude(provider_id=s.provider).order_by("provider_id").values_list("provider_id", flat=True))
+
+
+async def reexecute(s: ReceiptSample, carrier: bytes) -> tuple[np.ndarray, str]:
+    """Re-execute a kept batch on a copy of the same blob: (rows f32 ``[n, d_model]`` as the
+    router would have decoded them, executor "site" or a provider id).
+
+    The carrier is decoded exactly as the holder decoded it; the output passes the same wire
+    encoding (``output_kind``) so an honest holder's rows are reproduced. Raises
+    ``EconomyError`` (-32004 naming the blob) when no executor holds it.
+    """
+    n = len(s.tokens)
+    x = wire.decode_rows(carrier, s.carrier_kind, s.d_model, n)
+    try:
+        out = await asyncio.to_thread(_site_execute, s, x)
+        who = "site"
+    except (RuntimeFault, BlobError, ValueError) as exc:
+        log.warning("site re-execution of %s failed: %s", s.key, exc)
+        out = None
+    if out is None:
+        from holders.services import send_to_agent  # the site's agent relay (same layer, lazily)
+
+        out = None
+        for p in await sync_to_async(_other_holders)(s):
+            try:
+                out = await send_to_agent(s.model_id, p, s.layer, s.expert, list(s.tokens), x, purpose="dispute")
+                who = p
+                break
+            except (ConnectionError, ValueError) as exc:
+                log.warning("dispute executor %s… failed for %s: %s", p[:12], s.key, exc)
+    if out is None:
+        uri = blob_uri(s.blob_hash) if s.blob_hash else "(none)"
+        raise EconomyError(EXECUTION_ERROR, f"no executor holds blob {uri}"
+                           f" for {s.model_id} l{s.layer}/e{s.expert}: neither the site's blob store nor a live "
+                           "holder other than the accused", "key", blob_uri=blob_uri(s.blob_hash) if s.blob_hash
+                           else None)
+    out = np.asarray(out, dtype=np.float32)
+    if s.output_kind != "f32":
+        out = wire.decode_rows(wire.encode_rows(out, s.output_kind), s.output_kind, s.d_model, n, "outputs")
+    return out, who
+
+
+def sample_json(s: ReceiptSample, dispute: Dispute | None = None) -> dict:
+    """A list row: ``{key, model_id, layer, expert, tokens, provider, commitment, stored_at_ms,
+    forward_id, dispute}`` (``tokens`` the count; ``dispute`` null or "upheld"/"rejected")."""
+    return {"key": s.key, "model_id": s.model_id, "layer": s.layer, "expert": s.expert, "tokens": len(s.tokens),
+            "provider": s.provider, "commitment": s.commitment, "stored_at_ms": s.stored_at_ms,
+            "forward_id": s.forward_id,
+            "dispute": None if dispute is None else ("upheld" if dispute.upheld else "rejected")}
+
+
+def dispute_json(d: Dispute, s: ReceiptSample) -> dict:
+    """The reference's dispute result plus ``executed_by``, ``proof`` (when upheld), ``automatic``,
+    ``reputation_after`` and ``quarantined_until_ms``."""
+    return {"key": s.key, "model_id": s.model_id, "layer": s.layer, "expert": s.expert, "tokens": len(s.tokens),
+            "provider": s.provider, "commitment": s.commitment, "disputed": d.upheld,
+            "verification": d.verification, "executed_by": d.executed_by, "proof": d.proof,
+            "automatic": d.automatic, "reputation_after": d.reputation_after,
+            "quarantined_until_ms": d.quarantined_until_ms, "created_ms": d.created_ms}
+
+
+def _tolerances() -> Tolerances:
+    p = current_policy()
+    return Tolerances(p.dispute_min_overlap, p.dispute_max_rel_delta, p.dispute_min_rows_passed)
+
+
+def _load_sample(key: str) -> tuple[ReceiptSample, Dispute | None]:
+    s = ReceiptSample.objects.filter(key=key).first()
+    if s is None:
+        raise EconomyError(EXECUTION_ERROR, f"no kept receipt with key {key!r}", "key")
+    return s, Dispute.objects.filter(sample=s).first()
+
+
+def fraud_proof(s: ReceiptSample, rows: np.ndarray, executed_by: str, verification: dict) -> dict:
+    """A site-signed fraud proof: the stored receipt and request identity, the re-executed rows'
+    commitment, the executor and the failing tokens; ``{body, signature, signer}``."""
+    ih = bytes.fromhex(s.receipt["input_hash"])
+    redone = hashlib.sha256(commitment_bytes(s.tokens, rows, sketch(rows, ih))).hexdigest()
+    key = site_key()
+    body = {"key": s.key, "provider": s.provider, "model_id": s.model_id, "layer": s.layer, "expert": s.expert,
+            "tokens": list(s.tokens), "request_id": s.request_id, "forward_id": s.forward_id,
+            "carrier_kind": s.carrier_kind, "carrier_sha256": hashlib.sha256(sample_carrier(s)).hexdigest(),
+            "receipt": {k: v for k, v in s.receipt.items() if not isinstance(v, float)},
+            "committed": s.commitment, "reexecuted_commitment": redone, "executed_by": executed_by,
+            "rows_total": verification["rows_total"], "rows_passed": verification["rows_passed"],
+            "failing_tokens": [r["token"] for r in verification["failing_rows"]], "issued_ms": now_ms()}
+    return {"body": body, "signature": sign_body(key, DOMAIN_FRAUD_PROOF, body), "signer": provider_id(key)}
+
+
+def _apply_outcome(s: ReceiptSample, upheld: bool, verification: dict, executed_by: str, proof: dict | None,
+                   automatic: bool) -> Dispute:
+    """Write the dispute once and apply its effect in the same transaction (a concurrent second
+    dispute of the same key gets the stored outcome and penalizes nothing)."""
+    policy = current_policy()
+    try:
+        with transaction.atomic():
+            d = Dispute.objects.create(sample=s, provider=s.provider, upheld=upheld, verification=verification,
+                                       executed_by=executed_by, proof=proof, automatic=automatic,
+                                       created_ms=now_ms())
+            prov = Provider.objects.select_for_update().filter(provider=s.provider).first()
+            if prov is not None:
+                if upheld:
+                    prov.reputation = max(0, prov.reputation - policy.dispute_penalty)
+                    prov.dispute_streak += 1
+                    if prov.dispute_streak >= policy.quarantine_after_upheld:
+                        prov.quarantined_until_ms = now_ms() + policy.quarantine_ms
+                        prov.dispute_streak = 0
+                else:
+                    prov.dispute_streak = 0  # an honest re-execution clears the streak
+                prov.save(update_fields=["reputation", "dispute_streak", "quarantined_until_ms"])
+                d.reputation_after = prov.reputation
+                d.quarantined_until_ms = prov.quarantined_until_ms
+                d.save(update_fields=["reputation_after", "quarantined_until_ms"])
+            ReceiptSample.objects.filter(pk=s.pk).update(audit_state=ReceiptSample.Audit.DONE)
+            return d
+    except IntegrityError:
+        return Dispute.objects.get(sample=s)
+
+
+async def dispute(key: str, automatic: bool = False) -> dict:
+    """``tenzro_moeDisputeReceipt``: re-verify, re-execute, compare, apply (module docstring).
+
+    A receipt already disputed returns its stored outcome (no second penalty). Raises
+    ``EconomyError``: unknown key (-32004), a stored receipt that does not verify (-32004,
+    no penalty: a tampered store cannot manufacture a proof), no executor (-32004 naming
+    the blob).
+    """
+    s, done = await sync_to_async(_load_sample)(key)
+    if done is not None:
+        return dispute_json(done, s)
+    carrier = await sync_to_async(sample_carrier)(s)
+    try:
+        verify_stored_receipt(s.receipt, provider=s.provider, request_id=s.request_id, model_id=s.model_id,
+                              layer=s.layer, expert=s.expert, tokens=list(s.tokens), d_model=s.d_model,
+                              carrier_kind=s.carrier_kind, carrier=carrier, commitment=bytes(s.commitment_rows))
+    except ReceiptError as exc:
+        raise EconomyError(EXECUTION_ERROR, f"the stored receipt {key} does not verify ({exc}); refusing to "
+                           "dispute it, nobody is penalized", "key") from exc
+    rows, who = await reexecute(s, carrier)
+    ver = await asyncio.to_thread(verify_rows, bytes(s.commitment_rows), rows, carrier_hash(s.carrier_kind, carrier),
+                                  await sync_to_async(_tolerances)())
+    upheld = not ver["pass"]
+    proof = await sync_to_async(fraud_proof)(s, rows, who, ver) if upheld else None
+    d = await sync_to_async(_apply_outcome)(s, upheld, ver, who, proof, automatic)
+    if upheld:
+        log.warning("dispute upheld: %s… signed wrong rows (%s); reputation now %s", s.provider[:12], key,
+                    d.reputation_after)
+    return dispute_json(d, s)
+
+
+def _pending_audits(limit: int) -> list[str]:
+    return list(ReceiptSample.objects.filter(audit_state=ReceiptSample.Audit.PENDING, dispute__isnull=True)
+                .order_by("id").values_list("key", flat=True)[:limit])
+
+
+async def audit(key: str) -> dict | None:
+    """The automatic audit of one kept sample: ``dispute(key, automatic=True)``; idempotent (a
+    disputed key returns its stored outcome). When no executor holds the blob the sample is
+    marked "skipped" and None returned."""
+    try:
+        return await dispute(key, automatic=True)
+    except EconomyError as exc:
+        log.warning("audit of %s not run: %s", key, exc.message)
+        await sync_to_async(ReceiptSample.objects.filter(key=key, audit_state=ReceiptSample.Audit.PENDING)
+                            .update)(audit_state=ReceiptSample.Audit.SKIPPED)
+        return None
+
+
+async def audit_pending(limit: int = 100) -> int:
+    """Audit up to ``limit`` kept samples that have no dispute yet; returns how many were audited."""
+    n = 0
+    for key in await sync_to_async(_pending_audits)(limit):
+        if await audit(key) is not None:
+            n += 1
+    return n
