@@ -76,7 +76,7 @@ class HolderAgent:
                  heartbeat_interval: float = 15.0, roles: tuple[str, ...] = ("ExpertHolder",),
                  memory_budget: int | None = None, disk_dir: str | Path | None = None,
                  http_port: int | None = None, http_host: str = "127.0.0.1", compute_threads: int = 1,
-                 fault: Fault | None = None):
+                 fault: Fault | None = None, price_per_input_token: int = 10, minimum_price: int = 100):
         self.site = site.rstrip("/")
         self.url = ws_url(site)
         self.key = key
@@ -85,6 +85,8 @@ class HolderAgent:
         self.name = name
         self.heartbeat_interval = heartbeat_interval
         self.roles = roles
+        # Advertised pricing (signed in every heartbeat; settlement charges from it).
+        self.price_per_input_token, self.minimum_price = int(price_per_input_token), int(minimum_price)
         self.backend = compute.backend()
         if hasattr(self.backend, "warm"):  # JIT the quantized kernels while connecting, not on the first batch
             threading.Thread(target=self.backend.warm, name="compute-warm", daemon=True).start()
@@ -206,7 +208,8 @@ class HolderAgent:
         body = {"provider": self.provider, "timestamp_ms": ts, "nonce": secrets.token_hex(16),
                 "name": self.name, "roles": list(self.roles), "http_endpoint": self.http_endpoint,
                 "iroh_endpoint_id": "",
-                "moe_gpu": bool(self.backend.gpu), "holdings": self.runtime.holdings()}
+                "moe_gpu": bool(self.backend.gpu), "price_per_input_token": self.price_per_input_token,
+                "minimum_price": self.minimum_price, "holdings": self.runtime.holdings()}
         return messages.heartbeat(body, sign_body(self.key, DOMAIN_HEARTBEAT, body))
 
     async def send_heartbeat(self) -> None:

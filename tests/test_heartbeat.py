@@ -197,3 +197,17 @@ def test_holding_field_errors_name_the_entry():
     with pytest.raises(HeartbeatError) as err:
         ingest(signed_heartbeat(key, [holding(), {**holding(expert=1), "layer": -1}]))
     assert err.value.field == "holdings[1].layer"
+
+
+def test_agent_advertises_its_pricing_in_the_signed_heartbeat(tmp_path):
+    from holders.agent import HolderAgent
+    from settlement.services import price
+
+    agent = HolderAgent("http://127.0.0.1:1", SigningKey.generate(), tmp_path, price_per_input_token=3,
+                        minimum_price=7)
+    msg = agent.heartbeat_message()
+    ingest(msg)
+    p = Provider.objects.get(provider=agent.provider)
+    assert (p.price_per_input_token, p.minimum_price) == (3, 7)
+    gross, holder_amount, fee = price(2, p.price_per_input_token, p.minimum_price, 9000)
+    assert (gross, holder_amount + fee) == (7, 7)  # 2 tokens × 3 < the minimum of 7

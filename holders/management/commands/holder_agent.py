@@ -40,6 +40,10 @@ class Command(BaseCommand):
         parser.add_argument("--blas-threads", type=int, default=1,
                             help="BLAS threads per matmul (default 1: batches run concurrently, and several "
                                  "spinning BLAS pools on shared cores made a 48-token forward ~40x slower)")
+        parser.add_argument("--price-per-input-token", type=int, default=10,
+                            help="advertised price per input token of a remote batch (default 10)")
+        parser.add_argument("--minimum-price", type=int, default=100,
+                            help="advertised minimum price of one forward's work (default 100)")
         parser.add_argument("--fault", default=None,
                             help="DRILL ONLY: corrupt:P signs perturbed rows for a fraction P of batches; "
                                  "stall:S sleeps S seconds per batch (default off)")
@@ -65,6 +69,9 @@ class Command(BaseCommand):
         threadpool_limits(limits=opts["blas_threads"])
         if opts["http_port"] is not None and not 0 < opts["http_port"] < 65536:
             raise CommandError("--http-port must be between 1 and 65535")
+        for name in ("price_per_input_token", "minimum_price"):
+            if not 0 <= opts[name] <= 1 << 62:
+                raise CommandError(f"--{name.replace('_', '-')} must be between 0 and 2^62, got {opts[name]}")
         try:
             fault = parse_fault(opts["fault"])
         except ValueError as exc:
@@ -75,7 +82,9 @@ class Command(BaseCommand):
             compute.set_backend(compute.select_backend(opts["compute"]))
             agent = HolderAgent(opts["site"], key, blob_dir, name=opts["name"], heartbeat_interval=interval,
                                 memory_budget=opts["budget"], disk_dir=opts["disk_dir"],
-                                http_port=opts["http_port"], http_host=opts["http_host"], fault=fault)
+                                http_port=opts["http_port"], http_host=opts["http_host"], fault=fault,
+                                price_per_input_token=opts["price_per_input_token"],
+                                minimum_price=opts["minimum_price"])
         except compute.BackendUnavailable as exc:
             raise CommandError(f"--compute: {exc}") from exc
         except ValueError as exc:  # TENZRO_MEMORY_BUDGET / TENZRO_COMPUTE_BACKEND malformed
