@@ -352,8 +352,42 @@ TARGET_AVX2 static float dot_q6_k_avx2(const uint8_t *w, const int8_t *qx, const
     DOT_Q6_K_BODY(MADD_SCALED_AVX2)
 }
 
+/* VNNI, 512-bit: quants of 64 consecutive values per register, per-16 scales by an int16 permute. */
 TARGET_VNNI static float dot_q6_k_vnni(const uint8_t *w, const int8_t *qx, const float *dx, const int16_t *bs, int cols) {
-    DOT_Q6_K_BODY(MADD_SCALED_VNNI)
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i shl = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), shr = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
+    __m512i idx[4];
+    for (int k = 0; k < 4; k++) { /* int16 lane L of register k takes scale 2k + L/16... per 16 values: L/8 */
+        int16_t t[32];
+        for (int l = 0; l < 32; l++) t[l] = (int16_t)(4 * (k & 1) + 8 * (k >> 1) + l / 8);
+        idx[k] = _mm512_loadu_si512((const void *)t);
+    }
+    float acc = 0.f;
+    for (int b = 0; b < cols / 256; b++) {
+        const uint8_t *blk = w + 210 * b;
+        const int8_t *sc = (const int8_t *)(blk + 192), *q8 = qx + 256 * b;
+        const int16_t *bsb = bs + 16 * b;
+        __m512i scales = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)));
+        int32_t off = 0;
+        for (int g = 0; g < 16; g++) off += sc[g] * bsb[g];
+        __m512i vacc = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {
+            __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * h));
+            __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            __m512i hh = _mm512_inserti64x4(_mm512_castsi256_si512(hb), hb, 1);
+            __m512i q01 = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi64(hh, shl), m30));
+            __m512i q23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi64(l, 4), m4),
+                                          _mm512_and_si512(_mm512_srlv_epi64(hh, shr), m30));
+            __m512i x01 = _mm512_loadu_si512((const void *)(q8 + 128 * h));
+            __m512i x23 = _mm512_loadu_si512((const void *)(q8 + 128 * h + 64));
+            vacc = _mm512_dpwssd_epi32(vacc, _mm512_maddubs_epi16(q01, x01), _mm512_permutexvar_epi16(idx[2 * h], scales));
+            vacc = _mm512_dpwssd_epi32(vacc, _mm512_maddubs_epi16(q23, x23),
+                                       _mm512_permutexvar_epi16(idx[2 * h + 1], scales));
+        }
+        int32_t sumi = _mm512_reduce_add_epi32(vacc) - 32 * off;
+        acc = acc + (f16(blk + 208) * dx[b]) * (float)sumi;
+    }
+    return acc;
 }
 #endif /* TK_X86 */
 
