@@ -4,6 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 RUNTIME := $(VENV)/.runtime-installed
 TESTDEPS := $(VENV)/.test-installed
+KERNELS := $(VENV)/.kernels-installed
 
 .PHONY: demo test serve worker beat bench install clean
 
@@ -15,13 +16,19 @@ $(RUNTIME): requirements.txt | $(BIN)/python
 	$(BIN)/python -m pip install -q -r requirements.txt
 	touch $@
 
-$(TESTDEPS): requirements-test.txt $(RUNTIME)
+# Native quantized kernels (C, runtime SIMD dispatch). A failed build is not fatal: the CPU backend
+# logs it and keeps its numba path.
+$(KERNELS): native/_kernels.c native/setup.py native/pyproject.toml $(RUNTIME)
+	$(BIN)/python -m pip install -q ./native || echo "tenzro_kernels did not build: quantized matmuls use the numba path"
+	touch $@
+
+$(TESTDEPS): requirements-test.txt $(RUNTIME) $(KERNELS)
 	$(BIN)/python -m pip install -q -r requirements-test.txt
 	touch $@
 
-install: $(RUNTIME)
+install: $(RUNTIME) $(KERNELS)
 
-demo: $(RUNTIME)
+demo: $(RUNTIME) $(KERNELS)
 	$(BIN)/python manage.py migrate --noinput -v 0
 	$(BIN)/python manage.py tenzro_demo
 

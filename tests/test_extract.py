@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from holders import compute
 from holders.ffn import ExpertWeights, expert_forward, moe_layer_forward
 from holders.gating import Gate, route
 from holders.quant import QuantizedMatrix, quantize
@@ -189,10 +190,12 @@ def test_gguf_py_decodes_our_blobs_bit_identically(preset):
         assert theirs.shape == (rows, cols)
         np.testing.assert_array_equal(ours.view(np.uint32), theirs.astype(np.float32).view(np.uint32))
     x = rng.standard_normal((5, 512)).astype(np.float32)
-    # Through the compute seam: small batches read the blocks directly (same values, f32 sums in
-    # another order), larger ones decode bit-identically and run the dense product.
+    # Through the compute seam: small batches read the blocks directly (numba: same values, f32 sums
+    # in another order; native kernels: activations quantized to 8 bits as ggml does, ~2% of the
+    # output's scale over three products), larger ones decode bit-identically and run the dense product.
     ref = expert_forward(back.dense(), x)
-    np.testing.assert_allclose(expert_forward(back, x), ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    tol = 5e-2 if compute.backend().describe().get("native_kernels") else 1e-5
+    np.testing.assert_allclose(expert_forward(back, x), ref, rtol=0, atol=tol * np.abs(ref).max())
     x64 = rng.standard_normal((64, 512)).astype(np.float32)
     np.testing.assert_array_equal(expert_forward(back, x64), expert_forward(back.dense(), x64))
     assert ExpertWeights.from_blob(blob).to_blob("bf16") == blob  # canonical

@@ -392,7 +392,7 @@ def test_cpu_quantized_products_match_dequantized_gemm(qtype, cols, n):
     m = QuantizedMatrix(qtype, w.shape, quant.quantize(w, qtype))
     x = rng.standard_normal((n, cols), dtype=np.float32)
     ref = x @ m.dequantize().T
-    y = CpuBackend(small_batch=16).matmul_xt(x, m)
+    y = CpuBackend(small_batch=16, native=False).matmul_xt(x, m)  # the numba path (tests/test_kernels.py: native)
     assert y.shape == (n, 24) and y.dtype == np.float32
     np.testing.assert_allclose(y, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
     np.testing.assert_allclose(quantized_matmul_xt(x, m), ref, rtol=0, atol=2e-5 * np.abs(ref).max())
@@ -415,7 +415,9 @@ def test_quantized_expert_forward_through_the_seam():
     deq = ExpertWeights(*(getattr(q, p).dequantize() for p in ("gate_proj", "up_proj", "down_proj")))
     x = rows(3, h=256)
     ref = expert_forward(deq, x)
-    np.testing.assert_allclose(expert_forward(q, x), ref, rtol=0, atol=1e-4 * np.abs(ref).max())
+    # With the native kernels the activation rows are quantized to 8 bits (ggml's contract): ~1e-3 relative.
+    atol = (2e-2 if compute.backend().describe().get("native_kernels") else 1e-4) * np.abs(ref).max()
+    np.testing.assert_allclose(expert_forward(q, x), ref, rtol=0, atol=atol)
 
 
 def test_dense_seam_is_bit_identical_to_numpy():

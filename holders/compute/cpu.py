@@ -2,7 +2,11 @@
 
 - Dense float32: one BLAS GEMM (``x @ w.T``, numpy's OpenBLAS), bit-identical to the
   plain numpy pipeline.
-- Quantized (Q8_0 / Q4_K / Q6_K), small batches (``n <= small_batch``): numba kernels,
+- Quantized (Q8_0 / Q4_K / Q6_K), batches up to ``native_batch`` rows (default 32, measured in
+  ``bench/bench_expert.py --switch``) when the native extension is built (``holders.kernels``):
+  activation rows quantized to 8 bits and integer dot products (AVX-512 VNNI / AVX2 / portable,
+  chosen at run time, bit-identical to each other), OpenMP threads over output rows.
+- Quantized, small batches (``n <= small_batch``) without the native extension: numba kernels,
   parallel over tasks of 16 output rows, that decode one weight row at a time into an
   L1-resident f32 scratch (constant shifts so the decode vectorises, as ggml's
   ``dequantize_row_*`` loops) and take its dot product with every input row. Only the
@@ -25,10 +29,13 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from holders import kernels
 from holders.quant import QuantizedMatrix
 
-# Batch rows up to which the quantized kernel beats decode + GEMM (bench_expert.py).
+# Batch rows up to which the numba kernel beats decode + GEMM (bench_expert.py).
 SMALL_BATCH = int(os.environ.get("TENZRO_QUANT_SMALL_BATCH", "8"))
+# Batch rows up to which the native integer kernel beats decode + GEMM (bench_expert.py --switch).
+NATIVE_BATCH = int(os.environ.get("TENZRO_QUANT_NATIVE_BATCH", "32"))
 
 
 # Every IEEE half bit pattern → float32 (exact): one L2-resident lookup instead of bit fiddling.
@@ -232,18 +239,24 @@ def quantized_matmul_xt(x: np.ndarray, w: QuantizedMatrix) -> np.ndarray:
 
 
 class CpuBackend:
-    """The always-present backend: BLAS for dense, numba kernel or decode + BLAS for quantized."""
+    """The always-present backend: BLAS for dense; for quantized weights the native integer
+    kernel (``native=True`` and the extension built) up to ``native_batch`` rows, else the numba
+    kernel up to ``small_batch`` rows, else decode + BLAS."""
 
     tag = "cpu"
     gpu = False
 
-    def __init__(self, small_batch: int = SMALL_BATCH):
+    def __init__(self, small_batch: int = SMALL_BATCH, native: bool = True, native_batch: int = NATIVE_BATCH):
         self.small_batch = small_batch
+        self.native = native and kernels.available()
+        self.native_batch = native_batch
 
     def matmul_xt(self, x: np.ndarray, w) -> np.ndarray:
         """``x`` f32 ``[n, in]``, ``w`` f32 ndarray or ``QuantizedMatrix`` ``[out, in]`` → f32 ``[n, out]``."""
         if isinstance(w, QuantizedMatrix):
-            if x.shape[0] <= self.small_batch:
+            if self.native and x.shape[0] <= self.native_batch:
+                return kernels.matmul_xt(x, w)
+            if not self.native and x.shape[0] <= self.small_batch:
                 return quantized_matmul_xt(np.ascontiguousarray(x, dtype=np.float32), w)
             return x @ dequantize_parallel(w).T
         return x @ w.T
@@ -262,4 +275,6 @@ class CpuBackend:
 
     def describe(self) -> dict:
         """Backend facts for status: tag, gpu flag, threads."""
-        return {"tag": self.tag, "gpu": False, "threads": numba.get_num_threads(), "small_batch": self.small_batch}
+        return {"tag": self.tag, "gpu": False, "threads": numba.get_num_threads(), "small_batch": self.small_batch,
+                "native_kernels": kernels.isa() if self.native else None,
+                "native_batch": self.native_batch if self.native else 0}

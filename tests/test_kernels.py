@@ -1,0 +1,216 @@
+"""Native quantized kernels (holders.kernels / native/_kernels.c): every SIMD path bit-identical to an
+independent numpy model of the contract (8-bit activation quantization, exact integer block sums,
+fixed float order), on ggml's golden quantized bytes and on random and adversarial blocks."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from holders import kernels
+from holders.compute.cpu import CpuBackend
+from holders.quant import QuantizedMatrix, quantize
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels not built (pip install ./native)")
+
+GOLDEN = Path(__file__).parent / "fixtures" / "gguf_golden" / "ggml_ref_quant_vectors.npz"
+F32 = np.float32
+
+
+# ---- numpy model of the contract -------------------------------------------------------
+
+def _roundf(v):
+    """C roundf (half away from zero), exact."""
+    r = np.rint(v)
+    tie = np.abs(v - np.trunc(v)) == F32(0.5)
+    return np.where(tie, np.trunc(v) + np.sign(v), r)
+
+
+def _q8_0_act(x):
+    xb = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(xb).max(axis=2)
+    d = (amax / F32(127)).astype(F32)
+    with np.errstate(divide="ignore"):
+        idv = np.where(d != 0, F32(1) / d, F32(0)).astype(F32)
+    q = _roundf((xb * idv[..., None]).astype(F32)).astype(np.int64)
+    return q, d
+
+
+def _q8_k_act(x):
+    xb = x.reshape(x.shape[0], -1, 256)
+    i = np.abs(xb).argmax(axis=2)
+    mx = np.take_along_axis(xb, i[..., None], axis=2)[..., 0]
+    with np.errstate(divide="ignore"):
+        iscale = np.where(mx != 0, F32(-127) / mx, F32(0)).astype(F32)
+    v = ((xb * iscale[..., None]).astype(F32) + F32(12582912.0)).astype(F32)
+    q = np.minimum((v.view(np.int32) & 0x7FFFFF) - 0x400000, 127).astype(np.int64)
+    with np.errstate(divide="ignore"):
+        d = np.where(mx != 0, F32(1) / iscale, F32(0)).astype(F32)
+    return q, d
+
+
+def _f16(b, off):
+    return np.ascontiguousarray(b[..., off:off + 2]).view("<f2")[..., 0].astype(F32)
+
+
+def model_matmul(x, m):
+    """The kernel's result computed in numpy from integer decodes (no SIMD, no C)."""
+    rows, cols = m.shape
+    n = x.shape[0]
+    y = np.zeros((n, rows), F32)
+    if m.qtype == "q8_0":
+        b = m.blocks.reshape(rows, -1, 34)
+        qw = b[..., 2:].view(np.int8).astype(np.int64)
+        dw = _f16(b, 0)
+        qx, dx = _q8_0_act(x)
+        s = np.einsum("rbj,nbj->nrb", qw, qx).astype(F32)  # exact integers
+        terms = s * (dw[None] * dx[:, None, :]).astype(F32)
+        acc = np.zeros((n, rows, 8), F32)
+        for blk in range(terms.shape[2]):
+            acc[..., blk % 8] = acc[..., blk % 8] + terms[..., blk]
+        a = acc
+        return ((a[..., 0] + a[..., 1]) + (a[..., 2] + a[..., 3])) + ((a[..., 4] + a[..., 5]) + (a[..., 6] + a[..., 7]))
+    qx, dx = _q8_k_act(x)
+    nb = cols // 256
+    if m.qtype == "q4_k":
+        b = m.blocks.reshape(rows, nb, 144).astype(np.int64)
+        sc12 = b[..., 4:16]
+        sc = np.empty((rows, nb, 8), np.int64)
+        mn = np.empty((rows, nb, 8), np.int64)
+        for j in range(8):
+            if j < 4:
+                sc[..., j], mn[..., j] = sc12[..., j] & 63, sc12[..., j + 4] & 63
+            else:
+                sc[..., j] = (sc12[..., j + 4] & 0xF) | ((sc12[..., j - 4] >> 6) << 4)
+                mn[..., j] = (sc12[..., j + 4] >> 4) | ((sc12[..., j] >> 6) << 4)
+        qs = b[..., 16:].reshape(rows, nb, 4, 32)
+        q = np.stack([qs & 0xF, qs >> 4], axis=3).reshape(rows, nb, 8, 32)
+        sub = np.einsum("rbjl,nbjl->nrbj", q, qx.reshape(n, nb, 8, 32))
+        sumi = (sub * sc[None]).sum(axis=3).astype(F32)
+        bsum = qx.reshape(n, nb, 8, 32).sum(axis=3)
+        mins = np.einsum("rbj,nbj->nrb", mn, bsum).astype(F32)
+        d, dmin = _f16(m.blocks.reshape(rows, nb, 144), 0), _f16(m.blocks.reshape(rows, nb, 144), 2)
+        for blk in range(nb):
+            y = y + (d[None, :, blk] * dx[:, None, blk]).astype(F32) * sumi[..., blk]
+            y = y - (dmin[None, :, blk] * dx[:, None, blk]).astype(F32) * mins[..., blk]
+        return y
+    b = m.blocks.reshape(rows, nb, 210).astype(np.int64)
+    q = np.empty((rows, nb, 256), np.int64)
+    for h in range(2):
+        ql, qh = b[..., 64 * h:64 * h + 64], b[..., 128 + 32 * h:160 + 32 * h]
+        base = 128 * h
+        q[..., base:base + 32] = (ql[..., :32] & 0xF) | ((qh & 3) << 4)
+        q[..., base + 32:base + 64] = (ql[..., 32:] & 0xF) | (((qh >> 2) & 3) << 4)
+        q[..., base + 64:base + 96] = (ql[..., :32] >> 4) | (((qh >> 4) & 3) << 4)
+        q[..., base + 96:base + 128] = (ql[..., 32:] >> 4) | ((qh >> 6) << 4)
+    sc = m.blocks.reshape(rows, nb, 210)[..., 192:208].view(np.int8).astype(np.int64)
+    sub = np.einsum("rbgl,nbgl->nrbg", (q - 32).reshape(rows, nb, 16, 16), qx.reshape(n, nb, 16, 16))
+    sumi = (sub * sc[None]).sum(axis=3).astype(F32)
+    d = _f16(m.blocks.reshape(rows, nb, 210), 208)
+    for blk in range(nb):
+        y = y + (d[None, :, blk] * dx[:, None, blk]).astype(F32) * sumi[..., blk]
+    return y
+
+
+# ---- tests ------------------------------------------------------------------------------
+
+def _golden_matrices():
+    z = np.load(GOLDEN)
+    for case in ("normal", "heavy", "uniform_pos", "uniform_neg", "edge", "bf16"):
+        for key, q in (("q8_0", "q8_0"), ("q4_K", "q4_k"), ("q6_K", "q6_k")):
+            raw = z[f"{case}__{key}"]
+            yield case, QuantizedMatrix(q, (8, 2048), raw)
+
+
+@pytest.mark.parametrize("isa", kernels.supported_isas())
+def test_every_path_matches_the_numpy_model_on_golden_bytes(isa):
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((3, 2048), dtype=np.float32)
+    x[1] *= 1e-3
+    x[2, :256] = 0.0  # an all-zero activation block
+    for case, m in _golden_matrices():
+        y = kernels.matmul_xt(x, m, threads=1, isa=isa)
+        np.testing.assert_array_equal(y.view(np.uint32), model_matmul(x, m).view(np.uint32), err_msg=f"{case} {m.qtype}")
+
+
+def _random_blocks(q, rows, cols, rng):
+    """Random bytes with valid finite scales: every quant pattern, incl. int8 -128 and fp16 subnormal scales."""
+    m = QuantizedMatrix.from_dense(rng.standard_normal((rows, cols), dtype=np.float32), q)
+    b = m.blocks.copy()
+    bb = b.reshape(-1, {"q8_0": 34, "q4_k": 144, "q6_k": 210}[q])
+    scale_offs = {"q8_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}[q]
+    body = np.ones(bb.shape[1], bool)
+    for o in scale_offs:
+        body[o:o + 2] = False
+    bb[:, body] = rng.integers(0, 256, (bb.shape[0], body.sum()), dtype=np.uint8)
+    bb[::7, scale_offs[0]:scale_offs[0] + 2] = np.array([1, 0], np.uint8)  # subnormal fp16 scale
+    return QuantizedMatrix(q, (rows, cols), b)
+
+
+@pytest.mark.parametrize("q,cols", [("q8_0", 32 * 13), ("q4_k", 768), ("q6_k", 512)])
+def test_random_blocks_bit_identical_across_paths_threads_and_batches(q, cols):
+    rng = np.random.default_rng(5)
+    m = _random_blocks(q, 37, cols, rng)
+    x = (rng.standard_normal((5, cols)) * rng.choice([1e-30, 1.0, 1e4], size=(5, 1))).astype(np.float32)
+    ref = model_matmul(x, m)
+    for isa in kernels.supported_isas():
+        for threads in (1, 3):
+            y = kernels.matmul_xt(x, m, threads=threads, isa=isa)
+            np.testing.assert_array_equal(y.view(np.uint32), ref.view(np.uint32), err_msg=f"{isa} x{threads}")
+        one = kernels.matmul_xt(x[3:4], m, threads=1, isa=isa)  # a row alone == the row in a batch
+        np.testing.assert_array_equal(one[0].view(np.uint32), ref[3].view(np.uint32))
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512vnni"])
+def test_forced_path_via_environment(isa):
+    code = ("import numpy as np; from holders import kernels; from holders.quant import QuantizedMatrix;"
+            "m = QuantizedMatrix.from_dense(np.random.default_rng(1).standard_normal((16, 512), dtype=np.float32), 'q4_k');"
+            "x = np.random.default_rng(2).standard_normal((2, 512), dtype=np.float32);"
+            "print(kernels.isa()); print(kernels.matmul_xt(x, m, threads=1).tobytes().hex())")
+    env = dict(os.environ, TENZRO_KERNEL_ISA=isa, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got_isa, got = r.stdout.split()
+    if isa in kernels.supported_isas():
+        assert got_isa == isa
+    else:  # refused with a log line, best available path kept
+        assert "refused" in r.stderr and got_isa == kernels.supported_isas()[-1]
+    m = QuantizedMatrix.from_dense(np.random.default_rng(1).standard_normal((16, 512), dtype=np.float32), "q4_k")
+    x = np.random.default_rng(2).standard_normal((2, 512), dtype=np.float32)
+    assert got == kernels.matmul_xt(x, m, threads=1, isa="portable").tobytes().hex()
+
+
+@pytest.mark.parametrize("q", ["q8_0", "q4_k", "q6_k"])
+def test_error_against_the_f32_decode_path(q):
+    rng = np.random.default_rng(9)
+    m = QuantizedMatrix(q, (64, 1024), quantize(rng.standard_normal((64, 1024), dtype=np.float32), q))
+    x = rng.standard_normal((4, 1024), dtype=np.float32)
+    ref = x @ m.dequantize().T
+    err = np.abs(kernels.matmul_xt(x, m) - ref).max() / np.abs(ref).max()
+    assert 0 < err < 2e-2  # activation rounding to 8 bits, nothing more
+
+
+def test_non_finite_rows_give_nan_and_bad_shapes_raise():
+    m = QuantizedMatrix.from_dense(np.ones((4, 256), np.float32), "q6_k")
+    x = np.ones((2, 256), np.float32)
+    x[1, 7] = np.inf
+    y = kernels.matmul_xt(x, m)
+    assert np.isfinite(y[0]).all() and np.isnan(y[1]).all()
+    with pytest.raises(ValueError, match=r"x must be \[n, 256\]"):
+        kernels.matmul_xt(np.ones((2, 128), np.float32), m)
+    with pytest.raises(ValueError, match="ISA"):
+        kernels.matmul_xt(x, m, isa="sse9")
+    with pytest.raises(ValueError):
+        kernels.set_isa("sse9")
+
+
+def test_cpu_backend_switches_to_decode_and_blas_above_native_batch():
+    m = QuantizedMatrix.from_dense(np.random.default_rng(3).standard_normal((8, 256), dtype=np.float32), "q8_0")
+    b = CpuBackend(native_batch=4)
+    assert b.describe()["native_kernels"] == kernels.isa()
+    small = np.random.default_rng(4).standard_normal((4, 256), dtype=np.float32)
+    np.testing.assert_array_equal(b.matmul_xt(small, m), kernels.matmul_xt(small, m))
+    big = np.random.default_rng(4).standard_normal((5, 256), dtype=np.float32)
+    np.testing.assert_array_equal(b.matmul_xt(big, m), big @ m.dequantize().T)
