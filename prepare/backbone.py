@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from holders.backbone.weights import BACKBONE_KEY  # the key the site reads
 from holders.codec import dumps_safetensors
 from prepare.checkpoint import Checkpoint
 
-BACKBONE_KEY = "tenzro_backbone"
 _NATIVE = ("BF16", "F16", "F32")
 
 

@@ -21,6 +21,7 @@ from django.conf import settings
 from django.core.management import call_command
 
 from registry.identity import load_or_create_key, provider_id
+from prepare.backbone import publish_backbone
 from prepare.services import publish_checkpoint, publish_dense
 from registry.models import Provider
 from registry.services import reset_sessions
@@ -99,6 +100,7 @@ class LocalCluster:
         for ckpt, mid, quant in zip(self.checkpoints, self.model_id_overrides, self.quants):
             self.say(f"publishing {ckpt}{f' as {quant}' if quant else ''} ...")
             self.model_ids.append(publish_checkpoint(ckpt, mid, quant=quant).model_id)
+            publish_backbone(ckpt, self.model_ids[-1])  # embeddings, attention, norms, head: the site generates
             if quant is None:
                 dense = publish_dense(ckpt, self.model_ids[-1], self.dense_parts)
                 if dense is not None:

@@ -11,6 +11,9 @@ import numpy as np
 from holders.backbone import Backbone, BackboneError, build_backbone
 from holders.codec import loads_safetensors
 
+# Key of ``MoeModel.config`` under which ``prepare.backbone.publish_backbone`` records the blobs.
+BACKBONE_KEY = "tenzro_backbone"
+
 
 def load_backbone(config: dict, record: dict, fetch: Callable[[str], bytes]) -> Backbone:
     """The backbone of ``config`` from the group blobs named in ``record['blobs']``.
