@@ -4,6 +4,7 @@ from django.contrib.staticfiles.views import serve as serve_static
 from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from holders import openai_api
 from prepare import views as prepare_views
 from prepare.views import blob
 from registry import api as reg
@@ -32,6 +33,8 @@ urlpatterns = [
     path("coverage/<str:model_id>", views.coverage, name="coverage"),
     path("healthz", views.healthz, name="healthz"),
     path("rpc", rpc_view, name="rpc"),
+    path("v1/completions", openai_api.completions, name="openai-completions"),
+    path("v1/chat/completions", openai_api.chat_completions, name="openai-chat-completions"),
     path("api/v1/", include(api_v1)),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
