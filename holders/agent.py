@@ -36,9 +36,10 @@ from holders import compute, methods, wire
 from registry.identity import DOMAIN_HEARTBEAT, DOMAIN_HELLO, provider_id, sign, sign_body
 from holders.receipts import make_receipt
 from holders.runtime import ExpertNotLoaded, ExpertRuntime, RuntimeFault
-from holders.transports.http import RpcFailure, serve_http
+from holders.transports.http import serve_http
 from holders.blobs import BlobStore, verify_blob
 from registry.content import BlobError, parse_blob_uri
+from registry.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND, RpcError
 
 log = logging.getLogger("tenzro.agent")
 
@@ -229,9 +230,9 @@ class HolderAgent:
             elif kind == "rpc":
                 body = json.dumps(await self._rpc(header, payload)).encode()
                 if len(body) > self.max_message - wire.FRAME_HEADER_MAX:  # the site would drop the socket
-                    body = json.dumps({"error": {"code": -32004, "data": {"field": "params"}, "message":
-                                                 f"the result is {len(body)} bytes, over the socket's "
-                                                 f"{self.max_message}-byte frame cap"}}).encode()
+                    body = json.dumps({"error": RpcError(
+                        EXECUTION_ERROR, f"the result is {len(body)} bytes, over the socket's {self.max_message}"
+                        "-byte frame cap", field="params").to_json()}).encode()
                 await self._reply({"id": req_id, "ok": True}, body)
             else:
                 await self._reply({"id": req_id, "ok": False, "code": "bad_request",
@@ -244,14 +245,15 @@ class HolderAgent:
     async def _rpc(self, header: dict, payload: bytes) -> dict:
         """A relayed execution method: ``{"result": ...}`` or ``{"error": {code, message, data}}``."""
         method = header.get("method")
-        if method not in methods.METHODS:
-            return {"error": {"code": -32601, "message": f"method {method!r} not found", "data": {"field": "method"}}}
         try:
-            params = json.loads(payload or b"{}")
+            if method not in methods.METHODS:
+                raise RpcError(METHOD_NOT_FOUND, f"method {method!r} not found", field="method")
+            try:
+                params = json.loads(payload or b"{}")
+            except json.JSONDecodeError as exc:
+                raise RpcError(INVALID_PARAMS, f"params are not JSON: {exc}", field="params") from exc
             result = await asyncio.to_thread(methods.call, self.runtime, method, params, self.fetch)
-        except json.JSONDecodeError as exc:
-            return {"error": {"code": -32602, "message": f"params are not JSON: {exc}", "data": {"field": "params"}}}
-        except methods.MethodError as exc:
+        except RpcError as exc:
             return {"error": exc.to_json()}
         return {"result": result}
 
@@ -317,14 +319,14 @@ class HolderAgent:
     async def _http_frame(self, header: dict, payload: bytes) -> tuple[dict, bytes]:
         """Binary execute over HTTP (``POST /frame``): the socket's frame format, no base64."""
         if header.get("type") != "execute":
-            raise RpcFailure(-32601, f"unknown request type {header.get('type')!r}")
+            raise RpcError(METHOD_NOT_FOUND, f"unknown request type {header.get('type')!r}")
         try:
             return await self.execute_request({**header, "request_id": header.get("id")},
                                               header.get("carrier", "f32"), payload)
         except ExpertNotLoaded as exc:
-            raise RpcFailure(-32004, str(exc)) from exc
+            raise RpcError(EXECUTION_ERROR, str(exc)) from exc
         except (RuntimeFault, wire.WireError, KeyError, TypeError, ValueError) as exc:
-            raise RpcFailure(-32602, str(exc)) from exc
+            raise RpcError(INVALID_PARAMS, str(exc)) from exc
 
     async def _http_rpc(self, method: str, params: dict) -> dict:
         """JSON-RPC handler of the HTTP endpoint (``holders.transports.http``)."""
@@ -336,15 +338,15 @@ class HolderAgent:
                                          "hidden_q8" if q8 is not None else "hidden_states")
                 answer, data = await self.execute_request(params, carrier, payload)
             except ExpertNotLoaded as exc:
-                raise RpcFailure(-32004, str(exc), {"field": "expert"}) from exc
+                raise RpcError(EXECUTION_ERROR, str(exc), field="expert") from exc
             except (RuntimeFault, wire.WireError, KeyError, TypeError, ValueError) as exc:
-                raise RpcFailure(-32602, str(exc), {"field": "params"}) from exc
+                raise RpcError(INVALID_PARAMS, str(exc), field="params") from exc
             return {"model_id": params["model_id"], "layer": params["layer"], "expert": params["expert"],
                     "token_indices": answer["token_indices"], "d_model": answer["d_model"],
                     "output": answer["output"], "outputs": wire.b64encode(data), "receipt": answer["receipt"]}
         if method in ("moe/status", "tenzro_moeExpertStatus"):
             return {"provider": self.provider, **await asyncio.to_thread(self.runtime.status)}
-        raise RpcFailure(-32601, f"unknown method {method!r}", {"field": "method"})
+        raise RpcError(METHOD_NOT_FOUND, f"unknown method {method!r}", field="method")
 
     async def _load(self, header: dict) -> None:
         uri = header["uri"]

@@ -55,9 +55,9 @@ def _hidden_rows(p: dict):
     try:
         x = wire.decode_f32(wire.b64decode(p["hidden_states"], "hidden_states"), p["d_model"])
     except wire.WireError as exc:
-        raise RpcError(INVALID_PARAMS, str(exc), {"field": "hidden_states"}) from exc
+        raise RpcError(INVALID_PARAMS, str(exc), field="hidden_states") from exc
     if x.shape[0] == 0:
-        raise RpcError(INVALID_PARAMS, "hidden_states holds no rows", {"field": "hidden_states"})
+        raise RpcError(INVALID_PARAMS, "hidden_states holds no rows", field="hidden_states")
     return x
 
 
@@ -66,18 +66,15 @@ async def _forward_errors(p: dict, call) -> dict:
     try:
         return await call
     except services.UnknownModel as exc:
-        raise RpcError(INVALID_PARAMS, str(exc), {"field": "model_id", "model_id": p["model_id"]}) from exc
+        raise RpcError(INVALID_PARAMS, str(exc), {"model_id": p["model_id"]}, field="model_id") from exc
     except services.GateNotLoaded as exc:
-        raise RpcError(EXECUTION_ERROR, str(exc), {"field": "layer", "model_id": p["model_id"],
-                                                   "layer": p["layer"]}) from exc
+        raise RpcError(EXECUTION_ERROR, str(exc), {"model_id": p["model_id"], "layer": p["layer"]},
+                       field="layer") from exc
     except ForwardError as exc:
         code = PLANNING_ERROR if exc.kind == "planning" else EXECUTION_ERROR
-        raise RpcError(code, exc.message, {"field": "hidden_states", **exc.data}) from exc
-    except ValueError as exc:  # input that does not fit the gate (d_model, top_k, carrier)
-        msg = str(exc)
-        field = ("carrier" if "carrier" in msg else "d_model" if "d_model" in msg else "top_k" if "top_k" in msg
-                 else "hidden_states")
-        raise RpcError(INVALID_PARAMS, msg, {"field": field}) from exc
+        raise RpcError(code, exc.message, exc.data, field="hidden_states") from exc
+    except ValueError as exc:  # input that does not fit the gate: a ParamError names d_model, top_k or carrier
+        raise RpcError.invalid_params(exc, "hidden_states") from exc
 
 
 @rpc_methods.method("tenzro_moeForward", params=ForwardParams)
@@ -162,10 +159,7 @@ class ExecuteParams(ExpertKeyParams):
 def _bind(name: str, params, operator: bool):
     async def method(p: dict) -> dict:
         provider = p.pop("provider", None)
-        try:
-            return await services.call_method(name, {k: v for k, v in p.items() if v is not None}, provider)
-        except methods.MethodError as exc:
-            raise RpcError(exc.code, exc.message, exc.data) from exc
+        return await services.call_method(name, {k: v for k, v in p.items() if v is not None}, provider)
 
     method.__name__ = name
     method.__doc__ = f"``{name}`` on the site's runtime, or relayed to ``provider``'s agent."
@@ -201,7 +195,7 @@ async def place_model(p: dict) -> dict:
     try:
         return await services.place_model(p["model_id"], p["replication"])
     except PlacementError as exc:
-        raise RpcError(PLANNING_ERROR, str(exc), {"field": "model_id"}) from exc
+        raise RpcError(PLANNING_ERROR, str(exc), field="model_id") from exc
 
 
 

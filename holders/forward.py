@@ -25,6 +25,7 @@ batches split over warm replicas by the planner's ``split_threshold``).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from holders import wire
 from holders.ffn import combine
 from holders.gating import Gate, Routing, route
 from holders.receipts import ReceiptError, verify_receipt
+from registry.jsonrpc import ParamError
 from registry.planner import DispatchPlan, PlanningError, TokenRouting, plan_dispatch
 from registry.shardmap import ShardView
 
@@ -174,181 +176,255 @@ class _Rows:
         return {e: self.tokens[e][~f].tolist() for e, f in self.filled.items() if not f.all()}
 
 
-async def distributed_forward(*, gate: Gate | None, model_id: str, layer: int, hidden_states: np.ndarray,
-                              get_view: Callable[[frozenset], Awaitable[ShardView]], send: Send,
-                              top_k: int | None = None, allow_cold: bool = False, allow_partial: bool = False,
-                              carrier: str = "auto", deadline_s: float = 10.0, max_message: int = 1 << 20,
-                              split_threshold: int | None = None,
-                              readahead: Callable[[list[int]], Awaitable[None]] | None = None,
-                              verify: bool = True,
-                              local: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
-                              routing: Routing | None = None) -> ForwardResult:
-    """One MoE layer forward with experts executed by remote holders (module docstring).
+class LayerForward:
+    """One MoE layer forward over remote holders, as named steps (module docstring).
 
-    ``hidden_states`` f32 [T, H] with H == gate.d_model. ``get_view(excluded)`` returns the
-    live shard view without the ``excluded`` providers; ``send`` executes one request on
-    one holder. ``deadline_s``: seconds a holder has for one request before the backup
-    gets it. ``verify``: check receipts of remote answers (local answers carry none).
-    ``local(expert, rows f32 [n, H])``: the router's own runtime; returns the expert's
-    output rows when it holds that expert (exact f32, no wire, no receipt), else None. A
-    local error sends those pairs to the remote holders in the next round. ``routing``:
-    use this routing instead of the gate's (``gate`` may then be None; a split dense layer
-    routes every token to every slice, ``holders.dense.dense_routing``).
+    Construct with the forward's inputs (see ``distributed_forward`` for each parameter),
+    then ``await run()``. Steps: ``route`` (gate or given routing, carrier choice, carrier
+    rows encoded once), ``run_local`` (experts the router holds), ``plan_round`` (planner
+    over the live view minus excluded providers), ``run_batch`` (one message-sized batch,
+    primary then warm backups), ``attempt`` (one request to one holder: deadline, shape,
+    duplicate guard, receipt), ``finish`` (missing pairs, renormalization, combine).
+
+    ``on_verified_batch``: optional async or sync callable
+    ``(provider, request: BatchRequest, carrier: bytes, rows f32 [n, H], receipt | None)``
+    called after each remote answer passed its checks and its rows were placed (for
+    receipt sampling); its exceptions propagate and fail the forward.
+    """
+
+    def __init__(self, *, gate: Gate | None, model_id: str, layer: int, hidden_states: np.ndarray,
+                 get_view: Callable[[frozenset], Awaitable[ShardView]], send: Send,
+                 top_k: int | None = None, allow_cold: bool = False, allow_partial: bool = False,
+                 carrier: str = "auto", deadline_s: float = 10.0, max_message: int = 1 << 20,
+                 split_threshold: int | None = None,
+                 readahead: Callable[[list[int]], Awaitable[None]] | None = None,
+                 verify: bool = True,
+                 local: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
+                 routing: Routing | None = None,
+                 on_verified_batch: Callable[..., object] | None = None):
+        self.gate, self.model_id, self.layer = gate, model_id, layer
+        self.hidden_states, self.get_view, self.send = hidden_states, get_view, send
+        self.top_k, self.allow_cold, self.allow_partial = top_k, allow_cold, allow_partial
+        self.carrier, self.deadline_s, self.max_message = carrier, deadline_s, max_message
+        self.split_threshold, self.readahead, self.verify = split_threshold, readahead, verify
+        self.local, self.routing = local, routing
+        self.on_verified_batch = on_verified_batch
+        self.excluded: set[str] = set()
+        self.failures: list[dict] = []
+        self.latencies: dict[str, list[float]] = {}
+        self.transports: dict[str, int] = {"local": 0, "ws": 0, "http": 0, "iroh": 0}
+        self.receipts: list[dict] = []
+        self.used: set[str] = set()
+        self.batches = 0
+        self.bytes_out = 0
+        self.bytes_back = 0
+        self.replans = 0
+        self.local_ok = local is not None
+
+    def route(self) -> None:
+        """Routing, carrier/output encodings, rows per message and the carrier rows encoded once.
+
+        Raises ``ValueError`` for bad input (from ``route``, ``wire.choose_carrier``).
+        """
+        hs = self.hidden_states
+        if self.routing is None:
+            self.routing = route(self.gate, hs, self.top_k)
+            self.d_model = self.gate.d_model
+        else:
+            self.d_model = int(hs.shape[1])
+            if self.routing.expert_ids.shape[0] != hs.shape[0]:
+                raise ParamError(f"routing has {self.routing.expert_ids.shape[0]} tokens, "
+                             f"hidden_states {hs.shape[0]}", "hidden_states")
+        self.carrier_kind, self.output_kind = wire.choose_carrier(self.carrier, self.d_model)
+        self.x = np.ascontiguousarray(hs, dtype=np.float32)
+        self.rows = _Rows(self.routing, self.d_model)
+        self.per_msg = min(1024, wire.rows_per_frame(self.d_model, self.max_message,
+                                                     max(wire.BYTES_PER_VALUE[self.carrier_kind],
+                                                         wire.BYTES_PER_VALUE[self.output_kind])))
+        # Rows encode independently, so each token's carrier row is encoded once and batches
+        # gather their rows' bytes (a token routed to k experts is not quantized k times).
+        self.encoded = np.frombuffer(wire.encode_rows(self.x, self.carrier_kind),
+                                     dtype=np.uint8).reshape(self.x.shape[0], -1)
+
+    async def run_local(self, expert: int, tokens: list[int]) -> None:
+        """Execute ``expert`` on ``tokens`` with the router's own runtime (exact f32, no receipt);
+        a local error disables local execution and leaves the pairs to the remote holders."""
+        t = time.perf_counter()
+        try:
+            out = await asyncio.to_thread(self.local, expert, self.x[np.asarray(tokens, dtype=np.int64)])
+            if out is None:
+                return
+            self.rows.put(expert, tokens, np.asarray(out, dtype=np.float32).reshape(len(tokens), self.d_model))
+        except (ValueError, LookupError, HolderFault) as exc:
+            self.local_ok = False
+            self.failures.append({"provider": "local", "expert": expert, "error": str(exc), "fault": False})
+            return
+        self.latencies.setdefault("local", []).append((time.perf_counter() - t) * 1e3)
+        self.transports["local"] += 1
+        self.batches += 1
+
+    async def attempt(self, provider: str, info, expert: int, tokens: list[int], payload: bytes) -> str:
+        """One request to one holder under the deadline; returns "ok", "late" (another answer
+        filled the pairs first), "refused" (auth, no penalty) or "fault" (exclude the holder)."""
+        layer, d_model = self.layer, self.d_model
+        req = BatchRequest(uuid.uuid4().hex, self.model_id, layer, expert, tokens, self.carrier_kind, payload,
+                           self.output_kind, d_model)
+        t = time.perf_counter()
+        try:
+            ans = await asyncio.wait_for(self.send(provider, info, req), self.deadline_s)
+            if ans.rows.shape != (len(tokens), d_model):
+                raise HolderFault(f"returned rows of shape {ans.rows.shape}, expected {(len(tokens), d_model)}")
+            self.rows.check(expert, tokens)
+            if self.verify and ans.transport != "local":
+                # numpy work releases the GIL: verify off the loop so other answers keep flowing.
+                await asyncio.to_thread(verify_receipt, ans.receipt, provider=provider, request_id=req.request_id,
+                                        model_id=self.model_id, layer=layer, expert=expert, tokens=tokens,
+                                        carrier_kind=self.carrier_kind, carrier=payload, rows=ans.rows)
+        except AuthRefusal as exc:
+            self.failures.append({"provider": provider, "expert": expert, "error": f"auth refused: {exc}",
+                                  "fault": False})
+            return "refused"
+        except asyncio.TimeoutError:
+            self.failures.append({"provider": provider, "expert": expert, "fault": True,
+                                  "error": f"no answer within the {self.deadline_s:g} s deadline"})
+            return "fault"
+        except (HolderFault, ReceiptError, ConnectionError, ValueError, OSError) as exc:
+            self.failures.append({"provider": provider, "expert": expert, "error": str(exc) or type(exc).__name__,
+                                  "fault": True})
+            return "fault"
+        try:
+            self.rows.put(expert, tokens, ans.rows)
+        except HolderFault as exc:  # a concurrent answer filled the pairs first
+            self.failures.append({"provider": provider, "expert": expert, "error": str(exc), "fault": False})
+            return "late"
+        self.latencies.setdefault(provider, []).append((time.perf_counter() - t) * 1e3)
+        self.transports[ans.transport] = self.transports.get(ans.transport, 0) + 1
+        self.bytes_out += ans.bytes_out
+        self.bytes_back += ans.bytes_back
+        self.used.add(provider)
+        if ans.receipt is not None:
+            self.receipts.append({"provider": provider, "expert": expert, "tokens": len(tokens),
+                                  "commitment": ans.receipt["commitment"]})
+        if self.on_verified_batch is not None and ans.transport != "local":
+            hooked = self.on_verified_batch(provider, req, payload, ans.rows, ans.receipt)
+            if inspect.isawaitable(hooked):
+                await hooked
+        return "ok"
+
+    async def run_batch(self, batch, tokens: list[int]) -> None:
+        """Send ``tokens`` of a planned batch to its primary, then to each warm backup not
+        excluded, until one answers; a faulty holder is excluded for the rest of the forward."""
+        payload = self.encoded[np.asarray(tokens, dtype=np.int64)].tobytes()
+        self.batches += 1
+        targets = [(batch.provider, None)] + [(b.provider, b) for b in batch.backups]
+        for provider, info in targets:
+            if provider in self.excluded:
+                continue
+            outcome = await self.attempt(provider, info or batch, batch.expert, tokens, payload)
+            if outcome in ("ok", "late"):
+                return
+            if outcome == "fault":
+                self.excluded.add(provider)
+
+    async def plan_round(self, todo: dict[int, list[int]]) -> DispatchPlan:
+        """Plan the outstanding pairs ``{expert: [tokens]}`` over the live view without the
+        excluded providers. Raises ``ForwardError("planning")`` when the planner cannot."""
+        view = await self.get_view(frozenset(self.excluded))
+        try:
+            return plan_dispatch(view, token_routings(todo, self.layer), allow_cold=self.allow_cold,
+                                 split_threshold=self.split_threshold)
+        except PlanningError as exc:
+            raise ForwardError("planning", str(exc)) from exc
+
+    async def execute(self) -> None:
+        """Rounds of local execution, planning and batches until every pair is filled, nothing
+        was plannable, or ``MAX_REPLANS`` replans were spent."""
+        rows = self.rows
+        while True:
+            if self.local_ok:  # experts the router holds itself: no wire, no receipt
+                await asyncio.gather(*(self.run_local(e, toks) for e, toks in sorted(rows.outstanding().items())))
+            todo = rows.outstanding()
+            if not todo:
+                break
+            plan = await self.plan_round(todo)
+            per_msg = self.per_msg
+            await asyncio.gather(*(self.run_batch(b, b.token_indices[i:i + per_msg])
+                                   for b in plan.batches for i in range(0, len(b.token_indices), per_msg)))
+            if not rows.outstanding() or self.replans == MAX_REPLANS:
+                break
+            if not plan.batches:
+                break  # nothing was plannable: another round cannot change that
+            self.replans += 1
+
+    def finish(self) -> tuple[np.ndarray, Routing, list[dict]]:
+        """The combined output f32 [T, H], the routing used and the missing pairs.
+
+        Raises ``ForwardError`` when pairs stay unserved and ``allow_partial`` is false, the
+        shared expert is missing, or renormalization fails.
+        """
+        routing, layer, rows, failures = self.routing, self.layer, self.rows, self.failures
+        todo = rows.outstanding()
+        missing = [{"layer": layer, "expert": int(e), "tokens": [int(t) for t in toks]}
+                   for e, toks in sorted(todo.items())]
+        use = routing
+        if missing:
+            shared_missing = routing.shared_slot is not None and routing.shared_slot in todo
+            if not self.allow_partial or shared_missing:
+                m = next((m for m in missing if m["expert"] == routing.shared_slot), missing[0]) if shared_missing \
+                    else missing[0]
+                last = next((f["error"] for f in reversed(failures) if f["expert"] == m["expert"]), None)
+                what = "the shared expert" if shared_missing else "expert"
+                if last is None:
+                    raise ForwardError("planning", f"no live holder for {what} l{layer}/e{m['expert']} (tokens "
+                                       f"{m['tokens']}); {len(missing)} expert(s) unserved",
+                                       {"missing": missing, "failures": failures})
+                raise ForwardError("execution", f"every holder of {what} l{layer}/e{m['expert']} failed (tokens "
+                                   f"{m['tokens']}) after {self.replans} replan(s): {last}",
+                                   {"missing": missing, "failures": failures})
+            try:
+                use = renormalized(routing, {e: set(t) for e, t in todo.items()})
+            except ValueError as exc:
+                raise ForwardError("execution", str(exc), {"missing": missing, "failures": failures}) from exc
+            for e, toks in todo.items():
+                rows.put(e, toks, np.zeros((len(toks), self.d_model), dtype=np.float32))
+        output = combine(use, {e: (rows.tokens[e], rows.rows[e]) for e in rows.tokens}, self.d_model)
+        return output, use, missing
+
+    async def run(self) -> ForwardResult:
+        """route → readahead → execute → finish; the ``ForwardResult`` with timings (ms)."""
+        t0 = time.perf_counter()
+        self.route()
+        t_gate = time.perf_counter()
+        if self.readahead is not None:
+            await self.readahead(sorted(self.routing.tokens_by_expert()))
+        await self.execute()
+        t_exec = time.perf_counter()
+        output, use, missing = self.finish()
+        t_end = time.perf_counter()
+        return ForwardResult(
+            output=output, routing=use, holders=sorted(self.used), batches=self.batches, replans=self.replans,
+            missing=missing, failures=self.failures, latencies_ms=dict(self.latencies), transports=self.transports,
+            bytes_out=self.bytes_out, bytes_back=self.bytes_back, receipts=self.receipts,
+            timings_ms={"gate": round((t_gate - t0) * 1e3, 3), "execute": round((t_exec - t_gate) * 1e3, 3),
+                        "combine": round((t_end - t_exec) * 1e3, 3), "total": round((t_end - t0) * 1e3, 3)})
+
+
+async def distributed_forward(**kwargs) -> ForwardResult:
+    """One MoE layer forward with experts executed by remote holders: ``LayerForward(**kwargs).run()``.
+
+    ``gate``, ``model_id``, ``layer``, ``hidden_states`` f32 [T, H] with H == gate.d_model.
+    ``get_view(excluded)`` returns the live shard view without the ``excluded`` providers;
+    ``send`` executes one request on one holder. ``deadline_s``: seconds a holder has for
+    one request before the backup gets it. ``verify``: check receipts of remote answers
+    (local answers carry none). ``local(expert, rows f32 [n, H])``: the router's own
+    runtime; returns the expert's output rows when it holds that expert (exact f32, no
+    wire, no receipt), else None. A local error sends those pairs to the remote holders in
+    the next round. ``routing``: use this routing instead of the gate's (``gate`` may then
+    be None; a split dense layer routes every token to every slice,
+    ``holders.dense.dense_routing``). ``on_verified_batch``: see ``LayerForward``.
 
     Raises ``ValueError`` for bad input (from ``route``, ``wire.choose_carrier``) and
     ``ForwardError`` with ``data["missing"] = [{layer, expert, tokens}]`` when pairs stay
     unserved and ``allow_partial`` is false, or the shared expert is missing.
     """
-    t0 = time.perf_counter()
-    if routing is None:
-        routing = route(gate, hidden_states, top_k)
-        d_model = gate.d_model
-    else:
-        d_model = int(hidden_states.shape[1])
-        if routing.expert_ids.shape[0] != hidden_states.shape[0]:
-            raise ValueError(f"routing has {routing.expert_ids.shape[0]} tokens, "
-                             f"hidden_states {hidden_states.shape[0]}")
-    carrier_kind, output_kind = wire.choose_carrier(carrier, d_model)
-    x = np.ascontiguousarray(hidden_states, dtype=np.float32)
-    t_gate = time.perf_counter()
-    if readahead is not None:
-        await readahead(sorted(routing.tokens_by_expert()))
-    rows = _Rows(routing, d_model)
-    per_msg = min(1024, wire.rows_per_frame(d_model, max_message, max(wire.BYTES_PER_VALUE[carrier_kind],
-                                                                        wire.BYTES_PER_VALUE[output_kind])))
-    excluded: set[str] = set()
-    failures: list[dict] = []
-    latencies: dict[str, list[float]] = {}
-    transports: dict[str, int] = {"local": 0, "ws": 0, "http": 0, "iroh": 0}
-    receipts: list[dict] = []
-    used: set[str] = set()
-    stats = {"batches": 0, "out": 0, "back": 0}
-    replans = 0
-    local_ok = local is not None
-
-    async def run_local(expert: int, tokens: list[int]) -> None:
-        nonlocal local_ok
-        t = time.perf_counter()
-        try:
-            out = await asyncio.to_thread(local, expert, x[np.asarray(tokens, dtype=np.int64)])
-            if out is None:
-                return
-            rows.put(expert, tokens, np.asarray(out, dtype=np.float32).reshape(len(tokens), d_model))
-        except (ValueError, LookupError, HolderFault) as exc:
-            local_ok = False
-            failures.append({"provider": "local", "expert": expert, "error": str(exc), "fault": False})
-            return
-        latencies.setdefault("local", []).append((time.perf_counter() - t) * 1e3)
-        transports["local"] += 1
-        stats["batches"] += 1
-
-    async def attempt(provider: str, info, expert: int, tokens: list[int], payload: bytes) -> str:
-        req = BatchRequest(uuid.uuid4().hex, model_id, layer, expert, tokens, carrier_kind, payload, output_kind,
-                           d_model)
-        t = time.perf_counter()
-        try:
-            ans = await asyncio.wait_for(send(provider, info, req), deadline_s)
-            if ans.rows.shape != (len(tokens), d_model):
-                raise HolderFault(f"returned rows of shape {ans.rows.shape}, expected {(len(tokens), d_model)}")
-            rows.check(expert, tokens)
-            if verify and ans.transport != "local":
-                # numpy work releases the GIL: verify off the loop so other answers keep flowing.
-                await asyncio.to_thread(verify_receipt, ans.receipt, provider=provider, request_id=req.request_id,
-                                        model_id=model_id, layer=layer, expert=expert, tokens=tokens,
-                                        carrier_kind=carrier_kind, carrier=payload, rows=ans.rows)
-        except AuthRefusal as exc:
-            failures.append({"provider": provider, "expert": expert, "error": f"auth refused: {exc}", "fault": False})
-            return "refused"
-        except asyncio.TimeoutError:
-            failures.append({"provider": provider, "expert": expert, "fault": True,
-                             "error": f"no answer within the {deadline_s:g} s deadline"})
-            return "fault"
-        except (HolderFault, ReceiptError, ConnectionError, ValueError, OSError) as exc:
-            failures.append({"provider": provider, "expert": expert, "error": str(exc) or type(exc).__name__,
-                             "fault": True})
-            return "fault"
-        try:
-            rows.put(expert, tokens, ans.rows)
-        except HolderFault as exc:  # a concurrent answer filled the pairs first
-            failures.append({"provider": provider, "expert": expert, "error": str(exc), "fault": False})
-            return "late"
-        latencies.setdefault(provider, []).append((time.perf_counter() - t) * 1e3)
-        transports[ans.transport] = transports.get(ans.transport, 0) + 1
-        stats["out"] += ans.bytes_out
-        stats["back"] += ans.bytes_back
-        used.add(provider)
-        if ans.receipt is not None:
-            receipts.append({"provider": provider, "expert": expert, "tokens": len(tokens),
-                             "commitment": ans.receipt["commitment"]})
-        return "ok"
-
-    # Rows encode independently, so each token's carrier row is encoded once and batches
-    # gather their rows' bytes (a token routed to k experts is not quantized k times).
-    encoded = np.frombuffer(wire.encode_rows(x, carrier_kind), dtype=np.uint8).reshape(x.shape[0], -1)
-
-    async def run_batch(batch, tokens: list[int]) -> None:
-        payload = encoded[np.asarray(tokens, dtype=np.int64)].tobytes()
-        stats["batches"] += 1
-        targets = [(batch.provider, None)] + [(b.provider, b) for b in batch.backups]
-        for provider, info in targets:
-            if provider in excluded:
-                continue
-            outcome = await attempt(provider, info or batch, batch.expert, tokens, payload)
-            if outcome in ("ok", "late"):
-                return
-            if outcome == "fault":
-                excluded.add(provider)
-
-    while True:
-        if local_ok:  # experts the router holds itself: no wire, no receipt
-            await asyncio.gather(*(run_local(e, toks) for e, toks in sorted(rows.outstanding().items())))
-        todo = rows.outstanding()
-        if not todo:
-            break
-        view = await get_view(frozenset(excluded))
-        try:
-            plan: DispatchPlan = plan_dispatch(view, token_routings(todo, layer), allow_cold=allow_cold,
-                                               split_threshold=split_threshold)
-        except PlanningError as exc:
-            raise ForwardError("planning", str(exc)) from exc
-        jobs = [run_batch(b, b.token_indices[i:i + per_msg])
-                for b in plan.batches for i in range(0, len(b.token_indices), per_msg)]
-        await asyncio.gather(*jobs)
-        if not rows.outstanding() or replans == MAX_REPLANS:
-            break
-        if not plan.batches:
-            break  # nothing was plannable: another round cannot change that
-        replans += 1
-    t_exec = time.perf_counter()
-
-    todo = rows.outstanding()
-    missing = [{"layer": layer, "expert": int(e), "tokens": [int(t) for t in toks]} for e, toks in sorted(todo.items())]
-    use = routing
-    if missing:
-        shared_missing = routing.shared_slot is not None and routing.shared_slot in todo
-        if not allow_partial or shared_missing:
-            m = next((m for m in missing if m["expert"] == routing.shared_slot), missing[0]) if shared_missing \
-                else missing[0]
-            last = next((f["error"] for f in reversed(failures) if f["expert"] == m["expert"]), None)
-            what = "the shared expert" if shared_missing else "expert"
-            if last is None:
-                raise ForwardError("planning", f"no live holder for {what} l{layer}/e{m['expert']} (tokens "
-                                   f"{m['tokens']}); {len(missing)} expert(s) unserved",
-                                   {"missing": missing, "failures": failures})
-            raise ForwardError("execution", f"every holder of {what} l{layer}/e{m['expert']} failed (tokens "
-                               f"{m['tokens']}) after {replans} replan(s): {last}",
-                               {"missing": missing, "failures": failures})
-        try:
-            use = renormalized(routing, {e: set(t) for e, t in todo.items()})
-        except ValueError as exc:
-            raise ForwardError("execution", str(exc), {"missing": missing, "failures": failures}) from exc
-        for e, toks in todo.items():
-            rows.put(e, toks, np.zeros((len(toks), d_model), dtype=np.float32))
-    output = combine(use, {e: (rows.tokens[e], rows.rows[e]) for e in rows.tokens}, d_model)
-    t_end = time.perf_counter()
-    return ForwardResult(
-        output=output, routing=use, holders=sorted(used), batches=stats["batches"], replans=replans, missing=missing,
-        failures=failures, latencies_ms={p: v for p, v in latencies.items()}, transports=transports,
-        bytes_out=stats["out"], bytes_back=stats["back"], receipts=receipts,
-        timings_ms={"gate": round((t_gate - t0) * 1e3, 3), "execute": round((t_exec - t_gate) * 1e3, 3),
-                    "combine": round((t_end - t_exec) * 1e3, 3), "total": round((t_end - t0) * 1e3, 3)})
+    return await LayerForward(**kwargs).run()

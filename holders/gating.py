@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from holders.codec import dumps_safetensors, loads_safetensors
+from registry.jsonrpc import ParamError
 
 SOFTMAX_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 SIGMOID_FAMILIES = ("deepseek_v3", "kimi_k2", "glm4_moe")
@@ -162,12 +163,12 @@ class Gate:
     def check_top_k(self, top_k) -> int:
         """Return ``top_k`` as int if it lies in ``1..max_top_k``; raise ``ValueError`` otherwise."""
         if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, (int, np.integer)):
-            raise ValueError(f"top_k must be an integer, got {top_k!r}")
+            raise ParamError(f"top_k must be an integer, got {top_k!r}", "top_k")
         if not 1 <= top_k <= self.max_top_k:
             extra = (f" (n_group={self.n_group}, topk_group={self.topk_group})"
                      if self.max_top_k != self.num_experts else "")
-            raise ValueError(f"top_k={top_k} is out of range 1..{self.max_top_k} for a gate with "
-                             f"{self.num_experts} experts{extra}")
+            raise ParamError(f"top_k={top_k} is out of range 1..{self.max_top_k} for a gate with "
+                             f"{self.num_experts} experts{extra}", "top_k")
         return int(top_k)
 
     def to_blob(self) -> bytes:
@@ -321,15 +322,16 @@ def route(gate: Gate, hidden_states: np.ndarray, top_k: int | None = None) -> Ro
     """
     x = np.asarray(hidden_states)
     if x.ndim != 2:
-        raise ValueError(f"hidden_states must be 2-D [tokens, d_model], got shape {x.shape}")
+        raise ParamError(f"hidden_states must be 2-D [tokens, d_model], got shape {x.shape}", "hidden_states")
     if x.shape[1] != gate.d_model:
-        raise ValueError(f"hidden_states have d_model={x.shape[1]} but the gate expects d_model={gate.d_model}")
+        raise ParamError(f"hidden_states have d_model={x.shape[1]} but the gate expects d_model={gate.d_model}",
+                         "d_model")
     x = np.ascontiguousarray(x, dtype=np.float32)
     if not np.isfinite(x).all():
-        raise ValueError("hidden_states hold NaN or infinity")
+        raise ParamError("hidden_states hold NaN or infinity", "hidden_states")
     if top_k is None:
         if gate.top_k is None:
-            raise ValueError("top_k is required: the gate records no top_k")
+            raise ParamError("top_k is required: the gate records no top_k", "top_k")
         top_k = gate.top_k
     k = gate.check_top_k(top_k)
     t, e = x.shape[0], gate.num_experts
@@ -338,7 +340,8 @@ def route(gate: Gate, hidden_states: np.ndarray, top_k: int | None = None) -> Ro
         if gate.logit_bias is not None:
             logits += gate.logit_bias
     if not np.isfinite(logits).all():
-        raise ValueError("router logits overflow float32: hidden_states are too large for this gate")
+        raise ParamError("router logits overflow float32: hidden_states are too large for this gate",
+                         "hidden_states")
     with np.errstate(over="ignore", under="ignore"):
         if t == 0:
             sel, w = np.zeros((0, k), dtype=np.int64), np.zeros((0, k), dtype=np.float32)

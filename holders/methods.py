@@ -5,7 +5,7 @@
 ``tenzro_moeExpertStatus``, ``tenzro_moeRoute``, ``tenzro_moeExecute`` with request and
 response fields as the reference (§3, §4.4, §6.1–6.2). The site calls it for its own
 runtime (a router may hold experts itself) and each agent for requests the site relays
-over its socket. Every failure is a ``MethodError`` carrying a JSON-RPC code (−32602 bad
+over its socket. Every failure is a ``registry.jsonrpc.RpcError`` carrying a JSON-RPC code (−32602 bad
 params, −32004 execution error) and ``data.field``; the runtime is left unchanged and up.
 
 ``fetch(uri) -> bytes`` resolves a ``tenzro://blob/<hash>`` (site: its blob store; agent:
@@ -20,9 +20,8 @@ import numpy as np
 from holders import wire
 from holders.quant import BLOCK_BYTES, dequantize
 from holders.runtime import ExpertRuntime, RuntimeFault
+from registry.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND, RpcError
 
-INVALID_PARAMS = -32602
-EXECUTION_ERROR = -32004
 METHODS = ("tenzro_moeExpertLoad", "tenzro_moeGateLoad", "tenzro_moeExpertUnload", "tenzro_moeGateUnload",
            "tenzro_moeExpertStatus", "tenzro_moeRoute", "tenzro_moeExecute")
 MANAGEMENT = frozenset({"tenzro_moeExpertLoad", "tenzro_moeGateLoad", "tenzro_moeExpertUnload",
@@ -32,99 +31,88 @@ PURPOSES = ("serve", "dispute", "selftest")  # only "serve" is metered
 Fetch = Callable[[str], bytes]
 
 
-class MethodError(Exception):
-    """A method failed; ``code`` (JSON-RPC), ``message``, ``data`` (with ``field``)."""
-
-    def __init__(self, code: int, message: str, field: str, **data):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.data = {"field": field, **data}
-
-    def to_json(self) -> dict:
-        """The JSON-RPC ``error`` member."""
-        return {"code": self.code, "message": self.message, "data": self.data}
+def _invalid(message: str, field: str) -> RpcError:
+    return RpcError(INVALID_PARAMS, message, field=field)
 
 
 def _int(p: dict, name: str, lo: int = 0, hi: int = 1 << 31) -> int:
     v = p.get(name)
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise MethodError(INVALID_PARAMS, f"{name} must be an integer in [{lo}, {hi}]", name)
+        raise _invalid(f"{name} must be an integer in [{lo}, {hi}]", name)
     return v
 
 
 def _str(p: dict, name: str) -> str:
     v = p.get(name)
     if not isinstance(v, str) or not 0 < len(v) <= 200:
-        raise MethodError(INVALID_PARAMS, f"{name} must be a non-empty string", name)
+        raise _invalid(f"{name} must be a non-empty string", name)
     return v
 
 
 def _blob(p: dict, fetch: Fetch) -> tuple[bytes, str | None]:
     uri, b64 = p.get("uri"), p.get("blob_base64")
     if bool(uri) == bool(b64):
-        raise MethodError(INVALID_PARAMS, "give exactly one of uri or blob_base64", "uri")
+        raise _invalid("give exactly one of uri or blob_base64", "uri")
     if b64:
         try:
             return wire.b64decode(b64, "blob_base64"), None
         except wire.WireError as exc:
-            raise MethodError(INVALID_PARAMS, str(exc), "blob_base64") from exc
+            raise _invalid(str(exc), "blob_base64") from exc
     if not isinstance(uri, str):
-        raise MethodError(INVALID_PARAMS, "uri must be a tenzro://blob/<hash> string", "uri")
+        raise _invalid("uri must be a tenzro://blob/<hash> string", "uri")
     try:
         return fetch(uri), uri
     except Exception as exc:  # fetch failures of any transport: report, never crash the holder
-        raise MethodError(EXECUTION_ERROR, f"cannot fetch {uri}: {exc}", "uri") from exc
+        raise RpcError(EXECUTION_ERROR, f"cannot fetch {uri}: {exc}", field="uri") from exc
 
 
 def decode_rows(p: dict, n_tokens: int, d_model: int) -> np.ndarray:
     """Rows f32 ``[n, d_model]`` of an execute/route request from ``hidden_states`` (base64 f32
     LE) or ``hidden_q8`` (base64 Q8_0 blocks, exactly ``n·d_model/32`` of them).
 
-    Raises ``MethodError`` (−32602) naming the field for bad base64, a length that does not
+    Raises ``RpcError`` (−32602) naming the field for bad base64, a length that does not
     match ``n_tokens × d_model``, or non-finite values.
     """
     f32, q8 = p.get("hidden_states"), p.get("hidden_q8")
     if bool(f32) == bool(q8):
-        raise MethodError(INVALID_PARAMS, "give exactly one of hidden_states or hidden_q8", "hidden_states")
+        raise _invalid("give exactly one of hidden_states or hidden_q8", "hidden_states")
     try:
         if f32:
             return wire.decode_f32(wire.b64decode(f32, "hidden_states"), d_model, n_rows=n_tokens)
         data = wire.b64decode(q8, "hidden_q8")
     except wire.WireError as exc:
-        field = "token_indices" if "token indices" in str(exc) else "hidden_states"
-        raise MethodError(INVALID_PARAMS, str(exc), field) from exc
+        raise RpcError.invalid_params(exc, "hidden_states") from exc
     if d_model % 32:
-        raise MethodError(INVALID_PARAMS, f"hidden_q8 needs d_model divisible by 32, got {d_model}", "d_model")
+        raise _invalid(f"hidden_q8 needs d_model divisible by 32, got {d_model}", "d_model")
     want = n_tokens * d_model // 32 * BLOCK_BYTES["q8_0"]
     if len(data) != want:
-        raise MethodError(INVALID_PARAMS, f"hidden_q8 holds {len(data)} bytes; {n_tokens} rows of d_model "
+        raise _invalid(f"hidden_q8 holds {len(data)} bytes; {n_tokens} rows of d_model "
                           f"{d_model} need exactly {want}", "hidden_q8")
     rows = dequantize(np.frombuffer(data, dtype=np.uint8), "q8_0", (n_tokens, d_model))
     if not np.isfinite(rows).all():
-        raise MethodError(INVALID_PARAMS, "hidden_q8 decodes to non-finite values", "hidden_q8")
+        raise _invalid("hidden_q8 decodes to non-finite values", "hidden_q8")
     return rows
 
 
 def _token_indices(p: dict) -> list[int]:
     t = p.get("token_indices")
     if not isinstance(t, list) or not t or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in t):
-        raise MethodError(INVALID_PARAMS, "token_indices must be a non-empty list of non-negative integers",
+        raise _invalid("token_indices must be a non-empty list of non-negative integers",
                           "token_indices")
     return t
 
 
-def _fault(exc: RuntimeFault) -> MethodError:
-    return MethodError(EXECUTION_ERROR, str(exc), exc.field, kind=type(exc).__name__)
+def _fault(exc: RuntimeFault) -> RpcError:
+    return RpcError(EXECUTION_ERROR, str(exc), {"kind": type(exc).__name__}, field=exc.field)
 
 
 def call(rt: ExpertRuntime, method: str, p: dict, fetch: Fetch) -> dict:
     """Run ``method`` with params ``p`` on ``rt``; returns the JSON-able result.
 
-    Raises ``MethodError`` for an unknown method, bad params, or a runtime fault.
+    Raises ``RpcError`` for an unknown method, bad params, or a runtime fault.
     """
     if not isinstance(p, dict):
-        raise MethodError(INVALID_PARAMS, "params must be an object", "params")
+        raise _invalid("params must be an object", "params")
     try:
         if method == "tenzro_moeExpertStatus":
             return rt.status()
@@ -148,30 +136,30 @@ def call(rt: ExpertRuntime, method: str, p: dict, fetch: Fetch) -> dict:
             return _execute(rt, p)
     except RuntimeFault as exc:
         raise _fault(exc) from exc
-    raise MethodError(-32601, f"method {method!r} not found", "method")
+    raise RpcError(METHOD_NOT_FOUND, f"method {method!r} not found", field="method")
 
 
 def _route(rt: ExpertRuntime, p: dict) -> dict:
     model_id, layer, d_model = _str(p, "model_id"), _int(p, "layer"), _int(p, "d_model", 1, 1 << 20)
     top_k = p.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise MethodError(INVALID_PARAMS, "top_k must be a positive integer", "top_k")
+        raise _invalid("top_k must be a positive integer", "top_k")
     gate = rt.gate(model_id, layer)
     if d_model != gate.d_model:
-        raise MethodError(INVALID_PARAMS, f"d_model is {d_model} but the gate of layer {layer} has d_model "
+        raise _invalid(f"d_model is {d_model} but the gate of layer {layer} has d_model "
                           f"{gate.d_model}", "d_model")
     try:
         x = wire.decode_f32(wire.b64decode(p.get("hidden_states"), "hidden_states"), d_model)
     except wire.WireError as exc:
-        raise MethodError(INVALID_PARAMS, str(exc), "hidden_states") from exc
+        raise _invalid(str(exc), "hidden_states") from exc
     if x.shape[0] == 0:
-        raise MethodError(INVALID_PARAMS, "hidden_states holds no rows", "hidden_states")
+        raise _invalid("hidden_states holds no rows", "hidden_states")
     try:
         r = rt.route(model_id, layer, x, top_k)
     except RuntimeFault:
         raise
     except ValueError as exc:  # top_k outside the gate's range
-        raise MethodError(INVALID_PARAMS, str(exc), "top_k") from exc
+        raise RpcError.invalid_params(exc, "top_k") from exc
     # Readahead: the experts this routing selected that sit in this holder's disk tier.
     promoted = rt.readahead(model_id, ((layer, int(e)) for e in np.unique(r.expert_ids)))
     return {"model_id": model_id, "layer": layer, "top_k": r.top_k, "tokens": int(x.shape[0]),
@@ -187,10 +175,10 @@ def _execute(rt: ExpertRuntime, p: dict) -> dict:
     tokens = _token_indices(p)
     purpose = p.get("purpose", "serve")
     if purpose not in PURPOSES:
-        raise MethodError(INVALID_PARAMS, f"purpose must be one of {', '.join(PURPOSES)}", "purpose")
+        raise _invalid(f"purpose must be one of {', '.join(PURPOSES)}", "purpose")
     if not rt.has(model_id, layer, expert):
-        raise MethodError(EXECUTION_ERROR, f"expert {model_id} l{layer}/e{expert} is not loaded on this holder",
-                          "expert", kind="ExpertNotLoaded")
+        raise RpcError(EXECUTION_ERROR, f"expert {model_id} l{layer}/e{expert} is not loaded on this holder",
+                       {"kind": "ExpertNotLoaded"}, field="expert")
     rows = decode_rows(p, len(tokens), d_model)
     out = rt.execute(model_id, layer, expert, rows, len(tokens), d_model=d_model, metered=purpose == "serve")
     return {"model_id": model_id, "layer": layer, "expert": expert, "token_indices": tokens, "d_model": d_model,

@@ -26,6 +26,7 @@ from holders.transports.http import HttpHolderClient, answer_to_batch
 from holders.transports.ws import AgentLink, AgentUnavailable
 from holders.blobs import BlobStore
 from registry.content import parse_blob_uri
+from registry.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, ParamError, RpcError
 from registry.models import GateBlob
 from registry.models import MoeModel, Provider
 from registry.selectors import expected_experts, provider_infos
@@ -164,7 +165,7 @@ async def forward(model_id: str, layer: int, d_model: int, hidden_states: np.nda
     """
     gate = await database_sync_to_async(load_gate)(model_id, layer)
     if d_model != gate.d_model:
-        raise ValueError(f"d_model is {d_model} but the gate of layer {layer} has d_model {gate.d_model}")
+        raise ParamError(f"d_model is {d_model} but the gate of layer {layer} has d_model {gate.d_model}", "d_model")
     async def get_view(excluded):
         return await database_sync_to_async(live_view)(model_id, excluded)
 
@@ -295,43 +296,40 @@ async def call_method(method: str, params: dict, provider: str | None = None) ->
     agent over its socket and answered from the agent's runtime (``blob_base64`` loads are
     first stored in the site's blob store so the agent fetches them by URI; execute rows
     travel as binary frames split below the socket's message cap).
-    Raises ``methods.MethodError`` (code, message, data.field).
+    Raises ``RpcError`` (code, message, data.field).
     """
     if provider is None:
         return await asyncio.to_thread(methods.call, site_runtime(), method, params, site_fetch)
     if not await database_sync_to_async(_connected)(provider):
-        raise methods.MethodError(methods.EXECUTION_ERROR, f"provider {provider[:12]}… has no agent connected",
-                                  "provider")
+        raise RpcError(EXECUTION_ERROR, f"provider {provider[:12]}… has no agent connected", field="provider")
     if method == "tenzro_moeExecute":
         return await _relay_execute(provider, params)
     if method in ("tenzro_moeExpertLoad", "tenzro_moeGateLoad") and params.get("blob_base64"):
         if params.get("uri"):
-            raise methods.MethodError(methods.INVALID_PARAMS, "give exactly one of uri or blob_base64", "uri")
+            raise RpcError(INVALID_PARAMS, "give exactly one of uri or blob_base64", field="uri")
         try:
             data = wire.b64decode(params["blob_base64"], "blob_base64")
         except wire.WireError as exc:
-            raise methods.MethodError(methods.INVALID_PARAMS, str(exc), "blob_base64") from exc
+            raise RpcError(INVALID_PARAMS, str(exc), field="blob_base64") from exc
         h = await asyncio.to_thread(BlobStore(settings.TENZRO["BLOB_DIR"]).put, data)
         params = {**{k: v for k, v in params.items() if k != "blob_base64"}, "uri": f"tenzro://blob/{h}"}
     body = json.dumps(params).encode()
     if len(body) > settings.TENZRO["WS_MAX_MESSAGE"] - wire.FRAME_HEADER_MAX:
-        raise methods.MethodError(methods.INVALID_PARAMS, f"params of {len(body)} bytes are too large to relay "
-                                  "to an agent; send fewer rows per call", "hidden_states")
+        raise RpcError(INVALID_PARAMS, f"params of {len(body)} bytes are too large to relay to an agent; send "
+                       "fewer rows per call", field="hidden_states")
     timeout = 120.0 if method in methods.MANAGEMENT else settings.TENZRO["BATCH_TIMEOUT_S"]
     link = await AgentLink.get()
     try:
         _answer, payload = await link.request(provider, {"type": "rpc", "method": method}, body, timeout)
         reply = json.loads(payload)
     except AgentUnavailable as exc:
-        raise methods.MethodError(methods.EXECUTION_ERROR, str(exc), "provider") from exc
+        raise RpcError(EXECUTION_ERROR, str(exc), field="provider") from exc
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise methods.MethodError(methods.EXECUTION_ERROR, f"agent answered malformed JSON: {exc}", "provider") from exc
+        raise RpcError(EXECUTION_ERROR, f"agent answered malformed JSON: {exc}", field="provider") from exc
     if "error" in reply:
-        err = reply["error"]
-        data = err.get("data") or {}
-        raise methods.MethodError(int(err.get("code", methods.EXECUTION_ERROR)), str(err.get("message")),
-                                  str(data.get("field", "provider")),
-                                  **{k: v for k, v in data.items() if k != "field"})
+        err = RpcError.from_json(reply["error"])
+        err.data.setdefault("field", "provider")
+        raise err
     return reply["result"]
 
 
@@ -343,10 +341,9 @@ async def _relay_execute(provider: str, p: dict) -> dict:
                                   p.get("purpose", "serve"))
     except AgentUnavailable as exc:
         field = {"ExpertNotLoaded": "expert", "DimensionMismatch": "d_model"}.get(str(exc.code), "provider")
-        raise methods.MethodError(methods.EXECUTION_ERROR, str(exc), field, kind=exc.code) from exc
+        raise RpcError(EXECUTION_ERROR, str(exc), {"kind": exc.code}, field=field) from exc
     except wire.WireError as exc:
-        raise methods.MethodError(methods.EXECUTION_ERROR, f"agent answered malformed rows: {exc}",
-                                  "provider") from exc
+        raise RpcError(EXECUTION_ERROR, f"agent answered malformed rows: {exc}", field="provider") from exc
     return {"model_id": p["model_id"], "layer": p["layer"], "expert": p["expert"], "token_indices": tokens,
             "d_model": p["d_model"], "outputs": wire.b64encode(wire.encode_f32(out))}
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from holders import quant
 from holders.codec import encode_bf16
+from registry.jsonrpc import ParamError
 
 FRAME_HEADER_MAX = 64 * 1024
 CARRIERS = ("f32", "q8_0")
@@ -26,8 +27,9 @@ OUTPUTS = ("f32", "bf16", "q8_0")
 BYTES_PER_VALUE = {"f32": 4.0, "bf16": 2.0, "q8_0": 34 / 32}
 
 
-class WireError(ValueError):
-    """A frame or carrier is malformed (bad length, bad base64, wrong shape, non-finite)."""
+class WireError(ParamError):
+    """A frame or carrier is malformed (bad length, bad base64, wrong shape, non-finite);
+    ``field`` names the parameter at fault when the caller gave one."""
 
 
 def pack_frame(header: dict, payload: bytes = b"") -> bytes:
@@ -72,25 +74,25 @@ def decode_f32(data: bytes, d_model: int, n_rows: int | None = None, field: str 
     ``4 * d_model``, the row count differs from ``n_rows``, or a value is not finite.
     """
     if d_model <= 0:
-        raise WireError(f"d_model must be positive, got {d_model}")
+        raise WireError(f"d_model must be positive, got {d_model}", "d_model")
     if len(data) % (4 * d_model):
-        raise WireError(f"{field}: {len(data)} bytes is not a whole number of f32 rows of d_model={d_model}")
+        raise WireError(f"{field}: {len(data)} bytes is not a whole number of f32 rows of d_model={d_model}", field)
     arr = np.frombuffer(data, dtype="<f4").reshape(-1, d_model).astype(np.float32, copy=False)
     if n_rows is not None and arr.shape[0] != n_rows:
-        raise WireError(f"{field}: {arr.shape[0]} rows but {n_rows} token indices")
+        raise WireError(f"{field}: {arr.shape[0]} rows but {n_rows} token indices", "token_indices")
     if not np.isfinite(arr).all():
-        raise WireError(f"{field} holds non-finite values (NaN or Inf)")
+        raise WireError(f"{field} holds non-finite values (NaN or Inf)", field)
     return arr
 
 
 def b64decode(text: str, field: str) -> bytes:
     """Strict standard base64 decode; raises ``WireError`` naming ``field``."""
     if not isinstance(text, str):
-        raise WireError(f"{field} must be a base64 string")
+        raise WireError(f"{field} must be a base64 string", field)
     try:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise WireError(f"{field} is not valid base64: {exc}") from exc
+        raise WireError(f"{field} is not valid base64: {exc}", field) from exc
 
 
 def b64encode(data: bytes) -> str:
@@ -106,7 +108,7 @@ def rows_per_frame(d_model: int, max_message: int, bytes_per_value: float = 4) -
     budget = max_message - FRAME_HEADER_MAX - 1024
     n = int(budget // (d_model * bytes_per_value + 64))  # + per-row receipt sketch
     if n < 1:
-        raise WireError(f"one row of d_model={d_model} does not fit a {max_message}-byte message")
+        raise WireError(f"one row of d_model={d_model} does not fit a {max_message}-byte message", "d_model")
     return int(n)
 
 
@@ -123,9 +125,9 @@ def choose_carrier(requested: str, d_model: int) -> tuple[str, str]:
         return "f32", "f32"
     if requested == "q8_0":
         if d_model % 32:
-            raise WireError(f"carrier q8_0 needs d_model divisible by 32, got {d_model}")
+            raise WireError(f"carrier q8_0 needs d_model divisible by 32, got {d_model}", "carrier")
         return "q8_0", "q8_0"
-    raise WireError(f"carrier must be one of auto, f32, q8_0; got {requested!r}")
+    raise WireError(f"carrier must be one of auto, f32, q8_0; got {requested!r}", "carrier")
 
 
 def encode_rows(rows: np.ndarray, kind: str) -> bytes:
@@ -174,7 +176,7 @@ def decode_rows(data: bytes, kind: str, d_model: int, n_rows: int, field: str = 
     else:
         raise WireError(f"{field}: unknown row encoding {kind!r}")
     if not np.isfinite(arr).all():
-        raise WireError(f"{field} holds non-finite values (NaN or Inf)")
+        raise WireError(f"{field} holds non-finite values (NaN or Inf)", field)
     return arr
 
 

@@ -22,6 +22,18 @@ AUTH_REFUSED = -32001
 EXECUTION_ERROR = -32004
 
 
+class ParamError(ValueError):
+    """Bad input that names the parameter at fault (``field``, or None when no single one is).
+
+    A ``ValueError``, so numeric code raises it where it raised ``ValueError``; the RPC
+    bindings answer it as -32602 with ``data.field`` instead of guessing from the message.
+    """
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
 class RpcError(Exception):
     """An error answered as a JSON-RPC error object.
 
@@ -45,6 +57,11 @@ class RpcError(Exception):
     def to_json(self) -> dict:
         """The JSON-RPC ``error`` member: ``{code, message, data}``."""
         return {"code": self.code, "message": self.message, "data": self.data}
+
+    @classmethod
+    def invalid_params(cls, exc: ValueError, default_field: str) -> RpcError:
+        """-32602 for ``exc``, naming its ``field`` (a ``ParamError``'s) or ``default_field``."""
+        return cls(INVALID_PARAMS, str(exc), field=getattr(exc, "field", None) or default_field)
 
     @classmethod
     def from_json(cls, error: Any) -> RpcError:

@@ -18,6 +18,7 @@ from holders.quant import QuantizedMatrix
 from holders.runtime import (BadBlob, DimensionMismatch, ExpertNotLoaded, ExpertRuntime, GateNotLoaded,
                              NonFiniteInput, default_memory_budget)
 from holders.blobs import blob_hash
+from registry.jsonrpc import RpcError
 
 H, F = 64, 32
 
@@ -347,7 +348,7 @@ def test_execute_method_errors_name_the_field(tmp_path, params, code, field):
         if "hidden_q8" in p:
             del p["hidden_states"]
     before = rt.status()
-    with pytest.raises(methods.MethodError) as e:
+    with pytest.raises(RpcError) as e:
         methods.call(rt, "tenzro_moeExecute", p, None)
     assert (e.value.code, e.value.data["field"]) == (code, field), e.value.message
     assert rt.status() == before
@@ -358,23 +359,23 @@ def test_non_finite_rows_and_load_errors_via_methods(tmp_path):
     rt.load_expert("m", 0, 0, expert(0).to_blob())
     x = rows(1)
     x[0, 0] = np.inf
-    with pytest.raises(methods.MethodError, match="non-finite") as e:
+    with pytest.raises(RpcError, match="non-finite") as e:
         methods.call(rt, "tenzro_moeExecute", {"model_id": "m", "layer": 0, "expert": 0, "d_model": H,
                                                "token_indices": [0], "hidden_states": b64(x)}, None)
     assert e.value.data["field"] == "hidden_states"
     blob = expert(1).to_blob()
     wrong = f"tenzro://blob/{blob_hash(b'other')}"
-    with pytest.raises(methods.MethodError, match="hash mismatch"):
+    with pytest.raises(RpcError, match="hash mismatch"):
         methods.call(rt, "tenzro_moeExpertLoad", {"model_id": "m", "layer": 0, "expert": 1, "uri": wrong},
                      fetch_from({wrong: blob}))
-    with pytest.raises(methods.MethodError, match="corrupt") as e:
+    with pytest.raises(RpcError, match="corrupt") as e:
         methods.call(rt, "tenzro_moeExpertLoad", {"model_id": "m", "layer": 0, "expert": 1,
                                                   "blob_base64": base64.b64encode(b"not safetensors").decode()}, None)
     assert e.value.code == -32004
-    with pytest.raises(methods.MethodError, match="cannot fetch"):
+    with pytest.raises(RpcError, match="cannot fetch"):
         methods.call(rt, "tenzro_moeExpertLoad", {"model_id": "m", "layer": 0, "expert": 1, "uri": wrong},
                      fetch_from({}))
-    with pytest.raises(methods.MethodError, match="no gate") as e:
+    with pytest.raises(RpcError, match="no gate") as e:
         methods.call(rt, "tenzro_moeRoute", {"model_id": "m", "layer": 0, "d_model": H, "hidden_states": b64(rows(1))},
                      None)
     assert e.value.code == -32004

@@ -26,13 +26,14 @@ import httpx
 
 from holders import wire
 from holders.forward import AuthRefusal, BatchAnswer, BatchRequest, HolderFault
+from registry.jsonrpc import (AUTH_REFUSED, INVALID_PARAMS, INVALID_REQUEST, PARSE_ERROR, RpcError, error_response,
+                              result_response)
 
 log = logging.getLogger(__name__)
 
 MAX_BODY = 256 * 1024 * 1024
-AUTH_REFUSED = -32001
 
-# handler(method, params) -> result dict; raises RpcFailure for an error envelope.
+# handler(method, params) -> result dict; raises RpcError for an error envelope.
 Handler = Callable[[str, dict], Awaitable[dict]]
 # frame_handler(header, payload) -> (answer header, payload): the binary path POST /frame.
 FrameHandler = Callable[[dict, bytes], Awaitable[tuple[dict, bytes]]]
@@ -47,14 +48,6 @@ async def read_headers(reader: asyncio.StreamReader) -> dict[str, str]:
             return headers
         k, _, v = line.decode("latin-1").partition(":")
         headers[k.strip().lower()] = v.strip()
-
-
-class RpcFailure(Exception):
-    """A JSON-RPC error to send back: ``code``, ``message``, ``data``."""
-
-    def __init__(self, code: int, message: str, data: dict | None = None):
-        super().__init__(message)
-        self.code, self.message, self.data = code, message, data or {}
 
 
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 411: "Length Required",
@@ -75,29 +68,26 @@ async def _rpc(handler: Handler, body: bytes) -> dict:
     try:
         msg = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return {"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": f"parse error: {exc}",
-                                                        "data": {"field": "body"}}}
+        return error_response(None, RpcError(PARSE_ERROR, f"parse error: {exc}", field="body"))
     if not isinstance(msg, dict) or not isinstance(msg.get("method"), str):
-        return {"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "expected a JSON-RPC 2.0 request",
-                                                        "data": {"field": "method"}}}
+        return error_response(None, RpcError(INVALID_REQUEST, "expected a JSON-RPC 2.0 request", field="method"))
     rid, params = msg.get("id"), msg.get("params") or {}
     if not isinstance(params, dict):
-        return {"jsonrpc": "2.0", "id": rid, "error": {"code": -32602, "message": "params must be an object",
-                                                       "data": {"field": "params"}}}
+        return error_response(rid, RpcError(INVALID_PARAMS, "params must be an object", field="params"))
     try:
-        return {"jsonrpc": "2.0", "id": rid, "result": await handler(msg["method"], params)}
-    except RpcFailure as exc:
-        return {"jsonrpc": "2.0", "id": rid, "error": {"code": exc.code, "message": exc.message, "data": exc.data}}
+        return result_response(rid, await handler(msg["method"], params))
+    except RpcError as exc:
+        return error_response(rid, exc)
 
 
 async def _frame(frame_handler: FrameHandler, body: bytes) -> bytes:
     try:
         header, payload = wire.unpack_frame(body)
     except wire.WireError as exc:
-        return wire.pack_frame({"ok": False, "code": -32700, "message": str(exc)})
+        return wire.pack_frame({"ok": False, "code": PARSE_ERROR, "message": str(exc)})
     try:
         answer, out = await frame_handler(header, payload)
-    except RpcFailure as exc:
+    except RpcError as exc:
         return wire.pack_frame({"id": header.get("id"), "ok": False, "code": exc.code, "message": exc.message})
     return wire.pack_frame({"id": header.get("id"), "ok": True, **answer}, out)
 
