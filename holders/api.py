@@ -230,6 +230,8 @@ class GenerateParams(serializers.Serializer):
     stop = serializers.ListField(child=serializers.IntegerField(min_value=0), required=False, default=list)
     carrier = serializers.ChoiceField(["auto", "f32", "q8_0"], required=False, default="auto")
     return_logits = serializers.BooleanField(required=False, default=False)
+    fallback = serializers.BooleanField(required=False, default=True,
+                                        help_text="the site runs batches every remote holder failed")
 
     def validate(self, attrs):
         """Require exactly one prompt source."""
@@ -275,4 +277,5 @@ async def moe_generate(p: dict) -> dict:
 
     sampling = sampling_from(p)
     prompt = p.get("input_ids", p.get("prompt"))
-    return await generate_errors(generate(p["model_id"], prompt, sampling, p["carrier"], p["return_logits"]))
+    return await generate_errors(generate(p["model_id"], prompt, sampling, p["carrier"], p["return_logits"],
+                                                fallback=p["fallback"]))

@@ -107,9 +107,10 @@ class LayerStats:
 
 
 def distributed_mlp(served: ServedModel, loop: asyncio.AbstractEventLoop, carrier: str, stats: LayerStats,
-                    gen_id: str):
+                    gen_id: str, fallback: bool = True):
     """The backbone's ``mlp(layer, x)`` callback for a worker thread: MoE layers by
-    ``services.forward``, dense layers by ``services.dense_forward``, run on ``loop``.
+    ``services.forward``, dense layers by ``services.dense_forward``, run on ``loop``;
+    with ``fallback`` the site's replica serves batches every remote holder failed.
 
     Raises ``BackboneError`` for a layer that is neither, and whatever the forward raises
     (``ForwardError``, ``GateNotLoaded``)."""
@@ -117,9 +118,10 @@ def distributed_mlp(served: ServedModel, loop: asyncio.AbstractEventLoop, carrie
 
     def mlp(layer: int, x: np.ndarray) -> np.ndarray:
         if layer in served.moe_layers:
-            coro = services.forward(served.model_id, layer, x.shape[1], x, carrier=carrier)
+            coro = services.forward(served.model_id, layer, x.shape[1], x, carrier=carrier, fallback=fallback)
         elif layer in served.dense_layers:
-            coro = services.dense_forward(served.model_id, layer, x.shape[1], x, carrier=carrier)
+            coro = services.dense_forward(served.model_id, layer, x.shape[1], x, carrier=carrier,
+                                                 fallback=fallback)
         else:
             raise BackboneError(f"layer {layer} of {served.model_id!r} has neither published experts nor dense "
                                 f"slices")
@@ -155,11 +157,13 @@ def decode_text(served: ServedModel, ids: list[int]) -> str | None:
 
 
 async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "auto", return_logits: bool = False,
-                   on_tokens=None) -> dict:
+                   on_tokens=None, fallback: bool = True) -> dict:
     """``tenzro_moeGenerate``: prefill and decode ``prompt`` (see ``encode_prompts``) on the
     published backbone with distributed MLP layers.
 
     ``on_tokens(list[Sequence])`` is called from the worker thread as tokens are chosen.
+    ``fallback`` (default on): the site's fallback replica (``holders.fallback``) runs
+    batches that every remote holder failed.
     Returns ``{model_id, output_ids ([ids] for one prompt, [[ids], …] for several), text?,
     finish_reasons, prompt_logits? (base64 f32 [T, vocab]; one prompt only), forward_ids
     (one per distributed layer forward: generation/step/layer), layers (batches, receipts,
@@ -174,7 +178,7 @@ async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "au
     stats = LayerStats()
     gen_id = uuid.uuid4().hex[:12]
     loop = asyncio.get_running_loop()
-    gen = Generator(served.backbone, distributed_mlp(served, loop, carrier, stats, gen_id), sampling)
+    gen = Generator(served.backbone, distributed_mlp(served, loop, carrier, stats, gen_id, fallback), sampling)
     seqs: list[Sequence] = await asyncio.to_thread(gen.run, prompts, return_logits, on_tokens)
     total = (time.perf_counter() - t0) * 1e3
     new = sum(len(s.output) for s in seqs)

@@ -122,3 +122,18 @@ def test_openai_chat_streams_text(cluster):
 def test_openai_errors(cluster, path, body, status, param):
     r = httpx.post(cluster["url"] + path, json=body, timeout=60)
     assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+
+
+def test_fallback_replica_serves_when_every_holder_is_gone(cluster):
+    """Runs last: SIGKILL every agent; the site's fallback replica serves every batch."""
+    import os
+    import signal
+
+    for a in cluster["agents"]:
+        os.kill(a["pid"], signal.SIGKILL)
+    params = {"model_id": "qwen3-moe-tiny", "input_ids": PROMPT, "max_new_tokens": 8, "carrier": "f32"}
+    r = rpc(cluster["rpc"], "tenzro_moeGenerate", params)["result"]
+    assert r["output_ids"] == GREEDY
+    assert r["layers"]["transports"].get("fallback", 0) > 0 and r["layers"]["holders"] == []
+    err = rpc(cluster["rpc"], "tenzro_moeGenerate", {**params, "fallback": False})["error"]
+    assert err["code"] in (-32000, -32004)
