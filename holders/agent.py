@@ -27,18 +27,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-import httpx
 from nacl.signing import SigningKey
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from holders import compute, methods, wire
+from holders import compute, messages, methods, wire
 from registry.identity import DOMAIN_HEARTBEAT, DOMAIN_HELLO, provider_id, sign, sign_body
 from holders.receipts import make_receipt
 from holders.runtime import ExpertNotLoaded, ExpertRuntime, RuntimeFault
 from holders.transports.http import serve_http
-from holders.blobs import BlobStore, verify_blob
-from registry.content import BlobError, parse_blob_uri
+from holders.blobs import MAX_BLOB_BYTES, BlobStore, fetch_blob
+from registry.content import BlobError
 from registry.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND, RpcError
 
 log = logging.getLogger("tenzro.agent")
@@ -148,8 +147,7 @@ class HolderAgent:
         if challenge.get("type") != "challenge":
             raise ConnectionError(f"expected a challenge, got {challenge.get('type')!r}")
         nonce = bytes.fromhex(challenge["nonce"])
-        await ws.send(json.dumps({"type": "hello", "provider": self.provider,
-                                  "signature": sign(self.key, DOMAIN_HELLO, nonce)}))
+        await ws.send(json.dumps(messages.hello(self.provider, sign(self.key, DOMAIN_HELLO, nonce))))
         welcome = json.loads(await ws.recv())
         if welcome.get("type") != "welcome":
             raise ConnectionError(f"site refused hello: {welcome.get('message', welcome)}")
@@ -183,7 +181,7 @@ class HolderAgent:
                 "name": self.name, "roles": list(self.roles), "http_endpoint": self.http_endpoint,
                 "iroh_endpoint_id": "",
                 "moe_gpu": bool(self.backend.gpu), "holdings": self.runtime.holdings()}
-        return {"type": "heartbeat", "body": body, "signature": sign_body(self.key, DOMAIN_HEARTBEAT, body)}
+        return messages.heartbeat(body, sign_body(self.key, DOMAIN_HEARTBEAT, body))
 
     async def send_heartbeat(self) -> None:
         """Send one signed heartbeat now."""
@@ -223,22 +221,21 @@ class HolderAgent:
             if kind == "execute":
                 answer, out = await self.execute_request({**header, "request_id": req_id},
                                                          header.get("carrier", "f32"), payload)
-                await self._reply({"id": req_id, "ok": True, **answer}, out)
+                await self._reply(messages.reply(req_id, **answer), out)
             elif kind == "load":
                 await self._load(header)
-                await self._reply({"id": req_id, "ok": True})
+                await self._reply(messages.reply(req_id))
             elif kind == "rpc":
                 body = json.dumps(await self._rpc(header, payload)).encode()
                 if len(body) > self.max_message - wire.FRAME_HEADER_MAX:  # the site would drop the socket
                     body = json.dumps({"error": RpcError(
                         EXECUTION_ERROR, f"the result is {len(body)} bytes, over the socket's {self.max_message}"
                         "-byte frame cap", field="params").to_json()}).encode()
-                await self._reply({"id": req_id, "ok": True}, body)
+                await self._reply(messages.reply(req_id), body)
             else:
-                await self._reply({"id": req_id, "ok": False, "code": "bad_request",
-                                   "message": f"unknown request type {kind!r}"})
-        except (RuntimeFault, wire.WireError, BlobError, ValueError, KeyError, TypeError, httpx.HTTPError) as exc:
-            await self._reply({"id": req_id, "ok": False, "code": type(exc).__name__, "message": str(exc)})
+                await self._reply(messages.failure(req_id, "bad_request", f"unknown request type {kind!r}"))
+        except (RuntimeFault, wire.WireError, BlobError, ValueError, KeyError, TypeError) as exc:
+            await self._reply(messages.failure(req_id, type(exc).__name__, str(exc)))
         except ConnectionClosed:
             pass
 
@@ -258,19 +255,12 @@ class HolderAgent:
         return {"result": result}
 
     def fetch(self, uri: str) -> bytes:
-        """Blob bytes for ``tenzro://blob/<hash>``: the local store, else the site's ``/blobs/`` (hash checked).
+        """Blob bytes for ``tenzro://blob/<hash>``: the local store, else the site's ``/blobs/``
+        (``holders.blobs.fetch_blob``: hash checked, at most ``MAX_BLOB_BYTES``).
 
-        Raises ``BlobError`` (bad URI, hash mismatch) or ``httpx.HTTPError``.
+        Raises ``BlobError`` (bad URI, hash mismatch, not served, too large).
         """
-        h = parse_blob_uri(uri)
-        if self.store.has(h):
-            return self.store.get(h, verify=True)
-        resp = httpx.get(f"{self.site}/blobs/{h}", timeout=60)
-        resp.raise_for_status()
-        data = resp.content
-        verify_blob(data, h)
-        self.store.put_verified(data, h)
-        return data
+        return fetch_blob(uri, self.store, [self.site], max_bytes=MAX_BLOB_BYTES)
 
     def _blob_identity(self, model_id: str, layer: int, expert: int) -> tuple[str, str]:
         """(blob hash, quant kind) of a held expert, for its receipts."""

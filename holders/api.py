@@ -53,7 +53,7 @@ class ForwardParams(serializers.Serializer):
 def _hidden_rows(p: dict):
     """Decode ``hidden_states`` (base64 f32) into ``[T, d_model]``; raises ``RpcError(-32602)``."""
     try:
-        x = wire.decode_f32(wire.b64decode(p["hidden_states"], "hidden_states"), p["d_model"])
+        x = wire.rows_from_b64(p["hidden_states"], p["d_model"])
     except wire.WireError as exc:
         raise RpcError(INVALID_PARAMS, str(exc), field="hidden_states") from exc
     if x.shape[0] == 0:

@@ -82,6 +82,11 @@ class BlobStore:
         return data
 
 
+# Largest blob a holder downloads (bytes): well above any expert or dense slice of today's
+# checkpoints, and a bound on what a misbehaving server can make an agent buffer.
+MAX_BLOB_BYTES = 4 << 30
+
+
 def fetch_blob(uri: str, store: BlobStore, endpoints: list[str], client=None, timeout: float = 60.0,
                max_bytes: int | None = None) -> bytes:
     """Resolve ``tenzro://blob/<hash>``: the local ``store`` first, then each HTTP endpoint in

@@ -18,7 +18,7 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
-from holders import wire
+from holders import messages, wire
 from registry.identity import DOMAIN_HELLO, SignatureError, verify
 from holders.transports.ws import agent_group
 from registry import services as registry_services
@@ -39,7 +39,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         self.nonce = secrets.token_bytes(32)
         self.pending: dict[str, str] = {}  # request id → reply channel
         await self.accept()
-        await self.send(text_data=json.dumps({"type": "challenge", "nonce": self.nonce.hex()}))
+        await self.send(text_data=json.dumps(messages.challenge(self.nonce)))
         self._hello_timer = asyncio.get_running_loop().create_task(self._hello_timeout())
 
     async def _hello_timeout(self):
@@ -57,7 +57,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         for req_id, reply_to in list(self.pending.items()):
             await self.channel_layer.send(reply_to, {
                 "type": "agent.reply", "id": req_id,
-                "header": {"id": req_id, "ok": False, "code": "disconnected", "message": "agent disconnected"},
+                "header": messages.failure(req_id, "disconnected", "agent disconnected"),
                 "payload": b""})
         self.pending.clear()
 
@@ -106,16 +106,15 @@ class AgentConsumer(AsyncWebsocketConsumer):
             verify(msg.get("provider"), DOMAIN_HELLO, self.nonce, msg.get("signature"))
         except SignatureError as exc:
             log.info("agent hello refused: %s", exc)
-            await self.send(text_data=json.dumps({"type": "error", "code": CLOSE_AUTH, "message": str(exc)}))
+            await self.send(text_data=json.dumps(messages.socket_error(str(exc), code=CLOSE_AUTH)))
             await self.close(code=CLOSE_AUTH)
             return
         self.provider = msg["provider"]
         self._hello_timer.cancel()
         await self.channel_layer.group_add(agent_group(self.provider), self.channel_name)
         await database_sync_to_async(registry_services.agent_connected)(self.provider, self.channel_name)
-        await self.send(text_data=json.dumps({"type": "welcome", "provider": self.provider,
-                                              "max_message": settings.TENZRO["WS_MAX_MESSAGE"],
-                                              "heartbeat_interval_s": settings.TENZRO["HEARTBEAT_INTERVAL_S"]}))
+        await self.send(text_data=json.dumps(messages.welcome(self.provider, settings.TENZRO["WS_MAX_MESSAGE"],
+                                                              settings.TENZRO["HEARTBEAT_INTERVAL_S"])))
 
     async def _heartbeat(self, msg):
         try:
@@ -123,7 +122,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         except (HeartbeatError, SignatureError) as exc:
             await self._send_error(str(exc), field=getattr(exc, "field", "signature"), ref="heartbeat")
             return
-        await self.send(text_data=json.dumps({"type": "heartbeat_ack"}))
+        await self.send(text_data=json.dumps(messages.HEARTBEAT_ACK))
 
     async def _answer(self, data: bytes):
         try:
@@ -139,7 +138,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
                                                  "header": header, "payload": payload})
 
     async def _send_error(self, message: str, field: str = "frame", ref: str | None = None):
-        await self.send(text_data=json.dumps({"type": "error", "message": message, "field": field, "ref": ref}))
+        await self.send(text_data=json.dumps(messages.socket_error(message, field=field, ref=ref)))
 
     async def agent_request(self, event):
         """Channel-layer event from a router: write the request frame to the agent."""

@@ -36,6 +36,8 @@ import numpy as np
 from holders import wire
 from holders.ffn import combine
 from holders.gating import Gate, Routing, route
+# The request/answer records live with the other messages; re-exported for the forward's callers.
+from holders.messages import AuthRefusal, BatchAnswer, BatchRequest, HolderFault, Send  # noqa: F401
 from holders.receipts import ReceiptError, verify_receipt
 from registry.jsonrpc import ParamError
 from registry.planner import DispatchPlan, PlanningError, TokenRouting, plan_dispatch
@@ -53,49 +55,6 @@ class ForwardError(Exception):
         self.kind = kind
         self.message = message
         self.data = data or {}
-
-
-class HolderFault(Exception):
-    """A holder answered wrongly or not at all (counts against its reputation)."""
-
-
-class AuthRefusal(Exception):
-    """A holder refused our credentials: try the next holder, but do not penalize this one."""
-
-
-@dataclass
-class BatchRequest:
-    """One request to one holder: rows f32 ``[n, H]`` of ``tokens``, encoded once as ``payload``.
-
-    ``request_id`` is fresh for every attempt (the router's own id; answers are matched by it).
-    """
-
-    request_id: str
-    model_id: str
-    layer: int
-    expert: int
-    tokens: list[int]
-    carrier: str
-    payload: bytes
-    output: str
-    d_model: int
-
-
-@dataclass
-class BatchAnswer:
-    """A holder's answer: rows f32 ``[n, H]`` decoded from ``payload`` (``output`` encoding),
-    the receipt (None for a local call), transport name and bytes each way."""
-
-    rows: np.ndarray
-    receipt: dict | None
-    transport: str
-    bytes_out: int
-    bytes_back: int
-
-
-# send(holder provider id, holder info or None, request) -> answer; raises HolderFault,
-# AuthRefusal, ConnectionError, asyncio.TimeoutError or ValueError.
-Send = Callable[[str, object, BatchRequest], Awaitable[BatchAnswer]]
 
 
 @dataclass

@@ -33,15 +33,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from holders.codec import dumps_safetensors, loads_safetensors
+from registry.families import FAMILIES, SUPPORTED_FAMILIES, families_scored
 from registry.jsonrpc import ParamError
 
-SOFTMAX_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
-SIGMOID_FAMILIES = ("deepseek_v3", "kimi_k2", "glm4_moe")
-TOPK_SOFTMAX_FAMILIES = ("gpt_oss",)  # top-k of the (biased) logits, softmax over those k
-SUPPORTED_FAMILIES = SOFTMAX_FAMILIES + SIGMOID_FAMILIES + TOPK_SOFTMAX_FAMILIES
-# HF config class defaults; Mixtral always renormalizes (it has no norm_topk_prob).
-_DEFAULT_NORM = {"qwen3_moe": False, "qwen2_moe": False, "mixtral": True,
-                 "deepseek_v3": True, "kimi_k2": True, "glm4_moe": True, "gpt_oss": True}
+SOFTMAX_FAMILIES = families_scored("softmax")
+SIGMOID_FAMILIES = families_scored("sigmoid")
+TOPK_SOFTMAX_FAMILIES = families_scored("topk_softmax")  # top-k of the (biased) logits, softmax over those k
 _GATE_TENSORS = ("router.weight", "router.bias", "router.logit_bias", "shared_gate.weight")
 
 
@@ -107,7 +104,7 @@ class Gate:
                 raise ValueError("gate correction bias holds NaN or infinity")
             self.correction_bias = b
         if self.norm_topk_prob is None:
-            self.norm_topk_prob = _DEFAULT_NORM[self.family]
+            self.norm_topk_prob = FAMILIES[self.family].norm_topk_prob
         self.norm_topk_prob = bool(self.norm_topk_prob)
         rsf = float(self.routed_scaling_factor)
         if not np.isfinite(rsf) or rsf <= 0:
@@ -295,10 +292,78 @@ class Routing:
         bounds = list(starts[1:]) + [len(order)]
         return {int(e): tokens[a:b] for e, a, b in zip(experts, starts, bounds)}
 
+    def routed(self, layer: int) -> list[dict]:
+        """The ``routed`` JSON of route and forward results: per token ascending
+        ``{token_index, slots: [{layer, expert, weight}]}`` in slot order (weights as float)."""
+        return [{"token_index": t, "slots": [{"layer": layer, "expert": int(e), "weight": float(w)}
+                                             for e, w in zip(self.expert_ids[t], self.weights[t])]}
+                for t in range(self.expert_ids.shape[0])]
+
 
 def _topk_desc(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest entries of each row, largest first, ties to the lower index."""
     return np.argsort(-scores, axis=-1, kind="stable")[..., :k]
+
+
+def sigmoid(z: np.ndarray) -> np.ndarray:
+    """``1 / (1 + exp(-z))`` in float32, computed in place in ``z`` (returned). ``exp(-z)`` may
+    overflow to inf for very negative z: ``1/(1+inf) = 0``, the right limit, so overflow is
+    not reported."""
+    with np.errstate(over="ignore"):
+        np.negative(z, out=z)
+        np.exp(z, out=z)
+    z += np.float32(1)
+    np.reciprocal(z, out=z)
+    return z
+
+
+def _route_topk_softmax(gate: Gate, logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """gpt_oss: top-k of the (biased) logits, softmax over those k (largest first)."""
+    sel = _topk_desc(logits, k)
+    w = np.take_along_axis(logits, sel, axis=1)
+    w = w - w[:, :1]  # the largest selected logit comes first
+    np.exp(w, out=w)
+    w *= np.float32(1) / w.sum(axis=1, keepdims=True)
+    return sel, w
+
+
+def _route_softmax(gate: Gate, logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """qwen3_moe / qwen2_moe / mixtral: softmax over all E, top-k of p, renormalized iff
+    ``norm_topk_prob``."""
+    probs = logits - logits.max(axis=1, keepdims=True)
+    np.exp(probs, out=probs)
+    probs *= np.float32(1) / probs.sum(axis=1, keepdims=True)  # torch's CPU softmax scales by 1/sum
+    sel = _topk_desc(probs, k)
+    w = np.take_along_axis(probs, sel, axis=1)
+    if gate.norm_topk_prob:
+        w = w / w.sum(axis=1, keepdims=True)
+    return sel, w
+
+
+def _route_sigmoid(gate: Gate, logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """deepseek_v3 / kimi_k2 / glm4_moe: sigmoid scores, selection on score + correction bias
+    (group-limited when ``n_group > 1``), weights the unbiased selected scores."""
+    t, e = logits.shape
+    scores = sigmoid(logits.copy())
+    choice = scores + gate.correction_bias if gate.correction_bias is not None else scores.copy()
+    if gate.n_group > 1:
+        grouped = choice.reshape(t, gate.n_group, e // gate.n_group)
+        top2 = np.sort(grouped, axis=2)[:, :, -2:]
+        group_scores = top2[:, :, 1] + top2[:, :, 0]
+        keep = _topk_desc(group_scores, gate.topk_group)
+        masked = np.ones((t, gate.n_group), dtype=bool)
+        np.put_along_axis(masked, keep, False, axis=1)
+        grouped[masked] = -np.inf  # grouped is a view of choice
+    sel = _topk_desc(choice, k)
+    w = np.take_along_axis(scores, sel, axis=1)
+    if gate.norm_topk_prob:
+        w = w / (w.sum(axis=1, keepdims=True) + np.float32(1e-20))
+    return sel, w * np.float32(gate.routed_scaling_factor)
+
+
+# Router per scoring rule (``registry.families``): (gate, logits f32 [T, E], k) → (selected
+# expert ids [T, k] largest first, their weights f32 [T, k]).
+ROUTERS = {"softmax": _route_softmax, "sigmoid": _route_sigmoid, "topk_softmax": _route_topk_softmax}
 
 
 def route(gate: Gate, hidden_states: np.ndarray, top_k: int | None = None) -> Routing:
@@ -334,7 +399,7 @@ def route(gate: Gate, hidden_states: np.ndarray, top_k: int | None = None) -> Ro
             raise ParamError("top_k is required: the gate records no top_k", "top_k")
         top_k = gate.top_k
     k = gate.check_top_k(top_k)
-    t, e = x.shape[0], gate.num_experts
+    t = x.shape[0]
     with np.errstate(over="ignore"):  # reported just below
         logits = x @ gate.weight.T
         if gate.logit_bias is not None:
@@ -342,42 +407,11 @@ def route(gate: Gate, hidden_states: np.ndarray, top_k: int | None = None) -> Ro
     if not np.isfinite(logits).all():
         raise ParamError("router logits overflow float32: hidden_states are too large for this gate",
                          "hidden_states")
-    with np.errstate(over="ignore", under="ignore"):
-        if t == 0:
-            sel, w = np.zeros((0, k), dtype=np.int64), np.zeros((0, k), dtype=np.float32)
-        elif gate.family in TOPK_SOFTMAX_FAMILIES:
-            sel = _topk_desc(logits, k)
-            w = np.take_along_axis(logits, sel, axis=1)
-            w = w - w[:, :1]  # the largest selected logit comes first
-            np.exp(w, out=w)
-            w *= np.float32(1) / w.sum(axis=1, keepdims=True)
-        elif gate.family in SOFTMAX_FAMILIES:
-            probs = logits - logits.max(axis=1, keepdims=True)
-            np.exp(probs, out=probs)
-            probs *= np.float32(1) / probs.sum(axis=1, keepdims=True)  # torch's CPU softmax scales by 1/sum
-            sel = _topk_desc(probs, k)
-            w = np.take_along_axis(probs, sel, axis=1)
-            if gate.norm_topk_prob:
-                w = w / w.sum(axis=1, keepdims=True)
-        else:
-            scores = np.negative(logits)
-            np.exp(scores, out=scores)  # exp(-x) may overflow to inf: 1/(1+inf) = 0, the right limit
-            scores += np.float32(1)
-            np.reciprocal(scores, out=scores)
-            choice = scores + gate.correction_bias if gate.correction_bias is not None else scores.copy()
-            if gate.n_group > 1:
-                grouped = choice.reshape(t, gate.n_group, e // gate.n_group)
-                top2 = np.sort(grouped, axis=2)[:, :, -2:]
-                group_scores = top2[:, :, 1] + top2[:, :, 0]
-                keep = _topk_desc(group_scores, gate.topk_group)
-                masked = np.ones((t, gate.n_group), dtype=bool)
-                np.put_along_axis(masked, keep, False, axis=1)
-                grouped[masked] = -np.inf  # grouped is a view of choice
-            sel = _topk_desc(choice, k)
-            w = np.take_along_axis(scores, sel, axis=1)
-            if gate.norm_topk_prob:
-                w = w / (w.sum(axis=1, keepdims=True) + np.float32(1e-20))
-            w = w * np.float32(gate.routed_scaling_factor)
+    if t == 0:
+        sel, w = np.zeros((0, k), dtype=np.int64), np.zeros((0, k), dtype=np.float32)
+    else:
+        with np.errstate(over="ignore", under="ignore"):
+            sel, w = ROUTERS[FAMILIES[gate.family].scoring](gate, logits, k)
     order = np.argsort(sel, axis=1)  # present slots in ascending expert id
     ids = np.take_along_axis(sel, order, axis=1).astype(np.int64)
     w = np.take_along_axis(w, order, axis=1).astype(np.float32, copy=False)
@@ -386,10 +420,6 @@ def route(gate: Gate, hidden_states: np.ndarray, top_k: int | None = None) -> Ro
         if gate.shared_gate is None:
             sw = np.ones((t, 1), dtype=np.float32)
         else:  # qwen2_moe: shared expert scaled by sigmoid(shared_expert_gate · x)
-            with np.errstate(over="ignore"):
-                sw = np.negative(x @ gate.shared_gate.T)
-                np.exp(sw, out=sw)
-            sw += np.float32(1)
-            np.reciprocal(sw, out=sw)
+            sw = sigmoid(x @ gate.shared_gate.T)
         w = np.concatenate([w, sw.astype(np.float32, copy=False)], axis=1)
     return Routing(np.ascontiguousarray(ids), np.ascontiguousarray(w), logits, k, gate.shared_slot)

@@ -18,7 +18,6 @@ from collections.abc import Callable
 import numpy as np
 
 from holders import wire
-from holders.quant import BLOCK_BYTES, dequantize
 from holders.runtime import ExpertRuntime, RuntimeFault
 from registry.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND, RpcError
 
@@ -66,32 +65,24 @@ def _blob(p: dict, fetch: Fetch) -> tuple[bytes, str | None]:
         raise RpcError(EXECUTION_ERROR, f"cannot fetch {uri}: {exc}", field="uri") from exc
 
 
-def decode_rows(p: dict, n_tokens: int, d_model: int) -> np.ndarray:
-    """Rows f32 ``[n, d_model]`` of an execute/route request from ``hidden_states`` (base64 f32
-    LE) or ``hidden_q8`` (base64 Q8_0 blocks, exactly ``n·d_model/32`` of them).
+def request_rows(p: dict, n_tokens: int, d_model: int) -> np.ndarray:
+    """Rows f32 ``[n, d_model]`` of an execute request from ``hidden_states`` (base64 f32 LE)
+    or ``hidden_q8`` (base64 Q8_0 blocks, exactly ``n·d_model/32`` of them).
 
-    Raises ``RpcError`` (−32602) naming the field for bad base64, a length that does not
-    match ``n_tokens × d_model``, or non-finite values.
+    Raises ``RpcError`` (−32602) naming the field for bad base64, ``d_model`` not divisible
+    by 32 with Q8_0, a length that does not match ``n_tokens × d_model``, or non-finite values.
     """
     f32, q8 = p.get("hidden_states"), p.get("hidden_q8")
     if bool(f32) == bool(q8):
         raise _invalid("give exactly one of hidden_states or hidden_q8", "hidden_states")
+    if q8 and d_model % 32:
+        raise _invalid(f"hidden_q8 needs d_model divisible by 32, got {d_model}", "d_model")
     try:
         if f32:
-            return wire.decode_f32(wire.b64decode(f32, "hidden_states"), d_model, n_rows=n_tokens)
-        data = wire.b64decode(q8, "hidden_q8")
+            return wire.rows_from_b64(f32, d_model, n_tokens)
+        return wire.decode_rows(wire.b64decode(q8, "hidden_q8"), "q8_0", d_model, n_tokens, field="hidden_q8")
     except wire.WireError as exc:
         raise RpcError.invalid_params(exc, "hidden_states") from exc
-    if d_model % 32:
-        raise _invalid(f"hidden_q8 needs d_model divisible by 32, got {d_model}", "d_model")
-    want = n_tokens * d_model // 32 * BLOCK_BYTES["q8_0"]
-    if len(data) != want:
-        raise _invalid(f"hidden_q8 holds {len(data)} bytes; {n_tokens} rows of d_model "
-                          f"{d_model} need exactly {want}", "hidden_q8")
-    rows = dequantize(np.frombuffer(data, dtype=np.uint8), "q8_0", (n_tokens, d_model))
-    if not np.isfinite(rows).all():
-        raise _invalid("hidden_q8 decodes to non-finite values", "hidden_q8")
-    return rows
 
 
 def _token_indices(p: dict) -> list[int]:
@@ -149,7 +140,7 @@ def _route(rt: ExpertRuntime, p: dict) -> dict:
         raise _invalid(f"d_model is {d_model} but the gate of layer {layer} has d_model "
                           f"{gate.d_model}", "d_model")
     try:
-        x = wire.decode_f32(wire.b64decode(p.get("hidden_states"), "hidden_states"), d_model)
+        x = wire.rows_from_b64(p.get("hidden_states"), d_model)
     except wire.WireError as exc:
         raise _invalid(str(exc), "hidden_states") from exc
     if x.shape[0] == 0:
@@ -164,9 +155,7 @@ def _route(rt: ExpertRuntime, p: dict) -> dict:
     promoted = rt.readahead(model_id, ((layer, int(e)) for e in np.unique(r.expert_ids)))
     return {"model_id": model_id, "layer": layer, "top_k": r.top_k, "tokens": int(x.shape[0]),
             "readahead": promoted,
-            "routed": [{"token_index": t, "slots": [{"layer": layer, "expert": int(e), "weight": float(w)}
-                                                    for e, w in zip(r.expert_ids[t], r.weights[t])]}
-                       for t in range(r.expert_ids.shape[0])]}
+            "routed": r.routed(layer)}
 
 
 def _execute(rt: ExpertRuntime, p: dict) -> dict:
@@ -179,7 +168,14 @@ def _execute(rt: ExpertRuntime, p: dict) -> dict:
     if not rt.has(model_id, layer, expert):
         raise RpcError(EXECUTION_ERROR, f"expert {model_id} l{layer}/e{expert} is not loaded on this holder",
                        {"kind": "ExpertNotLoaded"}, field="expert")
-    rows = decode_rows(p, len(tokens), d_model)
+    rows = request_rows(p, len(tokens), d_model)
     out = rt.execute(model_id, layer, expert, rows, len(tokens), d_model=d_model, metered=purpose == "serve")
+    return execute_result(model_id, layer, expert, tokens, d_model, out)
+
+
+def execute_result(model_id: str, layer: int, expert: int, tokens: list[int], d_model: int,
+                   out: np.ndarray) -> dict:
+    """The ``tenzro_moeExecute`` result: the request's key, ``token_indices``, ``d_model`` and
+    ``outputs`` (base64 f32 LE of ``out`` f32 ``[n, d_model]``)."""
     return {"model_id": model_id, "layer": layer, "expert": expert, "token_indices": tokens, "d_model": d_model,
-            "outputs": wire.b64encode(wire.encode_f32(out))}
+            "outputs": wire.rows_to_b64(out)}

@@ -17,16 +17,17 @@ import numpy as np
 from channels.db import database_sync_to_async
 from django.conf import settings
 
-from holders import methods, wire
+from holders import messages, methods, wire
 from holders.dense import dense_model_id, dense_routing
 from holders.fallback import fallback_for
-from holders.forward import BatchAnswer, BatchRequest, ForwardError, distributed_forward
+from holders.forward import ForwardError, distributed_forward
+from holders.messages import BatchAnswer, BatchRequest, answer_to_batch
 from holders.gating import Gate
 from holders.runtime import ExpertRuntime, GateNotLoaded
-from holders.transports.http import HttpHolderClient, answer_to_batch
+from holders.transports.http import HttpHolderClient
 from holders.transports.ws import AgentLink, AgentUnavailable
 from holders.blobs import BlobStore
-from registry.content import parse_blob_uri
+from registry.content import blob_uri, parse_blob_uri
 from registry.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, ParamError, RpcError
 from registry.models import GateBlob
 from registry.models import MoeModel, Provider
@@ -95,12 +96,11 @@ async def send_ws(provider: str, req: BatchRequest) -> BatchAnswer:
     Raises ``AgentUnavailable`` (a ``ConnectionError``), ``HolderFault`` or ``AuthRefusal``.
     """
     link = await AgentLink.get()
-    header = {"type": "execute", "model_id": req.model_id, "layer": req.layer, "expert": req.expert,
-              "token_indices": req.tokens, "d_model": req.d_model, "carrier": req.carrier, "output": req.output}
+    header = messages.request_header(req)
     answer, payload = await link.request(provider, header, req.payload, settings.TENZRO["BATCH_TIMEOUT_S"],
                                          req_id=req.request_id)
     # Bytes on the agent's socket: frame length prefix + JSON header + payload, each way.
-    out = 4 + len(json.dumps({**header, "id": req.request_id}, separators=(",", ":"))) + len(req.payload)
+    out = 4 + len(json.dumps(header, separators=(",", ":"))) + len(req.payload)
     back = 4 + len(json.dumps(answer, separators=(",", ":"))) + len(payload)
     return answer_to_batch(answer, payload, req, "ws", out, back)
 
@@ -119,8 +119,8 @@ async def send_to_agent(model_id: str, provider: str, layer: int, expert: int, t
 
     async def one(lo: int):
         chunk = tokens[lo:lo + per]
-        header = {"type": "execute", "model_id": model_id, "layer": layer, "expert": expert,
-                  "token_indices": chunk, "d_model": d_model, "carrier": "f32", "purpose": purpose}
+        header = messages.execute_header(model_id=model_id, layer=layer, expert=expert, token_indices=chunk,
+                                         d_model=d_model, carrier="f32", purpose=purpose)
         answer, payload = await link.request(provider, header, wire.encode_f32(rows[lo:lo + per]), timeout)
         return wire.decode_f32(payload, d_model, n_rows=len(chunk), field="outputs")
 
@@ -191,15 +191,13 @@ async def forward(model_id: str, layer: int, d_model: int, hidden_states: np.nda
         "model_id": model_id, "layer": layer, "d_model": d_model, "top_k": r.top_k,
         "tokens": int(hidden_states.shape[0]), "batches": res.batches, "replans": res.replans,
         "missing": res.missing, "transports": res.transports,
-        "routed": [{"token_index": tk, "slots": [{"layer": layer, "expert": int(e), "weight": float(w)}
-                                                 for e, w in zip(r.expert_ids[tk], r.weights[tk])]}
-                   for tk in range(r.expert_ids.shape[0])],
+        "routed": r.routed(layer),
         "holders": res.holders, "failures": res.failures, "receipts": len(res.receipts),
         "wire": {"bytes_out": res.bytes_out, "bytes_back": res.bytes_back,
                  "routed_elements": int(sum(len(toks) for toks in r.tokens_by_expert().values())) * d_model,
                  "input_elements": elems},
         "timings_ms": res.timings_ms,
-        "outputs": wire.b64encode(wire.encode_f32(res.output)),
+        "outputs": wire.rows_to_b64(res.output),
     }
 
 
@@ -234,7 +232,7 @@ async def dense_forward(model_id: str, layer: int, d_model: int, hidden_states: 
             "holders": res.holders, "failures": res.failures, "receipts": len(res.receipts),
             "wire": {"bytes_out": res.bytes_out, "bytes_back": res.bytes_back,
                      "routed_elements": int(hidden_states.shape[0]) * parts * d_model},
-            "timings_ms": res.timings_ms, "outputs": wire.b64encode(wire.encode_f32(res.output))}
+            "timings_ms": res.timings_ms, "outputs": wire.rows_to_b64(res.output)}
 
 
 _recording: set[asyncio.Task] = set()
@@ -317,7 +315,7 @@ async def call_method(method: str, params: dict, provider: str | None = None) ->
         except wire.WireError as exc:
             raise RpcError(INVALID_PARAMS, str(exc), field="blob_base64") from exc
         h = await asyncio.to_thread(BlobStore(settings.TENZRO["BLOB_DIR"]).put, data)
-        params = {**{k: v for k, v in params.items() if k != "blob_base64"}, "uri": f"tenzro://blob/{h}"}
+        params = {**{k: v for k, v in params.items() if k != "blob_base64"}, "uri": blob_uri(h)}
     body = json.dumps(params).encode()
     if len(body) > settings.TENZRO["WS_MAX_MESSAGE"] - wire.FRAME_HEADER_MAX:
         raise RpcError(INVALID_PARAMS, f"params of {len(body)} bytes are too large to relay to an agent; send "
@@ -325,7 +323,7 @@ async def call_method(method: str, params: dict, provider: str | None = None) ->
     timeout = 120.0 if method in methods.MANAGEMENT else settings.TENZRO["BATCH_TIMEOUT_S"]
     link = await AgentLink.get()
     try:
-        _answer, payload = await link.request(provider, {"type": "rpc", "method": method}, body, timeout)
+        _answer, payload = await link.request(provider, messages.rpc_header(method), body, timeout)
         reply = json.loads(payload)
     except AgentUnavailable as exc:
         raise RpcError(EXECUTION_ERROR, str(exc), field="provider") from exc
@@ -340,7 +338,7 @@ async def call_method(method: str, params: dict, provider: str | None = None) ->
 
 async def _relay_execute(provider: str, p: dict) -> dict:
     tokens = p["token_indices"]
-    rows = methods.decode_rows(p, len(tokens), p["d_model"])
+    rows = methods.request_rows(p, len(tokens), p["d_model"])
     try:
         out = await send_to_agent(p["model_id"], provider, p["layer"], p["expert"], tokens, rows,
                                   p.get("purpose", "serve"))
@@ -349,8 +347,7 @@ async def _relay_execute(provider: str, p: dict) -> dict:
         raise RpcError(EXECUTION_ERROR, str(exc), {"kind": exc.code}, field=field) from exc
     except wire.WireError as exc:
         raise RpcError(EXECUTION_ERROR, f"agent answered malformed rows: {exc}", field="provider") from exc
-    return {"model_id": p["model_id"], "layer": p["layer"], "expert": p["expert"], "token_indices": tokens,
-            "d_model": p["d_model"], "outputs": wire.b64encode(wire.encode_f32(out))}
+    return methods.execute_result(p["model_id"], p["layer"], p["expert"], tokens, p["d_model"], out)
 
 
 __all__ = ["ForwardError", "GateNotLoaded", "call_method", "dense_forward", "forward", "live_view", "load_gate",
@@ -372,8 +369,8 @@ async def place_model(model_id: str, replication: int = 2, timeout: float = 120.
 
     async def load(provider: str, layer: int, expert: int):
         try:
-            await link.request(provider, {"type": "load", "model_id": model_id, "layer": layer,
-                                          "expert": expert, "uri": uri_of[(layer, expert)]}, timeout=timeout)
+            await link.request(provider, messages.load_header(model_id, layer, expert, uri_of[(layer, expert)]),
+                               timeout=timeout)
         except AgentUnavailable as exc:
             failed.append({"provider": provider, "layer": layer, "expert": expert, "error": str(exc)})
 

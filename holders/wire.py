@@ -100,6 +100,17 @@ def b64encode(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
+def rows_to_b64(rows: np.ndarray) -> str:
+    """Base64 of f32 rows as little-endian float32 (the JSON form of ``hidden_states``/``outputs``)."""
+    return b64encode(encode_f32(rows))
+
+
+def rows_from_b64(text: str, d_model: int, n_rows: int | None = None, field: str = "hidden_states") -> np.ndarray:
+    """f32 rows ``[n, d_model]`` from base64 little-endian float32 ``text``; raises ``WireError``
+    naming ``field`` (or ``token_indices`` when the row count differs from ``n_rows``)."""
+    return decode_f32(b64decode(text, field), d_model, n_rows=n_rows, field=field)
+
+
 def rows_per_frame(d_model: int, max_message: int, bytes_per_value: float = 4) -> int:
     """How many rows of ``d_model`` values fit one frame below ``max_message`` bytes.
 
@@ -159,22 +170,22 @@ def decode_rows(data: bytes, kind: str, d_model: int, n_rows: int, field: str = 
     if kind == "f32":
         return decode_f32(data, d_model, n_rows, field)
     if d_model <= 0 or n_rows < 0:
-        raise WireError(f"{field}: bad shape [{n_rows}, {d_model}]")
+        raise WireError(f"{field}: bad shape [{n_rows}, {d_model}]", field)
     if kind == "bf16":
         if len(data) != 2 * n_rows * d_model:
-            raise WireError(f"{field}: {len(data)} bytes is not {n_rows} bf16 rows of d_model={d_model}")
+            raise WireError(f"{field}: {len(data)} bytes is not {n_rows} bf16 rows of d_model={d_model}", field)
         bits = np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16
         arr = bits.view(np.float32).reshape(n_rows, d_model)
     elif kind == "q8_0":
         if d_model % 32:
-            raise WireError(f"{field}: q8_0 rows need d_model divisible by 32, got {d_model}")
+            raise WireError(f"{field}: q8_0 rows need d_model divisible by 32, got {d_model}", field)
         want = n_rows * (d_model // 32) * 34
         if len(data) != want:
             raise WireError(f"{field}: {len(data)} bytes of q8_0 blocks; {n_rows} rows of d_model={d_model} "
-                            f"take {want}")
+                            f"take {want}", field)
         arr = quant.dequantize(np.frombuffer(data, dtype=np.uint8), "q8_0", (n_rows, d_model))
     else:
-        raise WireError(f"{field}: unknown row encoding {kind!r}")
+        raise WireError(f"{field}: unknown row encoding {kind!r}", field)
     if not np.isfinite(arr).all():
         raise WireError(f"{field} holds non-finite values (NaN or Inf)", field)
     return arr

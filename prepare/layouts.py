@@ -45,11 +45,11 @@ import numpy as np
 
 from holders.ffn import PROJECTIONS, ExpertWeights
 from holders.gating import Gate
+from registry.families import SUPPORTED_FAMILIES
 from prepare.checkpoint import Checkpoint
 from holders.codec import CheckpointError, decode_mxfp4
 
-SUPPORTED_FAMILIES = ("qwen3_moe", "deepseek_v3", "kimi_k2", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss")
-_DEEPSEEK_LIKE = ("deepseek_v3", "kimi_k2", "glm4_moe")
+_DEEPSEEK_LIKE = ("deepseek_v3", "kimi_k2", "glm4_moe")  # DeepSeek-style tensor names
 _QWEN_LIKE = ("qwen3_moe", "qwen2_moe")
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}

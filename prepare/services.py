@@ -59,27 +59,6 @@ def publish_checkpoint(checkpoint: str | Path, model_id: str | None = None,
     return MoeModel.objects.get(model_id=model_id)
 
 
-def blob_endpoints(uri: str, site_url: str | None = None) -> list[str]:
-    """HTTP endpoints that may serve ``uri``: ``site_url`` first, then the ``http_endpoint``
-    of live providers declaring a holding with that ``blob_uri`` (best reputation first)."""
-    from registry.models import Holding
-
-    rows = (Holding.objects.filter(blob_uri=uri).exclude(provider__http_endpoint="")
-            .order_by("-provider__reputation", "provider_id").values_list("provider__http_endpoint", flat=True))
-    return [e for e in [site_url, *rows] if e]
-
-
-def resolve_blob(uri: str, store=None, site_url: str | None = None) -> bytes:
-    """The bytes of ``tenzro://blob/<hash>``: the site's store, else fetched (and verified)
-    from the holders that declare it. Raises ``holders.blobs.BlobError``."""
-    from django.conf import settings
-
-    from holders.blobs import BlobStore, fetch_blob
-
-    store = store or BlobStore(settings.TENZRO["BLOB_DIR"])
-    return fetch_blob(uri, store, blob_endpoints(uri, site_url))
-
-
 def dense_layers(checkpoint: Checkpoint) -> list[int]:
     """Layers of ``checkpoint`` with a dense SwiGLU MLP (``model.layers.{L}.mlp.{gate,up,down}_proj``)."""
     spec = spec_from_config(checkpoint.config)

@@ -35,6 +35,8 @@ import threading
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterator, Mapping
 
+from registry.families import SUPPORTED_FAMILIES
+
 __all__ = [
     "ROUTING_KEYS",
     "SCORING_FUNCS",
@@ -123,15 +125,7 @@ _UNKNOWN_TOKENS: frozenset[str] = frozenset(
 )
 
 #: ``config.json`` ``model_type`` values :meth:`ModelShape.from_hf_config` understands.
-HF_CONFIG_FAMILIES: tuple[str, ...] = (
-    "qwen3_moe",
-    "qwen2_moe",
-    "mixtral",
-    "deepseek_v3",
-    "kimi_k2",
-    "glm4_moe",
-    "gpt_oss",
-)
+HF_CONFIG_FAMILIES: tuple[str, ...] = SUPPORTED_FAMILIES
 
 
 class FrozenDict(dict):

@@ -14,17 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from registry.shardmap import HolderInfo, ShardView
+from registry.shardmap import HolderInfo, ShardView, is_int
 
 __all__ = ["PlanningError", "TokenRouting", "ExpertBatch", "DispatchPlan", "plan_dispatch"]
 
 
 class PlanningError(ValueError):
     """Routings the planner cannot accept (JSON-RPC −32000 in the API layer)."""
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -39,7 +35,7 @@ class TokenRouting:
     experts: tuple[tuple[int, int], ...]
 
     def __post_init__(self) -> None:
-        if not _is_int(self.token_index) or self.token_index < 0:
+        if not is_int(self.token_index) or self.token_index < 0:
             raise PlanningError(f"token_index must be a non-negative integer, got {self.token_index!r}")
         try:
             items = list(self.experts)
@@ -55,7 +51,7 @@ class TokenRouting:
                 raise PlanningError(
                     f"token {self.token_index}: expected (layer, expert) pairs, got {item!r}"
                 ) from None
-            if not (_is_int(layer) and _is_int(expert)) or layer < 0 or expert < 0:
+            if not (is_int(layer) and is_int(expert)) or layer < 0 or expert < 0:
                 raise PlanningError(
                     f"token {self.token_index}: layer and expert must be non-negative integers, got {item!r}"
                 )
@@ -149,7 +145,7 @@ def plan_dispatch(
         raise PlanningError(f"view must be a ShardView, got {type(view).__name__}")
     if not isinstance(allow_cold, bool):
         raise PlanningError(f"allow_cold must be a bool, got {allow_cold!r}")
-    if split_threshold is not None and (not _is_int(split_threshold) or split_threshold < 1):
+    if split_threshold is not None and (not is_int(split_threshold) or split_threshold < 1):
         raise PlanningError(f"split_threshold must be a positive integer or None, got {split_threshold!r}")
     routings = list(routings)
     if not routings:

@@ -25,21 +25,17 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable
 
-from registry.shardmap import ReplicationPolicy, ShardView, check_provider_id, expert_key
+from registry.shardmap import ReplicationPolicy, ShardView, check_provider_id, expert_key, is_int
 
 __all__ = ["PLACEMENT_DOMAIN", "RepairRow", "placement_score", "rank_providers", "plan_repair", "rows_for", "place"]
 
 PLACEMENT_DOMAIN = b"tenzro/moe/placement"
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _prefix(model_id: str, layer: int, expert: int) -> bytes:
     if not isinstance(model_id, str) or not model_id:
         raise ValueError(f"model_id must be a non-empty string, got {model_id!r}")
-    if not (_is_int(layer) and _is_int(expert)) or layer < 0 or expert < 0:
+    if not (is_int(layer) and is_int(expert)) or layer < 0 or expert < 0:
         raise ValueError(f"layer and expert must be non-negative integers, got {(layer, expert)!r}")
     return PLACEMENT_DOMAIN + f"{model_id}/{layer}/{expert}".encode("utf-8")
 
@@ -186,7 +182,7 @@ def rows_for(rows: Iterable[RepairRow], provider: str,
     Raises ``ValueError`` for a malformed provider id or a negative ``max_repairs``.
     """
     check_provider_id(provider)
-    if not _is_int(max_repairs) or max_repairs < 0:
+    if not is_int(max_repairs) or max_repairs < 0:
         raise ValueError(f"max_repairs must be a non-negative integer, got {max_repairs!r}")
     out: list[RepairRow] = []
     for r in rows:
@@ -210,7 +206,7 @@ def place(
     (expert, provider). Raises ``ValueError`` for ``replication < 1``, no providers while
     experts are given, or malformed ids/keys.
     """
-    if not _is_int(replication) or replication < 1:
+    if not is_int(replication) or replication < 1:
         raise ValueError(f"replication must be a positive integer, got {replication!r}")
     keys = sorted({expert_key(item, "experts") for item in experts})
     pool = _pool(providers, "providers")

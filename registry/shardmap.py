@@ -37,7 +37,8 @@ _RANK = {name: i for i, name in enumerate(RESIDENCIES)}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """True for a Python ``int`` that is not a ``bool`` (JSON integers; ``True`` is not a count)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -59,7 +60,7 @@ def expert_key(item: object, field: str = "expert") -> tuple[int, int]:
         layer, expert = item  # type: ignore[misc]
     except (TypeError, ValueError):
         raise ValueError(f"{field}: expected a (layer, expert) pair, got {item!r}") from None
-    if not (_is_int(layer) and _is_int(expert)) or layer < 0 or expert < 0:
+    if not (is_int(layer) and is_int(expert)) or layer < 0 or expert < 0:
         raise ValueError(f"{field}: layer and expert must be non-negative integers, got {item!r}")
     return (layer, expert)
 
@@ -88,7 +89,7 @@ class ReplicationPolicy:
     def validate(self) -> None:
         """Check every field; raise ``ValueError("<field> ...")`` on the first bad one."""
         for f in fields(self):
-            if not _is_int(getattr(self, f.name)):
+            if not is_int(getattr(self, f.name)):
                 raise ValueError(f"{f.name} must be an integer, got {getattr(self, f.name)!r}")
         if self.min_replication < 1:
             raise ValueError(f"min_replication must be >= 1, got {self.min_replication}")
@@ -144,7 +145,7 @@ class HoldingInfo:
             raise ValueError(f"model_id must be a non-empty string, got {self.model_id!r}")
         for name in ("layer", "expert", "committed_tps"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         if self.residency not in _RANK:
             raise ValueError(f"residency must be one of {RESIDENCIES}, got {self.residency!r}")
@@ -196,7 +197,7 @@ class ProviderInfo:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"{name} must be a string or None, got {value!r}")
-        if not _is_int(self.reputation) or self.reputation < 0:
+        if not is_int(self.reputation) or self.reputation < 0:
             raise ValueError(f"reputation must be a non-negative integer, got {self.reputation!r}")
         holdings = tuple(self.holdings)
         for h in holdings:
@@ -496,7 +497,7 @@ class ShardView:
         else:
             keys = [expert_key(item, "expected") for item in expected]
         need = self.policy.min_replication if min_replication is None else min_replication
-        if not _is_int(need) or need < 1:
+        if not is_int(need) or need < 1:
             raise ValueError(f"min_replication must be a positive integer, got {need!r}")
         return all(self.replication(*k) >= need for k in keys)
 

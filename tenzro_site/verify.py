@@ -79,16 +79,16 @@ def verify_layers(rpc, model_id: str, checkpoint: str | Path, reference: str | P
         ref = tensors[f"layer{layer}.output"].astype(np.float32)
         t0 = time.perf_counter()
         res = rpc("tenzro_moeForward", {"model_id": model_id, "layer": layer, "d_model": int(x.shape[1]),
-                                        "hidden_states": wire.b64encode(wire.encode_f32(x)), "carrier": "f32"})
+                                        "hidden_states": wire.rows_to_b64(x), "carrier": "f32"})
         ms = (time.perf_counter() - t0) * 1e3
-        out = wire.decode_f32(wire.b64decode(res["outputs"], "outputs"), int(x.shape[1]), field="outputs")
+        out = wire.rows_from_b64(res["outputs"], int(x.shape[1]), field="outputs")
         mono = monolithic(ckpt, layer, x, quant)
         rel = max_rel_err(out, ref)
         absdiff = float(np.max(np.abs(out - mono)))
         # The compact wire (Q8_0 rows when d_model % 32 == 0, bf16 outputs): reported, not gated.
         q = rpc("tenzro_moeForward", {"model_id": model_id, "layer": layer, "d_model": int(x.shape[1]),
-                                      "hidden_states": wire.b64encode(wire.encode_f32(x)), "carrier": "auto"})
-        out_q = wire.decode_f32(wire.b64decode(q["outputs"], "outputs"), int(x.shape[1]), field="outputs")
+                                      "hidden_states": wire.rows_to_b64(x), "carrier": "auto"})
+        out_q = wire.rows_from_b64(q["outputs"], int(x.shape[1]), field="outputs")
         row = {"layer": layer, "tokens": int(x.shape[0]), "holders": len(res["holders"]),
                "max_rel_err_vs_reference": rel, "max_abs_diff_vs_monolithic": absdiff,
                "ms": round(ms, 1), "quant": quant, "compact_wire_rel_err": max_rel_err(out_q, ref),
@@ -127,9 +127,9 @@ def verify_dense_layers(rpc, model_id: str, checkpoint: str | Path, reference: s
         w = load_dense(ckpt, layer)
         t0 = time.perf_counter()
         res = rpc("tenzro_moeDenseForward", {"model_id": model_id, "layer": layer, "d_model": int(x.shape[1]),
-                                             "hidden_states": wire.b64encode(wire.encode_f32(x)), "carrier": "f32"})
+                                             "hidden_states": wire.rows_to_b64(x), "carrier": "f32"})
         ms = (time.perf_counter() - t0) * 1e3
-        out = wire.decode_f32(wire.b64decode(res["outputs"], "outputs"), int(x.shape[1]), field="outputs")
+        out = wire.rows_from_b64(res["outputs"], int(x.shape[1]), field="outputs")
         with threadpool_limits(limits=1):
             whole = expert_forward(w, x)
             split = split_forward(split_dense(w, parts), x)

@@ -9,10 +9,10 @@ with ``tenzro_moeExecute`` (alias ``moe/execute``) and ``moe/status`` (alias
 request and carries ``outputs`` (base64 in ``output`` encoding) and the signed ``receipt``.
 Bodies above ``MAX_BODY`` are refused with 413.
 
-Client (router side): ``HttpHolderClient.execute`` sends one ``BatchRequest`` and returns a
-``BatchAnswer``; a JSON-RPC ``-32001`` answer is an ``AuthRefusal`` (not the holder's
-fault), any other error envelope a ``HolderFault``, and connection trouble a
-``ConnectionError``. Pure Python + httpx; imports nothing from Django.
+Client (router side): ``HttpHolderClient.execute_frame`` sends one ``BatchRequest`` as a
+binary frame to ``POST /frame`` and returns a ``BatchAnswer``; a ``-32001`` answer is an
+``AuthRefusal`` (not the holder's fault), any other error a ``HolderFault``, and connection
+trouble a ``ConnectionError``. Pure Python on asyncio streams; imports nothing from Django.
 """
 from __future__ import annotations
 
@@ -22,11 +22,10 @@ import logging
 from urllib.parse import urlsplit
 from typing import Awaitable, Callable
 
-import httpx
-
 from holders import wire
-from holders.forward import AuthRefusal, BatchAnswer, BatchRequest, HolderFault
-from registry.jsonrpc import (AUTH_REFUSED, INVALID_PARAMS, INVALID_REQUEST, PARSE_ERROR, RpcError, error_response,
+from holders import messages
+from holders.messages import BatchAnswer, BatchRequest, HolderFault, answer_to_batch
+from registry.jsonrpc import (INVALID_PARAMS, INVALID_REQUEST, PARSE_ERROR, RpcError, error_response,
                               result_response)
 
 log = logging.getLogger(__name__)
@@ -84,12 +83,12 @@ async def _frame(frame_handler: FrameHandler, body: bytes) -> bytes:
     try:
         header, payload = wire.unpack_frame(body)
     except wire.WireError as exc:
-        return wire.pack_frame({"ok": False, "code": PARSE_ERROR, "message": str(exc)})
+        return wire.pack_frame(messages.failure(None, PARSE_ERROR, str(exc)))
     try:
         answer, out = await frame_handler(header, payload)
     except RpcError as exc:
-        return wire.pack_frame({"id": header.get("id"), "ok": False, "code": exc.code, "message": exc.message})
-    return wire.pack_frame({"id": header.get("id"), "ok": True, **answer}, out)
+        return wire.pack_frame(messages.failure(header.get("id"), exc.code, exc.message))
+    return wire.pack_frame(messages.reply(header.get("id"), **answer), out)
 
 
 async def serve_http(handler: Handler, host: str, port: int,
@@ -146,65 +145,27 @@ async def serve_http(handler: Handler, host: str, port: int,
 
 
 class HttpHolderClient:
-    """Router-side client of holders' HTTP endpoints (one pooled ``httpx.AsyncClient``)."""
+    """Router-side client of holders' HTTP endpoints: pooled keep-alive connections per host.
+
+    ``timeout``: seconds one exchange (request written, answer read) may take; the
+    connection is dropped when it runs out (a ``ConnectionError``).
+    """
 
     def __init__(self, timeout: float = 60.0):
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0),
-                                        limits=httpx.Limits(max_keepalive_connections=32))
+        self.timeout = timeout
         self._idle: dict[tuple[str, int], list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}
 
     async def close(self) -> None:
         """Close pooled connections."""
-        await self.client.aclose()
         for conns in self._idle.values():
             for _, writer in conns:
                 writer.close()
         self._idle.clear()
 
-    async def call(self, endpoint: str, method: str, params: dict) -> dict:
-        """One JSON-RPC call to ``endpoint`` (``http://host:port/rpc``); returns ``result``.
-
-        Raises ``AuthRefusal`` (-32001), ``HolderFault`` (another error envelope or no
-        result) and ``ConnectionError`` (transport).
-        """
-        try:
-            resp = await self.client.post(endpoint, json={"jsonrpc": "2.0", "id": 1, "method": method,
-                                                          "params": params})
-            body = resp.json()
-        except httpx.HTTPError as exc:
-            raise ConnectionError(f"{endpoint}: {exc}") from exc
-        except ValueError as exc:
-            raise HolderFault(f"{endpoint} answered with non-JSON (HTTP {resp.status_code})") from exc
-        if not isinstance(body, dict):
-            raise HolderFault(f"{endpoint} answered with a non-object")
-        err = body.get("error")
-        if isinstance(err, dict):
-            if err.get("code") == AUTH_REFUSED:
-                raise AuthRefusal(str(err.get("message")))
-            raise HolderFault(f"holder error {err.get('code')}: {err.get('message')}")
-        if not isinstance(body.get("result"), dict):
-            raise HolderFault(f"{endpoint} answered without a result")
-        return body["result"]
-
-    async def execute(self, endpoint: str, req: BatchRequest) -> BatchAnswer:
-        """``tenzro_moeExecute`` of one request over HTTP (JSON + base64); raises as ``call``."""
-        params = {"request_id": req.request_id, "model_id": req.model_id, "layer": req.layer, "expert": req.expert,
-                  "token_indices": req.tokens, "d_model": req.d_model, "output": req.output,
-                  ("hidden_q8" if req.carrier == "q8_0" else "hidden_states"): wire.b64encode(req.payload)}
-        res = await self.call(endpoint, "tenzro_moeExecute", params)
-        if res.get("token_indices") != req.tokens:
-            raise HolderFault("answer's token_indices differ from the request's")
-        enc = res.get("output", "f32")
-        try:
-            data = wire.b64decode(res.get("outputs"), "outputs")
-            rows = wire.decode_rows(data, enc, req.d_model, len(req.tokens), field="outputs")
-        except wire.WireError as exc:
-            raise HolderFault(str(exc)) from exc
-        return BatchAnswer(rows, res.get("receipt"), "http", len(req.payload), len(data))
-
     async def execute_frame(self, endpoint: str, req: BatchRequest) -> BatchAnswer:
         """One request as a binary frame to ``POST /frame`` (``endpoint`` is the advertised
-        ``…/rpc`` URL) over a pooled keep-alive connection; raises as ``call``.
+        ``…/rpc`` URL) over a pooled keep-alive connection. Raises ``AuthRefusal`` (code
+        -32001), ``HolderFault`` (another error or a malformed answer) and ``ConnectionError``.
 
         A lean HTTP/1.1 exchange on asyncio streams rather than httpx: with a hundred
         batches in flight, httpx's pool bookkeeping was most of the router's time.
@@ -213,10 +174,7 @@ class HttpHolderClient:
         if parts.scheme != "http" or not parts.hostname:
             raise ConnectionError(f"{endpoint}: only http:// endpoints are supported")
         host, port = parts.hostname, parts.port or 80
-        header = {"type": "execute", "id": req.request_id, "model_id": req.model_id, "layer": req.layer,
-                  "expert": req.expert, "token_indices": req.tokens, "d_model": req.d_model,
-                  "carrier": req.carrier, "output": req.output}
-        body = wire.pack_frame(header, req.payload)
+        body = wire.pack_frame(messages.request_header(req), req.payload)
         idle = self._idle.setdefault((host, port), [])
         try:
             reader, writer = idle.pop() if idle else await asyncio.wait_for(
@@ -225,15 +183,19 @@ class HttpHolderClient:
             raise ConnectionError(f"{endpoint}: cannot connect: {exc}") from exc
         ok = False
         try:
-            writer.write(f"POST /frame HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/octet-stream\r\n"
-                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-            await writer.drain()
-            status = (await reader.readline()).split()
-            headers = await read_headers(reader)
-            data = await reader.readexactly(int(headers.get("content-length", "0")))
+            async with asyncio.timeout(self.timeout):
+                writer.write(f"POST /frame HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                             f"Content-Type: application/octet-stream\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                             + body)
+                await writer.drain()
+                status = (await reader.readline()).split()
+                headers = await read_headers(reader)
+                data = await reader.readexactly(int(headers.get("content-length", "0")))
             if len(status) < 2 or status[1] != b"200":
                 raise ConnectionError(f"{endpoint}: HTTP {status[1:2]}")
             ok = headers.get("connection", "").lower() != "close"
+        except TimeoutError as exc:
+            raise ConnectionError(f"{endpoint}: no answer within {self.timeout:g} s") from exc
         except (OSError, ValueError, asyncio.IncompleteReadError) as exc:
             raise ConnectionError(f"{endpoint}: {exc}") from exc
         finally:
@@ -246,20 +208,3 @@ class HttpHolderClient:
         except wire.WireError as exc:
             raise HolderFault(f"{endpoint}: {exc}") from exc
         return answer_to_batch(answer, out, req, "http", len(body), len(data))
-
-
-def answer_to_batch(answer: dict, data: bytes, req: BatchRequest, transport: str, bytes_out: int,
-                    bytes_back: int) -> BatchAnswer:
-    """Decode a holder's binary answer (header + output bytes) to a request; raises
-    ``AuthRefusal`` (code -32001), ``HolderFault`` (refusal, wrong tokens, bad rows)."""
-    if not answer.get("ok"):
-        if answer.get("code") == AUTH_REFUSED:
-            raise AuthRefusal(str(answer.get("message")))
-        raise HolderFault(f"holder error {answer.get('code')}: {answer.get('message')}")
-    if answer.get("token_indices", req.tokens) != req.tokens:
-        raise HolderFault("answer's token_indices differ from the request's")
-    try:
-        rows = wire.decode_rows(data, answer.get("output", "f32"), req.d_model, len(req.tokens), field="outputs")
-    except wire.WireError as exc:
-        raise HolderFault(str(exc)) from exc
-    return BatchAnswer(rows, answer.get("receipt"), transport, bytes_out, bytes_back)

@@ -105,7 +105,7 @@ class Command(BaseCommand):
         layer = min(int(k[len("layer"):].split(".")[0]) for k in tensors if k.endswith(".hidden_states"))
         x = tensors[f"layer{layer}.hidden_states"].astype(np.float32)
         params = {"model_id": model_id, "layer": layer, "d_model": int(x.shape[1]), "carrier": "f32",
-                  "hidden_states": wire.b64encode(wire.encode_f32(x))}
+                  "hidden_states": wire.rows_to_b64(x)}
         before = cluster.rpc("tenzro_moeForward", params)
         view = shard_view(model_id).to_json()
         primaries = [h["holders"][0]["provider"] for h in view["holders"] if h["layer"] == layer]
@@ -120,8 +120,8 @@ class Command(BaseCommand):
             proc.kill()
             proc.wait()
             after = fut.result()
-        same = np.array_equal(wire.decode_f32(wire.b64decode(before["outputs"], "outputs"), x.shape[1]),
-                              wire.decode_f32(wire.b64decode(after["outputs"], "outputs"), x.shape[1]))
+        same = np.array_equal(wire.rows_from_b64(before["outputs"], x.shape[1], field="outputs"),
+                              wire.rows_from_b64(after["outputs"], x.shape[1], field="outputs"))
         return {"model_id": model_id, "layer": layer, "victim": victim, "identical": same,
                 "failures": len(after["failures"]), "replans": after["replans"], "holders": len(after["holders"]),
                 "ms": after["timings_ms"]["total"]}

@@ -1,0 +1,175 @@
+"""The messages of the agent socket and the holder HTTP frames (DESIGN §6), in one place.
+
+``holders.wire`` packs and unpacks a frame (``u32 LE len ‖ JSON header ‖ payload``); this
+module says what goes in the headers and in the socket's JSON text messages:
+
+- socket control (JSON text): ``challenge`` (site → agent, a nonce), ``hello`` (agent, its
+  signature over the nonce), ``welcome`` (site: frame cap, heartbeat interval),
+  ``heartbeat`` (agent: signed body), ``heartbeat_ack`` and ``error`` (site);
+- binary frames from the site or a router: ``execute`` (one batch; payload = carrier
+  rows), ``load`` (hold an expert from a blob URI), ``rpc`` (a relayed execution method;
+  payload = JSON params);
+- the holder's reply to each: ``{id, ok: true, ...}`` (an execute answer adds ``rows``,
+  ``d_model``, ``output``, ``token_indices``, ``receipt``; payload = output rows) or
+  ``{id, ok: false, code, message}``.
+
+Also the router-side request/answer records (``BatchRequest``, ``BatchAnswer``), the two
+holder outcomes a router distinguishes (``HolderFault``, ``AuthRefusal``) and
+``answer_to_batch`` decoding a reply frame. Pure Python + numpy; imports nothing from
+Django and nothing of the planner, so the agent process stays small.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+import numpy as np
+
+from holders import wire
+from registry.jsonrpc import AUTH_REFUSED
+
+
+class HolderFault(Exception):
+    """A holder answered wrongly or not at all (counts against its reputation)."""
+
+
+class AuthRefusal(Exception):
+    """A holder refused our credentials: try the next holder, but do not penalize this one."""
+
+
+@dataclass
+class BatchRequest:
+    """One request to one holder: rows f32 ``[n, H]`` of ``tokens``, encoded once as ``payload``.
+
+    ``request_id`` is fresh for every attempt (the router's own id; answers are matched by it).
+    """
+
+    request_id: str
+    model_id: str
+    layer: int
+    expert: int
+    tokens: list[int]
+    carrier: str
+    payload: bytes
+    output: str
+    d_model: int
+
+
+@dataclass
+class BatchAnswer:
+    """A holder's answer: rows f32 ``[n, H]`` decoded from ``payload`` (``output`` encoding),
+    the receipt (None for a local call), transport name and bytes each way."""
+
+    rows: np.ndarray
+    receipt: dict | None
+    transport: str
+    bytes_out: int
+    bytes_back: int
+
+
+# send(holder provider id, holder info or None, request) -> answer; raises HolderFault,
+# AuthRefusal, ConnectionError, asyncio.TimeoutError or ValueError.
+Send = Callable[[str, object, BatchRequest], Awaitable[BatchAnswer]]
+
+
+# ---- socket control messages (JSON text frames) ----
+
+def challenge(nonce: bytes) -> dict:
+    """Site → agent on connect: ``{"type": "challenge", "nonce": hex}`` (32 random bytes)."""
+    return {"type": "challenge", "nonce": nonce.hex()}
+
+
+def hello(provider: str, signature: str) -> dict:
+    """Agent → site: its provider id (64 hex) and its signature (hex) over the challenge nonce."""
+    return {"type": "hello", "provider": provider, "signature": signature}
+
+
+def welcome(provider: str, max_message: int, heartbeat_interval_s: float) -> dict:
+    """Site → agent after a good hello: the socket's frame cap (bytes) and heartbeat interval (s)."""
+    return {"type": "welcome", "provider": provider, "max_message": max_message,
+            "heartbeat_interval_s": heartbeat_interval_s}
+
+
+def heartbeat(body: dict, signature: str) -> dict:
+    """Agent → site: a signed heartbeat ``body`` (``registry.heartbeat`` checks it)."""
+    return {"type": "heartbeat", "body": body, "signature": signature}
+
+
+HEARTBEAT_ACK = {"type": "heartbeat_ack"}
+
+
+def socket_error(message: str, *, code: int | None = None, field: str | None = None,
+                 ref: str | None = None) -> dict:
+    """Site → agent: ``{"type": "error", "message", ...}`` with the close ``code`` (an auth
+    refusal) or the ``field`` at fault and the message ``ref`` it answers."""
+    msg: dict = {"type": "error", "message": message}
+    if code is not None:
+        msg["code"] = code
+    if field is not None:
+        msg["field"] = field
+        msg["ref"] = ref
+    return msg
+
+
+# ---- binary frame headers ----
+
+def execute_header(*, model_id: str, layer: int, expert: int, token_indices: list[int], d_model: int,
+                   carrier: str, output: str | None = None, purpose: str | None = None,
+                   request_id: str | None = None) -> dict:
+    """Header of an ``execute`` frame; its payload is ``token_indices`` rows of ``d_model`` in
+    ``carrier`` ("f32" or "q8_0"). ``output`` (answer encoding, default f32), ``purpose``
+    (default "serve", the only metered one) and ``request_id`` (``id``) only when given."""
+    header: dict = {"type": "execute"}
+    if request_id is not None:
+        header["id"] = request_id
+    header.update(model_id=model_id, layer=layer, expert=expert, token_indices=token_indices, d_model=d_model,
+                  carrier=carrier)
+    if output is not None:
+        header["output"] = output
+    if purpose is not None:
+        header["purpose"] = purpose
+    return header
+
+
+def request_header(req: BatchRequest) -> dict:
+    """The ``execute`` header of a router's ``BatchRequest`` (payload: ``req.payload``)."""
+    return execute_header(request_id=req.request_id, model_id=req.model_id, layer=req.layer, expert=req.expert,
+                          token_indices=req.tokens, d_model=req.d_model, carrier=req.carrier, output=req.output)
+
+
+def load_header(model_id: str, layer: int, expert: int, uri: str) -> dict:
+    """Header of a ``load`` frame: hold expert ``(model_id, layer, expert)`` from blob ``uri``."""
+    return {"type": "load", "model_id": model_id, "layer": layer, "expert": expert, "uri": uri}
+
+
+def rpc_header(method: str) -> dict:
+    """Header of an ``rpc`` frame relaying execution method ``method``; payload = JSON params."""
+    return {"type": "rpc", "method": method}
+
+
+def reply(req_id, **fields) -> dict:
+    """A holder's success reply header ``{id, ok: true, **fields}``."""
+    return {"id": req_id, "ok": True, **fields}
+
+
+def failure(req_id, code, message: str) -> dict:
+    """A holder's failure reply header ``{id, ok: false, code, message}``; ``code`` is a JSON-RPC
+    code (HTTP frames) or an error class name (socket)."""
+    return {"id": req_id, "ok": False, "code": code, "message": message}
+
+
+def answer_to_batch(answer: dict, data: bytes, req: BatchRequest, transport: str, bytes_out: int,
+                    bytes_back: int) -> BatchAnswer:
+    """Decode a holder's reply (header + output bytes) to ``req``; raises ``AuthRefusal``
+    (code -32001), ``HolderFault`` (refusal, wrong tokens, bad rows)."""
+    if not answer.get("ok"):
+        if answer.get("code") == AUTH_REFUSED:
+            raise AuthRefusal(str(answer.get("message")))
+        raise HolderFault(f"holder error {answer.get('code')}: {answer.get('message')}")
+    if answer.get("token_indices", req.tokens) != req.tokens:
+        raise HolderFault("answer's token_indices differ from the request's")
+    try:
+        rows = wire.decode_rows(data, answer.get("output", "f32"), req.d_model, len(req.tokens), field="outputs")
+    except wire.WireError as exc:
+        raise HolderFault(str(exc)) from exc
+    return BatchAnswer(rows, answer.get("receipt"), transport, bytes_out, bytes_back)
