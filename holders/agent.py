@@ -32,6 +32,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from holders import compute, messages, methods, wire
+from holders.handoff import FRAME_ROLES, HandoffError, RoleRunner
 from registry.identity import DOMAIN_HEARTBEAT, DOMAIN_HELLO, provider_id, sign, sign_body
 from holders.receipts import make_receipt
 from holders.runtime import ExpertNotLoaded, ExpertRuntime, RuntimeFault
@@ -98,6 +99,8 @@ class HolderAgent:
         self.http_host = http_host
         self.http_endpoint = f"http://{http_host}:{http_port}/rpc" if http_port else ""
         self._compute = ThreadPoolExecutor(max_workers=compute_threads, thread_name_prefix="compute")
+        # Prefill/Decode frames (holders.handoff): the backbone runs here, MLP layers on the site.
+        self.generation = RoleRunner(roles, self.site, self.fetch, lambda: self.max_message)
 
     def stop(self) -> None:
         """Ask ``run()`` to return after closing the socket."""
@@ -225,6 +228,9 @@ class HolderAgent:
             elif kind == "load":
                 await self._load(header)
                 await self._reply(messages.reply(req_id))
+            elif kind in FRAME_ROLES:
+                fields, out = await asyncio.to_thread(self.generation.handle, kind, header, payload)
+                await self._reply(messages.reply(req_id, **fields), out)
             elif kind == "rpc":
                 body = json.dumps(await self._rpc(header, payload)).encode()
                 if len(body) > self.max_message - wire.FRAME_HEADER_MAX:  # the site would drop the socket
@@ -234,7 +240,7 @@ class HolderAgent:
                 await self._reply(messages.reply(req_id), body)
             else:
                 await self._reply(messages.failure(req_id, "bad_request", f"unknown request type {kind!r}"))
-        except (RuntimeFault, wire.WireError, BlobError, ValueError, KeyError, TypeError) as exc:
+        except (RuntimeFault, wire.WireError, BlobError, HandoffError, ValueError, KeyError, TypeError) as exc:
             await self._reply(messages.failure(req_id, type(exc).__name__, str(exc)))
         except ConnectionClosed:
             pass

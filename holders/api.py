@@ -5,6 +5,7 @@ from rest_framework import serializers
 
 from holders import methods, services, wire
 from holders.forward import ForwardError
+from holders.transports.ws import AgentUnavailable
 from registry.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, PLANNING_ERROR, RpcError
 from registry.services import PlacementError
 from registry.rpc import MethodTable
@@ -232,11 +233,16 @@ class GenerateParams(serializers.Serializer):
     return_logits = serializers.BooleanField(required=False, default=False)
     fallback = serializers.BooleanField(required=False, default=True,
                                         help_text="the site runs batches every remote holder failed")
+    handoff = serializers.BooleanField(required=False, default=False,
+                                       help_text="prefill on a Prefill agent, KV cache handed to a Decode agent "
+                                                 "over the agent socket, decode there (result has kv_handoff)")
 
     def validate(self, attrs):
-        """Require exactly one prompt source."""
+        """Require exactly one prompt source; ``handoff`` returns no logits."""
         if ("input_ids" in attrs) == ("prompt" in attrs):
             raise serializers.ValidationError({"input_ids": "give exactly one of input_ids or prompt"})
+        if attrs.get("handoff") and attrs.get("return_logits"):
+            raise serializers.ValidationError({"return_logits": "return_logits is not available with handoff"})
         return attrs
 
 
@@ -268,6 +274,8 @@ async def generate_errors(call):
         raise RpcError(EXECUTION_ERROR, str(exc), {"field": "model_id"}) from exc
     except BackboneError as exc:
         raise RpcError(INVALID_PARAMS, str(exc), {"field": exc.field}) from exc
+    except AgentUnavailable as exc:  # a Prefill/Decode agent failed or timed out during a handoff run
+        raise RpcError(EXECUTION_ERROR, str(exc), {"field": "handoff"}) from exc
 
 
 @rpc_methods.method("tenzro_moeGenerate", params=GenerateParams)
@@ -277,5 +285,9 @@ async def moe_generate(p: dict) -> dict:
 
     sampling = sampling_from(p)
     prompt = p.get("input_ids", p.get("prompt"))
+    if p["handoff"]:
+        from holders.disaggregate import generate_handoff
+
+        return await generate_errors(generate_handoff(p["model_id"], prompt, sampling, p["carrier"]))
     return await generate_errors(generate(p["model_id"], prompt, sampling, p["carrier"], p["return_logits"],
                                                 fallback=p["fallback"]))

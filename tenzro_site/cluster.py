@@ -56,13 +56,15 @@ class LocalCluster:
     ids). ``say`` receives progress lines (default: silent). ``agent_http``: each agent also
     serves its HTTP endpoint (``--http-port``) on a free port and advertises it.
     ``dense_parts``: dense MLP layers are split into this many intermediate slices and
-    placed like experts (``holders.dense``; model ids in ``dense_ids``). Raises ``ClusterError``.
+    placed like experts (``holders.dense``; model ids in ``dense_ids``). ``roles``: agent
+    ``i`` starts with ``--role roles[i % len(roles)]`` (``Prefill``, ``Decode`` or
+    ``PrefillDecode``, the default). Raises ``ClusterError``.
     """
 
     def __init__(self, checkpoints: list[str | Path], holders: int = 4, port: int = 0, replication: int = 2,
                  heartbeat_interval: int = 5, say: Callable[[str], None] | None = None,
                  model_ids: list[str | None] | None = None, quants: list | None = None,
-                 agent_http: bool = False, dense_parts: int = 2):
+                 agent_http: bool = False, dense_parts: int = 2, roles: list[str] | None = None):
         if holders < 1:
             raise ClusterError("--holders must be at least 1")
         if port and not 0 < port < 65536:
@@ -73,6 +75,10 @@ class LocalCluster:
         if len(self.quants) != len(self.checkpoints) or len(self.model_id_overrides) != len(self.checkpoints):
             raise ClusterError("give one model id and one quant plan per checkpoint")
         self.holders = holders
+        self.roles = list(roles or ["PrefillDecode"])
+        bad = [r for r in self.roles if r not in ("PrefillDecode", "Prefill", "Decode")]
+        if bad:
+            raise ClusterError(f"--agent-role must be PrefillDecode, Prefill or Decode, got {bad[0]!r}")
         self.agent_http = agent_http
         self.port = port or free_port()
         self.replication = replication
@@ -121,7 +127,8 @@ class LocalCluster:
             proc = self._spawn(f"agent-{i}", [sys.executable, str(settings.BASE_DIR / "manage.py"), "holder_agent",
                                               "--site", self.url, "--key", str(key_path), "--name", f"agent-{i}",
                                               "--blob-dir", str(settings.VAR_DIR / "agents" / f"agent-{i}" / "blobs"),
-                                              "--heartbeat-interval", str(self.heartbeat_interval)]
+                                              "--heartbeat-interval", str(self.heartbeat_interval),
+                                              "--role", self.roles[i % len(self.roles)]]
                                + (["--http-port", str(free_port())] if self.agent_http else []), env)
             self.agents.append((pid, proc))
         self._wait(lambda: Provider.objects.filter(provider__in=ids, connected=True,

@@ -25,6 +25,9 @@ class Command(BaseCommand):
                             help="agents also serve POST /rpc on free ports (--http-port) and advertise them")
         parser.add_argument("--model-id", action="append", default=None,
                             help="model id per checkpoint (default: from the directory name)")
+        parser.add_argument("--agent-role", action="append", default=None,
+                            choices=["PrefillDecode", "Prefill", "Decode"],
+                            help="agent i gets the i-th role, cycling (default PrefillDecode for all)")
         parser.add_argument("--quant", default=None,
                             help="publish the experts quantized: q4_k_m, q8_0, q4_k, q6_k or a JSON object")
 
@@ -50,7 +53,7 @@ class Command(BaseCommand):
             cluster = LocalCluster(opts["checkpoint"], holders=opts["holders"], port=opts["port"], say=say,
                                    model_ids=opts["model_id"],
                                    quants=[plan.to_json() if plan else None] * len(opts["checkpoint"]),
-                                   agent_http=opts["agent_http"])
+                                   agent_http=opts["agent_http"], roles=opts["agent_role"])
             cluster.start()
             for sig in (signal.SIGINT, signal.SIGTERM):  # ready: the next signal ends the wait below
                 signal.signal(sig, lambda *_: stop.set())
