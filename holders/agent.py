@@ -33,6 +33,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from holders import compute, messages, methods, wire
+from holders.handoff import FRAME_ROLES, HandoffError, RoleRunner
 from registry.identity import DOMAIN_HEARTBEAT, DOMAIN_HELLO, provider_id, sign, sign_body
 from holders.faults import Fault, FaultInjector
 from holders.receipts import make_receipt
@@ -112,6 +113,8 @@ class HolderAgent:
         if fault is not None:
             log.warning("DRILL FAULT ENABLED: this agent will %s", f"sign perturbed rows for {fault.value:.0%} of "
                         "its batches" if fault.kind == "corrupt" else f"stall {fault.value:g} s per batch")
+        # Prefill/Decode frames (holders.handoff): the backbone runs here, MLP layers on the site.
+        self.generation = RoleRunner(roles, self.site, self.fetch, lambda: self.max_message)
 
     def stop(self) -> None:
         """Ask ``run()`` to return after closing the socket."""
@@ -257,6 +260,9 @@ class HolderAgent:
             elif kind == "repair":
                 outcome = await asyncio.to_thread(self.repair.run_pass, json.loads(payload or b"{}"))
                 await self._reply(messages.reply(req_id), json.dumps(outcome).encode())
+            elif kind in FRAME_ROLES:
+                fields, out = await asyncio.to_thread(self.generation.handle, kind, header, payload)
+                await self._reply(messages.reply(req_id, **fields), out)
             elif kind == "rpc":
                 body = json.dumps(await self._rpc(header, payload)).encode()
                 if len(body) > self.max_message - wire.FRAME_HEADER_MAX:  # the site would drop the socket
@@ -266,7 +272,7 @@ class HolderAgent:
                 await self._reply(messages.reply(req_id), body)
             else:
                 await self._reply(messages.failure(req_id, "bad_request", f"unknown request type {kind!r}"))
-        except (RuntimeFault, wire.WireError, BlobError, ValueError, KeyError, TypeError) as exc:
+        except (RuntimeFault, wire.WireError, BlobError, HandoffError, ValueError, KeyError, TypeError) as exc:
             await self._reply(messages.failure(req_id, type(exc).__name__, str(exc)))
         except ConnectionClosed:
             pass

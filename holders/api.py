@@ -5,6 +5,7 @@ from rest_framework import serializers
 
 from holders import methods, services, wire
 from holders.forward import ForwardError
+from holders.transports.ws import AgentUnavailable
 from registry.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, PLANNING_ERROR, RpcError
 from registry.services import PlacementError
 from registry.rpc import MethodTable
@@ -198,3 +199,95 @@ async def place_model(p: dict) -> dict:
         raise RpcError(PLANNING_ERROR, str(exc), field="model_id") from exc
 
 
+
+
+class IdsOrTextField(serializers.Field):
+    """``input_ids``/``prompt``: token ids, a list of id lists (a batch), text, or a list of texts."""
+
+    default_error_messages = {"invalid": "must be a list of token ids, a list of such lists, or text"}
+
+    def to_internal_value(self, data):
+        """Keep the value; its shape is checked by ``holders.generate.encode_prompts``."""
+        if not isinstance(data, (list, str)) or not data:
+            self.fail("invalid")
+        return data
+
+    def to_representation(self, value):
+        """The value itself."""
+        return value
+
+
+class GenerateParams(serializers.Serializer):
+    """Params of ``tenzro_moeGenerate``: exactly one of ``input_ids`` or ``prompt``."""
+
+    model_id = serializers.CharField(max_length=200)
+    input_ids = IdsOrTextField(required=False)
+    prompt = IdsOrTextField(required=False)
+    max_new_tokens = serializers.IntegerField(min_value=1, max_value=65536, required=False, default=16)
+    temperature = serializers.FloatField(min_value=0.0, max_value=100.0, required=False, default=0.0)
+    top_p = serializers.FloatField(min_value=0.0, max_value=1.0, required=False, default=1.0)
+    top_k = serializers.IntegerField(min_value=0, required=False, default=0)
+    seed = serializers.IntegerField(min_value=0, required=False, allow_null=True, default=None)
+    stop = serializers.ListField(child=serializers.IntegerField(min_value=0), required=False, default=list)
+    carrier = serializers.ChoiceField(["auto", "f32", "q8_0"], required=False, default="auto")
+    return_logits = serializers.BooleanField(required=False, default=False)
+    fallback = serializers.BooleanField(required=False, default=True,
+                                        help_text="the site runs batches every remote holder failed")
+    handoff = serializers.BooleanField(required=False, default=False,
+                                       help_text="prefill on a Prefill agent, KV cache handed to a Decode agent "
+                                                 "over the agent socket, decode there (result has kv_handoff)")
+
+    def validate(self, attrs):
+        """Require exactly one prompt source; ``handoff`` returns no logits."""
+        if ("input_ids" in attrs) == ("prompt" in attrs):
+            raise serializers.ValidationError({"input_ids": "give exactly one of input_ids or prompt"})
+        if attrs.get("handoff") and attrs.get("return_logits"):
+            raise serializers.ValidationError({"return_logits": "return_logits is not available with handoff"})
+        return attrs
+
+
+def sampling_from(p: dict):
+    """``Sampling`` from validated params; raises ``RpcError(-32602)`` naming the field."""
+    from holders.backbone import BackboneError
+    from holders.backbone.decode import Sampling
+
+    try:
+        return Sampling(max_new_tokens=p["max_new_tokens"], temperature=p["temperature"], top_p=p["top_p"],
+                        top_k=p["top_k"], seed=p["seed"], stop=tuple(p["stop"]))
+    except BackboneError as exc:
+        raise RpcError(INVALID_PARAMS, str(exc), {"field": exc.field}) from exc
+
+
+async def generate_errors(call):
+    """Await a generation, mapping its errors to JSON-RPC errors that name the field."""
+    from holders.backbone import BackboneError
+    from holders.generate import NoBackbone
+
+    try:
+        return await call
+    except NoBackbone as exc:
+        raise RpcError(INVALID_PARAMS, str(exc), {"field": "model_id"}) from exc
+    except ForwardError as exc:
+        code = PLANNING_ERROR if exc.kind == "planning" else EXECUTION_ERROR
+        raise RpcError(code, exc.message, {"field": "model_id", **exc.data}) from exc
+    except services.GateNotLoaded as exc:
+        raise RpcError(EXECUTION_ERROR, str(exc), {"field": "model_id"}) from exc
+    except BackboneError as exc:
+        raise RpcError(INVALID_PARAMS, str(exc), {"field": exc.field}) from exc
+    except AgentUnavailable as exc:  # a Prefill/Decode agent failed or timed out during a handoff run
+        raise RpcError(EXECUTION_ERROR, str(exc), {"field": "handoff"}) from exc
+
+
+@rpc_methods.method("tenzro_moeGenerate", params=GenerateParams)
+async def moe_generate(p: dict) -> dict:
+    """Generate tokens: backbone on this site, MoE layers on the holders (greedy or sampled)."""
+    from holders.generate import generate
+
+    sampling = sampling_from(p)
+    prompt = p.get("input_ids", p.get("prompt"))
+    if p["handoff"]:
+        from holders.disaggregate import generate_handoff
+
+        return await generate_errors(generate_handoff(p["model_id"], prompt, sampling, p["carrier"]))
+    return await generate_errors(generate(p["model_id"], prompt, sampling, p["carrier"], p["return_logits"],
+                                                fallback=p["fallback"]))

@@ -185,8 +185,10 @@ class LayerForward:
                  verify: bool = True,
                  local: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
                  routing: Routing | None = None,
-                 on_verified_batch: Callable[..., object] | None = None):
+                 on_verified_batch: Callable[..., object] | None = None,
+                 fallback: Callable[[int, np.ndarray], np.ndarray | None] | None = None):
         self.gate, self.model_id, self.layer = gate, model_id, layer
+        self.fallback = fallback
         self.hidden_states, self.get_view, self.send = hidden_states, get_view, send
         self.top_k, self.allow_cold, self.allow_partial = top_k, allow_cold, allow_partial
         self.carrier, self.deadline_s, self.max_message = carrier, deadline_s, max_message
@@ -345,6 +347,22 @@ class LayerForward:
                 break  # nothing was plannable: another round cannot change that
             self.replans += 1
 
+    async def run_fallback(self) -> None:
+        """Pairs every remote holder failed, executed by the router's fallback replica
+        (Kvasir's churn tolerance: the backbone node keeps every expert on disk); counted in
+        ``transports["fallback"]``. A fallback that returns None or fails leaves them missing."""
+        for expert, tokens in sorted(self.rows.outstanding().items()):
+            try:
+                out = await asyncio.to_thread(self.fallback, expert, self.x[np.asarray(tokens, dtype=np.int64)])
+                if out is None:
+                    continue
+                self.rows.put(expert, tokens, np.asarray(out, dtype=np.float32).reshape(len(tokens), self.d_model))
+            except (ValueError, LookupError, OSError) as exc:
+                self.failures.append({"provider": "fallback", "expert": expert, "error": str(exc), "fault": False})
+                continue
+            self.transports["fallback"] = self.transports.get("fallback", 0) + 1
+            self.batches += 1
+
     def finish(self) -> tuple[np.ndarray, Routing, list[dict]]:
         """The combined output f32 [T, H], the routing used and the missing pairs.
 
@@ -386,7 +404,14 @@ class LayerForward:
         t_gate = time.perf_counter()
         if self.readahead is not None:
             await self.readahead(sorted(self.routing.tokens_by_expert()))
-        await self.execute()
+        try:
+            await self.execute()
+        except ForwardError as exc:  # no live holder left to plan on: the fallback replica may still serve
+            if self.fallback is None:
+                raise
+            self.failures.append({"provider": "planner", "expert": -1, "error": exc.message, "fault": False})
+        if self.fallback is not None and self.rows.outstanding():
+            await self.run_fallback()
         t_exec = time.perf_counter()
         output, use, missing = self.finish()
         t_end = time.perf_counter()

@@ -20,6 +20,7 @@ from django.conf import settings
 
 from holders import messages, methods, wire
 from holders.dense import dense_model_id, dense_routing
+from holders.fallback import fallback_for
 from holders.forward import ForwardError, distributed_forward
 from holders.messages import BatchAnswer, BatchRequest, answer_to_batch
 from holders.gating import Gate
@@ -157,9 +158,12 @@ async def send_batch(provider: str, holder, req: BatchRequest) -> BatchAnswer:
 
 
 async def forward(model_id: str, layer: int, d_model: int, hidden_states: np.ndarray, top_k: int | None = None,
-                  allow_cold: bool = False, allow_partial: bool = False, carrier: str = "auto") -> dict:
+                  allow_cold: bool = False, allow_partial: bool = False, carrier: str = "auto",
+                  fallback: bool = False) -> dict:
     """``tenzro_moeForward``: the reference's result fields plus ``holders``, ``failures``,
     ``wire`` (bytes each way, per element), ``receipts`` (verified count) and ``timings_ms``.
+    ``fallback``: pairs every remote holder failed run on this site from its blob store
+    (``holders.fallback``; transport ``fallback``).
 
     Records each holder failure (reputation) and success (latency) through
     ``registry.services.record_holder_outcomes``. Raises ``GateNotLoaded``, ``ValueError``
@@ -182,7 +186,7 @@ async def forward(model_id: str, layer: int, d_model: int, hidden_states: np.nda
     res = await _recorded_forward(gate=gate, model_id=model_id, layer=layer, hidden_states=hidden_states,
                                   get_view=get_view, top_k=top_k, allow_cold=allow_cold,
                                   local=local if rt is not None else None, allow_partial=allow_partial,
-                                  carrier=carrier)
+                                  carrier=carrier, fallback=fallback_for(model_id, layer) if fallback else None)
     r = res.routing
     elems = int(hidden_states.shape[0]) * d_model
     return {
@@ -200,7 +204,7 @@ async def forward(model_id: str, layer: int, d_model: int, hidden_states: np.nda
 
 
 async def dense_forward(model_id: str, layer: int, d_model: int, hidden_states: np.ndarray,
-                        carrier: str = "auto") -> dict:
+                        carrier: str = "auto", fallback: bool = False) -> dict:
     """``tenzro_moeDenseForward``: a dense MLP layer split by intermediate slices over holders
     (``holders.dense``), recombined in slice order. ``model_id`` is the checkpoint's model;
     its slices are the experts of ``dense_model_id(model_id)``. Returns ``{model_id, layer,
@@ -223,7 +227,8 @@ async def dense_forward(model_id: str, layer: int, d_model: int, hidden_states: 
 
     res = await _recorded_forward(gate=None, routing=dense_routing(int(hidden_states.shape[0]), parts),
                                   model_id=dense_id, layer=layer, hidden_states=hidden_states,
-                                  get_view=get_view, carrier=carrier)
+                                  get_view=get_view, carrier=carrier,
+                                  fallback=fallback_for(dense_id, layer) if fallback else None)
     return {"model_id": model_id, "layer": layer, "d_model": d_model, "tokens": int(hidden_states.shape[0]),
             "parts": parts, "batches": res.batches, "replans": res.replans, "transports": res.transports,
             "holders": res.holders, "failures": res.failures, "receipts": len(res.receipts),

@@ -21,6 +21,7 @@ from django.conf import settings
 from django.core.management import call_command
 
 from registry.identity import load_or_create_key, provider_id
+from prepare.backbone import publish_backbone
 from prepare.services import publish_checkpoint, publish_dense
 from registry.models import Provider
 from registry.services import reset_sessions
@@ -58,15 +59,16 @@ class LocalCluster:
     placed like experts (``holders.dense``; model ids in ``dense_ids``). ``repair_interval``:
     seconds between repair passes of the site and of every agent (``TENZRO_REPAIR_INTERVAL``;
     None = the policy's). ``agent_faults``:
-    ``{agent index: "corrupt:P" | "stall:S"}`` drill faults (``holder_agent --fault``). Raises
-    ``ClusterError``.
+    ``{agent index: "corrupt:P" | "stall:S"}`` drill faults (``holder_agent --fault``). ``roles``: agent ``i``
+    starts with ``--role roles[i % len(roles)]`` (``Prefill``, ``Decode`` or ``PrefillDecode``,
+    the default). Raises ``ClusterError``.
     """
 
     def __init__(self, checkpoints: list[str | Path], holders: int = 4, port: int = 0, replication: int = 2,
                  heartbeat_interval: int = 5, say: Callable[[str], None] | None = None,
                  model_ids: list[str | None] | None = None, quants: list | None = None,
                  agent_http: bool = False, dense_parts: int = 2, repair_interval: int | None = None,
-                 agent_faults: dict[int, str] | None = None):
+                 agent_faults: dict[int, str] | None = None, roles: list[str] | None = None):
         if holders < 1:
             raise ClusterError("--holders must be at least 1")
         if port and not 0 < port < 65536:
@@ -81,6 +83,10 @@ class LocalCluster:
         bad = [i for i in self.agent_faults if not 0 <= i < holders]
         if bad:
             raise ClusterError(f"--agent-fault: agent index {bad[0]} is out of range 0..{holders - 1}")
+        self.roles = list(roles or ["PrefillDecode"])
+        bad = [r for r in self.roles if r not in ("PrefillDecode", "Prefill", "Decode")]
+        if bad:
+            raise ClusterError(f"--agent-role must be PrefillDecode, Prefill or Decode, got {bad[0]!r}")
         self.agent_http = agent_http
         self.port = port or free_port()
         self.replication = replication
@@ -109,6 +115,7 @@ class LocalCluster:
         for ckpt, mid, quant in zip(self.checkpoints, self.model_id_overrides, self.quants):
             self.say(f"publishing {ckpt}{f' as {quant}' if quant else ''} ...")
             self.model_ids.append(publish_checkpoint(ckpt, mid, quant=quant).model_id)
+            publish_backbone(ckpt, self.model_ids[-1])  # embeddings, attention, norms, head: the site generates
             if quant is None:
                 dense = publish_dense(ckpt, self.model_ids[-1], self.dense_parts)
                 if dense is not None:
@@ -131,7 +138,8 @@ class LocalCluster:
             proc = self._spawn(f"agent-{i}", [sys.executable, str(settings.BASE_DIR / "manage.py"), "holder_agent",
                                               "--site", self.url, "--key", str(key_path), "--name", f"agent-{i}",
                                               "--blob-dir", str(settings.VAR_DIR / "agents" / f"agent-{i}" / "blobs"),
-                                              "--heartbeat-interval", str(self.heartbeat_interval)]
+                                              "--heartbeat-interval", str(self.heartbeat_interval),
+                                              "--role", self.roles[i % len(self.roles)]]
                                + (["--http-port", str(free_port())] if self.agent_http else [])
                                + (["--fault", self.agent_faults[i]] if i in self.agent_faults else []), env)
             self.agents.append((pid, proc))

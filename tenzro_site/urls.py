@@ -4,6 +4,7 @@ from django.contrib.staticfiles.views import serve as serve_static
 from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from holders import openai_api
 from prepare import views as prepare_views
 from prepare.views import blob
 from registry import api as reg
@@ -38,6 +39,8 @@ urlpatterns = [
     path("", include("tenzro_site.console.urls")),
     path("healthz", views.healthz, name="healthz"),
     path("rpc", rpc_view, name="rpc"),
+    path("v1/completions", openai_api.completions, name="openai-completions"),
+    path("v1/chat/completions", openai_api.chat_completions, name="openai-chat-completions"),
     path("api/v1/", include(api_v1)),
     # Expert-coverage market (Kvasir wire contract): with or without a trailing slash, no redirect.
     re_path(r"^api/auth/challenge/?$", market.challenge, name="market-challenge"),

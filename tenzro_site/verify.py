@@ -139,3 +139,75 @@ def verify_dense_layers(rpc, model_id: str, checkpoint: str | Path, reference: s
                      "max_rel_err_vs_unsplit": rel, "max_abs_diff_vs_split": absdiff, "ms": round(ms, 1),
                      "ok": rel <= REL_TOLERANCE and absdiff == 0.0 and res["parts"] == parts})
     return rows
+
+
+GEN_TOLERANCE = 1e-4
+COMPACT_ARGMAX_MIN = 15 / 16
+COMPACT_COSINE_MIN = 0.999
+
+
+def generation_reference(reference: str | Path) -> dict[str, np.ndarray]:
+    """Load ``generation_reference.safetensors`` (``input_ids`` int64 ``[1, T]``, ``logits`` f32
+    ``[T, vocab]``, ``greedy_ids`` int64 ``[1, T + n]``). Raises ``ValueError`` when the file is
+    missing, unreadable or lacks one of those tensors."""
+    path = Path(reference)
+    if not path.is_file():
+        raise ValueError(f"{reference} is not a file")
+    try:
+        t = load_file(str(path))
+    except Exception as exc:  # safetensors raises its own error type for a bad header
+        raise ValueError(f"{reference} is not a readable safetensors file: {exc}") from exc
+    missing = [k for k in ("input_ids", "logits", "greedy_ids") if k not in t]
+    if missing:
+        raise ValueError(f"{reference} lacks {', '.join(missing)} (a generation reference holds input_ids, logits "
+                         f"and greedy_ids)")
+    return t
+
+
+def logit_measures(logits: np.ndarray, ref: np.ndarray) -> dict:
+    """Agreement of prompt logits ``[T, vocab]`` with the reference: ``max_rel_err`` (as
+    ``max_rel_err``), ``argmax_agreement`` (fraction of positions with the same argmax) and
+    ``logit_cosine`` (cosine similarity of the whole ``[T, vocab]`` logits, Kvasir's measure)
+    and ``logit_cosine_min`` (the smallest per-position cosine)."""
+    a, b = logits.astype(np.float64), ref.astype(np.float64)
+    cos = np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    return {"max_rel_err": max_rel_err(logits, ref),
+            "argmax_agreement": float(np.mean(np.argmax(a, axis=1) == np.argmax(b, axis=1))),
+            "logit_cosine": float(np.sum(a * b) / (np.linalg.norm(a) * np.linalg.norm(b))),
+            "logit_cosine_min": float(np.min(cos))}
+
+
+def verify_generation(rpc, model_id: str, reference: str | Path, carrier: str = "f32") -> dict:
+    """Run the reference prompt through ``tenzro_moeGenerate`` (greedy) with ``carrier`` and
+    with the compact wire, and compare with the transformers reference.
+
+    ``rpc(method, params) -> result``. Returns the ``verify_generate --json`` object
+    ``{model_id, greedy_ids_equal, max_rel_err_logits, compact: {argmax_agreement,
+    logit_cosine}}`` plus ``carrier``, ``output_ids``, ``reference_ids``, ``tokens_per_s``,
+    ``layers`` (of the main run), ``compact_greedy_ids_equal`` and ``ok``: with ``f32``
+    greedy ids equal and logits within ``GEN_TOLERANCE``; with ``auto`` argmax agreement ≥
+    15/16 and cosine ≥ 0.999.
+    """
+    ref = generation_reference(reference)
+    prompt = [int(t) for t in ref["input_ids"][0]]
+    want = [int(t) for t in ref["greedy_ids"][0]]
+    n_new = len(want) - len(prompt)
+    vocab = int(ref["logits"].shape[1])
+
+    def run(c: str) -> tuple[dict, np.ndarray]:
+        res = rpc("tenzro_moeGenerate", {"model_id": model_id, "input_ids": prompt, "max_new_tokens": n_new,
+                                         "carrier": c, "return_logits": True})
+        return res, wire.decode_f32(wire.b64decode(res["prompt_logits"], "prompt_logits"), vocab)
+
+    main, logits = run(carrier)
+    compact, clogits = (main, logits) if carrier == "auto" else run("auto")
+    m, cm = logit_measures(logits, ref["logits"]), logit_measures(clogits, ref["logits"])
+    equal = prompt + main["output_ids"] == want
+    ok = (equal and m["max_rel_err"] <= GEN_TOLERANCE) if carrier == "f32" else \
+        (cm["argmax_agreement"] >= COMPACT_ARGMAX_MIN and cm["logit_cosine"] >= COMPACT_COSINE_MIN)
+    return {"model_id": model_id, "greedy_ids_equal": equal, "max_rel_err_logits": m["max_rel_err"],
+            "compact": {"argmax_agreement": cm["argmax_agreement"], "logit_cosine": cm["logit_cosine"]},
+            "carrier": carrier, "output_ids": main["output_ids"], "reference_ids": want[len(prompt):],
+            "compact_greedy_ids_equal": prompt + compact["output_ids"] == want,
+            "compact_logit_cosine_min": cm["logit_cosine_min"],
+            "tokens_per_s": main["tokens_per_s"], "layers": main["layers"], "ok": ok}

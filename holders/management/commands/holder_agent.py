@@ -31,6 +31,9 @@ class Command(BaseCommand):
         parser.add_argument("--compute", default=None, choices=["auto", "cpu", "cuda", "wgpu"],
                             help="compute backend "
                                  "(default $TENZRO_COMPUTE_BACKEND or auto: CUDA when usable, else CPU)")
+        parser.add_argument("--role", default="PrefillDecode", choices=["PrefillDecode", "Prefill", "Decode"],
+                            help="generation role: Prefill runs prompts and hands the KV cache off, Decode "
+                                 "continues handed-off sequences, PrefillDecode (default) does both")
         parser.add_argument("--name", default="", help="a display name for this provider")
         parser.add_argument("--heartbeat-interval", type=float, default=None,
                             help="seconds between signed heartbeats (default $TENZRO_HEARTBEAT_INTERVAL or 15)")
@@ -81,6 +84,7 @@ class Command(BaseCommand):
         try:
             compute.set_backend(compute.select_backend(opts["compute"]))
             agent = HolderAgent(opts["site"], key, blob_dir, name=opts["name"], heartbeat_interval=interval,
+                                roles=("ExpertHolder", opts["role"]),
                                 memory_budget=opts["budget"], disk_dir=opts["disk_dir"],
                                 http_port=opts["http_port"], http_host=opts["http_host"], fault=fault,
                                 price_per_input_token=opts["price_per_input_token"],

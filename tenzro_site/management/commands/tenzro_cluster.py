@@ -43,6 +43,9 @@ class Command(BaseCommand):
                             help="model id per checkpoint (default: from the directory name)")
         parser.add_argument("--repair-interval", type=int, default=None, metavar="S",
                             help="seconds between repair passes (default: the governance policy's, 120)")
+        parser.add_argument("--agent-role", action="append", default=None,
+                            choices=["PrefillDecode", "Prefill", "Decode"],
+                            help="agent i gets the i-th role, cycling (default PrefillDecode for all)")
         parser.add_argument("--quant", default=None,
                             help="publish the experts quantized: q4_k_m, q8_0, q4_k, q6_k or a JSON object")
         parser.add_argument("--agent-fault", action="append", default=None, metavar="INDEX=MODE",
@@ -74,7 +77,7 @@ class Command(BaseCommand):
                                    model_ids=opts["model_id"],
                                    quants=[plan.to_json() if plan else None] * len(opts["checkpoint"]),
                                    agent_http=opts["agent_http"], repair_interval=opts["repair_interval"],
-                                   agent_faults=faults)
+                                   agent_faults=faults, roles=opts["agent_role"])
             cluster.start()
             for sig in (signal.SIGINT, signal.SIGTERM):  # ready: the next signal ends the wait below
                 signal.signal(sig, lambda *_: stop.set())

@@ -16,7 +16,8 @@ from django.core.management.base import BaseCommand, CommandError
 from holders import wire
 from tenzro_site.cluster import ClusterError, LocalCluster
 from holders.dense import dense_model_id
-from tenzro_site.verify import REL_TOLERANCE, verify_dense_layers, verify_layers
+from tenzro_site.management.commands.verify_generate import table as generation_table
+from tenzro_site.verify import REL_TOLERANCE, verify_dense_layers, verify_generation, verify_layers
 from prepare.quantplan import QuantPlanError, parse_quant_plan
 from prepare.services import default_model_id
 from registry.selectors import shard_view
@@ -67,6 +68,7 @@ class Command(BaseCommand):
         failover = None
         economy = None
         dense: list[tuple[str, dict]] = []
+        generations: list[dict] = []
         try:
             cluster.start()
             t_up = time.perf_counter()
@@ -78,6 +80,10 @@ class Command(BaseCommand):
                     dense += [(model_id, r) for r in verify_dense_layers(
                         cluster.rpc, model_id, ckpt, ckpt / "reference.safetensors", cluster.dense_parts)]
             economy = self._economy_scene(cluster, cluster.model_ids[0], ckpts[0])
+            for (ckpt, _, q), model_id in zip(runs, cluster.model_ids):
+                ref = ckpt / "generation_reference.safetensors"
+                if q is None and ref.is_file():
+                    generations.append(verify_generation(cluster.rpc, model_id, ref, "f32"))
             failover = self._failover_scene(cluster, cluster.model_ids[0], ckpts[0])
             if opts["keep_running"]:
                 self.stdout.write(f"cluster running at {cluster.url} (Ctrl-C to stop)")
@@ -89,7 +95,8 @@ class Command(BaseCommand):
             pass
         finally:
             cluster.stop()
-        ok = self._summary(results, t_up - t0, time.perf_counter() - t0, opts["holders"], failover, dense, economy)
+        ok = self._summary(results, t_up - t0, time.perf_counter() - t0, opts["holders"], failover, dense, economy,
+                           generations)
         if not ok:
             sys.exit(1)
 
@@ -203,7 +210,8 @@ class Command(BaseCommand):
                 "ms": after["timings_ms"]["total"]}
 
     def _summary(self, results, t_start: float, t_total: float, holders: int, failover: dict | None = None,
-                 dense: list[tuple[str, dict]] = (), economy: dict | None = None) -> bool:
+                 dense: list[tuple[str, dict]] = (), economy: dict | None = None,
+                 generations: list[dict] = ()) -> bool:
         w = self.stdout.write
         w("")
         w(f"{'model':<26} {'layer':>5} {'tokens':>6} {'holders':>7} {'rel err vs transformers':>24} "
@@ -254,5 +262,12 @@ class Command(BaseCommand):
               f"{max(r['max_rel_err_vs_dense'] for r in quant_rows):.3e}, vs transformers "
               f"{max(r['max_rel_err_vs_reference'] for r in quant_rows):.3e}")
         all_ok &= self._economy_summary(economy)
+        if generations:
+            w("")
+            w("whole-model generation (backbone on the site, experts on the holders; greedy, 8 tokens; f32 carriers "
+              "vs transformers; compact wire: argmax agreement and logit cosine)")
+            for line in generation_table(generations):
+                w(line)
+            all_ok &= all(g["ok"] for g in generations)
         w("ALL CHECKS PASSED" if all_ok else "SOME CHECKS FAILED")
         return all_ok

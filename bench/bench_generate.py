@@ -1,0 +1,270 @@
+"""Token generation with distributed experts vs the same model in one process.
+
+Usage:  .venv/bin/python bench/bench_generate.py [--batch 8] [--prompt 32] [--steps 8] [--agents 4]
+        [--models qwen3,synth] [--carrier auto]
+
+Two models: the shipped qwen3_moe fixture, and a Qwen3-30B-A3B-shaped synthetic model (2
+layers, 128 experts, top-8, H 2048, expert FFN 768, 32 query / 4 KV heads of 128, vocab
+``--synth-vocab``) with Q4_K_M experts (gate/up Q4_K, down Q6_K). Quantizing 256 experts
+with our numpy quantizer would take minutes on 2 cores, so ``--pool`` distinct Q4_K_M
+matrices are quantized once and expert ``e`` takes pool entries chosen by ``e``: every
+expert runs the real Q4_K/Q6_K kernels at full size; only their values repeat.
+
+For each model the numpy backbone (``holders.backbone``) runs in this process; the MoE
+layer is either ``holders.ffn.moe_layer_forward`` with every expert local (baseline) or
+``holders.forward.distributed_forward`` over ``--agents`` holder processes (the real
+``HolderAgent.execute_request`` path behind HTTP ``POST /frame``, signed receipts verified;
+experts dealt round-robin). Both run the same prompts in the same run: prefill of
+``--batch`` prompts, then ``--steps`` decode steps at batch ``--batch``. Prints decode
+tokens/s, the time ratio per decode step (goal ≤ 1.25), prefill tokens/s, greedy-id
+agreement, and the KV-handoff bytes per prompt token (``holders.handoff.pack_handoff`` of
+the prefilled batch: what a Prefill agent hands a Decode agent).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from holders import quant  # noqa: E402
+from holders.ffn import ExpertWeights, moe_layer_forward  # noqa: E402
+from holders.gating import Gate  # noqa: E402
+
+QWEN = ROOT / "tests" / "fixtures" / "qwen3_moe_tiny"
+SYNTH = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 2, "num_attention_heads": 32,
+         "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+         "moe_intermediate_size": 768, "norm_topk_prob": True, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+         "max_position_embeddings": 4096, "tie_word_embeddings": False}
+
+
+def synth_pool(n: int, hidden: int, ffn: int) -> list[ExpertWeights]:
+    """``n`` Q4_K_M experts (gate/up ``quant.QuantizedMatrix`` Q4_K, down Q6_K), deterministic."""
+    pool = []
+    for i in range(n):
+        rng = np.random.default_rng(500 + i)
+        g, u = (rng.standard_normal((ffn, hidden)).astype(np.float32) * (2 / np.sqrt(hidden)) for _ in range(2))
+        d = rng.standard_normal((hidden, ffn)).astype(np.float32) * (2 / np.sqrt(ffn))
+        pool.append(ExpertWeights(quant.QuantizedMatrix("q4_k", g.shape, quant.quantize(g, "q4_k")),
+                                  quant.QuantizedMatrix("q4_k", u.shape, quant.quantize(u, "q4_k")),
+                                  quant.QuantizedMatrix("q6_k", d.shape, quant.quantize(d, "q6_k"))))
+    return pool
+
+
+def synth_expert(pool: list[ExpertWeights], layer: int, e: int) -> ExpertWeights:
+    """Expert ``e`` of ``layer``: projections drawn from ``pool`` by index (see module doc)."""
+    n = len(pool)
+    k = layer * 128 + e
+    return ExpertWeights(pool[k % n].gate, pool[(k // n + k) % n].up, pool[(3 * k + 1) % n].down)
+
+
+class Model:
+    """(backbone, gates per MoE layer, ``expert(layer, e)``) of ``name`` (``qwen3`` or ``synth``)."""
+
+    def __init__(self, name: str, pool: int, vocab: int):
+        from holders.backbone import build_backbone
+
+        self.name = name
+        if name == "qwen3":
+            from prepare.backbone import backbone_groups
+            from prepare.checkpoint import Checkpoint
+            from prepare.layouts import load_expert, load_gate, spec_from_config
+
+            c = Checkpoint(QWEN)
+            spec = spec_from_config(c.config)
+            self.config = c.config
+            w = {n: c.read(n) for names in backbone_groups(c).values() for n in names}
+            self.layers = [L for L in range(c.config["num_hidden_layers"]) if spec.is_moe_layer(L)]
+            self.gates = {L: load_gate(c, spec, L) for L in self.layers}
+            self.experts = {L: {e: load_expert(c, spec, L, e) for e in range(self.gates[L].num_experts)}
+                            for L in self.layers}
+        else:
+            cfg = {**SYNTH, "vocab_size": vocab}
+            self.config = cfg
+            rng = np.random.default_rng(0)
+            H, D, nq, nkv = cfg["hidden_size"], cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+            def mat(r, c):
+                return (rng.standard_normal((r, c)) / np.sqrt(c)).astype(np.float32)
+
+            w = {"model.embed_tokens.weight": rng.standard_normal((vocab, H)).astype(np.float32),
+                 "model.norm.weight": np.ones(H, np.float32), "lm_head.weight": mat(vocab, H)}
+            for L in range(cfg["num_hidden_layers"]):
+                p = f"model.layers.{L}."
+                w.update({p + "input_layernorm.weight": np.ones(H, np.float32),
+                          p + "post_attention_layernorm.weight": np.ones(H, np.float32),
+                          p + "self_attn.q_proj.weight": mat(nq * D, H), p + "self_attn.k_proj.weight": mat(nkv * D, H),
+                          p + "self_attn.v_proj.weight": mat(nkv * D, H), p + "self_attn.o_proj.weight": mat(H, nq * D),
+                          p + "self_attn.q_norm.weight": np.ones(D, np.float32),
+                          p + "self_attn.k_norm.weight": np.ones(D, np.float32)})
+            self.layers = list(range(cfg["num_hidden_layers"]))
+            self.gates = {L: Gate("qwen3_moe", mat(cfg["num_experts"], H) * 4, top_k=cfg["num_experts_per_tok"],
+                                  norm_topk_prob=True) for L in self.layers}
+            experts = synth_pool(pool, H, cfg["moe_intermediate_size"])
+            self.experts = {L: {e: synth_expert(experts, L, e) for e in range(cfg["num_experts"])}
+                            for L in self.layers}
+        self.backbone = build_backbone(self.config, w)
+
+
+def agent_main(spec: str, port: int, keys: list[tuple[int, int]], pool: int, vocab: int) -> None:
+    """Holder process: hold ``keys`` (layer, expert) of model ``spec``, serve HTTP, print ``ready``."""
+    from nacl.signing import SigningKey
+    from threadpoolctl import threadpool_limits
+
+    from holders.agent import HolderAgent
+    from holders.runtime import ExpertRuntime
+    from holders.transports.http import serve_http
+
+    threadpool_limits(limits=1)
+    model = Model(spec, pool, vocab)
+    agent = HolderAgent("http://127.0.0.1:9", SigningKey.generate(), tempfile.mkdtemp(prefix="tenzro-bench-gen-"))
+    agent.runtime = ExpertRuntime(backend=agent.backend)
+    for L, e in keys:
+        agent.runtime.load_expert(spec, L, e, model.experts[L][e].to_blob("f32"))
+
+    async def main():
+        server = await serve_http(agent._http_rpc, "127.0.0.1", port, agent._http_frame)
+        print(json.dumps({"ready": agent.provider}), flush=True)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_model(name: str, a) -> dict:
+    """Run one model in process and distributed; returns the report dict."""
+    from threadpoolctl import threadpool_limits
+
+    from holders.backbone.decode import Generator, Sampling
+    from holders.forward import distributed_forward
+    from holders.handoff import pack_handoff
+    from holders.transports.http import HttpHolderClient
+    from registry.shardmap import HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView
+
+    t_build = time.perf_counter()
+    model = Model(name, a.pool, a.synth_vocab)
+    keys = [(L, e) for L in model.layers for e in sorted(model.experts[L])]
+    procs = []
+    try:
+        for i in range(a.agents):
+            mine = keys[i::a.agents]
+            port = free_port()
+            arg = f"{name}:{port}:{';'.join(f'{L},{e}' for L, e in mine)}"
+            procs.append((subprocess.Popen([sys.executable, __file__, "--agent", arg, "--pool", str(a.pool),
+                                            "--synth-vocab", str(a.synth_vocab)], stdout=subprocess.PIPE, text=True),
+                          port, mine))
+        infos = []
+        for p, port, mine in procs:
+            line = p.stdout.readline()
+            if not line:
+                raise SystemExit(f"agent on port {port} did not start")
+            infos.append(ProviderInfo(json.loads(line)["ready"], roles=("ExpertHolder",),
+                                      http_endpoint=f"http://127.0.0.1:{port}/rpc",
+                                      holdings=tuple(HoldingInfo(name, L, e, "Warm", 0, None) for L, e in mine)))
+        build_s = time.perf_counter() - t_build
+        view = ShardView.build(name, infos, policy=ReplicationPolicy())
+        client = HttpHolderClient(300)
+        loop = asyncio.new_event_loop()
+
+        async def send(provider, holder, req):
+            return await client.execute_frame(holder.http_endpoint, req)
+
+        async def get_view(excluded):
+            return view
+
+        def dist_mlp(layer, x):
+            res = loop.run_until_complete(distributed_forward(
+                gate=model.gates[layer], model_id=name, layer=layer, hidden_states=x, get_view=get_view, send=send,
+                carrier=a.carrier, deadline_s=300, max_message=1 << 20))
+            return res.output
+
+        def local_mlp(layer, x):
+            return moe_layer_forward(model.gates[layer], model.experts[layer], x)[0]
+
+        rng = np.random.default_rng(7)
+        vocab = model.backbone.vocab_size
+        prompts = [rng.integers(0, vocab, a.prompt) for _ in range(a.batch)]
+        s = Sampling(max_new_tokens=a.steps + 1)
+
+        def run(mlp):
+            g = Generator(model.backbone, mlp, s)
+            seqs = g.prefill(prompts)
+            handoff = len(pack_handoff(seqs))
+            per_step = []
+            while True:
+                t0 = time.perf_counter()
+                if not g.step(seqs):
+                    break
+                per_step.append(time.perf_counter() - t0)
+            return seqs, g.timings["prefill_ms"] / 1e3, per_step, handoff
+
+        with threadpool_limits(limits=1):
+            run(dist_mlp)  # warm up connections, kernels and caches
+            run(local_mlp)
+            local = run(local_mlp)
+            dist = run(dist_mlp)
+        loop.run_until_complete(client.close())
+        loop.close()
+    finally:
+        for p, _, _ in procs:
+            p.terminate()
+            p.wait(10)
+    (ls, lpre, lsteps, handoff), (ds, dpre, dsteps, _) = local, dist
+    lstep, dstep = float(np.median(lsteps)), float(np.median(dsteps))
+    ptoks = a.batch * a.prompt
+    return {"model": name, "agents": a.agents, "batch": a.batch, "prompt_tokens": a.prompt, "decode_steps": len(dsteps),
+            "carrier": a.carrier, "cpu_cores": os.cpu_count(), "setup_s": round(build_s, 1),
+            "decode_step_ms": {"in_process": round(lstep * 1e3, 2), "distributed": round(dstep * 1e3, 2)},
+            "decode_step_ratio": round(dstep / lstep, 3),
+            "decode_tokens_per_s": {"in_process": round(a.batch / lstep, 2), "distributed": round(a.batch / dstep, 2)},
+            "prefill_tokens_per_s": {"in_process": round(ptoks / lpre, 2), "distributed": round(ptoks / dpre, 2)},
+            "greedy_ids_equal": [x.output for x in ls] == [x.output for x in ds],
+            "kv_handoff_bytes_per_token": round(handoff / ptoks, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="qwen3,synth")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--agents", type=int, default=4)
+    ap.add_argument("--carrier", default="auto", choices=["auto", "f32", "q8_0"])
+    ap.add_argument("--pool", type=int, default=8, help="distinct Q4_K_M matrices of the synthetic model")
+    ap.add_argument("--synth-vocab", type=int, default=8192)
+    ap.add_argument("--agent", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.agent:
+        name, port, keys = a.agent.split(":")
+        agent_main(name, int(port), [tuple(map(int, k.split(","))) for k in keys.split(";") if k], a.pool,
+                   a.synth_vocab)
+        return
+    for name in a.models.split(","):
+        r = bench_model(name, a)
+        print(f"{name}: decode step at batch {r['batch']}: in process {r['decode_step_ms']['in_process']} ms, "
+              f"distributed {r['decode_step_ms']['distributed']} ms over {r['agents']} agents "
+              f"({r['cpu_cores']} cores): ratio {r['decode_step_ratio']} (goal <= 1.25); decode tok/s "
+              f"{r['decode_tokens_per_s']}; prefill tok/s {r['prefill_tokens_per_s']}; KV handoff "
+              f"{r['kv_handoff_bytes_per_token']} B/token; greedy ids equal: {r['greedy_ids_equal']}", flush=True)
+        print(json.dumps(r), flush=True)
+
+
+if __name__ == "__main__":
+    main()

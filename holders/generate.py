@@ -1,0 +1,201 @@
+"""Token generation on the site (the backbone node): the published backbone runs here, each
+MoE layer goes through the distributed forward (``holders.services.forward``: failover,
+receipts, settlement records) and each dense MLP layer through the dense split
+(``holders.services.dense_forward``).
+
+The numpy backbone runs in a worker thread; its per-layer MLP calls are coroutines put
+back on the caller's event loop, so holder traffic keeps flowing while the thread waits.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+from channels.db import database_sync_to_async
+
+from holders import services, wire
+from holders.backbone import Backbone, BackboneError
+from holders.backbone.decode import Generator, Sampling, Sequence
+from holders.backbone.weights import BACKBONE_KEY, load_backbone
+from holders.dense import dense_model_id
+from registry.models import MoeModel
+
+
+class NoBackbone(BackboneError):
+    """The model is unknown here or was published without its backbone."""
+
+
+@dataclass
+class ServedModel:
+    """A model this site can generate with: its backbone, MoE layers, dense layers and the
+    optional ``tokenizers.Tokenizer`` (None: token ids in and out)."""
+
+    model_id: str
+    backbone: Backbone
+    moe_layers: frozenset[int]
+    dense_layers: frozenset[int]
+    tokenizer: object | None
+
+
+_models: dict[tuple, ServedModel] = {}
+_models_lock = threading.Lock()
+
+
+def served_model(model_id: str) -> ServedModel:
+    """Load (once per published content) the backbone of ``model_id`` from its blobs.
+
+    Raises ``NoBackbone`` (field ``model_id``) for an unknown model or one without a
+    published backbone, and ``BackboneError`` for a malformed one.
+    """
+    m = MoeModel.objects.filter(model_id=model_id).first()
+    if m is None:
+        raise NoBackbone(f"model {model_id!r} is not published on this site")
+    record = (m.config or {}).get(BACKBONE_KEY)
+    if not record:
+        raise NoBackbone(f"model {model_id!r} has experts but no backbone: publish it with "
+                         f"prepare.backbone.publish_backbone (tenzro_cluster and verify_generate do)")
+    key = (model_id, tuple(sorted(record["blobs"].items())), record.get("tokenizer"))
+    with _models_lock:
+        hit = _models.get(key)
+    if hit is not None:
+        return hit
+    config = {k: v for k, v in m.config.items() if k != BACKBONE_KEY}
+    backbone = load_backbone(config, record, lambda h: services.site_fetch(f"tenzro://blob/{h}"))
+    dense = MoeModel.objects.filter(model_id=dense_model_id(model_id)).first()
+    tokenizer = None
+    if record.get("tokenizer"):
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_str(services.site_fetch(f"tenzro://blob/{record['tokenizer']}").decode())
+    served = ServedModel(model_id, backbone, frozenset(m.moe_layers),
+                         frozenset(dense.moe_layers) if dense else frozenset(), tokenizer)
+    with _models_lock:
+        _models[key] = served
+    return served
+
+
+class LayerStats:
+    """What the distributed layer forwards of one generation took (summed over calls)."""
+
+    def __init__(self):
+        self.forward_ids: list[str] = []
+        self.batches = self.replans = self.receipts = self.bytes_out = self.bytes_back = 0
+        self.failures: list[dict] = []
+        self.transports: dict[str, int] = {}
+        self.holders: set[str] = set()
+
+    def add(self, fid: str, res: dict) -> None:
+        self.forward_ids.append(fid)
+        self.batches += res["batches"]
+        self.replans += res["replans"]
+        self.receipts += res["receipts"]
+        self.bytes_out += res["wire"]["bytes_out"]
+        self.bytes_back += res["wire"]["bytes_back"]
+        self.failures += res["failures"]
+        self.holders.update(res["holders"])
+        for k, v in res["transports"].items():
+            self.transports[k] = self.transports.get(k, 0) + v
+
+    def to_json(self) -> dict:
+        return {"forwards": len(self.forward_ids), "batches": self.batches, "replans": self.replans,
+                "receipts": self.receipts, "failures": self.failures, "transports": self.transports,
+                "holders": sorted(self.holders), "wire": {"bytes_out": self.bytes_out, "bytes_back": self.bytes_back}}
+
+
+def distributed_mlp(served: ServedModel, loop: asyncio.AbstractEventLoop, carrier: str, stats: LayerStats,
+                    gen_id: str, fallback: bool = True):
+    """The backbone's ``mlp(layer, x)`` callback for a worker thread: MoE layers by
+    ``services.forward``, dense layers by ``services.dense_forward``, run on ``loop``;
+    with ``fallback`` the site's replica serves batches every remote holder failed.
+
+    Raises ``BackboneError`` for a layer that is neither, and whatever the forward raises
+    (``ForwardError``, ``GateNotLoaded``)."""
+    steps: dict[int, int] = {}
+
+    def mlp(layer: int, x: np.ndarray) -> np.ndarray:
+        if layer in served.moe_layers:
+            coro = services.forward(served.model_id, layer, x.shape[1], x, carrier=carrier, fallback=fallback)
+        elif layer in served.dense_layers:
+            coro = services.dense_forward(served.model_id, layer, x.shape[1], x, carrier=carrier,
+                                                 fallback=fallback)
+        else:
+            raise BackboneError(f"layer {layer} of {served.model_id!r} has neither published experts nor dense "
+                                f"slices")
+        res = asyncio.run_coroutine_threadsafe(coro, loop).result()
+        step = steps.get(layer, 0)
+        steps[layer] = step + 1
+        stats.add(f"{gen_id}/{step}/{layer}", res)
+        return wire.decode_f32(wire.b64decode(res["outputs"], "outputs"), x.shape[1])
+
+    return mlp
+
+
+def encode_prompts(served: ServedModel, prompt) -> list[np.ndarray]:
+    """Prompts as id arrays: text (one string or a list) through the tokenizer, or ids (one
+    list or a list of lists). Raises ``BackboneError`` (field ``prompt``/``input_ids``)."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
+        if served.tokenizer is None:
+            raise BackboneError(f"model {served.model_id!r} ships no tokenizer.json: send token ids", "prompt")
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        return [np.asarray(served.tokenizer.encode(t).ids, dtype=np.int64) for t in texts]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [np.asarray(prompt, dtype=np.int64)]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and
+                                                   all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+                                                   for p in prompt):
+        return [np.asarray(p, dtype=np.int64) for p in prompt]
+    raise BackboneError("give a non-empty list of token ids, a list of such lists, or text", "input_ids")
+
+
+def decode_text(served: ServedModel, ids: list[int]) -> str | None:
+    """Text of ``ids`` when the model has a tokenizer, else None."""
+    return served.tokenizer.decode(ids) if served.tokenizer is not None else None
+
+
+async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "auto", return_logits: bool = False,
+                   on_tokens=None, fallback: bool = True) -> dict:
+    """``tenzro_moeGenerate``: prefill and decode ``prompt`` (see ``encode_prompts``) on the
+    published backbone with distributed MLP layers.
+
+    ``on_tokens(list[Sequence])`` is called from the worker thread as tokens are chosen.
+    ``fallback`` (default on): the site's fallback replica (``holders.fallback``) runs
+    batches that every remote holder failed.
+    Returns ``{model_id, output_ids ([ids] for one prompt, [[ids], …] for several), text?,
+    finish_reasons, prompt_logits? (base64 f32 [T, vocab]; one prompt only), forward_ids
+    (one per distributed layer forward: generation/step/layer), layers (batches, receipts,
+    failures, transports, wire), timings_ms, tokens_per_s}``. Raises ``NoBackbone``,
+    ``BackboneError`` and the forward's errors.
+    """
+    t0 = time.perf_counter()
+    served = await database_sync_to_async(served_model)(model_id)
+    prompts = encode_prompts(served, prompt)
+    if return_logits and len(prompts) != 1:
+        raise BackboneError("return_logits needs exactly one prompt", "return_logits")
+    stats = LayerStats()
+    gen_id = uuid.uuid4().hex[:12]
+    loop = asyncio.get_running_loop()
+    gen = Generator(served.backbone, distributed_mlp(served, loop, carrier, stats, gen_id, fallback), sampling)
+    seqs: list[Sequence] = await asyncio.to_thread(gen.run, prompts, return_logits, on_tokens)
+    total = (time.perf_counter() - t0) * 1e3
+    new = sum(len(s.output) for s in seqs)
+    decode_tokens = new - len(seqs)
+    single = not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)))
+    outs = [s.output for s in seqs]
+    result = {"model_id": model_id, "output_ids": outs[0] if single else outs,
+              "finish_reasons": [s.finish_reason for s in seqs], "forward_ids": stats.forward_ids,
+              "layers": stats.to_json(), "prompt_tokens": int(sum(p.size for p in prompts)),
+              "timings_ms": {"prefill": round(gen.timings["prefill_ms"], 3),
+                             "decode": round(gen.timings["decode_ms"], 3), "total": round(total, 3)},
+              "tokens_per_s": round(new / (total / 1e3), 3) if total > 0 else None,
+              "decode_tokens_per_s": (round(decode_tokens / (gen.timings["decode_ms"] / 1e3), 3)
+                                      if gen.timings["decode_ms"] > 0 else None)}
+    if served.tokenizer is not None:
+        texts = [decode_text(served, o) for o in outs]
+        result["text"] = texts[0] if single else texts
+    if return_logits:
+        result["prompt_logits"] = wire.b64encode(wire.encode_f32(seqs[0].prompt_logits))
+    return result

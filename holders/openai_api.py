@@ -1,0 +1,246 @@
+"""OpenAI-compatible ``POST /v1/completions`` and ``POST /v1/chat/completions`` over
+``holders.generate`` (thin views: parse, call the service, shape the answer).
+
+Text in and out when the checkpoint ships ``tokenizer.json`` (``tokenizers`` library);
+otherwise ``/v1/completions`` takes token ids as ``prompt`` (a list of ints, or a list of
+such lists, as the OpenAI API allows) and answers each choice's ``text`` as the generated
+ids separated by spaces, with the ids also in ``token_ids``. ``stream: true`` answers
+Server-Sent Events (``data: {chunk}`` … ``data: [DONE]``). Extensions: ``top_k`` and
+``carrier``. ``stop`` takes token ids, or strings that are one token each. Errors follow
+OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with HTTP 400/404.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from channels.db import database_sync_to_async
+from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from holders.backbone import BackboneError
+from holders.backbone.decode import Sampling
+from holders.forward import ForwardError
+from holders.generate import NoBackbone, ServedModel, decode_text, encode_prompts, generate, served_model
+from holders.runtime import GateNotLoaded
+
+
+class ApiError(Exception):
+    """An OpenAI-style error answer: HTTP ``status``, ``message`` and the offending ``param``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def response(self) -> JsonResponse:
+        return JsonResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                       "code": None}}, status=self.status)
+
+
+def _body(request: HttpRequest) -> dict:
+    try:
+        body = json.loads(request.body or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"request body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    return body
+
+
+def _number(body: dict, name: str, default, kind=float, lo=None, hi=None):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
+        raise ApiError(400, f"{name} must be {'an integer' if kind is int else 'a number'}", name)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ApiError(400, f"{name} must be in [{lo}, {hi}], got {v}", name)
+    return kind(v)
+
+
+def _stop_ids(served: ServedModel, stop) -> tuple[int, ...]:
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, (str, int)) else stop
+    if not isinstance(items, list):
+        raise ApiError(400, "stop must be a string, a token id or a list of them", "stop")
+    ids = []
+    for s in items:
+        if isinstance(s, int) and not isinstance(s, bool):
+            ids.append(s)
+        elif isinstance(s, str) and served.tokenizer is not None:
+            enc = served.tokenizer.encode(s, add_special_tokens=False).ids
+            if len(enc) != 1:
+                raise ApiError(400, f"stop string {s!r} is {len(enc)} tokens; only single-token stops are supported",
+                               "stop")
+            ids.append(enc[0])
+        else:
+            raise ApiError(400, "stop strings need a model with tokenizer.json; give token ids", "stop")
+    return tuple(ids)
+
+
+def _sampling(served: ServedModel, body: dict) -> Sampling:
+    if _number(body, "n", 1, int, 1, 1) != 1:
+        raise ApiError(400, "n must be 1", "n")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    try:
+        return Sampling(max_new_tokens=_number({"max_tokens": max_tokens}, "max_tokens", 16, int, 1, 65536),
+                        temperature=_number(body, "temperature", 1.0, float, 0, 2),
+                        top_p=_number(body, "top_p", 1.0, float, 0, 1), top_k=_number(body, "top_k", 0, int, 0),
+                        seed=_number(body, "seed", None, int, 0), stop=_stop_ids(served, body.get("stop")))
+    except BackboneError as exc:
+        raise ApiError(400, str(exc), exc.field) from exc
+
+
+async def _served(body: dict) -> ServedModel:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "model is required (a published model id)", "model")
+    try:
+        return await database_sync_to_async(served_model)(model)
+    except NoBackbone as exc:
+        raise ApiError(404, str(exc), "model", "not_found_error") from exc
+
+
+def chat_prompt(served: ServedModel, messages) -> str:
+    """A plain chat rendering, ``<role>: <content>`` per line then ``assistant:`` (the
+    checkpoint's Jinja chat template is not applied). Raises ``ApiError`` for bad messages."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", "messages")
+    if served.tokenizer is None:
+        raise ApiError(400, f"model {served.model_id!r} ships no tokenizer.json, so chat (text) is not available; "
+                            f"use /v1/completions with token ids as prompt", "model")
+    lines = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ApiError(400, f"messages[{i}] must be {{role: string, content: string}}", f"messages[{i}]")
+        lines.append(f"{m['role']}: {m['content']}")
+    return "\n".join(lines + ["assistant:"])
+
+
+def _text_of(served: ServedModel, ids: list[int]) -> str:
+    return decode_text(served, ids) if served.tokenizer is not None else " ".join(str(t) for t in ids)
+
+
+async def _run(served: ServedModel, body: dict, prompt, chat: bool):
+    """Validate, then either the whole answer (JsonResponse) or an SSE stream."""
+    sampling = _sampling(served, body)
+    carrier = body.get("carrier", "auto")
+    if carrier not in ("auto", "f32", "q8_0"):
+        raise ApiError(400, "carrier must be auto, f32 or q8_0", "carrier")
+    try:
+        prompts = encode_prompts(served, prompt)
+    except BackboneError as exc:
+        raise ApiError(400, str(exc), "prompt" if not chat else "messages") from exc
+    if chat and len(prompts) != 1:
+        raise ApiError(400, "one conversation per request", "messages")
+    cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    created = int(time.time())
+    obj = "chat.completion" if chat else "text_completion"
+    base = {"id": cid, "created": created, "model": served.model_id}
+
+    def choice(i: int, ids: list[int], finish) -> dict:
+        text = _text_of(served, ids)
+        c = {"index": i, "finish_reason": finish, "token_ids": ids}
+        if chat:
+            c["message"] = {"role": "assistant", "content": text}
+        else:
+            c.update(text=text, logprobs=None)
+        return c
+
+    if not body.get("stream"):
+        try:
+            res = await generate(served.model_id, [p.tolist() for p in prompts], sampling, carrier)
+        except (BackboneError, ForwardError, GateNotLoaded) as exc:
+            raise _generation_error(exc) from exc
+        done = sum(len(o) for o in res["output_ids"])
+        return JsonResponse({**base, "object": obj, "choices": [
+            choice(i, o, f) for i, (o, f) in enumerate(zip(res["output_ids"], res["finish_reasons"]))],
+            "usage": {"prompt_tokens": res["prompt_tokens"], "completion_tokens": done,
+                      "total_tokens": res["prompt_tokens"] + done}, "timings_ms": res["timings_ms"]})
+    return StreamingHttpResponse(_stream(served, prompts, sampling, carrier, base, chat),
+                                 content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _generation_error(exc: Exception) -> ApiError:
+    if isinstance(exc, NoBackbone):
+        return ApiError(404, str(exc), "model", "not_found_error")
+    if isinstance(exc, BackboneError):
+        return ApiError(400, str(exc), exc.field)
+    return ApiError(503, getattr(exc, "message", str(exc)), "model", "server_error")
+
+
+async def _stream(served: ServedModel, prompts, sampling: Sampling, carrier: str, base: dict, chat: bool):
+    """SSE chunks: each new token's text per choice as it is chosen, then ``[DONE]``."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    sent = [0] * len(prompts)
+    texts = [""] * len(prompts)
+
+    def on_tokens(seqs):
+        snap = [(id(s), list(s.output), s.finish_reason) for s in seqs]
+        loop.call_soon_threadsafe(queue.put_nowait, ("tokens", snap))
+
+    task = asyncio.ensure_future(generate(served.model_id, [p.tolist() for p in prompts], sampling, carrier,
+                                          on_tokens=on_tokens))
+    task.add_done_callback(lambda t: queue.put_nowait(("done", None)))
+    order: dict[int, int] = {}
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(i: int, delta_text: str, ids: list[int], finish) -> str:
+        if chat:
+            c = {"index": i, "delta": {"role": "assistant", "content": delta_text} if sent[i] == 0 and ids
+                 else {"content": delta_text}, "finish_reason": finish, "token_ids": ids}
+        else:
+            c = {"index": i, "text": delta_text, "finish_reason": finish, "logprobs": None, "token_ids": ids}
+        return f"data: {json.dumps({**base, 'object': obj, 'choices': [c]})}\n\n"
+
+    while True:
+        kind, snap = await queue.get()
+        if kind == "done":
+            break
+        for key, output, finish in snap:
+            i = order.setdefault(key, len(order))
+            new = output[sent[i]:]
+            full = _text_of(served, output)
+            delta = full[len(texts[i]):] if full.startswith(texts[i]) else full
+            texts[i] = full
+            yield chunk(i, delta, new, finish)
+            sent[i] = len(output)
+    exc = task.exception()
+    if exc is not None:
+        err = _generation_error(exc) if isinstance(exc, (BackboneError, ForwardError, GateNotLoaded)) else \
+            ApiError(500, "generation failed", None, "server_error")
+        yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.kind, 'param': err.param}})}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def _handle(request: HttpRequest, chat: bool):
+    if request.method != "POST":
+        return ApiError(405, "use POST").response()
+    try:
+        body = _body(request)
+        served = await _served(body)
+        if chat:
+            prompt = chat_prompt(served, body.get("messages"))
+        else:
+            prompt = body.get("prompt")
+            if prompt is None:
+                raise ApiError(400, "prompt is required", "prompt")
+        return await _run(served, body, prompt, chat)
+    except ApiError as exc:
+        return exc.response()
+
+
+@csrf_exempt
+async def completions(request: HttpRequest):
+    """``POST /v1/completions`` (OpenAI legacy completions)."""
+    return await _handle(request, chat=False)
+
+
+@csrf_exempt
+async def chat_completions(request: HttpRequest):
+    """``POST /v1/chat/completions`` (OpenAI chat completions; plain role-prefixed prompt)."""
+    return await _handle(request, chat=True)

@@ -1,0 +1,83 @@
+"""Publishing a checkpoint's backbone (everything but the MLPs) as content-addressed blobs.
+
+A backbone node needs the embeddings, every layer's attention and norms, the final norm
+and the LM head, never a full checkpoint: each group is read by ranged reads
+(``Checkpoint.read_bytes``, one tensor at a time) and stored as one canonical safetensors
+blob in its source dtype (BF16/F16/F32; FP8 weights are decoded with their block scales to
+F32). Groups: ``embed`` (``model.embed_tokens.weight``), ``layer.{L}`` (tensors under
+``model.layers.{L}.`` that are not the MLP), ``head`` (``model.norm.weight`` and
+``lm_head.weight`` when not tied), and ``tokenizer`` (the raw ``tokenizer.json`` when the
+checkpoint ships one). The blob hashes are recorded in ``MoeModel.config['tenzro_backbone']``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from holders.backbone.weights import BACKBONE_KEY  # the key the site reads
+from holders.codec import dumps_safetensors
+from prepare.checkpoint import Checkpoint
+
+_NATIVE = ("BF16", "F16", "F32")
+
+
+def backbone_groups(ckpt: Checkpoint) -> dict[str, list[str]]:
+    """Backbone tensor names of ``ckpt`` by blob group (see the module docstring).
+
+    MLP tensors (``.mlp.``, ``.block_sparse_moe.``), FP8 ``*_scale_inv`` companions and
+    multi-token-prediction layers past ``num_hidden_layers`` are left out.
+    """
+    n_layers = int(ckpt.config.get("num_hidden_layers", 0) or 0)
+    groups: dict[str, list[str]] = {"embed": [], "head": []}
+    for name in ckpt.names():
+        if name.endswith("_scale_inv"):
+            continue
+        if name == "model.embed_tokens.weight":
+            groups["embed"].append(name)
+        elif name in ("model.norm.weight", "lm_head.weight"):
+            groups["head"].append(name)
+        elif name.startswith("model.layers."):
+            layer = int(name.split(".")[2])
+            if layer >= n_layers or ".mlp." in name or ".block_sparse_moe." in name:
+                continue
+            groups.setdefault(f"layer.{layer}", []).append(name)
+    return groups
+
+
+def group_blob(ckpt: Checkpoint, names: list[str]) -> bytes:
+    """One safetensors blob of ``names`` read from ``ckpt`` (source dtype when BF16/F16/F32,
+    else decoded to F32). Raises ``CheckpointError`` for a missing or unreadable tensor."""
+    tensors = {}
+    for name in names:
+        info = ckpt.info(name)
+        if info.dtype in _NATIVE:
+            tensors[name] = (info.dtype, tuple(info.shape), ckpt.read_bytes(name))
+        else:
+            tensors[name] = ckpt.read(name)
+    return dumps_safetensors(tensors, {"format": "tenzro-backbone"})
+
+
+def publish_backbone(checkpoint: str | Path, model_id: str) -> dict:
+    """Store ``checkpoint``'s backbone groups in the site's blob store and record them on the
+    (already published) ``MoeModel`` ``model_id``. Idempotent.
+
+    Returns the record ``{"blobs": {group: hash}, "nbytes": {group: n}, "tokenizer": hash | None}``.
+    Raises ``CheckpointError`` and ``MoeModel.DoesNotExist``.
+    """
+    from django.conf import settings
+
+    from holders.blobs import BlobStore
+    from registry.models import MoeModel
+
+    ckpt = Checkpoint(checkpoint)
+    store = BlobStore(settings.TENZRO["BLOB_DIR"])
+    blobs, sizes = {}, {}
+    for group, names in backbone_groups(ckpt).items():
+        data = group_blob(ckpt, names)
+        blobs[group], sizes[group] = store.put(data), len(data)
+    tok = Path(checkpoint) / "tokenizer.json" if Path(checkpoint).is_dir() else None
+    record = {"blobs": blobs, "nbytes": sizes,
+              "tokenizer": store.put(tok.read_bytes()) if tok is not None and tok.is_file() else None}
+    model = MoeModel.objects.get(model_id=model_id)
+    model.config = {**model.config, BACKBONE_KEY: record}
+    model.save(update_fields=["config"])
+    return record

@@ -1,0 +1,139 @@
+"""Whole-model generation end to end: a real cluster (site = backbone node, agents = experts),
+``tenzro_moeGenerate`` and the OpenAI-compatible endpoints with a real SSE client."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+from httpx_sse import connect_sse
+from safetensors.numpy import load_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from holders import wire
+from tests.cluster_util import rpc, running_cluster
+from tests.conftest import QWEN
+
+pytestmark = pytest.mark.cluster
+
+
+def checkpoint_with_tokenizer(tmp_path):
+    """The qwen fixture plus a word-level ``tokenizer.json`` (token ``t{i}`` is id ``i``)."""
+    d = tmp_path / "qwen3_moe_tiny"
+    d.mkdir()
+    for f in QWEN.iterdir():
+        (d / f.name).symlink_to(f)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(d / "tokenizer.json"))
+    return d
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gen")
+    ckpt = checkpoint_with_tokenizer(tmp)
+    with running_cluster(tmp, [ckpt], holders=2) as (info, _proc):
+        yield info
+
+
+REF = load_file(str(QWEN / "generation_reference.safetensors"))
+PROMPT = [int(t) for t in REF["input_ids"][0]]
+GREEDY = [int(t) for t in REF["greedy_ids"][0][16:]]
+
+
+def test_generate_greedy_matches_reference_with_logits(cluster):
+    res = rpc(cluster["rpc"], "tenzro_moeGenerate", {"model_id": "qwen3-moe-tiny", "input_ids": PROMPT,
+                                                     "max_new_tokens": 8, "carrier": "f32", "return_logits": True})
+    r = res["result"]
+    assert r["output_ids"] == GREEDY
+    logits = wire.decode_f32(wire.b64decode(r["prompt_logits"], "prompt_logits"), 256)
+    assert np.abs(logits - REF["logits"]).max() / np.abs(REF["logits"]).max() <= 1e-4
+    assert r["text"] == " ".join(f"t{i}" for i in GREEDY)
+    assert len(r["forward_ids"]) == 2 * 8 and r["layers"]["receipts"] > 0 and r["tokens_per_s"] > 0
+
+
+def test_generate_text_prompt_and_batch(cluster):
+    text = " ".join(f"t{i}" for i in PROMPT)
+    r = rpc(cluster["rpc"], "tenzro_moeGenerate", {"model_id": "qwen3-moe-tiny", "prompt": text,
+                                                   "max_new_tokens": 4, "carrier": "f32"})["result"]
+    assert r["output_ids"] == GREEDY[:4]
+    b = rpc(cluster["rpc"], "tenzro_moeGenerate", {"model_id": "qwen3-moe-tiny", "input_ids": [PROMPT, PROMPT[:5]],
+                                                   "max_new_tokens": 3, "carrier": "f32"})["result"]
+    assert b["output_ids"][0] == GREEDY[:3] and len(b["output_ids"][1]) == 3
+    # one distributed forward per layer per step for the whole batch
+    assert len(b["forward_ids"]) == 2 * 3
+
+
+@pytest.mark.parametrize("params,field", [
+    ({"model_id": "nope", "input_ids": [1, 2]}, "model_id"),
+    ({"model_id": "qwen3-moe-tiny", "input_ids": list(range(100)) * 2}, "input_ids"),
+    ({"model_id": "qwen3-moe-tiny", "input_ids": [1, 2], "temperature": -1}, "temperature"),
+    ({"model_id": "qwen3-moe-tiny", "input_ids": [1, 2], "top_p": 1.5}, "top_p"),
+    ({"model_id": "qwen3-moe-tiny", "input_ids": [1, 999]}, "input_ids"),
+    ({"model_id": "qwen3-moe-tiny", "input_ids": [1], "prompt": "t1"}, "input_ids"),
+])
+def test_generate_errors_name_the_field(cluster, params, field):
+    err = rpc(cluster["rpc"], "tenzro_moeGenerate", params)["error"]
+    assert err["code"] == -32602 and err["data"]["field"] == field, err
+
+
+def test_openai_completions_plain_and_streamed(cluster):
+    url = cluster["url"]
+    body = {"model": "qwen3-moe-tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "carrier": "f32"}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+    assert r["choices"][0]["token_ids"] == GREEDY and r["usage"]["completion_tokens"] == 8
+    ids, texts, finish = [], [], None
+    with httpx.Client(timeout=120) as client:
+        with connect_sse(client, "POST", f"{url}/v1/completions", json={**body, "stream": True}) as es:
+            assert es.response.headers["content-type"].startswith("text/event-stream")
+            for ev in es.iter_sse():
+                if ev.data == "[DONE]":
+                    break
+                c = json.loads(ev.data)["choices"][0]
+                ids += c["token_ids"]
+                texts.append(c["text"])
+                finish = c["finish_reason"] or finish
+    assert ids == GREEDY and len(texts) == 8 and finish == "length"
+    assert "".join(texts).split() == [f"t{i}" for i in GREEDY]
+
+
+def test_openai_chat_streams_text(cluster):
+    body = {"model": "qwen3-moe-tiny", "messages": [{"role": "user", "content": "t5 t6 t7"}], "max_tokens": 4,
+            "temperature": 0.7, "seed": 3, "stream": True}
+    content = []
+    with httpx.Client(timeout=120) as client:
+        with connect_sse(client, "POST", f"{cluster['url']}/v1/chat/completions", json=body) as es:
+            for ev in es.iter_sse():
+                if ev.data == "[DONE]":
+                    break
+                content.append(json.loads(ev.data)["choices"][0]["delta"]["content"])
+    assert len(content) == 4 and all(w.startswith("t") for w in "".join(content).split())
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/v1/completions", {"model": "nope", "prompt": [1]}, 404, "model"),
+    ("/v1/completions", {"model": "qwen3-moe-tiny"}, 400, "prompt"),
+    ("/v1/completions", {"model": "qwen3-moe-tiny", "prompt": [1], "temperature": 5}, 400, "temperature"),
+    ("/v1/completions", {"model": "qwen3-moe-tiny", "prompt": [1], "n": 2}, 400, "n"),
+    ("/v1/chat/completions", {"model": "qwen3-moe-tiny", "messages": []}, 400, "messages"),
+])
+def test_openai_errors(cluster, path, body, status, param):
+    r = httpx.post(cluster["url"] + path, json=body, timeout=60)
+    assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+
+
+def test_fallback_replica_serves_when_every_holder_is_gone(cluster):
+    """Runs last: SIGKILL every agent; the site's fallback replica serves every batch."""
+    import os
+    import signal
+
+    for a in cluster["agents"]:
+        os.kill(a["pid"], signal.SIGKILL)
+    params = {"model_id": "qwen3-moe-tiny", "input_ids": PROMPT, "max_new_tokens": 8, "carrier": "f32"}
+    r = rpc(cluster["rpc"], "tenzro_moeGenerate", params)["result"]
+    assert r["output_ids"] == GREEDY
+    assert r["layers"]["transports"].get("fallback", 0) > 0 and r["layers"]["holders"] == []
+    err = rpc(cluster["rpc"], "tenzro_moeGenerate", {**params, "fallback": False})["error"]
+    assert err["code"] in (-32000, -32004)
