@@ -19,7 +19,7 @@ import numpy as np
 
 from holders.compute import matmul_xt
 from holders.gating import Gate, Routing, route
-from holders.quant import QTYPES, QuantizedMatrix
+from holders.quant import QTYPES, QUANT_TYPES, QuantizedMatrix
 from holders.codec import dumps_safetensors, encode_bf16, loads_safetensors
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -116,7 +116,7 @@ class ExpertWeights:
         """The coarsest quantization of the three projections (``q4_k`` < ``q6_k`` < ``q8_0``),
         or None when all are dense (reference §4.4, status ``quant``)."""
         kinds = [k for k in self.quant_kinds().values() if k in QTYPES]
-        return min(kinds, key=("q4_k", "q6_k", "q8_0").index) if kinds else None
+        return min(kinds, key=lambda q: QUANT_TYPES[q].bits_per_weight) if kinds else None
 
     @property
     def nbytes(self) -> int:
