@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from holders.activations import silu
 from holders.compute import matmul_xt
 from holders.gating import Gate, Routing, route
 from holders.quant import QTYPES, QUANT_TYPES, QuantizedMatrix
@@ -273,11 +274,7 @@ def expert_forward(w: ExpertWeights, x: np.ndarray) -> np.ndarray:
         u += w.up_bias
     if w.activation == "swiglu_oss":
         return _swiglu_oss(w, g, u)
-    t = np.negative(g)
-    with np.errstate(over="ignore", under="ignore"):
-        np.exp(t, out=t)
-    t += np.float32(1)
-    np.divide(g, t, out=g)
+    silu(g, out=g)
     g *= u
     out = matmul_xt(g, w.down_proj)
     if w.down_bias is not None:
@@ -292,11 +289,7 @@ def _swiglu_oss(w: ExpertWeights, g: np.ndarray, u: np.ndarray) -> np.ndarray:
     lim = np.float32(w.swiglu_limit)
     np.minimum(g, lim, out=g)
     np.clip(u, -lim, lim, out=u)
-    t = g * np.float32(-w.swiglu_alpha)
-    with np.errstate(over="ignore", under="ignore"):
-        np.exp(t, out=t)
-    t += np.float32(1)
-    glu = g / t
+    glu = silu(g, alpha=w.swiglu_alpha)
     u += np.float32(1)
     out = matmul_xt(u * glu, w.down_proj)
     if w.down_bias is not None:
