@@ -17,9 +17,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from holders.activations import silu
 from holders.compute import matmul_xt
 from holders.gating import Gate, Routing, route
-from holders.quant import QTYPES, QuantizedMatrix
+from holders.quant import QTYPES, QUANT_TYPES, QuantizedMatrix
 from holders.codec import dumps_safetensors, encode_bf16, loads_safetensors
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -116,7 +117,7 @@ class ExpertWeights:
         """The coarsest quantization of the three projections (``q4_k`` < ``q6_k`` < ``q8_0``),
         or None when all are dense (reference §4.4, status ``quant``)."""
         kinds = [k for k in self.quant_kinds().values() if k in QTYPES]
-        return min(kinds, key=("q4_k", "q6_k", "q8_0").index) if kinds else None
+        return min(kinds, key=lambda q: QUANT_TYPES[q].bits_per_weight) if kinds else None
 
     @property
     def nbytes(self) -> int:
@@ -273,11 +274,7 @@ def expert_forward(w: ExpertWeights, x: np.ndarray) -> np.ndarray:
         u += w.up_bias
     if w.activation == "swiglu_oss":
         return _swiglu_oss(w, g, u)
-    t = np.negative(g)
-    with np.errstate(over="ignore", under="ignore"):
-        np.exp(t, out=t)
-    t += np.float32(1)
-    np.divide(g, t, out=g)
+    silu(g, out=g)
     g *= u
     out = matmul_xt(g, w.down_proj)
     if w.down_bias is not None:
@@ -292,11 +289,7 @@ def _swiglu_oss(w: ExpertWeights, g: np.ndarray, u: np.ndarray) -> np.ndarray:
     lim = np.float32(w.swiglu_limit)
     np.minimum(g, lim, out=g)
     np.clip(u, -lim, lim, out=u)
-    t = g * np.float32(-w.swiglu_alpha)
-    with np.errstate(over="ignore", under="ignore"):
-        np.exp(t, out=t)
-    t += np.float32(1)
-    glu = g / t
+    glu = silu(g, alpha=w.swiglu_alpha)
     u += np.float32(1)
     out = matmul_xt(u * glu, w.down_proj)
     if w.down_bias is not None:

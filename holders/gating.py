@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from holders.activations import sigmoid
 from holders.codec import dumps_safetensors, loads_safetensors
 from registry.families import FAMILIES, SUPPORTED_FAMILIES, families_scored
 from registry.jsonrpc import ParamError
@@ -303,18 +304,6 @@ class Routing:
 def _topk_desc(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest entries of each row, largest first, ties to the lower index."""
     return np.argsort(-scores, axis=-1, kind="stable")[..., :k]
-
-
-def sigmoid(z: np.ndarray) -> np.ndarray:
-    """``1 / (1 + exp(-z))`` in float32, computed in place in ``z`` (returned). ``exp(-z)`` may
-    overflow to inf for very negative z: ``1/(1+inf) = 0``, the right limit, so overflow is
-    not reported."""
-    with np.errstate(over="ignore"):
-        np.negative(z, out=z)
-        np.exp(z, out=z)
-    z += np.float32(1)
-    np.reciprocal(z, out=z)
-    return z
 
 
 def _route_topk_softmax(gate: Gate, logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -102,7 +102,7 @@ def matmul_xt(x: np.ndarray, w: QuantizedMatrix, threads: int | None = None, isa
     if x.ndim != 2 or x.shape[1] != cols:
         raise ValueError(f"x must be [n, {cols}] for a {rows}x{cols} {w.qtype} matrix, got shape {x.shape}")
     y = np.empty((x.shape[0], rows), dtype=np.float32)
-    _native.matmul_xt(w.qtype, w.blocks, rows, cols, x, x.shape[0], y,
+    _native.matmul_xt(w.quant.native_name, w.blocks, rows, cols, x, x.shape[0], y,
                       threads if threads is not None else default_threads(), isa)
     return y
 

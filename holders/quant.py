@@ -1,4 +1,11 @@
-"""GGUF block quantization (Q8_0, Q4_K, Q6_K) in pure numpy.
+"""GGUF block quantization (Q8_0, Q4_K, Q6_K) in pure numpy, one small class per type.
+
+Each supported type is a ``QuantType`` subclass (``Q8_0``, ``Q4_K``, ``Q6_K``) holding its
+block size, bytes per block, fp16 scale offsets, encoder, decoder and the compute kernel
+hooks, registered in ``QUANT_TYPES`` (name → instance), in the manner of gguf-py's
+``gguf/quants.py`` (``__Quant`` subclasses keyed by ``GGMLQuantizationType``). The runtime,
+the compute backends and the wire read sizes and kernels from that table; ``BLOCK_SIZE``,
+``BLOCK_BYTES`` and ``QTYPES`` are views of it kept for callers.
 
 Encoders are byte-identical to llama.cpp / ggml's reference quantizers
 (``ggml-quants.c``: ``quantize_row_q8_0_ref``, ``quantize_row_q4_K_ref`` with
@@ -48,6 +55,12 @@ __all__ = [
     "BLOCK_SIZE",
     "BLOCK_BYTES",
     "QTYPES",
+    "QUANT_TYPES",
+    "QuantType",
+    "Q8_0",
+    "Q4_K",
+    "Q6_K",
+    "quant_type",
     "quantize",
     "dequantize",
     "quantize_q8_0_rows",
@@ -58,9 +71,6 @@ __all__ = [
 ]
 
 QK_K = 256
-QTYPES = ("q8_0", "q4_k", "q6_k")
-BLOCK_SIZE = {"q8_0": 32, "q4_k": 256, "q6_k": 256}
-BLOCK_BYTES = {"q8_0": 34, "q4_k": 144, "q6_k": 210}
 
 _F32 = np.float32
 _MAGIC = _F32(12582912.0)  # 1.5 * 2**23, ggml nearest_int
@@ -86,7 +96,7 @@ def normalize_qtype(qtype: str) -> str:
     """
     if isinstance(qtype, str):
         q = qtype.strip().lower()
-        if q in BLOCK_SIZE:
+        if q in QUANT_TYPES:
             return q
     raise ValueError(
         f"unsupported quantization type {qtype!r}; supported: {', '.join(QTYPES)}"
@@ -106,7 +116,7 @@ def _shape_tuple(shape) -> tuple[int, ...]:
 
 
 def _check_row_length(n: int, q: str) -> None:
-    bs = BLOCK_SIZE[q]
+    bs = QUANT_TYPES[q].block_size
     if n % bs != 0:
         raise ValueError(
             f"row length {n} is not a multiple of the {q} block size {bs}"
@@ -130,7 +140,7 @@ def quantized_nbytes(shape, qtype: str) -> int:
     rows = 1
     for d in s[:-1]:
         rows *= d
-    return rows * (s[-1] // BLOCK_SIZE[q]) * BLOCK_BYTES[q]
+    return rows * QUANT_TYPES[q].row_bytes(s[-1])
 
 
 def _as_f32_rows(x, q: str) -> np.ndarray:
@@ -637,14 +647,10 @@ def quantize(x: np.ndarray, qtype: str) -> np.ndarray:
     q4_k/q6_k), non-finite input (NaN/Inf), or input so large that an fp16
     block scale would overflow; TypeError for non-numeric input.
     """
-    q = normalize_qtype(qtype)
-    a = _as_f32_rows(x, q)
+    qt = quant_type(qtype)
+    a = _as_f32_rows(x, qt.name)
     with np.errstate(all="ignore"):  # IEEE special values are part of the algorithm
-        if q == "q8_0":
-            return _quantize_q8_0(a)
-        if q == "q4_k":
-            return _quantize_k(a, _quantize_q4_k_chunk, 144, _Q4K_CHUNK)
-        return _quantize_k(a, _quantize_q6_k_chunk, 210, _Q6K_CHUNK)
+        return qt.quantize_rows(a)
 
 
 def _as_u8(blocks) -> np.ndarray:
@@ -713,8 +719,152 @@ def _deq_q6_k(b: np.ndarray, out: np.ndarray) -> None:
     np.multiply(out, np.repeat(dl, 16, axis=1), out=out)
 
 
-_DEQ = {"q8_0": _deq_q8_0, "q4_k": _deq_q4_k, "q6_k": _deq_q6_k}
 _DEQ_CHUNK_BYTES = 1 << 18  # bytes of blocks decoded per step (output ~7x that)
+
+
+# --------------------------------------------------------------------------
+# the quant types
+
+
+class QuantType:
+    """One GGUF block quantization type (gguf-py ``quants.py`` ``__Quant`` in spirit).
+
+    Class attributes: ``name`` (canonical lower-case, as in blob metadata), ``ggml_type``
+    (the ``GGMLQuantizationType`` id), ``block_size`` (values per block), ``type_size``
+    (bytes per block), ``scale_offsets`` (byte offsets of the fp16 scale fields in a block),
+    ``native_activation`` (how the native kernel quantizes activation rows for this weight
+    type: ``"q8_0"`` or ``"q8_k"``, ggml's ``vec_dot_type``).
+
+    Kernel hooks: ``native_name`` is the type name the ``tenzro_kernels`` extension dispatches
+    on (``holders.kernels``); ``cpu_matmul`` / ``cpu_dequantize`` are the numba kernels of
+    ``holders.compute.cpu``, bound there with ``bind_cpu_kernels`` (this module stays free of
+    numba). Subclasses implement ``quantize_rows`` and ``dequantize_blocks``.
+    """
+
+    name: str = ""
+    ggml_type: int = -1
+    block_size: int = 0
+    type_size: int = 0
+    scale_offsets: tuple[int, ...] = ()
+    native_activation: str = ""
+
+    def __init__(self):
+        self.cpu_matmul = None
+        self.cpu_dequantize = None
+
+    @property
+    def native_name(self) -> str:
+        """The type name ``tenzro_kernels.matmul_xt`` takes (the canonical name)."""
+        return self.name
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Storage bits per value, ``8 * type_size / block_size`` (Q4_K 4.5, Q6_K 6.5625, Q8_0 8.5)."""
+        return 8 * self.type_size / self.block_size
+
+    def row_bytes(self, cols: int) -> int:
+        """Bytes of one row of ``cols`` values (``cols`` a multiple of ``block_size``, unchecked)."""
+        return cols // self.block_size * self.type_size
+
+    def quantize_rows(self, a: np.ndarray) -> np.ndarray:
+        """Encode validated float32 C-contiguous finite rows ``[..., n]`` (``n`` a multiple of
+        ``block_size``) → uint8 ``[..., row_bytes(n)]``, byte-identical to ggml's reference
+        quantizer. Raises ``ValueError`` when an fp16 block scale would overflow. Call with
+        floating-point warnings silenced (IEEE specials are part of the algorithms)."""
+        raise NotImplementedError
+
+    def dequantize_blocks(self, b: np.ndarray, out: np.ndarray) -> None:
+        """Decode uint8 blocks ``[N, type_size]`` into float32 ``out`` ``[N, block_size]``,
+        bit-identical to gguf-py's ``dequantize_blocks`` of this type."""
+        raise NotImplementedError
+
+    def quantize(self, x) -> np.ndarray:
+        """``quantize(x, self.name)``: validated public encoder (see :func:`quantize`)."""
+        return quantize(x, self.name)
+
+    def dequantize(self, blocks, shape) -> np.ndarray:
+        """``dequantize(blocks, self.name, shape)`` (see :func:`dequantize`)."""
+        return dequantize(blocks, self.name, shape)
+
+    def bind_cpu_kernels(self, matmul, dequantize) -> None:
+        """Attach the CPU backend's compiled kernels: ``matmul(blocks u8 [rows, row_bytes],
+        x f32 [n, cols], y f32 [n, rows])`` writing ``x · Wᵀ`` into ``y``, and
+        ``dequantize(blocks, out f32 [rows, cols])`` bit-identical to ``dequantize_blocks``."""
+        self.cpu_matmul = matmul
+        self.cpu_dequantize = dequantize
+
+    def __repr__(self) -> str:
+        return f"<QuantType {self.name}: {self.block_size} values in {self.type_size} bytes>"
+
+
+class _Q8_0(QuantType):
+    """Q8_0: blocks of 32, an fp16 scale ``d = amax/127`` then 32 int8 (ggml ``block_q8_0``)."""
+
+    name, ggml_type, block_size, type_size = "q8_0", 8, 32, 34
+    scale_offsets = (0,)
+    native_activation = "q8_0"
+
+    def quantize_rows(self, a):
+        """ggml ``quantize_row_q8_0_ref`` (see :func:`_quantize_q8_0`)."""
+        return _quantize_q8_0(a)
+
+    def dequantize_blocks(self, b, out):
+        """gguf-py ``Q8_0.dequantize_blocks``: ``qs * d``."""
+        _deq_q8_0(b, out)
+
+
+class _Q4_K(QuantType):
+    """Q4_K: super-blocks of 256 = 8 sub-blocks of 32 with 6-bit scales and mins, fp16 ``d`` and
+    ``dmin``, 4-bit quants (ggml ``block_q4_K``, 144 bytes)."""
+
+    name, ggml_type, block_size, type_size = "q4_k", 12, QK_K, 144
+    scale_offsets = (0, 2)
+    native_activation = "q8_k"
+
+    def quantize_rows(self, a):
+        """ggml ``quantize_row_q4_K_ref`` with ``make_qkx2_quants``."""
+        return _quantize_k(a, _quantize_q4_k_chunk, self.type_size, _Q4K_CHUNK)
+
+    def dequantize_blocks(self, b, out):
+        """gguf-py ``Q4_K.dequantize_blocks``."""
+        _deq_q4_k(b, out)
+
+
+class _Q6_K(QuantType):
+    """Q6_K: super-blocks of 256 = 16 sub-blocks of 16 with int8 scales, fp16 ``d``, 6-bit
+    quants split in low nibbles and high 2-bit pairs (ggml ``block_q6_K``, 210 bytes)."""
+
+    name, ggml_type, block_size, type_size = "q6_k", 14, QK_K, 210
+    scale_offsets = (208,)
+    native_activation = "q8_k"
+
+    def quantize_rows(self, a):
+        """ggml ``quantize_row_q6_K_ref`` with ``make_qx_quants(rmse_type=1)``."""
+        return _quantize_k(a, _quantize_q6_k_chunk, self.type_size, _Q6K_CHUNK)
+
+    def dequantize_blocks(self, b, out):
+        """gguf-py ``Q6_K.dequantize_blocks``."""
+        _deq_q6_k(b, out)
+
+
+Q8_0 = _Q8_0()
+Q4_K = _Q4_K()
+Q6_K = _Q6_K()
+# The one table of supported types, in this order (the order error messages list them).
+QUANT_TYPES: dict[str, QuantType] = {qt.name: qt for qt in (Q8_0, Q4_K, Q6_K)}
+QTYPES = tuple(QUANT_TYPES)
+BLOCK_SIZE = {q: qt.block_size for q, qt in QUANT_TYPES.items()}
+BLOCK_BYTES = {q: qt.type_size for q, qt in QUANT_TYPES.items()}
+
+
+def quant_type(qtype) -> QuantType:
+    """The ``QuantType`` of ``qtype`` (a name in any case, or a ``QuantType``).
+
+    Raises ``ValueError`` (listing the supported names) for anything else.
+    """
+    if isinstance(qtype, QuantType):
+        return qtype
+    return QUANT_TYPES[normalize_qtype(qtype)]
 
 
 def dequantize(blocks, qtype: str, shape) -> np.ndarray:
@@ -735,7 +885,8 @@ def dequantize(blocks, qtype: str, shape) -> np.ndarray:
     the block size, or a byte count that does not match ``shape``; TypeError
     for non-byte data.
     """
-    q = normalize_qtype(qtype)
+    qt = quant_type(qtype)
+    q = qt.name
     s = _shape_tuple(shape)
     want = quantized_nbytes(s, q)
     b = _as_u8(blocks)
@@ -743,14 +894,13 @@ def dequantize(blocks, qtype: str, shape) -> np.ndarray:
         raise ValueError(
             f"{q} data for shape {s} must be {want} bytes, got {b.size}"
         )
-    bb = BLOCK_BYTES[q]
+    bb = qt.type_size
     flat = np.ascontiguousarray(b).reshape(-1, bb)
     nblk = flat.shape[0]
-    out = np.empty((nblk, BLOCK_SIZE[q]), dtype=np.float32)
+    out = np.empty((nblk, qt.block_size), dtype=np.float32)
     step = max(1, _DEQ_CHUNK_BYTES // bb)
-    fn = _DEQ[q]
     for i in range(0, nblk, step):
-        fn(flat[i:i + step], out[i:i + step])
+        qt.dequantize_blocks(flat[i:i + step], out[i:i + step])
     return out.reshape(s)
 
 
@@ -765,9 +915,10 @@ def dequantize_rows(blocks, qtype: str, cols: int | None = None) -> np.ndarray:
     Raises ValueError for an unknown qtype, a row byte length that is not a
     whole number of blocks, or a byte count that does not match ``cols``.
     """
-    q = normalize_qtype(qtype)
+    qt = quant_type(qtype)
+    q = qt.name
     b = _as_u8(blocks)
-    bb, bs = BLOCK_BYTES[q], BLOCK_SIZE[q]
+    bb, bs = qt.type_size, qt.block_size
     if cols is None:
         if b.ndim != 2:
             raise ValueError("dequantize_rows needs a 2-D [rows, row_bytes] array or cols")
@@ -791,11 +942,6 @@ def dequantize_rows(blocks, qtype: str, cols: int | None = None) -> np.ndarray:
 
 # --------------------------------------------------------------------------
 # A quantized weight matrix (shared with the runtime / compute seam)
-
-
-def _scale_offsets(q: str) -> tuple[int, ...]:
-    """Byte offsets of the fp16 scale fields inside one block of ``q``."""
-    return {"q8_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}[q]
 
 
 @dataclass(frozen=True, eq=False)
@@ -827,8 +973,9 @@ class QuantizedMatrix:
         if b.size != rows * row_bytes:
             raise ValueError(f"{q} matrix {rows}x{cols} needs {rows * row_bytes} bytes, got {b.size}")
         b = np.ascontiguousarray(b).reshape(rows, row_bytes)
-        flat = b.reshape(-1, BLOCK_BYTES[q])
-        for off in _scale_offsets(q):
+        qt = QUANT_TYPES[q]
+        flat = b.reshape(-1, qt.type_size)
+        for off in qt.scale_offsets:
             d = np.ascontiguousarray(flat[:, off:off + 2]).view("<f2")
             if not np.isfinite(d).all():
                 raise ValueError(f"{q} matrix {rows}x{cols} has a NaN or infinite fp16 block scale "
@@ -848,6 +995,11 @@ class QuantizedMatrix:
         if x.ndim != 2:
             raise ValueError(f"a quantized matrix needs a 2-D input, got shape {x.shape}")
         return cls(qtype, tuple(x.shape), quantize(x, qtype))
+
+    @property
+    def quant(self) -> QuantType:
+        """This matrix's ``QuantType`` (sizes and kernel hooks) from ``QUANT_TYPES``."""
+        return QUANT_TYPES[self.qtype]
 
     def dequantize(self) -> np.ndarray:
         """The matrix decoded to float32 ``[rows, cols]``, bit-identical to gguf-py."""

@@ -24,7 +24,7 @@ from registry.jsonrpc import ParamError
 FRAME_HEADER_MAX = 64 * 1024
 CARRIERS = ("f32", "q8_0")
 OUTPUTS = ("f32", "bf16", "q8_0")
-BYTES_PER_VALUE = {"f32": 4.0, "bf16": 2.0, "q8_0": 34 / 32}
+BYTES_PER_VALUE = {"f32": 4.0, "bf16": 2.0, "q8_0": quant.Q8_0.type_size / quant.Q8_0.block_size}
 
 
 class WireError(ParamError):
@@ -152,10 +152,10 @@ def encode_rows(rows: np.ndarray, kind: str) -> bytes:
         except ValueError as exc:
             raise WireError(str(exc)) from exc
     if kind == "q8_0":
-        if rows.shape[-1] % 32:
+        if rows.shape[-1] % quant.Q8_0.block_size:
             raise WireError(f"q8_0 rows need d_model divisible by 32, got {rows.shape[-1]}")
         try:
-            return quant.quantize(rows, "q8_0").tobytes()
+            return quant.Q8_0.quantize(rows).tobytes()
         except ValueError as exc:
             raise WireError(str(exc)) from exc
     raise WireError(f"unknown row encoding {kind!r}")
@@ -177,13 +177,13 @@ def decode_rows(data: bytes, kind: str, d_model: int, n_rows: int, field: str = 
         bits = np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16
         arr = bits.view(np.float32).reshape(n_rows, d_model)
     elif kind == "q8_0":
-        if d_model % 32:
+        if d_model % quant.Q8_0.block_size:
             raise WireError(f"{field}: q8_0 rows need d_model divisible by 32, got {d_model}", field)
-        want = n_rows * (d_model // 32) * 34
+        want = n_rows * quant.Q8_0.row_bytes(d_model)
         if len(data) != want:
             raise WireError(f"{field}: {len(data)} bytes of q8_0 blocks; {n_rows} rows of d_model={d_model} "
                             f"take {want}", field)
-        arr = quant.dequantize(np.frombuffer(data, dtype=np.uint8), "q8_0", (n_rows, d_model))
+        arr = quant.Q8_0.dequantize(np.frombuffer(data, dtype=np.uint8), (n_rows, d_model))
     else:
         raise WireError(f"{field}: unknown row encoding {kind!r}", field)
     if not np.isfinite(arr).all():

@@ -710,3 +710,40 @@ def test_non_numeric_input_rejected():
         quantize(np.array(["a"] * 32), "q8_0")
     with pytest.raises(ValueError):
         quantize(np.float32(1.0), "q8_0")
+
+
+def test_quant_types_table_matches_gguf_layouts():
+    """The one table of quant types: sizes and ids as gguf-py's GGML_QUANT_SIZES /
+    GGMLQuantizationType give them, derived views agree, per-type methods equal the functions."""
+    from holders.quant import Q4_K, Q6_K, Q8_0, QUANT_TYPES, QTYPES, quant_type
+
+    assert QTYPES == ("q8_0", "q4_k", "q6_k")
+    assert [(qt.ggml_type, qt.block_size, qt.type_size) for qt in QUANT_TYPES.values()] == [
+        (8, 32, 2 + 32), (12, 256, 2 + 2 + 12 + 128), (14, 256, 128 + 64 + 16 + 2)]
+    assert BLOCK_SIZE == {q: qt.block_size for q, qt in QUANT_TYPES.items()}
+    assert BLOCK_BYTES == {q: qt.type_size for q, qt in QUANT_TYPES.items()}
+    assert quant_type("Q4_K") is Q4_K and quant_type(Q6_K) is Q6_K
+    with pytest.raises(ValueError, match="supported: q8_0, q4_k, q6_k"):
+        quant_type("q5_k")
+    assert sorted(QUANT_TYPES.values(), key=lambda qt: qt.bits_per_weight) == [Q4_K, Q6_K, Q8_0]
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 512)).astype(np.float32)
+    for qt in (Q8_0, Q4_K, Q6_K):
+        b = qt.quantize(x)
+        assert np.array_equal(b, quantize(x, qt.name))
+        assert b.shape == (2, qt.row_bytes(512))
+        assert np.array_equal(qt.dequantize(b, x.shape), dequantize(b, qt.name, x.shape))
+
+
+def test_cpu_kernel_hooks_bound_for_every_type():
+    """holders.compute.cpu binds its numba kernels into every QuantType; the matrix finds them."""
+    import holders.compute.cpu as cpu
+    from holders.quant import QUANT_TYPES, QuantizedMatrix
+
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((4, 256)).astype(np.float32)
+    for qt in QUANT_TYPES.values():
+        assert qt.cpu_matmul is not None and qt.cpu_dequantize is not None, qt
+        m = QuantizedMatrix.from_dense(w, qt.name)
+        assert m.quant is qt
+        assert np.array_equal(cpu.dequantize_parallel(m), m.dequantize())

@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 from holders import kernels
-from holders.quant import QuantizedMatrix
+from holders.quant import Q4_K, Q6_K, Q8_0, QUANT_TYPES, QuantizedMatrix
 
 # Batch rows up to which the numba kernel beats decode + GEMM (bench_expert.py).
 SMALL_BATCH = int(os.environ.get("TENZRO_QUANT_SMALL_BATCH", "8"))
@@ -155,9 +155,6 @@ def _mm_q6_k(b, x, y):
             _dots(w, x, y, r)
 
 
-_KERNELS = {"q8_0": _mm_q8_0, "q4_k": _mm_q4_k, "q6_k": _mm_q6_k}
-
-
 @njit(parallel=True, cache=True)
 def _deq_q8_0(b, out):
     rows, cols = out.shape
@@ -215,7 +212,10 @@ def _deq_q6_k(b, out):
                         out[r, base + j] = (np.float32(qv) - np.float32(32)) * dl
 
 
-_DEQ = {"q8_0": _deq_q8_0, "q4_k": _deq_q4_k, "q6_k": _deq_q6_k}
+# The kernel hooks of the quant types table (holders.quant.QUANT_TYPES).
+Q8_0.bind_cpu_kernels(_mm_q8_0, _deq_q8_0)
+Q4_K.bind_cpu_kernels(_mm_q4_k, _deq_q4_k)
+Q6_K.bind_cpu_kernels(_mm_q6_k, _deq_q6_k)
 
 
 def dequantize_parallel(w: QuantizedMatrix) -> np.ndarray:
@@ -223,7 +223,7 @@ def dequantize_parallel(w: QuantizedMatrix) -> np.ndarray:
     operations in the same order as ``holders.quant.dequantize`` (no fast-math), hence
     bit-identical to gguf-py's ``dequantize``."""
     out = np.empty(w.shape, dtype=np.float32)
-    _DEQ[w.qtype](w.blocks, out)
+    w.quant.cpu_dequantize(w.blocks, out)
     return out
 
 
@@ -234,7 +234,7 @@ def quantized_matmul_xt(x: np.ndarray, w: QuantizedMatrix) -> np.ndarray:
     chosen by the compiler), so results differ from the GEMM path in the last bits.
     """
     y = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
-    _KERNELS[w.qtype](w.blocks, x, y)
+    w.quant.cpu_matmul(w.blocks, x, y)
     return y
 
 
@@ -265,8 +265,8 @@ class CpuBackend:
         """Compile (or load from numba's on-disk cache) every quantized kernel on tiny inputs, so
         the first real batch does not pay the JIT (seconds) inside a router's deadline."""
         x = np.zeros((1, 256), dtype=np.float32)
-        for q, nbytes in (("q8_0", 8 * 34), ("q4_k", 144), ("q6_k", 210)):
-            w = QuantizedMatrix(q, (1, 256), np.zeros(nbytes, dtype=np.uint8))
+        for qt in QUANT_TYPES.values():
+            w = QuantizedMatrix(qt.name, (1, 256), np.zeros(qt.row_bytes(256), dtype=np.uint8))
             quantized_matmul_xt(x, w)
             dequantize_parallel(w)
 

@@ -2,7 +2,8 @@
 
 Weights stay resident on the device: the first product with a weight uploads it (dense
 as is, quantized decoded on the host once) and keeps the device copy in a byte-bounded
-LRU (``TENZRO_CUDA_CACHE_BYTES``, default half the device's free memory); ``release``
+LRU (``holders.compute.cache.DeviceWeightCache``, bounded by ``TENZRO_CUDA_CACHE_BYTES``,
+default half the device's free memory); ``release``
 drops it when the expert leaves the memory tier. Per call only X goes up and Y comes
 back. The product is cuBLAS SGEMM through ``cupy.matmul``. Imports nothing from Django.
 
@@ -12,13 +13,10 @@ missing.
 from __future__ import annotations
 
 import os
-import threading
-import weakref
-from collections import OrderedDict
 
 import numpy as np
 
-from holders.quant import QuantizedMatrix
+from holders.compute.cache import DeviceWeightCache
 
 
 class CudaBackend:
@@ -46,48 +44,23 @@ class CudaBackend:
         self.cp = cupy
         env = os.environ.get("TENZRO_CUDA_CACHE_BYTES")
         self.cache_bytes = int(env) if env else (cache_bytes or free // 2)
-        self._cache: OrderedDict[int, object] = OrderedDict()  # id(weight) → device f32 [out, in]
-        self._bytes = 0
-        self._lock = threading.RLock()  # weakref finalizers may run inside a locked section
-
-    def _device_weight(self, w):
-        key = id(w)
-        with self._lock:
-            d = self._cache.get(key)
-            if d is not None:
-                self._cache.move_to_end(key)
-                return d
-        host = w.dequantize() if isinstance(w, QuantizedMatrix) else np.ascontiguousarray(w, dtype=np.float32)
-        d = self.cp.asarray(host)
-        with self._lock:
-            self._cache[key] = d
-            self._bytes += d.nbytes
-            while self._bytes > self.cache_bytes and len(self._cache) > 1:
-                _, old = self._cache.popitem(last=False)
-                self._bytes -= old.nbytes
-        weakref.finalize(w, self._drop, key)  # id() may be reused once w is gone
-        return d
-
-    def _drop(self, key: int) -> None:
-        with self._lock:
-            d = self._cache.pop(key, None)
-            if d is not None:
-                self._bytes -= d.nbytes
+        # device f32 [out, in] per weight; CuPy frees a dropped array when its last reference goes
+        self._weights = DeviceWeightCache(self.cache_bytes, upload=cupy.asarray)
 
     def matmul_xt(self, x: np.ndarray, w) -> np.ndarray:
         """``x`` f32 ``[n, in]`` · ``w``ᵀ → host f32 ``[n, out]``; ``w`` uploaded once and kept."""
         with self.dev:
-            dw = self._device_weight(w)
+            dw = self._weights.get(w)
             dx = self.cp.asarray(np.ascontiguousarray(x, dtype=np.float32))
             return self.cp.asnumpy(dx @ dw.T)
 
     def release(self, w) -> None:
         """Drop ``w``'s device copy."""
-        self._drop(id(w))
+        self._weights.drop(w)
 
     def describe(self) -> dict:
         """Tag, gpu flag, device name, resident bytes and the cache bound."""
         props = self.cp.cuda.runtime.getDeviceProperties(self.dev.id)
         name = props.get("name", b"")
         return {"tag": self.tag, "gpu": True, "device": name.decode() if isinstance(name, bytes) else str(name),
-                "resident_bytes": self._bytes, "cache_bytes": self.cache_bytes}
+                "resident_bytes": self._weights.resident_bytes, "cache_bytes": self.cache_bytes}

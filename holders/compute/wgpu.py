@@ -2,7 +2,8 @@
 
 Weights stay resident on the device (reference gap 26): the first product with a weight
 uploads it as f32 (quantized weights decoded on the host once) into a storage buffer kept
-in a byte-bounded LRU (``TENZRO_WGPU_CACHE_BYTES``, default 1 GiB); ``release`` drops it.
+in a byte-bounded LRU (``holders.compute.cache.DeviceWeightCache``, bounded by
+``TENZRO_WGPU_CACHE_BYTES``, default 1 GiB); ``release`` drops it.
 Per call only X goes up and Y comes back. The kernel is a 16×16 tiled GEMM with workgroup
 shared memory (one thread per output element, K walked in tiles of 16): the classic
 shared-memory tiling of CUDA's matrixMul sample, written in WGSL.
@@ -16,12 +17,10 @@ from __future__ import annotations
 
 import os
 import threading
-import weakref
-from collections import OrderedDict
 
 import numpy as np
 
-from holders.quant import QuantizedMatrix
+from holders.compute.cache import DeviceWeightCache
 
 TILE = 16
 SHADER = """
@@ -88,33 +87,15 @@ class WgpuBackend:
             layout="auto", compute={"module": self.device.create_shader_module(code=SHADER), "entry_point": "main"})
         env = os.environ.get("TENZRO_WGPU_CACHE_BYTES")
         self.cache_bytes = int(env) if env else (cache_bytes or 1 << 30)
-        self._cache: OrderedDict[int, tuple[object, int]] = OrderedDict()  # id(weight) → (buffer, bytes)
-        self._bytes = 0
         self._lock = threading.RLock()  # one queue: submissions are serialised; finalizers may re-enter
+        # storage buffer per weight, destroyed on eviction; the queue lock also guards the table,
+        # so a release cannot destroy a buffer a submission is using
+        self._weights = DeviceWeightCache(self.cache_bytes, upload=self._upload, free=lambda buf: buf.destroy(),
+                                          lock=self._lock)
 
-    def _weight_buffer(self, w):
-        key = id(w)
-        hit = self._cache.get(key)
-        if hit is not None:
-            self._cache.move_to_end(key)
-            return hit[0]
-        host = w.dequantize() if isinstance(w, QuantizedMatrix) else np.ascontiguousarray(w, dtype=np.float32)
-        buf = self.device.create_buffer_with_data(data=host, usage=self.wgpu.BufferUsage.STORAGE)
-        self._cache[key] = (buf, host.nbytes)
-        self._bytes += host.nbytes
-        while self._bytes > self.cache_bytes and len(self._cache) > 1:
-            _, (old, nbytes) = self._cache.popitem(last=False)
-            self._bytes -= nbytes
-            old.destroy()
-        weakref.finalize(w, self._drop, key)  # id() may be reused once w is gone
-        return buf
-
-    def _drop(self, key: int) -> None:
-        with self._lock:
-            hit = self._cache.pop(key, None)
-            if hit is not None:
-                self._bytes -= hit[1]
-                hit[0].destroy()
+    def _upload(self, host: np.ndarray):
+        """A read-only storage buffer holding f32 ``host`` ``[out, in]``."""
+        return self.device.create_buffer_with_data(data=host, usage=self.wgpu.BufferUsage.STORAGE)
 
     def matmul_xt(self, x: np.ndarray, w) -> np.ndarray:
         """``x`` f32 ``[n, in]`` · ``w``ᵀ → host f32 ``[n, out]``; ``w`` uploaded once and kept."""
@@ -125,7 +106,7 @@ class WgpuBackend:
             return np.zeros((0, out), dtype=np.float32)
         usage = self.wgpu.BufferUsage
         with self._lock:
-            wbuf = self._weight_buffer(w)
+            wbuf = self._weights.get(w)
             xbuf = self.device.create_buffer_with_data(data=x, usage=usage.STORAGE)
             ybuf = self.device.create_buffer(size=n * out * 4, usage=usage.STORAGE | usage.COPY_SRC)
             dims = self.device.create_buffer_with_data(data=np.array([n, out, k, 0], dtype=np.uint32),
@@ -147,9 +128,9 @@ class WgpuBackend:
 
     def release(self, w) -> None:
         """Drop ``w``'s device copy."""
-        self._drop(id(w))
+        self._weights.drop(w)
 
     def describe(self) -> dict:
         """Tag, gpu flag, adapter, resident bytes and the cache bound."""
         return {"tag": self.tag, "gpu": self.gpu, "device": self.device_name, "adapter_type": self.adapter_type,
-                "resident_bytes": self._bytes, "cache_bytes": self.cache_bytes}
+                "resident_bytes": self._weights.resident_bytes, "cache_bytes": self.cache_bytes}
