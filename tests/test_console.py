@@ -317,3 +317,46 @@ def test_economy_pages_survive_odd_query_strings(client, economy):
     for url in ("/receipts/?layer=-1", "/receipts/?model=%00", "/disputes/?outcome=maybe", "/settlements/?forward=%ff"):
         assert "ignored invalid filter" in client.get(url).content.decode(), url
     assert client.get("/receipts/%00").status_code == 404
+
+
+def test_coverage_shows_repair_passes_with_plan_accepted_and_declined(client):
+    import time
+
+    from registry import repair_service
+
+    a, b = two_providers()
+    assert "No repair pass has planned this model yet" in client.get("/coverage/m").content.decode()
+    rp = repair_service.begin_pass("console-test")
+    offers = repair_service.plan_offers(rp)
+    rows = [r for o in offers.values() for r in o["rows"]]
+    assert rows, "model m is under-replicated: the plan has rows"
+    first, rest = rows[0], rows[1:]
+    repair_service.record_outcome(rp.pk, first["provider"], {
+        "accepted": [first], "declined": [{**r, "reason": "disk budget exhausted"} for r in rest[:1]],
+        "fetched_bytes": 4096})
+    repair_service.finish_pass(rp.pk, time.monotonic())
+    html = client.get("/coverage/m").content.decode()
+    assert f"period {rp.period}" in html and f"{len(rp.rows) if rp.rows else len(rows)} planned" in html
+    assert "1 accepted" in html and f"{len(rest[:1])} declined" in html and "4.0\xa0KB fetched" in html
+    if rest:
+        assert "disk budget exhausted" in html
+
+
+def test_provider_page_shows_balance_quarantine_receipts_disputes_settlements(client, economy):
+    from asgiref.sync import async_to_sync
+
+    from settlement import services
+
+    honest, liar, keys = economy
+    async_to_sync(services.dispute)(keys["liar"][0])
+    p = Provider.objects.get(provider=liar)
+    html = client.get(f"/providers/{liar}").content.decode()
+    assert f'id="balance">{p.balance}<' in html and p.balance > 0
+    assert keys["liar"][0][:32] in html and "outcome-upheld" in html and "Reputation after each dispute" in html
+    assert "1 upheld in a row" in html and "never" in html  # one lie: streak 1, not yet quarantined
+    Provider.objects.filter(provider=liar).update(quarantined_until_ms=services.now_ms() + 60_000)
+    html = client.get(f"/providers/{liar}").content.decode()
+    assert 'id="quarantine" class="bad"' in html and "quarantined until" in html
+    assert "quarantined" in client.get("/providers/").content.decode()
+    honest_page = client.get(f"/providers/{honest}").content.decode()
+    assert "Never disputed" in honest_page and honest_page.count('<span class="badge state-settled">') == 2

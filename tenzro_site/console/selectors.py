@@ -42,17 +42,21 @@ def model_summaries() -> list[dict]:
 
 
 def provider_rows(live_only: bool = False, role: str | None = None) -> list[dict]:
-    """Providers with their holding counts: ``{p, live, holdings, warm, cold, committed_tps}``.
+    """Providers with their holding counts: ``{p, live, holdings, warm, cold, committed_tps, quarantined}``.
 
-    ``committed_tps`` sums the tokens/s the provider commits over all its holdings.
+    ``committed_tps`` sums the tokens/s the provider commits over all its holdings;
+    ``quarantined``: an upheld-dispute quarantine is in force now.
     """
+    import time
+
+    now = int(time.time() * 1000)
     qs = selectors.live_providers() if live_only else Provider.objects.all()
     qs = qs.annotate(n=Count("holdings"), warm=Count("holdings", filter=Q(holdings__residency="Warm")),
                      cold=Count("holdings", filter=Q(holdings__residency="Cold")),
                      tps=Sum("holdings__committed_tps"))
     live = live_ids()
     rows = [{"p": p, "live": p.provider in live, "holdings": p.n, "warm": p.warm, "cold": p.cold,
-             "committed_tps": p.tps or 0} for p in qs]
+             "committed_tps": p.tps or 0, "quarantined": p.quarantined_until_ms > now} for p in qs]
     return [r for r in rows if role in r["p"].roles] if role else rows
 
 
