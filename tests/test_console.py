@@ -177,6 +177,11 @@ ECON_PAGES = ["/receipts/", "/disputes/", "/settlements/", "/settlements.csv"]
 
 @pytest.fixture
 def economy():
+    """See ``make_economy``."""
+    return make_economy()
+
+
+def make_economy():
     """Through the real services: an honest holder (two forwards, settled) and a lying one
     (one forward, settled), every batch kept (one_in=1); returns ``(honest_id, liar_id, keys)``
     with ``keys = {"honest": [...], "liar": [...]}``."""
