@@ -168,3 +168,200 @@ def test_bar_chart_geometry():
     assert bar_chart("flat", [("0", 0, "")]).bars[0].h == 0
     with pytest.raises(ValueError):
         bar_chart("bad", [("x", -1, "")])
+
+
+# ---- receipts economy pages --------------------------------------------------------------
+
+ECON_PAGES = ["/receipts/", "/disputes/", "/settlements/", "/settlements.csv"]
+
+
+@pytest.fixture
+def economy():
+    """See ``make_economy``."""
+    return make_economy()
+
+
+def make_economy():
+    """Through the real services: an honest holder (two forwards, settled) and a lying one
+    (one forward, settled), every batch kept (one_in=1); returns ``(honest_id, liar_id, keys)``
+    with ``keys = {"honest": [...], "liar": [...]}``."""
+    from django.conf import settings
+
+    from holders.blobs import BlobStore
+    from settlement import services
+    from settlement.models import ReceiptSample
+    from tests.test_settlement import batch, holder, record, weights
+
+    w = weights()
+    h = BlobStore(settings.TENZRO["BLOB_DIR"]).put(w.to_blob())
+    hk, lk = SigningKey(bytes([21]) * 32), SigningKey(bytes([22]) * 32)
+    holder(hk, name="honest-h", price_per_input_token=7, minimum_price=20)
+    holder(lk, name="liar-l")
+    keys: dict[str, list[str]] = {"honest": [], "liar": []}
+    for who, k, lie, seeds in (("honest", hk, False, (1, 2)), ("liar", lk, True, (3,))):
+        for seed in seeds:
+            b = batch(k, w, h, lie=lie, seed=seed, expert=seed)
+            rec = record(b)
+            services.record_forward(rec, one_in=1)
+            services.settle_forward(rec.forward_id)
+            keys[who].append(ReceiptSample.objects.get(request_id=b.request_id).key)
+    return provider_id(hk), provider_id(lk), keys
+
+
+def test_receipts_browser_filters_and_receipt_page(client, economy):
+    honest, liar, keys = economy
+    page = client.get("/receipts/").content.decode()
+    assert all(k[:40] in page for k in keys["honest"] + keys["liar"]) and "honest-h" in page and "liar-l" in page
+    by_provider = client.get(f"/receipts/?provider={liar}").content.decode()
+    assert keys["liar"][0][:40] in by_provider and keys["honest"][0][:40] not in by_provider
+    by_expert = client.get("/receipts/?model=m&layer=0&expert=2").content.decode()
+    assert keys["honest"][1][:40] in by_expert and keys["honest"][0][:40] not in by_expert
+    assert "No kept receipt matches" in client.get("/receipts/?model=other").content.decode()
+    r = client.get(f"/receipts/{keys['honest'][0]}")
+    html = r.content.decode()
+    assert r.status_code == 200 and 'id="signature-status" class="ok"' in html and "valid:" in html
+    assert html.count("<tr><td>") >= 4  # one commitment row per token
+    assert "Not disputed yet" in html and 'id="dispute-form"' not in html  # anonymous: no button
+    assert client.get("/receipts/moe_receipt:nope").status_code == 404
+
+
+def test_tampered_receipt_shows_an_invalid_signature(client, economy):
+    from settlement.models import ReceiptSample
+
+    _, _, keys = economy
+    s = ReceiptSample.objects.get(key=keys["honest"][0])
+    s.receipt = {**s.receipt, "signature": "00" * 64}
+    s.save(update_fields=["receipt"])
+    html = client.get(f"/receipts/{s.key}").content.decode()
+    assert 'id="signature-status" class="bad"' in html and "INVALID" in html
+
+
+def test_staff_dispute_shows_outcome_and_fraud_proof(client, economy):
+    from settlement.models import Dispute
+
+    honest, liar, keys = economy
+    rep0 = Provider.objects.get(provider=liar).reputation
+    staff(client)
+    assert 'id="dispute-form"' in client.get(f"/receipts/{keys['liar'][0]}").content.decode()
+    r = client.post(f"/receipts/{keys['liar'][0]}/dispute", follow=True)
+    html = r.content.decode()
+    assert r.status_code == 200 and "dispute upheld" in html and "outcome-upheld" in html and "fraud proof" in html
+    assert Provider.objects.get(provider=liar).reputation < rep0
+    r = client.post(f"/receipts/{keys['honest'][0]}/dispute", follow=True)
+    assert "dispute rejected" in r.content.decode()
+    assert Dispute.objects.count() == 2
+    client.post(f"/receipts/{keys['liar'][0]}/dispute")  # again: the stored outcome, no second penalty
+    assert Dispute.objects.count() == 2
+    disputes = client.get("/disputes/").content.decode()
+    assert "1 upheld, 1 rejected" in disputes and '"failing_tokens"' in disputes.replace("&quot;", '"')
+    assert "liar-l" in client.get("/disputes/?outcome=upheld").content.decode()
+    assert "liar-l" not in client.get("/disputes/?outcome=rejected").content.decode()
+    assert client.post("/receipts/moe_receipt:nope/dispute").status_code == 404
+
+
+def test_anonymous_and_non_staff_cannot_dispute(client, economy):
+    from django.test import Client
+
+    from settlement.models import Dispute
+
+    _, liar, keys = economy
+    rep0 = Provider.objects.get(provider=liar).reputation
+    url = f"/receipts/{keys['liar'][0]}/dispute"
+    r = client.post(url)
+    assert r.status_code == 302 and r["Location"].startswith("/login/")
+    get_user_model().objects.create_user("bob", password="pw")
+    client.login(username="bob", password="pw")
+    assert client.post(url).status_code == 403
+    csrf_client = Client(enforce_csrf_checks=True)
+    staff(csrf_client)
+    assert csrf_client.post(url).status_code == 403
+    staff(client, "carol")
+    assert client.get(url).status_code == 405
+    assert Dispute.objects.count() == 0 and Provider.objects.get(provider=liar).reputation == rep0
+
+
+def test_settlement_ledger_totals_per_provider_and_csv(client, economy):
+    import csv
+    import io
+
+    from settlement.models import Settlement
+
+    honest, liar, _ = economy
+    page = client.get("/settlements/")
+    html = page.content.decode()
+    sts = list(Settlement.objects.filter(state="settled"))
+    assert len(sts) == 3
+    fee = sum(s.network_fee for s in sts)
+    assert f'id="total-fee">{fee}<' in html and 'id="total-settlements">3<' in html
+    assert f'id="total-tokens">{sum(s.tokens for s in sts)}<' in html
+    honest_paid = sum(s.holder_amount for s in sts if s.provider == honest)
+    assert Provider.objects.get(provider=honest).balance == honest_paid and "honest-h" in html
+    assert "Tokens settled per minute" in html  # the chart, from settled_at_ms
+    assert page.context["chart"].bars[-1].value == sum(s.tokens for s in sts)
+    filtered = client.get(f"/settlements/?provider={liar}")
+    assert filtered.context["totals"]["settlements"] == 1
+    assert f"?provider={liar}" in filtered.content.decode()  # the CSV link keeps the filter
+    r = client.get(f"/settlements.csv?provider={honest}")
+    assert r.status_code == 200 and r["Content-Type"].startswith("text/csv")
+    rows = list(csv.DictReader(io.StringIO(b"".join(r.streaming_content).decode())))
+    assert len(rows) == 2 and {x["provider"] for x in rows} == {honest}
+    assert sum(int(x["holder_amount"]) for x in rows) == honest_paid
+    assert client.get("/settlements.csv?provider=xyz").status_code == 400
+    assert "ignored invalid filter" in client.get("/settlements/?provider=xyz").content.decode()
+
+
+def test_economy_pages_survive_odd_query_strings(client, economy):
+    odd = ["?model=%00", "?layer=-1&expert=x", "?layer=99999999999999999999", "?provider=zz&outcome=maybe",
+           "?forward=%ff%fe", "?model[]=1&model=m", "?next=javascript:alert(1)"]
+    for url in ECON_PAGES:
+        for q in odd:
+            r = client.get(url + q)
+            assert r.status_code in (200, 400), (url, q, r.status_code)
+            if url != "/settlements.csv":
+                assert r.status_code == 200, (url, q)
+    for url in ("/receipts/?layer=-1", "/receipts/?model=%00", "/disputes/?outcome=maybe", "/settlements/?forward=%ff"):
+        assert "ignored invalid filter" in client.get(url).content.decode(), url
+    assert client.get("/receipts/%00").status_code == 404
+
+
+def test_coverage_shows_repair_passes_with_plan_accepted_and_declined(client):
+    import time
+
+    from registry import repair_service
+
+    a, b = two_providers()
+    assert "No repair pass has planned this model yet" in client.get("/coverage/m").content.decode()
+    rp = repair_service.begin_pass("console-test")
+    offers = repair_service.plan_offers(rp)
+    rows = [r for o in offers.values() for r in o["rows"]]
+    assert rows, "model m is under-replicated: the plan has rows"
+    first, rest = rows[0], rows[1:]
+    repair_service.record_outcome(rp.pk, first["provider"], {
+        "accepted": [first], "declined": [{**r, "reason": "disk budget exhausted"} for r in rest[:1]],
+        "fetched_bytes": 4096})
+    repair_service.finish_pass(rp.pk, time.monotonic())
+    html = client.get("/coverage/m").content.decode()
+    assert f"period {rp.period}" in html and f"{len(rp.rows) if rp.rows else len(rows)} planned" in html
+    assert "1 accepted" in html and f"{len(rest[:1])} declined" in html and "4.0\xa0KB fetched" in html
+    if rest:
+        assert "disk budget exhausted" in html
+
+
+def test_provider_page_shows_balance_quarantine_receipts_disputes_settlements(client, economy):
+    from asgiref.sync import async_to_sync
+
+    from settlement import services
+
+    honest, liar, keys = economy
+    async_to_sync(services.dispute)(keys["liar"][0])
+    p = Provider.objects.get(provider=liar)
+    html = client.get(f"/providers/{liar}").content.decode()
+    assert f'id="balance">{p.balance}<' in html and p.balance > 0
+    assert keys["liar"][0][:32] in html and "outcome-upheld" in html and "Reputation after each dispute" in html
+    assert "1 upheld in a row" in html and "never" in html  # one lie: streak 1, not yet quarantined
+    Provider.objects.filter(provider=liar).update(quarantined_until_ms=services.now_ms() + 60_000)
+    html = client.get(f"/providers/{liar}").content.decode()
+    assert 'id="quarantine" class="bad"' in html and "quarantined until" in html
+    assert "quarantined" in client.get("/providers/").content.decode()
+    honest_page = client.get(f"/providers/{honest}").content.decode()
+    assert "Never disputed" in honest_page and honest_page.count('<span class="badge state-settled">') == 2

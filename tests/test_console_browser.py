@@ -205,3 +205,62 @@ def test_every_page_no_console_errors_and_no_5xx(site, page, console_errors):
         assert 400 <= resp.status < 500, (path, resp.status)
     assert console_errors == [], console_errors
     assert re.search(r"Tenzro", page.title())
+
+
+def economy_records() -> dict:
+    """Receipts, settlements through the real services (see ``tests.test_console.economy``):
+    an honest and a lying holder, every batch kept and settled."""
+    from tests.test_console import make_economy
+
+    return make_economy()
+
+
+def test_dispute_a_receipt_as_staff_and_filter_receipts(site, page, console_errors):
+    honest, liar, keys = economy_records()
+    staff_user("alice")
+    page.goto(f"{site}/receipts/")
+    expect(page.locator("#receipts tbody tr")).to_have_count(3)
+    page.fill("#id_provider", liar)
+    page.click("#receipt-filter button[type=submit]")
+    expect(page.locator("#receipts tbody tr")).to_have_count(1)
+    expect(page.locator("#receipts")).to_contain_text("liar-l")
+    shot(page, "receipts-filtered")
+    page.locator("#receipts tbody tr a").first.click()
+    expect(page.locator("#signature-status")).to_contain_text("valid")
+    expect(page.locator("#dispute-form")).to_have_count(0)  # anonymous: read only
+    login(page, site, "alice")
+    page.goto(f"{site}/receipts/{keys['liar'][0]}")
+    page.evaluate("window.__sameDocument = true")
+    page.click("#dispute-form button[name=dispute]")
+    expect(page.locator("#dispute-outcome")).to_contain_text("upheld")
+    expect(page.locator(".messages")).to_contain_text("fraud proof issued")
+    expect(page.locator("#dispute")).to_contain_text("fraud proof")
+    assert page.evaluate("window.__sameDocument") is True  # htmx swapped the page in place
+    shot(page, "receipt-disputed")
+    page.goto(f"{site}/disputes/")
+    expect(page.locator("#disputes")).to_contain_text("upheld")
+    shot(page, "disputes")
+    assert console_errors == [], console_errors
+
+
+def test_economy_pages_no_console_errors_and_no_5xx(site, page, console_errors):
+    honest, liar, keys = economy_records()
+    pages = {"receipts": "/receipts/", "receipt": f"/receipts/{keys['honest'][0]}", "disputes": "/disputes/",
+             "settlements": "/settlements/", "provider-economy": f"/providers/{honest}"}
+    odd = ODD + ["?model=%00&provider=zz&layer=-1&expert=x", "?forward=%ff&outcome=maybe"]
+    for name, path in pages.items():
+        for q in odd:
+            resp = page.goto(site + path + q)
+            assert resp.status == 200, (path, q, resp.status)
+            expect(page.locator("header.top nav")).to_be_visible()
+        page.goto(site + path)
+        shot(page, name)
+    expect(page.locator("#provider-settlements tbody tr, #provider-settlements tr")).not_to_have_count(0)
+    page.goto(f"{site}/settlements/")
+    expect(page.locator("svg.chart")).to_be_visible()
+    expect(page.locator("#per-provider")).to_contain_text("honest-h")
+    resp = page.request.get(f"{site}/settlements.csv?provider={honest}")
+    assert resp.status == 200 and resp.text().count("\n") == 3  # header + two settlements
+    assert page.request.get(f"{site}/settlements.csv?provider=zz").status == 400
+    assert page.request.get(f"{site}/receipts/moe_receipt:nope").status == 404
+    assert console_errors == [], console_errors

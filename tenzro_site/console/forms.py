@@ -65,3 +65,32 @@ class ExpertQuery(forms.Form):
 
     layer = forms.IntegerField(min_value=0, max_value=100_000)
     expert = forms.IntegerField(min_value=0, max_value=1_000_000)
+
+
+class ReceiptFilter(forms.Form):
+    """``?model=&provider=&layer=&expert=`` of the receipts browser (ignored with a message when invalid)."""
+
+    model = forms.CharField(max_length=200, required=False)
+    provider = forms.RegexField(r"^[0-9a-f]{64}$", required=False,
+                                error_messages={"invalid": "a provider id is 64 lowercase hex digits"})
+    layer = forms.IntegerField(min_value=0, max_value=100_000, required=False)
+    expert = forms.IntegerField(min_value=0, max_value=1_000_000, required=False)
+
+
+class DisputeFilter(forms.Form):
+    """``?provider=&outcome=upheld|rejected`` of the disputes list."""
+
+    provider = forms.RegexField(r"^[0-9a-f]{64}$", required=False,
+                                error_messages={"invalid": "a provider id is 64 lowercase hex digits"})
+    outcome = forms.ChoiceField(choices=[("", "any"), ("upheld", "upheld"), ("rejected", "rejected")],
+                                required=False)
+
+
+class SettlementFilter(forms.Form):
+    """``?model=&provider=&forward=`` of the settlement ledger and its CSV export."""
+
+    model = forms.CharField(max_length=200, required=False)
+    provider = forms.RegexField(r"^[0-9a-f]{64}$", required=False,
+                                error_messages={"invalid": "a provider id is 64 lowercase hex digits"})
+    forward = forms.RegexField(r"^[0-9A-Za-z_-]{1,64}$", required=False,
+                               error_messages={"invalid": "a forward id is up to 64 letters, digits, - or _"})

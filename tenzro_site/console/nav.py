@@ -24,6 +24,9 @@ NAV: tuple[NavItem, ...] = (
     NavItem("governance", "Governance", "console-governance"),
     NavItem("providers", "Providers", "console-providers"),
     NavItem("coverage", "Coverage", "console-coverage-index"),
+    NavItem("receipts", "Receipts", "console-receipts"),
+    NavItem("disputes", "Disputes", "console-disputes"),
+    NavItem("settlements", "Settlements", "console-settlements"),
     NavItem("prepare", "Prepare jobs", "prepare-jobs"),
 )
 

@@ -9,10 +9,16 @@ from collections import Counter
 
 from django.db.models import Count, Q, Sum
 
+from holders.receipts import ReceiptError, verify_stored_receipt
 from prepare.models import PrepareItem, PrepareJob
-from registry import governance, selectors
+from registry import governance, repair_service, selectors
 from registry.api import compact_holdings
+from registry.content import BlobError
 from registry.models import AuditEntry, Holding, MoeModel, Proposal, Provider
+from settlement import selectors as settlement_selectors
+from settlement import services as settlement_services
+from settlement.models import Dispute, ReceiptSample, Settlement
+from settlement.services import EconomyError
 from tenzro_site.console.charts import BarChart, bar_chart
 
 
@@ -36,17 +42,21 @@ def model_summaries() -> list[dict]:
 
 
 def provider_rows(live_only: bool = False, role: str | None = None) -> list[dict]:
-    """Providers with their holding counts: ``{p, live, holdings, warm, cold, committed_tps}``.
+    """Providers with their holding counts: ``{p, live, holdings, warm, cold, committed_tps, quarantined}``.
 
-    ``committed_tps`` sums the tokens/s the provider commits over all its holdings.
+    ``committed_tps`` sums the tokens/s the provider commits over all its holdings;
+    ``quarantined``: an upheld-dispute quarantine is in force now.
     """
+    import time
+
+    now = int(time.time() * 1000)
     qs = selectors.live_providers() if live_only else Provider.objects.all()
     qs = qs.annotate(n=Count("holdings"), warm=Count("holdings", filter=Q(holdings__residency="Warm")),
                      cold=Count("holdings", filter=Q(holdings__residency="Cold")),
                      tps=Sum("holdings__committed_tps"))
     live = live_ids()
     rows = [{"p": p, "live": p.provider in live, "holdings": p.n, "warm": p.warm, "cold": p.cold,
-             "committed_tps": p.tps or 0} for p in qs]
+             "committed_tps": p.tps or 0, "quarantined": p.quarantined_until_ms > now} for p in qs]
     return [r for r in rows if role in r["p"].roles] if role else rows
 
 
@@ -175,3 +185,159 @@ def audit_summary(entry: AuditEntry) -> str:
 def prepare_summary() -> dict:
     """Counts of preparation jobs per state (``{state: n}``)."""
     return dict(PrepareJob.objects.order_by().values_list("state").annotate(n=Count("job_id")))
+
+
+# ---- receipts economy (settlement app) -------------------------------------------------------
+
+RECEIPT_PAGE = 200
+
+
+def receipts(model_id: str | None = None, provider: str | None = None, layer: int | None = None,
+             expert: int | None = None, limit: int = RECEIPT_PAGE) -> dict:
+    """Kept receipt samples, newest first, filtered like ``tenzro_moeListReceipts``:
+    ``{rows: [sample_json + {name}], models: [model ids kept], limit}`` (``name``: the
+    provider's display name, "" when unknown)."""
+    rows = settlement_selectors.list_receipts(model_id=model_id or None, provider=provider or None, layer=layer,
+                                              expert=expert, limit=limit)["receipts"]
+    names = _names({r["provider"] for r in rows})
+    for r in rows:
+        r["name"] = names.get(r["provider"], "")
+    models = list(ReceiptSample.objects.order_by("model_id").values_list("model_id", flat=True).distinct())
+    return {"rows": rows, "models": models, "limit": limit}
+
+
+def _names(providers) -> dict[str, str]:
+    return dict(Provider.objects.filter(provider__in=list(providers)).values_list("provider", "name"))
+
+
+def signature_status(s: ReceiptSample) -> dict:
+    """Re-verify a kept receipt with the dispute's own check (``holders.receipts.
+    verify_stored_receipt``: signer, carrier hash, commitment hash, tokens, Ed25519 signature over
+    the request identity): ``{ok: bool, detail: str}``; a missing carrier file is reported, not raised."""
+    try:
+        carrier = settlement_services.sample_carrier(s)
+        verify_stored_receipt(s.receipt, provider=s.provider, request_id=s.request_id, model_id=s.model_id,
+                              layer=s.layer, expert=s.expert, tokens=list(s.tokens), d_model=s.d_model,
+                              carrier_kind=s.carrier_kind, carrier=carrier, commitment=bytes(s.commitment_rows))
+    except EconomyError as exc:
+        return {"ok": False, "detail": exc.message}
+    except (ReceiptError, BlobError, OSError, ValueError) as exc:
+        return {"ok": False, "detail": str(exc)}
+    return {"ok": True, "detail": "signature, carrier hash and commitment rows verify"}
+
+
+def receipt_detail(key: str) -> dict | None:
+    """One kept receipt, or None when unknown: ``settlement.selectors.get_receipt`` (header,
+    signed receipt, commitment rows, dispute outcome) plus ``signature`` (``signature_status``),
+    ``name`` of the provider and ``settlement`` (its forward's settlement with this provider, or None)."""
+    try:
+        r = settlement_selectors.get_receipt(key)
+    except EconomyError:
+        return None
+    s = ReceiptSample.objects.get(key=key)
+    r["signature"] = signature_status(s)
+    r["name"] = _names([s.provider]).get(s.provider, "")
+    r["settlement"] = Settlement.objects.filter(forward_id=s.forward_id, provider=s.provider).first()
+    return r
+
+
+def disputes(provider: str | None = None, upheld: bool | None = None, limit: int = 200) -> dict:
+    """Disputes newest first (``tenzro_moeListDisputes`` rows with their fraud proofs):
+    ``{rows: [dispute_json + {name}], upheld: n, rejected: n}`` (counts over all disputes)."""
+    rows = settlement_selectors.list_disputes(provider=provider or None, upheld=upheld, limit=limit)["disputes"]
+    names = _names({r["provider"] for r in rows})
+    for r in rows:
+        r["name"] = names.get(r["provider"], "")
+    counts = dict(Dispute.objects.order_by().values_list("upheld").annotate(n=Count("id")))
+    return {"rows": rows, "upheld": counts.get(True, 0), "rejected": counts.get(False, 0)}
+
+
+def _settlement_qs(model_id: str | None = None, provider: str | None = None, forward_id: str | None = None):
+    qs = Settlement.objects.all()
+    for name, value in (("model_id", model_id), ("provider", provider), ("forward_id", forward_id)):
+        if value:
+            qs = qs.filter(**{name: value})
+    return qs
+
+
+def settlement_ledger(model_id: str | None = None, provider: str | None = None, forward_id: str | None = None,
+                      limit: int = 200, now_ms: int | None = None) -> dict:
+    """The settlement ledger under the filters: ``rows`` (per forward and holder, newest first,
+    pending ones included), ``totals`` (settled only: ``tokens, batches, gross, holder_amount,
+    network_fee, settlements``; amounts in the network's integer price unit), ``pending`` (count),
+    ``per_provider`` (``[{provider, name, balance, settlements, tokens, gross, holder_amount,
+    network_fee}]``, most paid first) and ``chart`` (settled tokens per minute)."""
+    qs = _settlement_qs(model_id, provider, forward_id)
+    settled = qs.filter(state=Settlement.State.SETTLED)
+    sums = ("tokens", "batches", "gross", "holder_amount", "network_fee")
+    totals = {k: v or 0 for k, v in settled.aggregate(**{k: Sum(k) for k in sums}).items()}
+    totals["settlements"] = settled.count()
+    per = list(settled.order_by().values("provider").annotate(settlements=Count("id"), **{k: Sum(k) for k in sums})
+               .order_by("-holder_amount", "provider"))
+    info = {p.provider: p for p in Provider.objects.filter(provider__in=[r["provider"] for r in per])}
+    for r in per:
+        p = info.get(r["provider"])
+        r["name"], r["balance"] = (p.name, p.balance) if p else ("", None)
+    rows = list(qs.order_by("-id")[:limit])
+    names = _names({s.provider for s in rows})
+    return {"rows": [{"s": s, "name": names.get(s.provider, "")} for s in rows], "totals": totals,
+            "pending": qs.filter(state=Settlement.State.PENDING).count(), "per_provider": per,
+            "chart": settled_tokens_chart(settled, now_ms=now_ms), "limit": limit}
+
+
+def settlement_csv_rows(model_id: str | None = None, provider: str | None = None, forward_id: str | None = None):
+    """The ledger as CSV rows (header first): every settlement under the filters, oldest first,
+    columns of ``settlement.selectors.settlement_json`` plus ``created_ms``. A generator (streamed)."""
+    cols = ["forward_id", "model_id", "provider", "state", "tokens", "batches", "gross", "holder_amount",
+            "network_fee", "commitments_digest", "created_ms", "settled_at_ms"]
+    yield cols
+    for s in _settlement_qs(model_id, provider, forward_id).order_by("id").iterator(chunk_size=500):
+        yield [getattr(s, c) if getattr(s, c) is not None else "" for c in cols]
+
+
+def settled_tokens_chart(settled_qs, minutes: int = 30, now_ms: int | None = None) -> BarChart:
+    """Bar chart of tokens settled per minute over the last ``minutes`` minutes (by
+    ``Settlement.settled_at_ms``, UTC minute buckets; labels ``HH:MM`` every 5th bar, newest right)."""
+    import time
+    from datetime import datetime, timezone
+
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    end = now_ms // 60_000  # current minute (inclusive)
+    start = end - minutes + 1
+    buckets = Counter()
+    for at, tokens in settled_qs.filter(settled_at_ms__gte=start * 60_000).values_list("settled_at_ms", "tokens"):
+        buckets[at // 60_000] += tokens
+    data = [(datetime.fromtimestamp(m * 60, tz=timezone.utc).strftime("%H:%M"), buckets.get(m, 0), "bar-tokens")
+            for m in range(start, end + 1)]
+    return bar_chart(f"Tokens settled per minute (last {minutes} min, UTC)", data, x_label="minute",
+                     y_label="tokens", width=520, tick_every=5)
+
+
+def provider_economy(provider: str, limit: int = 20) -> dict:
+    """A provider's economy: ``quarantined`` (bool, now), ``quarantined_until`` (ms), ``receipts``,
+    ``disputes`` (newest ``limit`` rows of each), ``settlements`` (newest ``limit``), ``paid``
+    (settled totals: ``settlements, tokens, holder_amount``) and ``reputation_chart`` (reputation
+    after each of its disputes, oldest first; None without disputes)."""
+    import time
+
+    p = Provider.objects.get(provider=provider)
+    settled = Settlement.objects.filter(provider=provider, state=Settlement.State.SETTLED)
+    paid = settled.aggregate(tokens=Sum("tokens"), holder_amount=Sum("holder_amount"))
+    paid = {"settlements": settled.count(), "tokens": paid["tokens"] or 0, "holder_amount": paid["holder_amount"] or 0}
+    hist = list(Dispute.objects.filter(provider=provider, reputation_after__isnull=False).order_by("-id")
+                .values_list("id", "reputation_after", "upheld")[:30])[::-1]
+    chart = bar_chart("Reputation after each dispute", [(f"#{i}", rep, "bar-bad" if up else "bar-ok")
+                                                       for i, rep, up in hist],
+                      x_label="dispute", y_label="reputation", width=420) if hist else None
+    return {"quarantined": p.quarantined_until_ms > int(time.time() * 1000),
+            "quarantined_until": p.quarantined_until_ms,
+            "receipts": receipts(provider=provider, limit=limit)["rows"],
+            "disputes": disputes(provider=provider, limit=limit)["rows"],
+            "settlements": list(Settlement.objects.filter(provider=provider).order_by("-id")[:limit]),
+            "paid": paid, "reputation_chart": chart}
+
+
+def repair_passes(model_id: str, limit: int = 10) -> list[dict]:
+    """The newest ``limit`` repair passes that planned ``model_id`` (``registry.repair_service.
+    pass_json`` rows filtered to it: ``rows`` plan, ``accepted``, ``declined`` with ``reason``)."""
+    return repair_service.repair_status(model_id, limit=limit)["passes"]

@@ -18,4 +18,11 @@ urlpatterns = [
     path("coverage/", views.coverage_index, name="console-coverage-index"),
     path("coverage/<str:model_id>", views.coverage, name="coverage"),
     path("coverage/<str:model_id>/holders", views.expert_holders, name="console-expert-holders"),
+    path("receipts/", views.receipts, name="console-receipts"),
+    # receipt keys hold the model id, which may contain "/": the dispute route is matched first
+    path("receipts/<path:key>/dispute", views.receipt_dispute, name="console-receipt-dispute"),
+    path("receipts/<path:key>", views.receipt, name="console-receipt"),
+    path("disputes/", views.disputes, name="console-disputes"),
+    path("settlements/", views.settlements, name="console-settlements"),
+    path("settlements.csv", views.settlements_csv, name="console-settlements-csv"),
 ]

@@ -6,15 +6,18 @@ the form with its errors (HTTP 400) and changes nothing.
 """
 from __future__ import annotations
 
+import csv
 from functools import wraps
 
 from django.contrib import messages
 from django.contrib.auth.views import redirect_to_login
-from django.http import Http404, HttpResponseForbidden
+from asgiref.sync import async_to_sync
+from django.http import Http404, HttpResponseForbidden, StreamingHttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
 from registry import governance
+from settlement import services as settlement_services
 from tenzro_site.console import forms, selectors
 
 
@@ -123,7 +126,8 @@ def provider(request, provider: str):
     ctx = selectors.provider_detail(provider)
     if ctx is None:
         raise Http404(f"no provider {provider}")
-    return render(request, "console/provider.html", {"nav_section": "providers", **ctx})
+    return render(request, "console/provider.html", {"nav_section": "providers", **ctx,
+                                                     **selectors.provider_economy(provider)})
 
 
 def coverage_index(request):
@@ -135,7 +139,8 @@ def coverage_index(request):
 def coverage(request, model_id: str):
     """``/coverage/<model_id>``: layer × expert heatmap by replication (hot marked), holders on
     click, the under-replicated list and a histogram of slots by replication."""
-    return render(request, "console/coverage.html", {"nav_section": "coverage", **selectors.coverage(model_id)})
+    return render(request, "console/coverage.html", {"nav_section": "coverage", **selectors.coverage(model_id),
+                                                     "repair_passes": selectors.repair_passes(model_id)})
 
 
 def expert_holders(request, model_id: str):
@@ -145,3 +150,88 @@ def expert_holders(request, model_id: str):
         return render(request, "console/_holders.html", {"errors": form.errors}, status=400)
     q = form.cleaned_data
     return render(request, "console/_holders.html", selectors.expert_holders(model_id, q["layer"], q["expert"]))
+
+
+def receipts(request):
+    """``/receipts/``: kept receipt samples filtered by ``?model=&provider=&layer=&expert=``."""
+    filt, q = _filter(request, forms.ReceiptFilter)
+    return render(request, "console/receipts.html", {
+        "nav_section": "receipts", "filter": filt,
+        **selectors.receipts(model_id=q.get("model") or None, provider=q.get("provider") or None,
+                             layer=q.get("layer"), expert=q.get("expert"))})
+
+
+def receipt(request, key: str):
+    """``/receipts/<key>``: header, signed receipt with its re-verified signature status, the
+    commitment rows, the settlement and the dispute outcome; the Dispute button for staff."""
+    ctx = selectors.receipt_detail(key)
+    if ctx is None:
+        raise Http404(f"no kept receipt {key}")
+    return render(request, "console/receipt.html", {"nav_section": "receipts", "r": ctx})
+
+
+@require_POST
+@staff_required
+def receipt_dispute(request, key: str):
+    """``POST /receipts/<key>/dispute``: run the dispute (``settlement.services.dispute``:
+    re-verify, re-execute on another copy of the blob, compare, apply once) and show the outcome.
+
+    It runs inline in this request (a re-execution of one batch); a receipt already disputed
+    answers its stored outcome. An ``EconomyError`` (no executor, store does not verify) is
+    shown as a message and changes nothing.
+    """
+    if selectors.receipt_detail(key) is None:
+        raise Http404(f"no kept receipt {key}")
+    try:
+        out = async_to_sync(settlement_services.dispute)(key)
+    except settlement_services.EconomyError as exc:
+        messages.error(request, f"dispute not run ({exc.data['field']}): {exc.message}")
+    else:
+        messages.success(request, "dispute upheld: the provider signed wrong rows; fraud proof issued"
+                         if out["disputed"] else "dispute rejected: the re-executed rows match the commitment")
+    return redirect("console-receipt", key=key)
+
+
+def disputes(request):
+    """``/disputes/``: disputes with outcomes, verification and fraud proofs (``?provider=&outcome=``)."""
+    filt, q = _filter(request, forms.DisputeFilter)
+    outcome = q.get("outcome") or ""
+    return render(request, "console/disputes.html", {
+        "nav_section": "disputes", "filter": filt,
+        **selectors.disputes(provider=q.get("provider") or None,
+                             upheld={"upheld": True, "rejected": False}.get(outcome))})
+
+
+def _settlement_filters(request) -> tuple:
+    filt, q = _filter(request, forms.SettlementFilter)
+    return filt, {"model_id": q.get("model") or None, "provider": q.get("provider") or None,
+                  "forward_id": q.get("forward") or None}
+
+
+def settlements(request):
+    """``/settlements/``: the ledger per forward and per provider, totals, network fee, tokens per minute."""
+    filt, q = _settlement_filters(request)
+    return render(request, "console/settlements.html", {
+        "nav_section": "settlements", "filter": filt, "query": request.GET.urlencode() if filt.is_valid() else "",
+        **selectors.settlement_ledger(**q)})
+
+
+class _Echo:
+    """A file-like whose ``write`` returns the line (csv.writer into a streaming response)."""
+
+    def write(self, value: str) -> str:
+        return value
+
+
+def settlements_csv(request):
+    """``/settlements.csv``: the ledger under the same filters as ``/settlements/``, streamed as CSV
+    (an invalid filter answers 400 with a message rather than the unfiltered ledger)."""
+    filt, q = _filter(request, forms.SettlementFilter)
+    if filt.is_bound and not filt.is_valid():
+        return render(request, "console/settlements.html", {"nav_section": "settlements", "filter": filt,
+                      **selectors.settlement_ledger(limit=0)}, status=400)
+    writer = csv.writer(_Echo())
+    rows = selectors.settlement_csv_rows(q.get("model") or None, q.get("provider") or None, q.get("forward") or None)
+    resp = StreamingHttpResponse((writer.writerow(r) for r in rows), content_type="text/csv; charset=utf-8")
+    resp["Content-Disposition"] = 'attachment; filename="settlements.csv"'
+    return resp
