@@ -65,7 +65,7 @@ def synth_expert(pool: list[ExpertWeights], layer: int, e: int) -> ExpertWeights
     """Expert ``e`` of ``layer``: projections drawn from ``pool`` by index (see module doc)."""
     n = len(pool)
     k = layer * 128 + e
-    return ExpertWeights(pool[k % n].gate, pool[(k // n + k) % n].up, pool[(3 * k + 1) % n].down)
+    return ExpertWeights(pool[k % n].gate_proj, pool[(k // n + k) % n].up_proj, pool[(3 * k + 1) % n].down_proj)
 
 
 class Model:
