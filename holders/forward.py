@@ -61,21 +61,13 @@ class ForwardError(Exception):
 class VerifiedBatch:
     """One remote batch whose receipt verified: what the receipts economy keeps or settles.
 
-    ``payload`` the exact carrier bytes sent (``carrier`` "f32"/"q8_0"), ``rows`` the decoded
-    output f32 ``[n, d_model]`` (``output`` encoding on the wire), ``receipt`` the holder's
-    signed receipt. Listed in arrival order.
+    ``request`` is what was sent (its ``payload`` the exact carrier bytes), ``rows`` the
+    decoded output f32 ``[n, d_model]``, ``receipt`` the holder's signed receipt. Listed in
+    arrival order.
     """
 
     provider: str
-    request_id: str
-    model_id: str
-    layer: int
-    expert: int
-    tokens: list[int]
-    carrier: str
-    payload: bytes
-    output: str
-    d_model: int
+    request: BatchRequest
     receipt: dict
     rows: np.ndarray
 
@@ -293,9 +285,7 @@ class LayerForward:
             self.receipts.append({"provider": provider, "expert": expert, "tokens": len(tokens),
                                   "commitment": ans.receipt["commitment"]})
             if self.verify and ans.transport != "local":
-                self.verified.append(VerifiedBatch(provider, req.request_id, self.model_id, self.layer, expert,
-                                                   list(tokens), req.carrier, payload, req.output, req.d_model,
-                                                   ans.receipt, ans.rows))
+                self.verified.append(VerifiedBatch(provider, req, ans.receipt, ans.rows))
         if self.on_verified_batch is not None and ans.transport != "local":
             hooked = self.on_verified_batch(provider, req, payload, ans.rows, ans.receipt)
             if inspect.isawaitable(hooked):

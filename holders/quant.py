@@ -47,6 +47,7 @@ for Q8_0) raises instead of writing an infinite scale (ggml's
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import numpy as np
@@ -726,7 +727,7 @@ _DEQ_CHUNK_BYTES = 1 << 18  # bytes of blocks decoded per step (output ~7x that)
 # the quant types
 
 
-class QuantType:
+class QuantType(ABC):
     """One GGUF block quantization type (gguf-py ``quants.py`` ``__Quant`` in spirit).
 
     Class attributes: ``name`` (canonical lower-case, as in blob metadata), ``ggml_type``
@@ -766,17 +767,17 @@ class QuantType:
         """Bytes of one row of ``cols`` values (``cols`` a multiple of ``block_size``, unchecked)."""
         return cols // self.block_size * self.type_size
 
+    @abstractmethod
     def quantize_rows(self, a: np.ndarray) -> np.ndarray:
         """Encode validated float32 C-contiguous finite rows ``[..., n]`` (``n`` a multiple of
         ``block_size``) → uint8 ``[..., row_bytes(n)]``, byte-identical to ggml's reference
         quantizer. Raises ``ValueError`` when an fp16 block scale would overflow. Call with
         floating-point warnings silenced (IEEE specials are part of the algorithms)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def dequantize_blocks(self, b: np.ndarray, out: np.ndarray) -> None:
         """Decode uint8 blocks ``[N, type_size]`` into float32 ``out`` ``[N, block_size]``,
         bit-identical to gguf-py's ``dequantize_blocks`` of this type."""
-        raise NotImplementedError
 
     def quantize(self, x) -> np.ndarray:
         """``quantize(x, self.name)``: validated public encoder (see :func:`quantize`)."""

@@ -120,19 +120,21 @@ def record_forward(record: ForwardRecord, one_in: int | None = None) -> dict:
         commit = b.receipt["commitment"]
         if not is_sampled(secret, commit, n):
             continue
-        proj = np.frombuffer(base64.b64decode(b.receipt["sketch"]), dtype="<f8").reshape(len(b.tokens), -1)
-        inline = len(b.payload) <= INLINE_CARRIER_MAX
+        req = b.request
+        proj = np.frombuffer(base64.b64decode(b.receipt["sketch"]), dtype="<f8").reshape(len(req.tokens), -1)
+        inline = len(req.payload) <= INLINE_CARRIER_MAX
         samples.append(ReceiptSample(
-            key=f"moe_receipt:{record.model_id}:{t:013d}:{commit[:16]}{b.request_id[:8]}",
-            forward_id=record.forward_id, provider=b.provider, model_id=b.model_id, layer=b.layer, expert=b.expert,
-            tokens=[int(x) for x in b.tokens], d_model=b.d_model, request_id=b.request_id, carrier_kind=b.carrier,
-            output_kind=b.output, blob_hash=b.receipt.get("blob_hash", ""), quant=b.receipt.get("quant", ""),
-            commitment=commit, commitment_rows=commitment_bytes(b.tokens, b.rows, proj), receipt=b.receipt,
-            carrier_inline=b.payload if inline else None,
-            carrier_hash="" if inline else receipt_store().put(b.payload),
-            carrier_bytes=len(b.payload), stored_at_ms=t))
+            key=f"moe_receipt:{record.model_id}:{t:013d}:{commit[:16]}{req.request_id[:8]}",
+            forward_id=record.forward_id, provider=b.provider, model_id=req.model_id, layer=req.layer,
+            expert=req.expert, tokens=[int(x) for x in req.tokens], d_model=req.d_model, request_id=req.request_id,
+            carrier_kind=req.carrier, output_kind=req.output, blob_hash=b.receipt.get("blob_hash", ""),
+            quant=b.receipt.get("quant", ""), commitment=commit,
+            commitment_rows=commitment_bytes(req.tokens, b.rows, proj), receipt=b.receipt,
+            carrier_inline=req.payload if inline else None,
+            carrier_hash="" if inline else receipt_store().put(req.payload),
+            carrier_bytes=len(req.payload), stored_at_ms=t))
     rows = [Settlement(forward_id=record.forward_id, provider=p, model_id=record.model_id,
-                       tokens=sum(len(b.tokens) for b in bs), batches=len(bs),
+                       tokens=sum(len(b.request.tokens) for b in bs), batches=len(bs),
                        commitments_digest=hashlib.sha256(b"".join(bytes.fromhex(b.receipt["commitment"])
                                                                   for b in bs)).hexdigest(),
                        created_ms=t)

@@ -204,7 +204,7 @@ def make_economy():
             rec = record(b)
             services.record_forward(rec, one_in=1)
             services.settle_forward(rec.forward_id)
-            keys[who].append(ReceiptSample.objects.get(request_id=b.request_id).key)
+            keys[who].append(ReceiptSample.objects.get(request_id=b.request.request_id).key)
     return provider_id(hk), provider_id(lk), keys
 
 

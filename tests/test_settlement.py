@@ -16,7 +16,7 @@ from nacl.signing import SigningKey
 from holders.blobs import BlobStore
 from holders.faults import FaultInjector, parse_fault
 from holders.ffn import ExpertWeights, expert_forward
-from holders.forward import VerifiedBatch
+from holders.forward import BatchRequest, VerifiedBatch
 from holders.hooks import ForwardRecord
 from holders import wire
 from holders.receipts import make_receipt
@@ -64,8 +64,8 @@ def batch(key, w, h, *, lie=False, tokens=(0, 1, 2, 3), carrier="f32", output="f
     rid = uuid.uuid4().hex
     receipt = make_receipt(key, request_id=rid, model_id="m", layer=0, expert=expert, tokens=list(tokens),
                            carrier_kind=carrier, carrier=payload, rows=rows, blob_hash=h, quant="f32")
-    return VerifiedBatch(provider_id(key), rid, "m", 0, expert, list(tokens), carrier, payload, output, H, receipt,
-                         rows)
+    req = BatchRequest(rid, "m", 0, expert, list(tokens), carrier, payload, output, H)
+    return VerifiedBatch(provider_id(key), req, receipt, rows)
 
 
 def record(*batches) -> ForwardRecord:
@@ -97,8 +97,8 @@ def test_record_keeps_exact_carrier_and_commitment_rows_and_settles_exactly_once
     rec = record(b1, b2)
     out = services.record_forward(rec, one_in=1)
     assert len(out["samples"]) == 2
-    s = ReceiptSample.objects.get(request_id=b1.request_id)
-    assert bytes(s.carrier_inline) == b1.payload and s.forward_id == rec.forward_id
+    s = ReceiptSample.objects.get(request_id=b1.request.request_id)
+    assert bytes(s.carrier_inline) == b1.request.payload and s.forward_id == rec.forward_id
     assert hashlib.sha256(bytes(s.commitment_rows)).hexdigest() == b1.receipt["commitment"]
     got = selectors.get_receipt(s.key)
     assert got["header"]["blob_hash"] == h and len(got["commitment_rows"]) == 4
@@ -151,7 +151,7 @@ def test_honest_dispute_passes_and_is_returned_again_without_penalty(blob):
     for carrier, output in (("f32", "f32"), ("q8_0", "bf16")):
         b = batch(key, w, h, carrier=carrier, output=output)
         services.record_forward(record(b), one_in=1)
-        k = ReceiptSample.objects.get(request_id=b.request_id).key
+        k = ReceiptSample.objects.get(request_id=b.request.request_id).key
         res = async_to_sync(services.dispute)(k)
         assert res["disputed"] is False and res["verification"]["pass"], res
         assert res["executed_by"] == "site" and res["proof"] is None
@@ -172,7 +172,7 @@ def test_lies_are_upheld_with_a_signed_proof_and_three_in_a_row_quarantine(blob)
     for i in range(3):
         b = batch(key, w, h, lie=True, seed=10 + i)
         services.record_forward(record(b), one_in=1)
-        keys.append(ReceiptSample.objects.get(request_id=b.request_id).key)
+        keys.append(ReceiptSample.objects.get(request_id=b.request.request_id).key)
     r0 = async_to_sync(services.dispute)(keys[0])
     assert r0["disputed"] is True and not r0["verification"]["pass"]
     assert r0["verification"]["failing_rows"]
@@ -203,7 +203,7 @@ def test_an_honest_reexecution_clears_the_streak(blob):
     for i, lie in enumerate(seq):
         b = batch(key, w, h, lie=lie, seed=20 + i)
         services.record_forward(record(b), one_in=1)
-        async_to_sync(services.dispute)(ReceiptSample.objects.get(request_id=b.request_id).key)
+        async_to_sync(services.dispute)(ReceiptSample.objects.get(request_id=b.request.request_id).key)
     p = Provider.objects.get(provider=provider_id(key))
     assert p.quarantined_until_ms == 0 and p.dispute_streak == 2 and p.reputation == 500 - 4 * 15
 
@@ -214,7 +214,7 @@ def test_tampered_store_cannot_make_a_proof(blob):
     holder(key)
     b = batch(key, w, h)
     services.record_forward(record(b), one_in=1)
-    s = ReceiptSample.objects.get(request_id=b.request_id)
+    s = ReceiptSample.objects.get(request_id=b.request.request_id)
     rows = bytearray(s.commitment_rows)
     rows[-20] ^= 0xFF
     ReceiptSample.objects.filter(pk=s.pk).update(commitment_rows=bytes(rows))
@@ -231,7 +231,7 @@ def test_unknown_key_and_no_executor_are_clear_errors(blob):
         async_to_sync(services.dispute)("moe_receipt:nope")
     b = batch(key, w, "ab" * 32)  # a blob hash nobody has
     services.record_forward(record(b), one_in=1)
-    k = ReceiptSample.objects.get(request_id=b.request_id).key
+    k = ReceiptSample.objects.get(request_id=b.request.request_id).key
     with pytest.raises(services.EconomyError) as exc:
         async_to_sync(services.dispute)(k)
     assert exc.value.code == -32004 and "tenzro://blob/" + "ab" * 32 in exc.value.message

@@ -6,6 +6,7 @@ All arithmetic is float32, the way the Hugging Face modeling files run an f32 mo
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -225,7 +226,7 @@ class KVCache:
         return cache
 
 
-class Backbone:
+class Backbone(ABC):
     """A decoder-only transformer whose MLP of each layer is supplied by the caller.
 
     Subclasses set ``num_layers``, ``eps`` and implement ``attention(layer, h, positions,
@@ -267,10 +268,10 @@ class Backbone:
         """An empty cache for one sequence."""
         return KVCache(self.num_layers)
 
+    @abstractmethod
     def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
         """Self-attention of ``layer`` for one sequence's new rows ``h`` float32 ``[T, H]`` at
         ``positions`` ``[T]``; appends to ``cache`` and returns float32 ``[T, H]``."""
-        raise NotImplementedError
 
     def forward(self, seqs: list[np.ndarray], caches: list[KVCache], mlp: MlpFn,
                 all_logits: bool = False) -> list[np.ndarray]:
