@@ -67,11 +67,15 @@ async def run_pass(source: str = "timer") -> dict | None:
 
 
 async def _timer_loop() -> None:
-    """Run a pass at every period boundary (the first one skipped, as the reference does)."""
+    """Run a pass at every period boundary, the first at least one full interval after start (as
+    the reference skips its first tick): a pass while the operator is still placing a model would
+    pull extra copies of experts whose placement has not been declared yet."""
+    first = True
     while True:
         interval = await database_sync_to_async(repair_service.interval_s)()
         now = time.time()
-        await asyncio.sleep(((now // interval) + 1) * interval - now + 0.05)
+        await asyncio.sleep(((now // interval) + (2 if first else 1)) * interval - now + 0.05)
+        first = False
         try:
             await run_pass("timer")
         except Exception:  # the timer outlives a failed pass
