@@ -34,10 +34,13 @@ def agent_disconnected(provider: str, channel_name: str) -> None:
                                                       agent_channel=latest.channel_name if latest else "")
 
 
-def reset_sessions() -> None:
-    """Forget every agent session (a site that starts fresh has no open sockets)."""
-    AgentSession.objects.all().delete()
-    Provider.objects.update(connected=False, agent_channel="")
+@transaction.atomic
+def reset_sessions(providers: list[str]) -> int:
+    """Forget the agent sessions of ``providers`` only: the caller's own agents, whose processes
+    are not running, so no socket of theirs can be open. Sessions of every other provider (agents
+    of another site sharing this database) are left alone. Returns how many providers changed."""
+    AgentSession.objects.filter(provider_id__in=providers).delete()
+    return Provider.objects.filter(provider__in=providers).update(connected=False, agent_channel="")
 
 
 class PlacementError(ValueError):

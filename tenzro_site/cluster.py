@@ -1,12 +1,16 @@
 """A local cluster on one machine: the site (daphne) plus N holder agents, with models placed.
 
 Used by ``tenzro_cluster``, ``verify_forward`` and ``tenzro_demo``, and by end-to-end tests.
-It owns what it starts: ``stop()`` terminates every process, and it also runs at exit.
+It owns what it starts: ``stop()`` terminates every process, and it also runs at exit. It
+touches only what it started: its checkpoints are opened before anything is written, one
+cluster at a time holds a ``TENZRO_VAR_DIR`` (its agent keys live there; ``cluster.lock``),
+and only its own agents' stale sessions are reset.
 """
 from __future__ import annotations
 
 import atexit
 import ctypes
+import fcntl
 import os
 import signal
 import socket
@@ -21,6 +25,7 @@ from django.conf import settings
 from django.core.management import call_command
 
 from registry.identity import load_or_create_key, provider_id
+from prepare.checkpoint import Checkpoint, CheckpointError
 from prepare.backbone import publish_backbone
 from prepare.services import publish_checkpoint, publish_dense
 from registry.models import Provider
@@ -31,6 +36,11 @@ from registry.operator import operator_token
 
 class ClusterError(RuntimeError):
     """The cluster could not start, place its models or reach full coverage in time."""
+
+
+#: Most agents one local cluster starts: each is a Python process of ~150 MB with its own BLAS
+#: threads; more belong on more machines (``holder_agent`` against a served site).
+MAX_LOCAL_HOLDERS = 64
 
 
 def _die_with_parent() -> None:
@@ -69,8 +79,8 @@ class LocalCluster:
                  model_ids: list[str | None] | None = None, quants: list | None = None,
                  agent_http: bool = False, dense_parts: int = 2, repair_interval: int | None = None,
                  agent_faults: dict[int, str] | None = None, roles: list[str] | None = None):
-        if holders < 1:
-            raise ClusterError("--holders must be at least 1")
+        if not 1 <= holders <= MAX_LOCAL_HOLDERS:
+            raise ClusterError(f"--holders must be between 1 and {MAX_LOCAL_HOLDERS} on one machine, got {holders}")
         if port and not 0 < port < 65536:
             raise ClusterError(f"--port must be between 1 and 65535, got {port}")
         self.checkpoints = [Path(c) for c in checkpoints]
@@ -102,16 +112,22 @@ class LocalCluster:
         self.dense_parts = dense_parts
         self.repair_interval = repair_interval
         self._req_id = 0
+        self._lock = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, timeout: float = 90.0) -> "LocalCluster":
-        """Migrate, publish, start site and agents, place every model, wait for full coverage."""
-        atexit.register(self.stop)
+        """Check inputs, lock the var dir, migrate, publish, start site and agents, place every
+        model, wait for full coverage. Nothing shared is written before the checks pass."""
+        for ckpt in self.checkpoints:
+            try:
+                Checkpoint(ckpt)
+            except CheckpointError as exc:
+                raise ClusterError(f"--checkpoint: {exc}") from None
         self._check_port()
+        self._acquire_lock()
+        atexit.register(self.stop)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         call_command("migrate", verbosity=0, interactive=False)
-        # This cluster owns its site: sockets left marked open by an earlier run are gone.
-        reset_sessions()
         for ckpt, mid, quant in zip(self.checkpoints, self.model_id_overrides, self.quants):
             self.say(f"publishing {ckpt}{f' as {quant}' if quant else ''} ...")
             self.model_ids.append(publish_checkpoint(ckpt, mid, quant=quant).model_id)
@@ -130,11 +146,13 @@ class LocalCluster:
                                          "--websocket_timeout", "-1", "tenzro_site.asgi:application"], env)
         self._wait(lambda: self._healthy(), timeout, "the site did not answer /healthz")
         self.say(f"site up at {self.url}; starting {self.holders} holder agents ...")
-        ids = []
-        for i in range(self.holders):
+        ids = [provider_id(load_or_create_key(settings.VAR_DIR / "keys" / f"agent-{i}.key"))
+               for i in range(self.holders)]
+        # Our agents are not running yet (we hold the var dir's lock): sessions of theirs still
+        # marked open are left over from a killed run. Nobody else's are touched.
+        reset_sessions(ids)
+        for i, pid in enumerate(ids):
             key_path = settings.VAR_DIR / "keys" / f"agent-{i}.key"
-            pid = provider_id(load_or_create_key(key_path))
-            ids.append(pid)
             proc = self._spawn(f"agent-{i}", [sys.executable, str(settings.BASE_DIR / "manage.py"), "holder_agent",
                                               "--site", self.url, "--key", str(key_path), "--name", f"agent-{i}",
                                               "--blob-dir", str(settings.VAR_DIR / "agents" / f"agent-{i}" / "blobs"),
@@ -170,6 +188,9 @@ class LocalCluster:
                 p.kill()
                 p.wait()
         self.agents, self.site = [], None
+        if self._lock is not None:
+            self._lock.close()  # releases the flock
+            self._lock = None
 
     def info(self) -> dict:
         """The JSON line ``tenzro_cluster`` prints."""
@@ -190,6 +211,25 @@ class LocalCluster:
         if "error" in body:
             raise ClusterError(f"{method}: {body['error']['message']} ({body['error'].get('data')})")
         return body["result"]
+
+    def _acquire_lock(self) -> None:
+        """Hold ``VAR_DIR/cluster.lock`` (flock, released when this process ends however it ends):
+        a second cluster on the same var dir would start agents with the same keys and take over
+        the running cluster's providers. Raises ``ClusterError`` naming the holder's pid and url."""
+        path = settings.VAR_DIR / "cluster.lock"
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            f.close()
+            raise ClusterError(f"another local cluster ({holder}) is running with TENZRO_VAR_DIR={settings.VAR_DIR}; "
+                               "stop it, or give this one its own TENZRO_VAR_DIR and DATABASE_URL") from None
+        f.truncate(0)
+        f.write(f"pid {os.getpid()}, {self.url}")
+        f.flush()
+        self._lock = f
 
     def _check_port(self) -> None:
         """Fail before any work when the site's port is taken."""

@@ -1,0 +1,63 @@
+"""Operator mistakes (issue 15 item 8): a second local cluster in the same checkout, a bad
+``--checkpoint`` or an absurd ``--holders`` fail with a clear message and touch nothing the
+running cluster owns."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from safetensors.numpy import load_file
+
+from holders import wire
+
+from registry.models import AgentSession, Provider
+from registry.services import agent_connected, reset_sessions
+from tenzro_site.verify import max_rel_err
+from tests.cluster_util import ROOT, env_for, rpc, running_cluster
+from tests.conftest import QWEN
+
+
+def _second_cluster(env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "manage.py"), "tenzro_cluster", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.django_db
+def test_reset_sessions_touches_only_the_named_providers():
+    agent_connected("a" * 64, "chan-a")
+    agent_connected("b" * 64, "chan-b")
+    assert reset_sessions(["a" * 64]) == 1
+    assert Provider.objects.get(provider="b" * 64).connected
+    assert not Provider.objects.get(provider="a" * 64).connected
+    assert list(AgentSession.objects.values_list("channel_name", flat=True)) == ["chan-b"]
+
+
+@pytest.mark.cluster
+def test_failed_second_cluster_leaves_the_running_one_alone(tmp_path):
+    with running_cluster(tmp_path, [QWEN], holders=2) as (info, _proc):
+        env = env_for(tmp_path)  # the same var dir and database as the running cluster's
+        bad = _second_cluster(env, "--checkpoint", str(tmp_path / "no-such-checkpoint"), "--holders", "2")
+        assert bad.returncode == 1 and "no such checkpoint" in bad.stderr
+        assert "Traceback" not in bad.stderr
+        _still_serving(info)
+
+        huge = _second_cluster(env, "--checkpoint", str(QWEN), "--holders", "100000")
+        assert huge.returncode == 1 and "--holders must be between 1 and 64" in huge.stderr
+
+        # A correct second cluster on the same var dir would start agents with the running one's keys.
+        twin = _second_cluster(env, "--checkpoint", str(QWEN), "--holders", "2")
+        assert twin.returncode == 1 and "another local cluster" in twin.stderr, twin.stderr[-2000:]
+        _still_serving(info)
+
+
+def _still_serving(info: dict) -> None:
+    listed = rpc(info["rpc"], "tenzro_moeListProviders", {"live": True})["result"]
+    assert {p["provider"] for p in listed["providers"]} == {a["provider"] for a in info["agents"]}
+    ref = load_file(str(QWEN / "reference.safetensors"))
+    x = ref["layer1.hidden_states"]
+    resp = rpc(info["rpc"], "tenzro_moeForward", {"model_id": "qwen3-moe-tiny", "layer": 1, "d_model": x.shape[1],
+                                                  "carrier": "f32", "hidden_states": wire.b64encode(wire.encode_f32(x))})
+    assert "result" in resp, resp
+    out = wire.decode_f32(wire.b64decode(resp["result"]["outputs"], "outputs"), x.shape[1])
+    assert max_rel_err(out, ref["layer1.output"]) <= 1e-5
