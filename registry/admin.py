@@ -134,13 +134,14 @@ class ProposalForm(forms.ModelForm):
 
 @admin.register(Proposal)
 class ProposalAdmin(admin.ModelAdmin):
-    """Proposals with their tally; actions vote as the signed-in staff user, re-tally or withdraw."""
+    """Proposals with their tally over the electorate recorded at creation; actions vote as the
+    signed-in staff user or withdraw."""
 
     form = ProposalForm
     list_display = ("id", "title", "status", "proposer", "changes", "tally", "created", "decided")
     list_filter = ("status",)
     search_fields = ("title", "proposer")
-    actions = ("vote_yes", "vote_no", "retally", "withdraw")
+    actions = ("vote_yes", "vote_no", "withdraw")
 
     def get_inlines(self, request, obj):
         """Votes exist only once the proposal does."""
@@ -148,7 +149,8 @@ class ProposalAdmin(admin.ModelAdmin):
 
     def get_readonly_fields(self, request, obj=None):
         """A proposal is immutable once opened."""
-        return ("title", "description", "changes", "proposer", "status", "created", "decided") if obj else ()
+        return ("title", "description", "changes", "proposer", "electorate", "status", "created",
+                "decided") if obj else ()
 
     def has_delete_permission(self, request, obj=None):
         """Proposals stay for the audit trail."""
@@ -187,12 +189,6 @@ class ProposalAdmin(admin.ModelAdmin):
         """Reject as ``user:<username>``."""
         voter = f"user:{request.user.get_username()}"
         self._each(request, queryset, lambda p: governance.vote(p.pk, voter, False), "rejected")
-
-    @admin.action(description="Re-tally against the current electorate")
-    def retally(self, request, queryset):
-        """Apply or reject open proposals that the current electorate decides."""
-        actor = f"user:{request.user.get_username()}"
-        self._each(request, queryset, lambda p: governance.retally(p.pk, actor), "re-tallied")
 
     @admin.action(description="Withdraw")
     def withdraw(self, request, queryset):

@@ -3,21 +3,29 @@
 The policy in force is the singleton ``registry.models.ReplicationPolicy`` row; it changes
 only when a proposal is applied. Every step writes an ``AuditEntry``.
 
-Electorate (who may vote), computed when a vote is tallied:
+Electorate (who may vote on a proposal), recorded on the proposal when it is opened
+(``Proposal.electorate``) and never recomputed, so a tally reads the same forever:
 
-- ``operator``: the holder of the operator credential (DESIGN §6), one vote;
-- ``user:<username>``: each active Django staff user (votes in the admin);
+- ``operator``: the holder of the operator credential (DESIGN §6), one vote, always;
+- ``user:<username>``: each active Django staff user at creation (votes in the admin or the
+  console). Creating a superuser later changes the electorate of later proposals only;
 - ``provider:<hex64>``: each ``Active`` provider whose reputation is at least
-  ``TENZRO["GOVERNANCE_MIN_VOTER_REPUTATION"]`` (default 600). New providers start at 500
-  and only settlement raises reputation, so fresh keys cannot vote (Sybil resistance).
-  Providers vote with an ed25519-signed body (``DOMAIN_VOTE``), see :func:`signed_vote`.
+  ``TENZRO["GOVERNANCE_MIN_VOTER_REPUTATION"]`` (``TENZRO_GOVERNANCE_MIN_REPUTATION``, default
+  600) at creation. New providers start at 500; reputation rises by 1 per paid settlement and
+  falls by 5 per failed batch and by the policy's ``dispute_penalty`` per upheld dispute, so a
+  provider needs at least 100 paid settlements net of those before it votes (Sybil resistance:
+  fresh keys never vote). Providers vote with an ed25519-signed body (``DOMAIN_VOTE``), see
+  :func:`signed_vote`.
 
-Quorum rule: strict majority of the electorate, ``q = n // 2 + 1``. A proposal is applied
-as soon as ``q`` current electors approve; it is rejected as soon as enough electors
-reject that ``q`` approvals are out of reach (``no > n - q``). Votes are final (one per
-voter, no changes), so replaying a signed vote is refused. Votes from voters who have left
-the electorate are kept but not counted. Applying merges ``changes`` over the policy in
-force and validates the result; a proposal that no longer validates is rejected.
+:func:`electorate` is who would vote on a proposal opened now. An elector keeps its vote on
+a proposal it was recorded on even if it has since left the current electorate; an open
+proposal that can no longer reach quorum is withdrawn by the operator or an admin.
+
+Quorum rule: strict majority of the proposal's electorate, ``q = n // 2 + 1``. A proposal is
+applied as soon as ``q`` electors approve; it is rejected as soon as enough electors reject
+that ``q`` approvals are out of reach (``no > n - q``). Votes are final (one per voter, no
+changes), so replaying a signed vote is refused. Applying merges ``changes`` over the policy
+in force and validates the result; a proposal that no longer validates is rejected.
 """
 from __future__ import annotations
 
@@ -127,7 +135,7 @@ def validate_changes(changes, base: dict | None = None) -> dict:
 
 
 def electorate() -> list[str]:
-    """Current voter ids (see the module doc), sorted."""
+    """Voter ids of a proposal opened now (see the module doc), sorted."""
     min_rep = settings.TENZRO["GOVERNANCE_MIN_VOTER_REPUTATION"]
     users = get_user_model().objects.filter(is_staff=True, is_active=True).values_list("username", flat=True)
     providers = Provider.objects.filter(status=Provider.Status.ACTIVE, reputation__gte=min_rep)
@@ -141,8 +149,8 @@ def quorum(n: int) -> int:
 
 
 def tally(proposal: Proposal) -> dict:
-    """``{yes, no, electorate, quorum}`` counting only votes of current electors."""
-    voters = set(electorate())
+    """``{yes, no, electorate, quorum}`` over the proposal's recorded electorate."""
+    voters = set(proposal.electorate)
     yes = no = 0
     for voter, approve in proposal.votes.values_list("voter", "approve"):
         if voter in voters:
@@ -152,9 +160,11 @@ def tally(proposal: Proposal) -> dict:
 
 def proposal_json(p: Proposal) -> dict:
     """A proposal as JSON: id, title, description, changes, proposer, status, created,
-    decided, votes ``[{voter, approve, created}]`` and the current ``tally``."""
+    decided, ``electorate`` (voter ids recorded at creation), votes ``[{voter, approve,
+    created}]`` and the ``tally``."""
     return {"id": p.pk, "title": p.title, "description": p.description, "changes": p.changes,
             "proposer": p.proposer, "status": p.status, "created": p.created.isoformat(),
+            "electorate": list(p.electorate),
             "decided": p.decided.isoformat() if p.decided else None,
             "votes": [{"voter": v.voter, "approve": v.approve, "created": v.created.isoformat()}
                       for v in p.votes.all()],
@@ -166,14 +176,16 @@ def _audit(actor: str, action: str, proposal: Proposal | None, **detail) -> None
 
 
 def create_proposal(title: str, changes: dict, proposer: str, description: str = "") -> Proposal:
-    """Open a proposal after validating ``changes`` against the policy in force; audited."""
+    """Open a proposal after validating ``changes`` against the policy in force, recording
+    :func:`electorate` on it; audited (the audit entry lists the electorate too)."""
     if not isinstance(title, str) or not 0 < len(title.strip()) <= 200:
         raise GovernanceError("title must be a non-empty string of at most 200 characters", "title")
     validate_changes(changes)
     with transaction.atomic():
+        voters = electorate()
         p = Proposal.objects.create(title=title.strip(), description=description or "", changes=changes,
-                                    proposer=proposer)
-        _audit(proposer, AuditEntry.Action.PROPOSED, p, changes=changes)
+                                    proposer=proposer, electorate=voters)
+        _audit(proposer, AuditEntry.Action.PROPOSED, p, changes=changes, electorate=voters)
     return p
 
 
@@ -217,17 +229,19 @@ def _decide(p: Proposal, actor: str) -> None:
 def vote(proposal_id, voter: str, approve: bool) -> Proposal:
     """Record ``voter``'s final vote, then apply or reject the proposal when the tally decides it.
 
-    Raises ``GovernanceError`` when the voter is not in the electorate, has already voted,
-    or the proposal is unknown or no longer open; nothing is written then.
+    Raises ``GovernanceError`` when the voter is not in the proposal's electorate, has
+    already voted, or the proposal is unknown or no longer open; nothing is written then.
     """
     if not isinstance(approve, bool):
         raise GovernanceError("approve must be true or false", "approve")
-    if voter not in electorate():
-        raise GovernanceError(f"{voter} is not in the electorate (operator, staff users, Active providers "
-                              f"with reputation >= {settings.TENZRO['GOVERNANCE_MIN_VOTER_REPUTATION']})", "voter")
     try:
         with transaction.atomic():
             p = _open(proposal_id)
+            if voter not in p.electorate:
+                raise GovernanceError(
+                    f"{voter} is not in the electorate of proposal #{p.pk} (recorded when it was opened: the "
+                    f"operator, staff users and Active providers with reputation >= "
+                    f"{settings.TENZRO['GOVERNANCE_MIN_VOTER_REPUTATION']})", "voter")
             Vote.objects.create(proposal=p, voter=voter, approve=approve)
             _audit(voter, AuditEntry.Action.VOTED, p, approve=approve)
             _decide(p, voter)
@@ -268,13 +282,6 @@ def withdraw(proposal_id, actor: str) -> Proposal:
     return p
 
 
-def retally(proposal_id, actor: str) -> Proposal:
-    """Re-count an open proposal against the current electorate (it may have shrunk) and decide it."""
-    with transaction.atomic():
-        _decide(_open(proposal_id), actor)
-    return Proposal.objects.get(pk=proposal_id)
-
-
 def audit_json(limit: int = 100) -> list[dict]:
     """The latest ``limit`` audit entries, newest first."""
     return [{"at": a.at.isoformat(), "actor": a.actor, "action": a.action, "proposal": a.proposal_id,
@@ -282,5 +289,5 @@ def audit_json(limit: int = 100) -> list[dict]:
 
 
 __all__ = ["DOMAIN_VOTE", "POLICY_FIELDS", "GovernanceError", "SignatureError", "audit_json", "create_proposal",
-           "current_policy", "electorate", "policy_json", "proposal_json", "quorum", "retally", "shard_policy",
+           "current_policy", "electorate", "policy_json", "proposal_json", "quorum", "shard_policy",
            "signed_vote", "tally", "validate_changes", "vote", "withdraw"]

@@ -160,6 +160,8 @@ class Proposal(models.Model):
     Lifecycle: ``Open`` → ``Applied`` (approvals reached quorum; the change was written) or
     ``Rejected`` (rejections made quorum unreachable, or the change no longer validates
     against the policy in force) or ``Withdrawn`` (by the operator or an admin).
+    ``electorate``: the sorted voter ids that may vote on it, recorded when it is opened
+    (``registry.governance``); its quorum is a strict majority of them.
     """
 
     class Status(models.TextChoices):
@@ -172,6 +174,7 @@ class Proposal(models.Model):
     description = models.TextField(blank=True, default="")
     changes = models.JSONField()
     proposer = models.CharField(max_length=100)
+    electorate = models.JSONField(default=list, blank=True)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.OPEN)
     created = models.DateTimeField(auto_now_add=True)
     decided = models.DateTimeField(null=True, blank=True)

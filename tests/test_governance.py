@@ -142,18 +142,36 @@ def test_signed_votes_replayed_forged_or_stale_are_refused():
         governance.signed_vote(signed_vote(k1, 2**70, True))  # would overflow the id column
 
 
-def test_retally_after_the_electorate_shrinks_and_withdraw():
+def test_the_electorate_is_recorded_when_a_proposal_opens_and_stays():
+    """A superuser created later neither turns an old "1 of 1" into "1 of 2" nor votes on it."""
     User = get_user_model()
-    User.objects.create_user("alice", is_staff=True)
-    User.objects.create_user("carol", is_staff=True)
-    bob = User.objects.create_user("bob", is_staff=True)
-    p = governance.create_proposal("repairs 4", {"max_repairs_per_pass": 4}, "operator")
-    governance.vote(p.pk, "operator", True)
-    governance.vote(p.pk, "user:alice", True)  # 2 of 4 (quorum 3): not yet
-    assert Proposal.objects.get(pk=p.pk).status == "Open"
-    bob.is_staff = False
-    bob.save()
-    assert governance.retally(p.pk, "user:alice").status == "Applied"
+    old = governance.create_proposal("repairs 4", {"max_repairs_per_pass": 4}, "operator")
+    governance.vote(old.pk, "operator", True)
+    assert Proposal.objects.get(pk=old.pk).status == "Applied"
+    User.objects.create_superuser("root", password="pw")
+    assert governance.tally(Proposal.objects.get(pk=old.pk)) == {"yes": 1, "no": 0, "electorate": 1, "quorum": 1}
+    assert governance.proposal_json(Proposal.objects.get(pk=old.pk))["electorate"] == ["operator"]
+
+    opened = governance.create_proposal("interval 60", {"repair_interval_s": 60}, "operator")
+    assert opened.electorate == ["operator", "user:root"]
+    User.objects.create_user("late", is_staff=True)
+    k1 = voter_provider(1)  # reputable, but after the proposal opened
+    with pytest.raises(GovernanceError, match="not in the electorate of proposal"):
+        governance.vote(opened.pk, "user:late", True)
+    with pytest.raises(GovernanceError, match="not in the electorate of proposal"):
+        governance.signed_vote(signed_vote(k1, opened.pk, True))
+    root = User.objects.get(username="root")
+    root.is_staff = False  # leaving the electorate now does not shrink this proposal's
+    root.save()
+    governance.vote(opened.pk, "operator", True)
+    assert Proposal.objects.get(pk=opened.pk).status == "Open"  # 1 of 2: quorum 2
+    governance.vote(opened.pk, "user:root", True)
+    assert Proposal.objects.get(pk=opened.pk).status == "Applied"
+    audit = AuditEntry.objects.filter(proposal=opened, action="proposed").get().detail
+    assert audit["electorate"] == ["operator", "user:root"]
+
+
+def test_withdraw():
     q = governance.create_proposal("interval 60", {"repair_interval_s": 60}, "operator")
     assert governance.withdraw(q.pk, "operator").status == "Withdrawn"
     with pytest.raises(GovernanceError, match="not Open"):
