@@ -18,7 +18,7 @@ from channels.db import database_sync_to_async
 from django.conf import settings
 
 from holders.transports.ws import AgentLink, AgentUnavailable
-from registry import repair_service
+from registry import repair_service, services as registry_services
 
 log = logging.getLogger("tenzro.repair")
 
@@ -26,6 +26,7 @@ log = logging.getLogger("tenzro.repair")
 OFFER_TIMEOUT_S = 300.0
 
 _timer: asyncio.Task | None = None
+_hygiene: asyncio.Task | None = None
 
 
 async def run_pass(source: str = "timer") -> dict | None:
@@ -82,11 +83,24 @@ async def _timer_loop() -> None:
             log.exception("repair timer pass failed")
 
 
+async def _hygiene_loop() -> None:
+    """Beat's provider sweeps (``registry.services.provider_hygiene``) every ``TENZRO_HYGIENE_INTERVAL`` s."""
+    while True:
+        await asyncio.sleep(settings.TENZRO["HYGIENE_INTERVAL_S"])
+        try:
+            await database_sync_to_async(registry_services.provider_hygiene)()
+        except Exception:  # the timer outlives a failed sweep
+            log.exception("provider hygiene sweep failed")
+
+
 def ensure_timer() -> None:
-    """Start the in-process repair timer on the running event loop, once per process, when
-    Celery runs tasks inline (no ``REDIS_URL``: no beat). Idempotent."""
-    global _timer
+    """Start the in-process stand-ins for beat on the running event loop, once per process, when
+    Celery runs tasks inline (no ``REDIS_URL``: no beat): the repair timer and the provider
+    hygiene sweep. Idempotent."""
+    global _timer, _hygiene
     if not settings.CELERY_TASK_ALWAYS_EAGER:
         return
     if _timer is None or _timer.done():
         _timer = asyncio.get_running_loop().create_task(_timer_loop())
+    if _hygiene is None or _hygiene.done():
+        _hygiene = asyncio.get_running_loop().create_task(_hygiene_loop())

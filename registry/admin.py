@@ -11,7 +11,7 @@ from django import forms
 from django.contrib import admin, messages
 from django.db.models import Count
 
-from registry import governance
+from registry import governance, selectors
 from registry.models import AuditEntry, Holding, MoeModel, Proposal, Provider, ReplicationPolicy, Vote
 
 
@@ -35,8 +35,8 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 class ProviderAdmin(admin.ModelAdmin):
     """Providers with liveness, roles and holding counts; suspend / reactivate actions."""
 
-    list_display = ("short_id", "name", "status", "connected", "roles", "moe_gpu", "reputation", "n_holdings",
-                    "price_per_input_token", "last_heartbeat")
+    list_display = ("short_id", "name", "state", "status", "connected", "roles", "moe_gpu", "reputation",
+                    "n_holdings", "batches_served", "batch_failures", "price_per_input_token", "last_heartbeat")
     list_filter = ("status", "connected", "moe_gpu")
     search_fields = ("provider", "name", "http_endpoint", "iroh_endpoint_id")
     readonly_fields = ("provider", "last_heartbeat", "last_heartbeat_ms", "agent_channel", "connected", "created")
@@ -50,6 +50,11 @@ class ProviderAdmin(admin.ModelAdmin):
     def short_id(self, obj):
         """First 16 hex digits of the key."""
         return obj.provider[:16] + "…"
+
+    @admin.display(description="state")
+    def state(self, obj):
+        """Liveness and faults in one word (``registry.selectors.provider_state``)."""
+        return selectors.provider_state(obj)
 
     @admin.display(description="holdings", ordering="n")
     def n_holdings(self, obj):

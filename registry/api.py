@@ -150,16 +150,21 @@ class NotFound(LookupError):
 
 
 def provider_json(p: Provider, holdings: int | None = None) -> dict:
-    """A provider record: the reference's ``ProviderInfo`` fields plus liveness and the holding count."""
+    """A provider record: the reference's ``ProviderInfo`` fields plus liveness, ``state`` (one of
+    ``registry.selectors.PROVIDER_STATES``: liveness and faults in one word), the data-plane
+    record (``batches_served``, ``batch_failures``, ``last_failure``, ``last_success``) and the
+    holding count."""
     cutoff = selectors.live_cutoff()
     return {"provider": p.provider, "name": p.name, "http_endpoint": p.http_endpoint,
             "iroh_endpoint_id": p.iroh_endpoint_id, "roles": list(p.roles), "moe_gpu": p.moe_gpu,
             "price_per_input_token": p.price_per_input_token, "minimum_price": p.minimum_price,
             "reputation": p.reputation, "status": p.status, "connected": p.connected,
-            "live": bool(p.status == Provider.Status.ACTIVE and p.connected and p.last_heartbeat
-                         and p.last_heartbeat >= cutoff),
+            "live": selectors.is_live(p, cutoff), "state": selectors.provider_state(p, cutoff),
             "last_heartbeat": p.last_heartbeat.isoformat() if p.last_heartbeat else None,
             "last_heartbeat_ms": p.last_heartbeat_ms,
+            "batches_served": p.batches_served, "batch_failures": p.batch_failures,
+            "last_failure": p.last_failure.isoformat() if p.last_failure else None,
+            "last_success": p.last_success.isoformat() if p.last_success else None,
             "holdings": holdings if holdings is not None else p.holdings.count(),
             "balance": p.balance, "quarantined_until_ms": p.quarantined_until_ms}
 

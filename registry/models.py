@@ -42,6 +42,9 @@ class Provider(models.Model):
     batches_served = models.BigIntegerField(default=0, db_default=0)
     batch_failures = models.BigIntegerField(default=0, db_default=0)
     latency_ms_ewma = models.FloatField(default=0.0, db_default=0.0)
+    # When the router last saw a batch of this holder fail / succeed (``registry.selectors.provider_state``).
+    last_failure = models.DateTimeField(null=True, blank=True)
+    last_success = models.DateTimeField(null=True, blank=True)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.ACTIVE)
     connected = models.BooleanField(default=False)
     agent_channel = models.CharField(max_length=200, blank=True, default="")

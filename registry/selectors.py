@@ -29,6 +29,48 @@ def live_providers():
                                    quarantined_until_ms__lte=int(time.time() * 1000))
 
 
+#: A provider's state as listings and ``/healthz`` show it, best first (the listing order).
+PROVIDER_STATES = ("Live", "Failing", "Unproven", "Quarantined", "Offline", "Suspended", "Inactive")
+
+
+def is_live(p: Provider, cutoff=None, now_ms: int | None = None) -> bool:
+    """``live_providers()`` for one row: Active, socket open, heartbeat fresh, not quarantined."""
+    cutoff = live_cutoff() if cutoff is None else cutoff
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    return bool(p.status == Provider.Status.ACTIVE and p.connected and p.last_heartbeat
+                and p.last_heartbeat >= cutoff and p.quarantined_until_ms <= now_ms)
+
+
+def is_failing(p: Provider, now=None) -> bool:
+    """Whether the router's latest outcome with this holder was a failure, within the last
+    ``TENZRO_FAILING_WINDOW`` seconds (``last_failure`` newer than ``last_success``)."""
+    if p.last_failure is None or (p.last_success is not None and p.last_success >= p.last_failure):
+        return False
+    now = timezone.now() if now is None else now
+    return p.last_failure >= now - timedelta(seconds=settings.TENZRO["FAILING_WINDOW_S"])
+
+
+def provider_state(p: Provider, cutoff=None, now_ms: int | None = None) -> str:
+    """One of ``PROVIDER_STATES`` for a provider row: the operator's ``status`` when it is not
+    Active, ``Quarantined`` (upheld disputes), ``Offline`` (socket closed or heartbeat older than
+    the cutoff), ``Failing`` (``is_failing``), ``Unproven`` (live, never served a batch), else ``Live``."""
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    if p.status != Provider.Status.ACTIVE:
+        return str(p.status)
+    if p.quarantined_until_ms > now_ms:
+        return "Quarantined"
+    if not is_live(p, cutoff, now_ms):
+        return "Offline"
+    if is_failing(p):
+        return "Failing"
+    return "Live" if p.batches_served > 0 else "Unproven"
+
+
+def state_order(state: str) -> int:
+    """Sort key of a state in listings (``PROVIDER_STATES`` order)."""
+    return PROVIDER_STATES.index(state)
+
+
 _LIVE_FIELDS = ("provider", "roles", "status", "moe_gpu", "iroh_endpoint_id", "http_endpoint", "reputation",
                 "holdings_version")
 
@@ -123,3 +165,22 @@ def shard_map_json(model_id: str) -> dict:
     if entry[1] is None:
         entry[1] = entry[0].to_json()
     return entry[1]
+
+
+def health() -> dict:
+    """The ``/healthz`` body: ``status`` "ok" or "degraded", ``providers`` and ``live_providers``
+    counts, ``failing_holders`` (live provider ids whose latest batch failed, ``is_failing``),
+    ``under_replicated`` (``{model_id: slots below the policy's min_replication}`` over published
+    models, models at target omitted) and ``problems`` (one sentence per finding)."""
+    live = list(live_providers())
+    failing = sorted(p.provider for p in live if is_failing(p))
+    under = {}
+    for model_id in MoeModel.objects.order_by("model_id").values_list("model_id", flat=True):
+        n = len(shard_view(model_id).under_replicated())
+        if n:
+            under[model_id] = n
+    problems = [f"{len(failing)} live holder(s) failing their latest batches"] if failing else []
+    problems += [f"{m}: {n} expert slot(s) below min_replication" for m, n in under.items()]
+    return {"status": "degraded" if problems else "ok", "providers": Provider.objects.count(),
+            "live_providers": len(live), "failing_holders": failing, "under_replicated": under,
+            "problems": problems}

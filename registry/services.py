@@ -1,12 +1,18 @@
 """Registry writes: heartbeats, agent sessions, placement inputs and holder outcomes."""
 from __future__ import annotations
 
+from datetime import timedelta
+
+from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
+from django.db.models.functions import Coalesce
+from django.utils import timezone
 
 from registry.models import ExpertBlob
 from registry import heartbeat
 from registry.models import AgentSession, MoeModel, Provider
-from registry.selectors import live_providers
+from registry.selectors import live_cutoff, live_providers
 
 FAILURE_PENALTY = 5
 LATENCY_EWMA_ALPHA = 0.2
@@ -43,6 +49,40 @@ def reset_sessions(providers: list[str]) -> int:
     return Provider.objects.filter(provider__in=providers).update(connected=False, agent_channel="")
 
 
+def sweep_stale_providers() -> int:
+    """Mark providers whose heartbeats stopped (``MISSED_HEARTBEATS`` intervals) as disconnected
+    and drop their sessions (a site killed without closing its sockets leaves them marked open).
+    Returns how many rows changed; running it twice changes nothing more."""
+    stale = Provider.objects.filter(connected=True, last_heartbeat__lt=live_cutoff())
+    AgentSession.objects.filter(provider__in=stale).delete()
+    return stale.update(connected=False, agent_channel="")
+
+
+def expire_unproven_providers(ttl_s: int | None = None) -> int:
+    """Delete providers that never proved anything: no batch served, no balance, status Active
+    (a suspension is kept), not live, and not seen for ``ttl_s`` seconds (default
+    ``TENZRO_UNPROVEN_PROVIDER_TTL``, 3600) by last heartbeat, else by creation. Throwaway keys
+    (a hello, one REST heartbeat) leave no permanent row; a real agent that comes back simply
+    starts again at the default reputation. Holdings and sessions go with the row (cascade).
+    Returns how many providers were deleted; idempotent."""
+    ttl_s = settings.TENZRO["UNPROVEN_PROVIDER_TTL_S"] if ttl_s is None else ttl_s
+    seen_before = timezone.now() - timedelta(seconds=ttl_s)
+    doomed = (Provider.objects.filter(batches_served=0, balance=0, status=Provider.Status.ACTIVE)
+              .exclude(provider__in=live_providers())
+              .annotate(seen=Coalesce("last_heartbeat", "created"))
+              .filter(Q(seen__lt=seen_before)))
+    with transaction.atomic():
+        ids = list(doomed.values_list("provider", flat=True))
+        Provider.objects.filter(provider__in=ids).delete()
+    return len(ids)
+
+
+def provider_hygiene() -> dict:
+    """Both periodic provider sweeps (the beat tasks, or the site's in-process timer without a
+    broker): ``{"disconnected": sweep_stale_providers(), "expired": expire_unproven_providers()}``."""
+    return {"disconnected": sweep_stale_providers(), "expired": expire_unproven_providers()}
+
+
 class PlacementError(ValueError):
     """A model cannot be placed (unknown model, no published blobs, no live agents)."""
 
@@ -62,24 +102,27 @@ def placement_inputs(model_id: str) -> tuple[list[tuple[int, int, str]], list[st
 
 def record_holder_outcomes(failures: dict[str, int], latencies_ms: dict[str, list[float]]) -> None:
     """Record a forward's holder outcomes: each failure costs ``FAILURE_PENALTY`` reputation
-    (reference §7.6, −5 per call failure) and counts in ``batch_failures``; each success
-    counts in ``batches_served`` and moves ``latency_ms_ewma`` (α = ``LATENCY_EWMA_ALPHA``).
+    (reference §7.6, −5 per call failure), counts in ``batch_failures`` and stamps
+    ``last_failure``; each success counts in ``batches_served``, moves ``latency_ms_ewma``
+    (α = ``LATENCY_EWMA_ALPHA``) and stamps ``last_success`` (together: the "Failing" state).
     Unknown providers are ignored. Reputation only falls here (never below 0, the
     planner's floor); settlement raises it.
     """
-    from django.db import transaction
     from django.db.models import F, Value
     from django.db.models.functions import Greatest
 
+    now = timezone.now()
     with transaction.atomic():
         for provider, n in failures.items():
             Provider.objects.filter(provider=provider).update(reputation=Greatest(F("reputation") - FAILURE_PENALTY * n,
                                                                                    Value(0)),
-                                                              batch_failures=F("batch_failures") + n)
+                                                              batch_failures=F("batch_failures") + n,
+                                                              last_failure=now)
         for p in Provider.objects.select_for_update().filter(provider__in=list(latencies_ms)):
             lat = p.latency_ms_ewma
             for ms in latencies_ms[p.provider]:
                 lat = ms if lat == 0 else (1 - LATENCY_EWMA_ALPHA) * lat + LATENCY_EWMA_ALPHA * ms
             p.latency_ms_ewma = lat
             p.batches_served += len(latencies_ms[p.provider])
-            p.save(update_fields=["latency_ms_ewma", "batches_served"])
+            p.last_success = now
+            p.save(update_fields=["latency_ms_ewma", "batches_served", "last_success"])

@@ -1,18 +1,19 @@
-"""Celery tasks of the registry (thin: look up ids, call services; idempotent)."""
+"""Celery tasks of the registry (thin: call services; idempotent). Scheduled by beat
+(``CELERY_BEAT_SCHEDULE``); without a broker the site's in-process timer runs the same services."""
 from __future__ import annotations
 
 from celery import shared_task
 
-from registry.selectors import live_cutoff
-from registry.models import AgentSession, Provider
+from registry import services
 
 
 @shared_task(name="registry.sweep_stale_providers")
 def sweep_stale_providers() -> int:
-    """Mark providers whose heartbeats stopped (``MISSED_HEARTBEATS`` intervals) as disconnected.
+    """``services.sweep_stale_providers``: how many providers were marked disconnected."""
+    return services.sweep_stale_providers()
 
-    Returns how many rows changed; running it twice changes nothing more.
-    """
-    stale = Provider.objects.filter(connected=True, last_heartbeat__lt=live_cutoff())
-    AgentSession.objects.filter(provider__in=stale).delete()
-    return stale.update(connected=False, agent_channel="")
+
+@shared_task(name="registry.expire_unproven_providers")
+def expire_unproven_providers() -> int:
+    """``services.expire_unproven_providers``: how many unproven providers were deleted."""
+    return services.expire_unproven_providers()

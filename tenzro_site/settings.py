@@ -174,11 +174,16 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 # Beat reads its schedule from the database (django-celery-beat: editable in the admin).
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+_HYGIENE_INTERVAL_S = _env_int("TENZRO_HYGIENE_INTERVAL", 300)
 # Receipts economy sweeps (settlement.tasks), synced into the database schedule by beat; without a
 # broker an inline timer does the same.
 CELERY_BEAT_SCHEDULE = {
     "settlement-audit-pending": {"task": "settlement.audit_pending", "schedule": 30.0},
     "settlement-settle-pending": {"task": "settlement.settle_pending", "schedule": 60.0},
+    # Provider hygiene (registry.tasks): close sessions whose heartbeats stopped; expire unproven keys.
+    "registry-sweep-stale-providers": {"task": "registry.sweep_stale_providers", "schedule": 60.0},
+    "registry-expire-unproven-providers": {"task": "registry.expire_unproven_providers",
+                                           "schedule": float(_HYGIENE_INTERVAL_S)},
 }
 
 # Request bodies: JSON-RPC carries base64 hidden states, so the cap is explicit.
@@ -209,6 +214,13 @@ TENZRO = {
     "BLOB_DIR": Path(os.environ.get("TENZRO_BLOB_DIR", VAR_DIR / "blobs")).resolve(),
     "HEARTBEAT_INTERVAL_S": _env_int("TENZRO_HEARTBEAT_INTERVAL", 15),
     "MISSED_HEARTBEATS": 3,
+    # Provider hygiene: a provider that never served a batch, holds no balance and has not been
+    # seen (heartbeat, else creation) for this many seconds is deleted (registry.expire_unproven_providers,
+    # every TENZRO_HYGIENE_INTERVAL s). A holder whose latest batch failed within the failing
+    # window shows as "Failing" (listings, /healthz).
+    "UNPROVEN_PROVIDER_TTL_S": _env_int("TENZRO_UNPROVEN_PROVIDER_TTL", 3600),
+    "HYGIENE_INTERVAL_S": _HYGIENE_INTERVAL_S,
+    "FAILING_WINDOW_S": _env_int("TENZRO_FAILING_WINDOW", 300),
     "CLOCK_SKEW_S": 60,
     # Daphne's WebSocket message cap (set explicitly when we start daphne); frames stay below it.
     "WS_MAX_MESSAGE": _env_int("TENZRO_WS_MAX_MESSAGE", 1024 * 1024),

@@ -42,10 +42,12 @@ def model_summaries() -> list[dict]:
 
 
 def provider_rows(live_only: bool = False, role: str | None = None) -> list[dict]:
-    """Providers with their holding counts: ``{p, live, holdings, warm, cold, committed_tps, quarantined}``.
+    """Providers with their holding counts: ``{p, live, state, holdings, warm, cold, committed_tps,
+    quarantined}``, in state order (``registry.selectors.PROVIDER_STATES``: live and proven first,
+    offline and unproven keys last), then reputation, then id.
 
-    ``committed_tps`` sums the tokens/s the provider commits over all its holdings;
-    ``quarantined``: an upheld-dispute quarantine is in force now.
+    ``state``: ``registry.selectors.provider_state``; ``committed_tps`` sums the tokens/s the
+    provider commits over all its holdings; ``quarantined``: an upheld-dispute quarantine is in force now.
     """
     import time
 
@@ -55,14 +57,17 @@ def provider_rows(live_only: bool = False, role: str | None = None) -> list[dict
                      cold=Count("holdings", filter=Q(holdings__residency="Cold")),
                      tps=Sum("holdings__committed_tps"))
     live = live_ids()
-    rows = [{"p": p, "live": p.provider in live, "holdings": p.n, "warm": p.warm, "cold": p.cold,
-             "committed_tps": p.tps or 0, "quarantined": p.quarantined_until_ms > now} for p in qs]
+    cutoff = selectors.live_cutoff()
+    rows = [{"p": p, "live": p.provider in live, "state": selectors.provider_state(p, cutoff, now), "holdings": p.n,
+             "warm": p.warm, "cold": p.cold, "committed_tps": p.tps or 0, "quarantined": p.quarantined_until_ms > now}
+            for p in qs]
+    rows.sort(key=lambda r: (selectors.state_order(r["state"]), -r["p"].reputation, r["p"].provider))
     return [r for r in rows if role in r["p"].roles] if role else rows
 
 
 def provider_detail(provider: str) -> dict | None:
-    """One provider's page data, or None when unknown: ``{p, live, holdings (compact ranges per
-    model and layer), holding_count, per_model: {model_id: count}}``."""
+    """One provider's page data, or None when unknown: ``{p, live, state, holdings (compact ranges
+    per model and layer), holding_count, per_model: {model_id: count}}``."""
     p = Provider.objects.filter(provider=provider).first()
     if p is None:
         return None
@@ -71,7 +76,7 @@ def provider_detail(provider: str) -> dict | None:
     groups = compact_holdings(rows.values_list("provider_id", "model_id", "layer", "expert", "residency",
                                                "committed_tps"))
     per_model = dict(rows.order_by().values_list("model_id").annotate(n=Count("id")).values_list("model_id", "n"))
-    return {"p": p, "live": provider in live_ids(), "holdings": groups, "holding_count": sum(per_model.values()),
+    return {"p": p, "live": provider in live_ids(), "state": selectors.provider_state(p), "holdings": groups, "holding_count": sum(per_model.values()),
             "per_model": per_model}
 
 

@@ -1,0 +1,114 @@
+"""Provider hygiene (issue 15 item 9): unproven keys expire, listings show liveness and faults,
+``/healthz`` reports a degraded site."""
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+from django.conf import settings
+from django.utils import timezone
+from nacl.signing import SigningKey
+
+from registry import services, tasks
+from registry.heartbeat import ingest
+from registry.identity import provider_id
+from registry.models import Holding, MoeModel, Provider
+from tests.conftest import holding, signed_heartbeat
+
+pytestmark = pytest.mark.django_db
+
+
+def key(seed: int) -> SigningKey:
+    return SigningKey(bytes([seed]) * 32)
+
+
+def agent(seed: int, holdings=(), connected: bool = True, **fields) -> str:
+    """A provider that heartbeated (``holdings``) with its socket open when ``connected``."""
+    k = key(seed)
+    ingest(signed_heartbeat(k, list(holdings), name=f"p{seed}"))
+    pid = provider_id(k)
+    Provider.objects.filter(provider=pid).update(connected=connected, **fields)
+    return pid
+
+
+def age(pid: str, seconds: float) -> None:
+    """Move a provider's heartbeat and creation ``seconds`` into the past."""
+    then = timezone.now() - timedelta(seconds=seconds)
+    Provider.objects.filter(provider=pid).update(last_heartbeat=then, created=then)
+
+
+def test_unproven_providers_expire_and_proven_ones_stay():
+    ttl = settings.TENZRO["UNPROVEN_PROVIDER_TTL_S"]
+    rest_once = agent(1, [holding("m", 0, 0)], connected=False)  # one REST heartbeat, never a socket
+    services.agent_connected(provider_id(key(2)), "chan-2")  # a hello, then gone
+    services.agent_disconnected(provider_id(key(2)), "chan-2")
+    hello_only = provider_id(key(2))
+    proven = agent(3, connected=False, batches_served=4)
+    paid = agent(4, connected=False, balance=90)
+    suspended = agent(5, connected=False, status=Provider.Status.SUSPENDED)
+    fresh = agent(6, connected=False)  # seen a moment ago
+    live = agent(7, [holding("m", 0, 1)])  # socket open, heartbeat fresh
+    for pid in (rest_once, hello_only, proven, paid, suspended, live):
+        age(pid, ttl + 60)
+    Provider.objects.filter(provider=live).update(last_heartbeat=timezone.now())
+
+    assert tasks.expire_unproven_providers.delay().get() == 2  # the beat task, run eagerly here
+    left = set(Provider.objects.values_list("provider", flat=True))
+    assert left == {proven, paid, suspended, fresh, live}
+    assert not Holding.objects.filter(provider_id=rest_once).exists()
+    assert services.expire_unproven_providers() == 0  # idempotent
+    schedule = {e["task"] for e in settings.CELERY_BEAT_SCHEDULE.values()}
+    assert {"registry.expire_unproven_providers", "registry.sweep_stale_providers"} <= schedule
+
+
+def test_state_reflects_liveness_and_faults(client):
+    live = agent(1, [holding("m", 0, 0)], batches_served=5)
+    dead = agent(2, [holding("m", 0, 1)], batches_served=5)  # socket still marked open, heartbeats stopped
+    age(dead, 3600)
+    newbie = agent(3, [holding("m", 0, 2)])
+    black_hole = agent(4, [holding("m", 0, 3)], batches_served=1)
+    quarantined = agent(5, quarantined_until_ms=2**62)
+    services.record_holder_outcomes({black_hole: 1}, {live: [3.0]})
+
+    def states():
+        body = client.post("/rpc", json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tenzro_moeListProviders",
+                                                "params": {}}), content_type="application/json").json()
+        return {p["provider"]: p["state"] for p in body["result"]["providers"]}
+
+    assert states() == {live: "Live", dead: "Offline", newbie: "Unproven", black_hole: "Failing",
+                        quarantined: "Quarantined"}
+    services.record_holder_outcomes({}, {black_hole: [4.0]})  # a later success clears it
+    assert states()[black_hole] == "Live"
+    services.record_holder_outcomes({black_hole: 2}, {})
+    Provider.objects.filter(provider=black_hole).update(
+        last_failure=timezone.now() - timedelta(seconds=settings.TENZRO["FAILING_WINDOW_S"] + 5))
+    assert states()[black_hole] == "Live"  # failures older than the window are history
+    assert services.sweep_stale_providers() == 1 and services.sweep_stale_providers() == 0
+    assert not Provider.objects.get(provider=dead).connected
+
+    # The console lists live, proven holders first and says what each one is.
+    html = client.get("/providers/").content.decode()
+    order = [html.index(f"p{seed}</td>") for seed in (1, 4, 3, 5, 2)]
+    assert order == sorted(order)
+    assert 'data-state="Offline"' in html and 'data-state="Unproven"' in html
+    assert 'data-state="Offline"' in client.get(f"/providers/{dead}").content.decode()
+
+
+def test_healthz_reports_failing_holders_and_under_replication(client):
+    MoeModel.objects.create(model_id="m", family="qwen3_moe", num_experts=2, top_k=1, hidden_size=8,
+                            expert_d_ff=4, moe_layers=[0])
+    a = agent(1, [holding("m", 0, 0), holding("m", 0, 1)], batches_served=1)
+    body = client.get("/healthz").json()
+    assert body["ok"] is True and body["status"] == "degraded"
+    assert body["under_replicated"] == {"m": 2} and body["failing_holders"] == []
+    assert "m: 2 expert slot(s) below min_replication" in body["problems"]
+
+    b = agent(2, [holding("m", 0, 0), holding("m", 0, 1)], batches_served=1)
+    body = client.get("/healthz").json()
+    assert (body["status"], body["under_replicated"], body["problems"]) == ("ok", {}, [])
+    assert (body["providers"], body["live_providers"]) == (2, 2)
+
+    services.record_holder_outcomes({b: 1}, {a: [2.0]})
+    body = client.get("/healthz").json()
+    assert body["status"] == "degraded" and body["failing_holders"] == [b]
