@@ -247,16 +247,18 @@ def op_policy(p: dict) -> dict:
 
 
 def op_catalog_shape(p: dict) -> dict:
-    """The ``tenzro_moeCatalogShape`` result; ``NotFound`` (with close matches) for an unknown id."""
+    """The ``tenzro_moeCatalogShape`` result (seed catalog, else a model published here:
+    ``selectors.catalog_shape``); ``NotFound`` (with close matches) for an unknown id."""
     try:
-        return catalog.shape_json(p["model_id"])
+        return selectors.catalog_shape(p["model_id"]).catalog_shape()
     except catalog.UnknownModelError as exc:
         raise NotFound(str(exc), "model_id") from exc
 
 
 def op_catalog(p: dict) -> dict:
-    """``{models: [shape, ...], count}``: every catalog entry."""
-    models = [m.catalog_shape() for m in catalog.all_models()]
+    """``{models: [shape, ...], count}``: every catalog entry, then the MoE models published on
+    this site that the catalog lacks."""
+    models = [m.catalog_shape() for m in catalog.all_models() + selectors.published_shapes()]
     return {"models": models, "count": len(models)}
 
 
@@ -448,6 +450,11 @@ class WriteThrottle(throttling.AnonRateThrottle):
         """The configured rate, e.g. ``"120/min"``."""
         return settings.TENZRO["API_WRITE_RATE"]
 
+
+#: OpenAPI security of endpoints that need the operator token (scheme in SPECTACULAR_SETTINGS), and
+#: of those where it is one of two ways in (a vote: the operator, or a provider's signed body).
+OPERATOR_AUTH = [{"operatorToken": []}]
+OPERATOR_OR_SIGNED_AUTH = [{"operatorToken": []}, {}]
 
 ERROR = inline_serializer("Error", {"error": serializers.CharField(), "field": serializers.CharField(required=False)})
 JSON_OBJECT = {"type": "object", "additionalProperties": True}
@@ -651,7 +658,7 @@ class ProposalsView(ApiView):
         """Proposals, newest first."""
         return self.run(op_proposals, self.params(request))
 
-    @extend_schema(request=ProposalCreate, responses={200: JSON_OBJECT, 400: ERROR, 403: ERROR})
+    @extend_schema(request=ProposalCreate, responses={200: JSON_OBJECT, 400: ERROR, 403: ERROR}, auth=OPERATOR_AUTH)
     def post(self, request):
         """Open a proposal."""
         return self.run(op_create_proposal, self.params(request))
@@ -674,7 +681,7 @@ class VoteView(ApiView):
     body = VoteParams
 
     @extend_schema(request=VoteParams, responses={200: JSON_OBJECT, 400: ERROR, 403: ERROR, 404: ERROR,
-                                                  409: ERROR})
+                                                  409: ERROR}, auth=OPERATOR_OR_SIGNED_AUTH)
     def post(self, request, proposal_id: int):
         """Vote; the signed body's proposal_id must match the URL."""
         p = self.params(request, proposal_id=proposal_id)
@@ -690,7 +697,7 @@ class WithdrawView(ApiView):
     body = ProposalRef
     permission_classes = [IsOperator]
 
-    @extend_schema(request=None, responses={200: JSON_OBJECT, 403: ERROR, 404: ERROR, 409: ERROR})
+    @extend_schema(request=None, responses={200: JSON_OBJECT, 403: ERROR, 404: ERROR, 409: ERROR}, auth=OPERATOR_AUTH)
     def post(self, request, proposal_id: int):
         """Withdraw an open proposal."""
         return self.run(op_withdraw, self.params(request, from_body=False, proposal_id=proposal_id))

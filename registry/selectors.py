@@ -107,6 +107,38 @@ def provider_infos(model_id: str | None = None, rows: tuple[tuple, ...] | None =
             for pid, roles, status, gpu, iroh, http, rep, _version in live]
 
 
+def catalog_shape(model_id: str) -> catalog.ModelShape:
+    """The shape ``tenzro_moeCatalogShape`` reports: the seed catalog's entry, else the shape of
+    the MoE model published on this site under ``model_id``, built from its stored HF
+    ``config.json`` (``ModelShape.from_hf_config``). Raises ``catalog.UnknownModelError`` (close
+    matches in its message) when neither knows it."""
+    try:
+        return catalog.get(model_id)
+    except catalog.UnknownModelError as unknown:
+        m = MoeModel.objects.filter(model_id=model_id).exclude(family="dense").first()
+        if m is None:
+            raise
+        try:
+            return catalog.ModelShape.from_hf_config(m.model_id, m.config,
+                                                     source=f"published on this site from {m.source or 'a checkpoint'}")
+        except (ValueError, TypeError, KeyError):
+            raise unknown from None
+
+
+def published_shapes() -> list[catalog.ModelShape]:
+    """``catalog_shape`` of every MoE model published on this site that the seed catalog lacks."""
+    out = []
+    for model_id in MoeModel.objects.exclude(family="dense").order_by("model_id").values_list("model_id", flat=True):
+        try:
+            catalog.get(model_id)
+        except catalog.UnknownModelError:
+            try:
+                out.append(catalog_shape(model_id))
+            except catalog.UnknownModelError:
+                continue  # a stored config from_hf_config cannot read: not a catalog entry
+    return out
+
+
 def expected_experts(model_id: str) -> list[tuple[int, int]] | None:
     """Every (layer, expert) slot of ``model_id``: from the published model, else from the seed
     catalog when its layer map is known, else None (the view then knows only covered experts)."""

@@ -13,7 +13,7 @@ from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.response import Response
 
-from registry.api import ERROR, JSON_OBJECT, ApiView
+from registry.api import ERROR, JSON_OBJECT, OPERATOR_AUTH, ApiView
 from registry.jsonrpc import RpcError
 from registry.operator import is_operator
 from registry.rpc import MethodTable
@@ -141,7 +141,7 @@ class DisputeView(EconomyView):
 
     body = ReceiptKey
 
-    @extend_schema(request=None, responses={200: JSON_OBJECT, 403: ERROR, 404: ERROR, 409: ERROR})
+    @extend_schema(request=None, responses={200: JSON_OBJECT, 403: ERROR, 404: ERROR, 409: ERROR}, auth=OPERATOR_AUTH)
     def post(self, request, key: str):
         """Dispute a kept receipt."""
         if not is_operator(request.headers.get("Authorization")):

@@ -201,8 +201,15 @@ REST_FRAMEWORK = {
 # OpenAPI at /api/schema/, Swagger UI at /api/docs/ from the sidecar's static files (no CDN).
 SPECTACULAR_SETTINGS = {
     "TITLE": "Tenzro distributed MoE",
-    "DESCRIPTION": "REST mirror of the JSON-RPC methods at POST /rpc (DESIGN §6). Management endpoints "
-                   "need the operator credential: Authorization: Bearer <token>.",
+    # Markdown in Swagger UI: the header sits in a code span, or "<token>" is eaten as an HTML tag.
+    "DESCRIPTION": "REST mirror of the JSON-RPC methods at `POST /rpc` (DESIGN §6). Management endpoints "
+                   "(marked with a lock) need the operator credential, `Authorization: Bearer <operator token>`: "
+                   "the token is `$TENZRO_VAR_DIR/operator_token` or `TENZRO_OPERATOR_TOKEN`. Click Authorize "
+                   "and paste the token alone.",
+    # "operatorToken" is named by registry.api.OPERATOR_AUTH on the operator endpoints.
+    "APPEND_COMPONENTS": {"securitySchemes": {"operatorToken": {
+        "type": "http", "scheme": "bearer",
+        "description": "The site's operator token (`$TENZRO_VAR_DIR/operator_token` or `TENZRO_OPERATOR_TOKEN`)."}}},
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "SWAGGER_UI_DIST": "SIDECAR",
