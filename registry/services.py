@@ -61,7 +61,8 @@ def sweep_stale_providers() -> int:
 def expire_unproven_providers(ttl_s: int | None = None) -> int:
     """Delete providers that never proved anything: no batch served, no balance, status Active
     (a suspension is kept), not live, and not seen for ``ttl_s`` seconds (default
-    ``TENZRO_UNPROVEN_PROVIDER_TTL``, 3600) by last heartbeat, else by creation. Throwaway keys
+    ``TENZRO_UNPROVEN_PROVIDER_TTL``, 3600) by last heartbeat (else creation) nor by an agent
+    socket opened since (an agent between its hello and first heartbeat stays). Throwaway keys
     (a hello, one REST heartbeat) leave no permanent row; a real agent that comes back simply
     starts again at the default reputation. Holdings and sessions go with the row (cascade).
     Returns how many providers were deleted; idempotent."""
@@ -69,6 +70,7 @@ def expire_unproven_providers(ttl_s: int | None = None) -> int:
     seen_before = timezone.now() - timedelta(seconds=ttl_s)
     doomed = (Provider.objects.filter(batches_served=0, balance=0, status=Provider.Status.ACTIVE)
               .exclude(provider__in=live_providers())
+              .exclude(sessions__opened__gte=seen_before)
               .annotate(seen=Coalesce("last_heartbeat", "created"))
               .filter(Q(seen__lt=seen_before)))
     with transaction.atomic():

@@ -49,13 +49,15 @@ def test_unproven_providers_expire_and_proven_ones_stay():
     suspended = agent(5, connected=False, status=Provider.Status.SUSPENDED)
     fresh = agent(6, connected=False)  # seen a moment ago
     live = agent(7, [holding("m", 0, 1)])  # socket open, heartbeat fresh
-    for pid in (rest_once, hello_only, proven, paid, suspended, live):
+    services.agent_connected(provider_id(key(8)), "chan-8")  # hello a moment ago, first heartbeat not yet
+    greeting = provider_id(key(8))
+    for pid in (rest_once, hello_only, proven, paid, suspended, live, greeting):
         age(pid, ttl + 60)
     Provider.objects.filter(provider=live).update(last_heartbeat=timezone.now())
 
     assert tasks.expire_unproven_providers.delay().get() == 2  # the beat task, run eagerly here
     left = set(Provider.objects.values_list("provider", flat=True))
-    assert left == {proven, paid, suspended, fresh, live}
+    assert left == {proven, paid, suspended, fresh, live, greeting}
     assert not Holding.objects.filter(provider_id=rest_once).exists()
     assert services.expire_unproven_providers() == 0  # idempotent
     schedule = {e["task"] for e in settings.CELERY_BEAT_SCHEDULE.values()}
@@ -112,3 +114,32 @@ def test_healthz_reports_failing_holders_and_under_replication(client):
     services.record_holder_outcomes({b: 1}, {a: [2.0]})
     body = client.get("/healthz").json()
     assert body["status"] == "degraded" and body["failing_holders"] == [b]
+
+
+@pytest.mark.cluster
+def test_a_running_site_expires_a_throwaway_key_on_its_own(tmp_path):
+    """No broker: the site's in-process timer runs the beat task's sweep (interval 1 s, TTL 2 s)."""
+    import time
+
+    import httpx
+
+    from tests.cluster_util import env_for, rpc, running_cluster
+    from tests.conftest import QWEN
+
+    env = {**env_for(tmp_path), "TENZRO_HYGIENE_INTERVAL": "1", "TENZRO_UNPROVEN_PROVIDER_TTL": "2"}
+    with running_cluster(tmp_path, [QWEN], holders=2, env=env) as (info, _proc):
+        throwaway = provider_id(key(99))
+        r = httpx.post(f"{info['url']}/api/v1/providers/heartbeat", json=signed_heartbeat(key(99)), timeout=30)
+        assert r.status_code == 200, r.text
+
+        def listed():
+            return {p["provider"]: p["state"]
+                    for p in rpc(info["rpc"], "tenzro_moeListProviders", {})["result"]["providers"]}
+
+        assert listed()[throwaway] == "Offline"  # a REST heartbeat opens no socket
+        deadline = time.time() + 30
+        while time.time() < deadline and throwaway in listed():
+            time.sleep(0.5)
+        states = listed()
+        assert throwaway not in states
+        assert set(states) == {a["provider"] for a in info["agents"]}  # the agents, live, are kept
