@@ -5,7 +5,9 @@ how many routed experts a model has, how many are picked per token, whether a la
 shared expert, the widths an expert FFN works with, which layers are MoE layers, and the
 router math parameters. The registry, the planner, the repair pass and the prepare jobs
 read expert sets from here (:meth:`ModelShape.expert_keys`), and the JSON-RPC method
-``tenzro_moeCatalogShape`` answers with :func:`shape_json`.
+``tenzro_moeCatalogShape`` answers with :meth:`ModelShape.catalog_shape` (:func:`shape_json`
+for catalog ids; a model published on a site from a checkpoint gets its shape from its stored
+``config.json`` through ``registry.selectors.catalog_shape``).
 
 Where the numbers come from (each entry's ``source`` says which applies to it):
 

@@ -5,7 +5,6 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Q
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -72,7 +71,7 @@ def expire_unproven_providers(ttl_s: int | None = None) -> int:
               .exclude(provider__in=live_providers())
               .exclude(sessions__opened__gte=seen_before)
               .annotate(seen=Coalesce("last_heartbeat", "created"))
-              .filter(Q(seen__lt=seen_before)))
+              .filter(seen__lt=seen_before))
     with transaction.atomic():
         ids = list(doomed.values_list("provider", flat=True))
         Provider.objects.filter(provider__in=ids).delete()

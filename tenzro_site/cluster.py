@@ -38,8 +38,9 @@ class ClusterError(RuntimeError):
     """The cluster could not start, place its models or reach full coverage in time."""
 
 
-#: Most agents one local cluster starts: each is a Python process of ~150 MB with its own BLAS
-#: threads; more belong on more machines (``holder_agent`` against a served site).
+#: Most agents one local cluster starts: each is a Python process with its own interpreter, BLAS
+#: threads and memory tier on this one machine; more belong on more machines (``holder_agent``
+#: against a served site).
 MAX_LOCAL_HOLDERS = 64
 
 
