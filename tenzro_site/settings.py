@@ -219,7 +219,7 @@ TENZRO = {
     # running at once per site process, how many more may queue and for how many seconds;
     # forward-method calls per client address per minute (0 = unlimited).
     "RPC_MAX_BATCH": _env_int("TENZRO_RPC_MAX_BATCH", 100),
-    "FORWARD_CONCURRENCY": _env_int("TENZRO_FORWARD_CONCURRENCY", 64),
+    "FORWARD_CONCURRENCY": _env_int("TENZRO_FORWARD_CONCURRENCY", 16),
     "FORWARD_QUEUE": _env_int("TENZRO_FORWARD_QUEUE", 1024),
     "FORWARD_QUEUE_WAIT_S": float(os.environ.get("TENZRO_FORWARD_QUEUE_WAIT", "60")),
     "FORWARD_RATE_PER_MINUTE": _env_int("TENZRO_FORWARD_RATE", 3000),
