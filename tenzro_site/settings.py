@@ -14,7 +14,9 @@ One place maps the environment to backends (DESIGN §4):
   ``TENZRO_HEARTBEAT_INTERVAL`` (seconds, default 15), ``TENZRO_MAX_BODY`` (bytes),
   ``TENZRO_GOVERNANCE_MIN_REPUTATION`` (default 600), ``TENZRO_PLAN_SPLIT_THRESHOLD`` (tokens,
   default 256; 0 = never split), ``TENZRO_API_READ_RATE`` / ``TENZRO_API_WRITE_RATE`` (DRF
-  rates, default ``1200/min`` / ``300/min``).
+  rates, default ``1200/min`` / ``300/min``), admission control (``holders.admission``):
+  ``TENZRO_RPC_MAX_BATCH``, ``TENZRO_FORWARD_CONCURRENCY``, ``TENZRO_FORWARD_QUEUE``,
+  ``TENZRO_FORWARD_QUEUE_WAIT`` (seconds), ``TENZRO_FORWARD_RATE`` (per client per minute).
 """
 from __future__ import annotations
 
