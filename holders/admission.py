@@ -130,6 +130,13 @@ class Admission:
             self._release()
 
 
+def overloaded(failures: list[dict]) -> bool:
+    """Whether a failed forward's ``failures`` show the router's own overload and nothing else:
+    some deadline expired while it was saturated and no holder was at fault (then the caller
+    gets ``Busy``, not an execution error)."""
+    return any(f.get("saturated") for f in failures) and not any(f.get("fault") for f in failures)
+
+
 async def over_rate(scope: str, client: str, limit: int, n: int = 1) -> bool:
     """Whether ``client`` spent more than ``limit`` units of ``scope`` in the current minute,
     counting ``n`` more now (``limit`` ≤ 0: unlimited). Cache-backed fixed window."""

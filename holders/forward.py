@@ -164,7 +164,7 @@ class LayerForward:
 
     ``saturated(t)``: whether the router itself was saturated since monotonic time ``t``; a
     deadline that expires then still moves the batch to the backup but is recorded with
-    ``fault: False`` (the holder is not blamed for the router's own overload).
+    ``fault: False, saturated: True`` (the holder is not blamed for the router's own overload).
 
     ``on_verified_batch``: optional async or sync callable
     ``(provider, request: BatchRequest, carrier: bytes, rows f32 [n, H], receipt | None)``
@@ -274,7 +274,7 @@ class LayerForward:
             self.failures.append({"provider": provider, "expert": expert, "fault": not ours,
                                   "error": f"no answer within the {self.deadline_s:g} s deadline"
                                            + (" while the router was saturated (not the holder's fault)" if ours
-                                              else "")})
+                                              else ""), **({"saturated": True} if ours else {})})
             return "fault"
         except (HolderFault, ReceiptError, ConnectionError, ValueError, OSError) as exc:
             self.failures.append({"provider": provider, "expert": expert, "error": str(exc) or type(exc).__name__,

@@ -17,7 +17,8 @@ from channels.testing import WebsocketCommunicator
 from nacl.signing import SigningKey
 
 from holders import wire
-from holders.admission import Admission, Busy
+from holders.admission import Admission, Busy, overloaded
+from holders.forward import ForwardError
 from holders.transports.ws import AgentLink, AgentUnavailable
 from registry.identity import DOMAIN_HELLO, provider_id, sign
 from tenzro_site.asgi import application
@@ -96,6 +97,20 @@ def test_deadline_while_the_router_is_saturated_is_not_a_fault(qwen, saturated):
     assert all(f["fault"] is (not saturated) for f in res.failures)
     if saturated:
         assert all("saturated" in f["error"] for f in res.failures)
+
+
+def test_a_forward_lost_only_to_saturation_reads_as_overload(qwen):  # noqa: F811
+    async def stall(provider, info, req):
+        await asyncio.sleep(30)
+
+    with pytest.raises(ForwardError) as err:
+        qwen.run(send=stall, deadline_s=0.2, saturated=lambda t: True)
+    failures = err.value.data["failures"]
+    assert failures and overloaded(failures)  # the site answers -32005 busy, not -32004
+    assert not overloaded(failures + [{"provider": "p", "expert": 0, "fault": True, "error": "bad receipt"}])
+    with pytest.raises(ForwardError) as err:
+        qwen.run(send=stall, deadline_s=0.2, saturated=lambda t: False)
+    assert not overloaded(err.value.data["failures"])
 
 
 # -- JSON-RPC: batch cap, forward rate ----------------------------------------------------
