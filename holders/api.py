@@ -78,7 +78,7 @@ async def _forward_errors(p: dict, call) -> dict:
         raise RpcError.invalid_params(exc, "hidden_states") from exc
 
 
-@rpc_methods.method("tenzro_moeForward", params=ForwardParams)
+@rpc_methods.method("tenzro_moeForward", params=ForwardParams, forward=True)
 async def moe_forward(p: dict) -> dict:
     """Distributed forward of one MoE layer: gate here, experts on holders, gate-weighted combine."""
     x = _hidden_rows(p)
@@ -164,7 +164,7 @@ def _bind(name: str, params, operator: bool):
 
     method.__name__ = name
     method.__doc__ = f"``{name}`` on the site's runtime, or relayed to ``provider``'s agent."
-    rpc_methods.method(name, params=params, operator=operator)(method)
+    rpc_methods.method(name, params=params, operator=operator, forward=name == "tenzro_moeExecute")(method)
     return method
 
 
@@ -185,7 +185,7 @@ class DenseForwardParams(serializers.Serializer):
     carrier = serializers.ChoiceField(["auto", "f32", "q8_0"], required=False, default="auto")
 
 
-@rpc_methods.method("tenzro_moeDenseForward", params=DenseForwardParams)
+@rpc_methods.method("tenzro_moeDenseForward", params=DenseForwardParams, forward=True)
 async def moe_dense_forward(p: dict) -> dict:
     """Distributed forward of a dense MLP layer split by intermediate slices across holders."""
     x = _hidden_rows(p)
@@ -278,7 +278,7 @@ async def generate_errors(call):
         raise RpcError(EXECUTION_ERROR, str(exc), {"field": "handoff"}) from exc
 
 
-@rpc_methods.method("tenzro_moeGenerate", params=GenerateParams)
+@rpc_methods.method("tenzro_moeGenerate", params=GenerateParams, forward=True)
 async def moe_generate(p: dict) -> dict:
     """Generate tokens: backbone on this site, MoE layers on the holders (greedy or sampled)."""
     from holders.generate import generate

@@ -20,7 +20,7 @@ from django.conf import settings
 
 from holders import messages, repair_site, wire
 from registry.identity import DOMAIN_HELLO, SignatureError, verify
-from holders.transports.ws import agent_group
+from holders.transports.ws import agent_group, register_local, unregister_local
 from registry import services as registry_services
 from registry.heartbeat import HeartbeatError
 
@@ -37,7 +37,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
     async def connect(self):
         """Accept, send the challenge nonce, and arm the hello timeout."""
         self.nonce = secrets.token_bytes(32)
-        self.pending: dict[str, str] = {}  # request id → reply channel
+        # request id → the router's reply channel, or its future when the router is in this process
+        self.pending: dict[str, str | asyncio.Future] = {}
+        self.loop = asyncio.get_running_loop()
         await self.accept()
         await self.send(text_data=json.dumps(messages.challenge(self.nonce)))
         self._hello_timer = asyncio.get_running_loop().create_task(self._hello_timeout())
@@ -53,14 +55,13 @@ class AgentConsumer(AsyncWebsocketConsumer):
         self._hello_timer.cancel()
         if self.provider is None:
             return
+        unregister_local(self.provider, self)
+        pending, self.pending = self.pending, {}
+        for req_id, reply_to in pending.items():  # fail in-flight requests at once, before any slow step
+            await self._reply(reply_to, {"type": "agent.reply", "id": req_id, "payload": b"",
+                                         "header": messages.failure(req_id, "disconnected", "agent disconnected")})
         await self.channel_layer.group_discard(agent_group(self.provider), self.channel_name)
         await database_sync_to_async(registry_services.agent_disconnected)(self.provider, self.channel_name)
-        for req_id, reply_to in list(self.pending.items()):
-            await self.channel_layer.send(reply_to, {
-                "type": "agent.reply", "id": req_id,
-                "header": messages.failure(req_id, "disconnected", "agent disconnected"),
-                "payload": b""})
-        self.pending.clear()
 
     async def dispatch(self, message):
         """Data-plane messages (binary answers, relayed requests) skip channels' per-message
@@ -112,6 +113,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             return
         self.provider = msg["provider"]
         self._hello_timer.cancel()
+        register_local(self.provider, self)
         await self.channel_layer.group_add(agent_group(self.provider), self.channel_name)
         await database_sync_to_async(registry_services.agent_connected)(self.provider, self.channel_name)
         await self.send(text_data=json.dumps(messages.welcome(self.provider, settings.TENZRO["WS_MAX_MESSAGE"],
@@ -135,8 +137,19 @@ class AgentConsumer(AsyncWebsocketConsumer):
         if reply_to is None:
             await self._send_error(f"answer for unknown request id {header.get('id')!r}")
             return
-        await self.channel_layer.send(reply_to, {"type": "agent.reply", "id": header["id"],
-                                                 "header": header, "payload": payload})
+        await self._reply(reply_to, {"type": "agent.reply", "id": header["id"], "header": header, "payload": payload})
+
+    async def _reply(self, reply_to: str | asyncio.Future, msg: dict) -> None:
+        """Hand an answer to the waiting router: its future, or its reply channel. A full reply
+        channel drops the answer (logged); the router's request then times out."""
+        if isinstance(reply_to, asyncio.Future):
+            if not reply_to.done():
+                reply_to.set_result(msg)
+            return
+        try:
+            await self.channel_layer.send(reply_to, msg)
+        except Exception:  # the router process is gone or overloaded: nothing to hand the answer to
+            log.warning("answer %s to %s dropped by the channel layer", msg.get("id"), reply_to, exc_info=True)
 
     async def _send_error(self, message: str, field: str = "frame", ref: str | None = None):
         await self.send(text_data=json.dumps(messages.socket_error(message, field=field, ref=ref)))
@@ -145,3 +158,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
         """Channel-layer event from a router: write the request frame to the agent."""
         self.pending[event["id"]] = event["reply_to"]
         await self.send(bytes_data=wire.pack_frame(event["header"], event.get("payload") or b""))
+
+    async def relay(self, req_id: str, header: dict, payload: bytes, answer: asyncio.Future) -> None:
+        """A router in this process and loop: write the request frame, the answer resolves
+        ``answer`` directly (``holders.transports.ws.LocalSocket``)."""
+        self.pending[req_id] = answer
+        await self.send(bytes_data=wire.pack_frame(header, payload))

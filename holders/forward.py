@@ -162,6 +162,10 @@ class LayerForward:
     primary then warm backups), ``attempt`` (one request to one holder: deadline, shape,
     duplicate guard, receipt), ``finish`` (missing pairs, renormalization, combine).
 
+    ``saturated(t)``: whether the router itself was saturated since monotonic time ``t``; a
+    deadline that expires then still moves the batch to the backup but is recorded with
+    ``fault: False, saturated: True`` (the holder is not blamed for the router's own overload).
+
     ``on_verified_batch``: optional async or sync callable
     ``(provider, request: BatchRequest, carrier: bytes, rows f32 [n, H], receipt | None)``
     called after each remote answer passed its checks and its rows were placed (for
@@ -178,9 +182,10 @@ class LayerForward:
                  local: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
                  routing: Routing | None = None,
                  on_verified_batch: Callable[..., object] | None = None,
-                 fallback: Callable[[int, np.ndarray], np.ndarray | None] | None = None):
+                 fallback: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
+                 saturated: Callable[[float], bool] | None = None):
         self.gate, self.model_id, self.layer = gate, model_id, layer
-        self.fallback = fallback
+        self.fallback, self.saturated = fallback, saturated
         self.hidden_states, self.get_view, self.send = hidden_states, get_view, send
         self.top_k, self.allow_cold, self.allow_partial = top_k, allow_cold, allow_partial
         self.carrier, self.deadline_s, self.max_message = carrier, deadline_s, max_message
@@ -249,6 +254,7 @@ class LayerForward:
         req = BatchRequest(uuid.uuid4().hex, self.model_id, layer, expert, tokens, self.carrier_kind, payload,
                            self.output_kind, d_model)
         t = time.perf_counter()
+        sent_at = time.monotonic()
         try:
             ans = await asyncio.wait_for(self.send(provider, info, req), self.deadline_s)
             if ans.rows.shape != (len(tokens), d_model):
@@ -264,8 +270,11 @@ class LayerForward:
                                   "fault": False})
             return "refused"
         except asyncio.TimeoutError:
-            self.failures.append({"provider": provider, "expert": expert, "fault": True,
-                                  "error": f"no answer within the {self.deadline_s:g} s deadline"})
+            ours = self.saturated is not None and self.saturated(sent_at)
+            self.failures.append({"provider": provider, "expert": expert, "fault": not ours,
+                                  "error": f"no answer within the {self.deadline_s:g} s deadline"
+                                           + (" while the router was saturated (not the holder's fault)" if ours
+                                              else ""), **({"saturated": True} if ours else {})})
             return "fault"
         except (HolderFault, ReceiptError, ConnectionError, ValueError, OSError) as exc:
             self.failures.append({"provider": provider, "expert": expert, "error": str(exc) or type(exc).__name__,

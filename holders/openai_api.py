@@ -20,6 +20,7 @@ from channels.db import database_sync_to_async
 from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
+from holders.admission import Busy, check_forward_rate
 from holders.backbone import BackboneError
 from holders.backbone.decode import Sampling
 from holders.forward import ForwardError
@@ -30,13 +31,17 @@ from holders.runtime import GateNotLoaded
 class ApiError(Exception):
     """An OpenAI-style error answer: HTTP ``status``, ``message`` and the offending ``param``."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 retry_after_s: float | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.retry_after_s = retry_after_s
 
     def response(self) -> JsonResponse:
+        """The error as JSON with its HTTP status (and ``Retry-After`` when one is known)."""
+        headers = {"Retry-After": str(max(1, int(self.retry_after_s + 0.999)))} if self.retry_after_s else None
         return JsonResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": None}}, status=self.status)
+                                       "code": None}}, status=self.status, headers=headers)
 
 
 def _body(request: HttpRequest) -> dict:
@@ -153,7 +158,7 @@ async def _run(served: ServedModel, body: dict, prompt, chat: bool):
     if not body.get("stream"):
         try:
             res = await generate(served.model_id, [p.tolist() for p in prompts], sampling, carrier)
-        except (BackboneError, ForwardError, GateNotLoaded) as exc:
+        except (BackboneError, ForwardError, GateNotLoaded, Busy) as exc:
             raise _generation_error(exc) from exc
         done = sum(len(o) for o in res["output_ids"])
         return JsonResponse({**base, "object": obj, "choices": [
@@ -165,6 +170,8 @@ async def _run(served: ServedModel, body: dict, prompt, chat: bool):
 
 
 def _generation_error(exc: Exception) -> ApiError:
+    if isinstance(exc, Busy):  # admission control: OpenAI's code for "slow down"
+        return ApiError(429, exc.message, exc.field, "rate_limit_error", retry_after_s=exc.retry_after_s)
     if isinstance(exc, NoBackbone):
         return ApiError(404, str(exc), "model", "not_found_error")
     if isinstance(exc, BackboneError):
@@ -211,7 +218,7 @@ async def _stream(served: ServedModel, prompts, sampling: Sampling, carrier: str
             sent[i] = len(output)
     exc = task.exception()
     if exc is not None:
-        err = _generation_error(exc) if isinstance(exc, (BackboneError, ForwardError, GateNotLoaded)) else \
+        err = _generation_error(exc) if isinstance(exc, (BackboneError, ForwardError, GateNotLoaded, Busy)) else \
             ApiError(500, "generation failed", None, "server_error")
         yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.kind, 'param': err.param}})}\n\n"
     yield "data: [DONE]\n\n"
@@ -221,6 +228,10 @@ async def _handle(request: HttpRequest, chat: bool):
     if request.method != "POST":
         return ApiError(405, "use POST").response()
     try:
+        try:
+            await check_forward_rate(request.META.get("REMOTE_ADDR"))
+        except Busy as exc:
+            raise _generation_error(exc) from None
         body = _body(request)
         served = await _served(body)
         if chat:

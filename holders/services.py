@@ -28,6 +28,7 @@ from holders.hooks import ForwardRecord, emit_forward
 from holders.runtime import ExpertRuntime, GateNotLoaded
 from holders.transports.http import HttpHolderClient
 from holders.transports.ws import AgentLink, AgentUnavailable
+from holders.admission import Admission, Busy, overloaded
 from holders.blobs import BlobStore
 from registry.content import blob_uri, parse_blob_uri
 from registry.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, ParamError, RpcError
@@ -241,17 +242,25 @@ _recording: set[asyncio.Task] = set()
 
 
 async def _recorded_forward(**kwargs):
-    """``distributed_forward`` over ``send_batch`` with the site's deadlines and frame cap; each
+    """``distributed_forward`` over ``send_batch`` with the site's deadlines and frame cap, under a
+    forward slot of ``holders.admission`` (``Busy`` when none is free in time, or when the forward
+    failed only because deadlines expired while this router was saturated); each
     holder's failures and latencies are recorded afterwards, also when the forward fails.
     A successful forward gets a fresh ``forward_id`` (set on the result) and is handed to the
     forward listeners (``holders.hooks``: receipt sampling, settlement) in the background."""
     t = settings.TENZRO
+    admission = Admission.current()
     try:
-        res = await distributed_forward(send=send_batch, deadline_s=t["BATCH_DEADLINE_S"],
-                                        max_message=t["WS_MAX_MESSAGE"],
-                                        split_threshold=t["PLAN_SPLIT_THRESHOLD"], **kwargs)
+        async with admission.slot():  # raises Busy (-32005) at once past the concurrency and queue bounds
+            res = await distributed_forward(send=send_batch, deadline_s=t["BATCH_DEADLINE_S"],
+                                            max_message=t["WS_MAX_MESSAGE"], saturated=admission.saturated_since,
+                                            split_threshold=t["PLAN_SPLIT_THRESHOLD"], **kwargs)
     except ForwardError as exc:
-        _record_later(exc.data.get("failures", []), {})
+        failures = exc.data.get("failures", [])
+        _record_later(failures, {})
+        if exc.kind == "execution" and overloaded(failures):
+            raise Busy(f"the router is saturated: {exc.message}", "capacity", max(1.0, t["BATCH_DEADLINE_S"])) \
+                from exc
         raise
     _record_later(res.failures, res.latencies_ms)
     res.forward_id = uuid.uuid4().hex

@@ -4,7 +4,8 @@ Used by the site's ``/rpc`` view, the agent socket, the holder HTTP endpoint and
 execution methods, so an error reads the same wherever it is raised. Codes (DESIGN §6):
 -32700 parse error, -32600 invalid request, -32601 method not found, -32602 invalid
 params, -32603 internal error, -32000 planning error, -32001 auth refused, -32004
-execution error. Every error's ``data`` names the offending ``field`` when there is one.
+execution error, -32005 busy (admission control: the router is at capacity or the
+client's rate is spent; retry later). Every error's ``data`` names the offending ``field`` when there is one.
 
 Pure Python; imports nothing from Django.
 """
@@ -20,6 +21,7 @@ INTERNAL_ERROR = -32603
 PLANNING_ERROR = -32000
 AUTH_REFUSED = -32001
 EXECUTION_ERROR = -32004
+BUSY = -32005
 
 
 class ParamError(ValueError):

@@ -27,20 +27,22 @@ class Method:
     params: type[serializers.Serializer] | None
     operator: bool
     pass_operator: bool = False
+    forward: bool = False
 
 
 class MethodTable(dict):
     """An app's JSON-RPC methods by name (a ``dict[str, Method]``)."""
 
     def method(self, name: str, params: type[serializers.Serializer] | None = None, operator: bool = False,
-               pass_operator: bool = False):
+               pass_operator: bool = False, forward: bool = False):
         """Decorator: register ``func`` as method ``name``; ``operator`` requires the operator bearer
-        token; ``pass_operator`` adds ``_operator: bool`` (whether the caller holds it) to the params.
+        token; ``pass_operator`` adds ``_operator: bool`` (whether the caller holds it) to the params;
+        ``forward`` marks work on holders, counted against the client's forward rate.
         Raises ``ValueError`` when ``name`` is registered twice."""
         def deco(func):
             if name in self:
                 raise ValueError(f"JSON-RPC method {name!r} registered twice")
-            self[name] = Method(name, func, params, operator, pass_operator)
+            self[name] = Method(name, func, params, operator, pass_operator, forward)
             return func
         return deco
 

@@ -34,6 +34,9 @@ from registry.selectors import shard_view
 from registry.operator import operator_token
 
 
+LISTEN_BACKLOG = 1024  # pending TCP connections the site's socket queues (Twisted's default is 50)
+
+
 class ClusterError(RuntimeError):
     """The cluster could not start, place its models or reach full coverage in time."""
 
@@ -142,7 +145,10 @@ class LocalCluster:
                "TENZRO_OPERATOR_TOKEN": operator_token(), "PYTHONUNBUFFERED": "1"}
         if self.repair_interval:
             env["TENZRO_REPAIR_INTERVAL"] = str(self.repair_interval)
-        self.site = self._spawn("site", [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port),
+        # An explicit listen backlog: Twisted's default of 50 resets connections when hundreds of
+        # clients connect while the loop is busy with forwards.
+        self.site = self._spawn("site", [sys.executable, "-m", "daphne",
+                                         "-e", f"tcp:port={self.port}:interface=127.0.0.1:backlog={LISTEN_BACKLOG}",
                                          "--websocket-max-message-size", str(settings.TENZRO["WS_MAX_MESSAGE"]),
                                          "--websocket_timeout", "-1", "tenzro_site.asgi:application"], env)
         self._wait(lambda: self._healthy(), timeout, "the site did not answer /healthz")

@@ -4,27 +4,28 @@ Each installed app's ``api`` module may hold ``rpc_methods`` (a ``registry.rpc.M
 ``METHODS`` is their union, collected once at import like ``urls.py`` collects URL patterns.
 Errors (``registry.jsonrpc``, DESIGN §6): -32700 parse error, -32600 invalid request, -32601 method not found,
 -32602 invalid params, -32603 internal error, -32000 planning error, -32001 auth refused,
--32004 execution error; each has a human-readable ``message`` and a ``data`` object that names
-the field. Batches and notifications follow the spec; clients never see a traceback.
+-32004 execution error, -32005 busy (``holders.admission``: batch over ``RPC_MAX_BATCH`` is
+refused whole; forward methods count against the client's forward rate; a single request
+answered busy gets HTTP 429 with ``Retry-After``); each has a human-readable ``message``
+and a ``data`` object that names the field. Batches and notifications follow the spec; clients never see a traceback.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-import time
 from importlib import import_module
 from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.apps import apps
 from django.conf import settings
-from django.core.cache import cache
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from registry.jsonrpc import (AUTH_REFUSED, INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND,
+from holders.admission import check_forward_rate, over_rate
+from registry.jsonrpc import (AUTH_REFUSED, BUSY, INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND,
                               PARSE_ERROR, RpcError, error_response, result_response)
 from registry.operator import is_operator
 from registry.rpc import Method, validate_params
@@ -74,8 +75,9 @@ def _envelope(obj: dict) -> tuple[str, dict]:
     return name, params
 
 
-async def handle_one(obj: Any, authorization: str | None) -> dict | None:
+async def handle_one(obj: Any, authorization: str | None, client: str | None = None) -> dict | None:
     """Handle one request object; returns the response object, or None for a notification.
+    ``client`` (the caller's address) keys the per-client forward rate.
 
     A malformed request is always answered (JSON-RPC 2.0 §5: it is not a valid notification).
     """
@@ -98,6 +100,8 @@ async def handle_one(obj: Any, authorization: str | None) -> dict | None:
             raise RpcError(AUTH_REFUSED, f"{name} needs the operator credential: Authorization: Bearer <token>",
                            {"field": "Authorization"})
         params = validate_params(method.params, params)
+        if method.forward:
+            await check_forward_rate(client)
         if method.pass_operator:
             params["_operator"] = is_operator(authorization)
         result = await _call(method, params)
@@ -114,17 +118,17 @@ _error = error_response
 
 
 async def _rate_limited(request: HttpRequest) -> bool:
-    """Fixed one-minute window per client address (cache-backed, shared across processes with Redis)."""
-    limit = settings.TENZRO["RPC_RATE_PER_MINUTE"]
-    if limit <= 0:
-        return False
-    key = f"rpc-rate:{request.META.get('REMOTE_ADDR', '?')}:{int(time.time() // 60)}"
-    if await cache.aadd(key, 1, timeout=70):
-        return False
-    try:
-        return await cache.aincr(key) > limit
-    except ValueError:
-        return False
+    """Fixed one-minute window of HTTP requests per client address (``holders.admission.over_rate``)."""
+    return await over_rate("rpc", request.META.get("REMOTE_ADDR", "?"), settings.TENZRO["RPC_RATE_PER_MINUTE"])
+
+
+def _busy_response(response: dict) -> JsonResponse:
+    """A single request's answer; HTTP 429 with ``Retry-After`` when it was refused as busy."""
+    err = response.get("error") or {}
+    if err.get("code") != BUSY:
+        return JsonResponse(response)
+    retry = (err.get("data") or {}).get("retry_after_s", 1)
+    return JsonResponse(response, status=429, headers={"Retry-After": str(max(1, int(retry + 0.999)))})
 
 
 @csrf_exempt
@@ -150,10 +154,17 @@ async def rpc_view(request: HttpRequest) -> HttpResponse:
         return JsonResponse(_error(None, RpcError(PARSE_ERROR, "parse error: JSON nested too deeply",
                                                   {"field": "body"})))
     auth = request.headers.get("Authorization")
+    client = request.META.get("REMOTE_ADDR", "?")
     if isinstance(payload, list):
         if not payload:
             return JsonResponse(_error(None, RpcError(INVALID_REQUEST, "empty batch", {"field": "batch"})))
-        responses = [r for r in await asyncio.gather(*(handle_one(o, auth) for o in payload)) if r is not None]
+        cap = settings.TENZRO["RPC_MAX_BATCH"]
+        if len(payload) > cap:
+            return JsonResponse(_error(None, RpcError(
+                INVALID_REQUEST, f"batch of {len(payload)} requests is over the limit of {cap}; split it",
+                {"field": "batch", "limit": cap})), status=413)
+        responses = [r for r in await asyncio.gather(*(handle_one(o, auth, client) for o in payload))
+                     if r is not None]
         return JsonResponse(responses, safe=False) if responses else HttpResponse(status=204)
-    response = await handle_one(payload, auth)
-    return JsonResponse(response) if response is not None else HttpResponse(status=204)
+    response = await handle_one(payload, auth, client)
+    return _busy_response(response) if response is not None else HttpResponse(status=204)

@@ -14,7 +14,9 @@ One place maps the environment to backends (DESIGN §4):
   ``TENZRO_HEARTBEAT_INTERVAL`` (seconds, default 15), ``TENZRO_MAX_BODY`` (bytes),
   ``TENZRO_GOVERNANCE_MIN_REPUTATION`` (default 600), ``TENZRO_PLAN_SPLIT_THRESHOLD`` (tokens,
   default 256; 0 = never split), ``TENZRO_API_READ_RATE`` / ``TENZRO_API_WRITE_RATE`` (DRF
-  rates, default ``1200/min`` / ``300/min``).
+  rates, default ``1200/min`` / ``300/min``), admission control (``holders.admission``):
+  ``TENZRO_RPC_MAX_BATCH``, ``TENZRO_FORWARD_CONCURRENCY``, ``TENZRO_FORWARD_QUEUE``,
+  ``TENZRO_FORWARD_QUEUE_WAIT`` (seconds), ``TENZRO_FORWARD_RATE`` (per client per minute).
 """
 from __future__ import annotations
 
@@ -234,6 +236,14 @@ TENZRO = {
     "AGENT_HELLO_TIMEOUT_S": 10,
     "BATCH_TIMEOUT_S": float(os.environ.get("TENZRO_BATCH_TIMEOUT", "30")),
     "RPC_RATE_PER_MINUTE": _env_int("TENZRO_RPC_RATE", 6000),
+    # Admission control (holders.admission): requests in one JSON-RPC batch; distributed forwards
+    # running at once per site process, how many more may queue and for how many seconds;
+    # forward-method calls per client address per minute (0 = unlimited).
+    "RPC_MAX_BATCH": _env_int("TENZRO_RPC_MAX_BATCH", 100),
+    "FORWARD_CONCURRENCY": _env_int("TENZRO_FORWARD_CONCURRENCY", 16),
+    "FORWARD_QUEUE": _env_int("TENZRO_FORWARD_QUEUE", 1024),
+    "FORWARD_QUEUE_WAIT_S": float(os.environ.get("TENZRO_FORWARD_QUEUE_WAIT", "60")),
+    "FORWARD_RATE_PER_MINUTE": _env_int("TENZRO_FORWARD_RATE", 3000),
     # Providers need this reputation (new ones start at 500) to vote on policy proposals.
     "GOVERNANCE_MIN_VOTER_REPUTATION": _env_int("TENZRO_GOVERNANCE_MIN_REPUTATION", 600),
     # tenzro_moePlanDispatch: split one expert's batch across warm replicas above this many tokens.

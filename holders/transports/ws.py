@@ -1,22 +1,34 @@
-"""Router side of the agent WebSocket: requests travel through the Channels layer.
+"""Router side of the agent WebSocket: requests go straight to a socket this process
+holds, or through the Channels layer to the process that holds it.
 
-The site process that plans a forward does not own the agents' sockets: each socket
-belongs to an ``AgentConsumer`` in some site process. A request is ``group_send`` to the
+Each socket belongs to an ``AgentConsumer`` in some site process. When that consumer runs
+in the requesting process and event loop (always with the in-memory layer, and with one
+daphne in Redis mode), the request is written to its socket directly and the answer
+resolves the waiting future: no layer, so no channel capacity to overflow (the in-memory
+layer drops group messages past its capacity silently) and no Redis connection per request
+(channels-redis's pool ran out under load). Otherwise the request is ``group_send`` to the
 group ``agent.<provider>``; that consumer writes it to the socket and routes the agent's
-answer back to the requesting process's reply channel. One reader task per process
-matches answers to waiting requests by request id (never by fields the holder returns).
-With the in-memory layer this only works inside one process, which is how the embedded
-mode runs; with channels-redis it works across site processes.
+answer back to the requesting process's reply channel, where one reader task per process
+matches answers to waiting requests by request id (never by fields the holder returns). A
+layer that refuses a send (full, or out of connections) is an immediate ``AgentUnavailable``
+(code ``"backpressure"``), not a timeout later.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import uuid
+from typing import Protocol
 
+from channels.exceptions import ChannelFull
 from channels.layers import get_channel_layer
+from redis.exceptions import RedisError
 
 log = logging.getLogger(__name__)
+
+# Layer sends in flight per process: below redis-py's default pool of 100 connections, which
+# the consumers' own receives and group operations share.
+LAYER_CONCURRENCY = 32
 
 
 class AgentUnavailable(ConnectionError):
@@ -32,6 +44,38 @@ def agent_group(provider: str) -> str:
     return f"agent.{provider}"
 
 
+class LocalSocket(Protocol):
+    """An agent socket held by this process (``AgentConsumer``): its event loop and a direct relay."""
+
+    loop: asyncio.AbstractEventLoop
+
+    async def relay(self, req_id: str, header: dict, payload: bytes, answer: asyncio.Future) -> None:
+        """Write the request frame to the socket; ``answer`` gets ``{"header", "payload"}``."""
+
+
+_local: dict[str, list[LocalSocket]] = {}
+
+
+def register_local(provider: str, sock: LocalSocket) -> None:
+    """Record that ``provider``'s agent socket ``sock`` is open in this process."""
+    _local.setdefault(provider, []).append(sock)
+
+
+def unregister_local(provider: str, sock: LocalSocket) -> None:
+    """Forget ``sock`` (closed)."""
+    socks = _local.get(provider, [])
+    if sock in socks:
+        socks.remove(sock)
+    if not socks:
+        _local.pop(provider, None)
+
+
+def _local_socket(provider: str) -> LocalSocket | None:
+    """The newest socket of ``provider`` held by this process on the running loop, or None."""
+    loop = asyncio.get_running_loop()
+    return next((s for s in reversed(_local.get(provider, ())) if s.loop is loop), None)
+
+
 class AgentLink:
     """Per-event-loop client of the channel layer for request/response calls to agents."""
 
@@ -42,6 +86,7 @@ class AgentLink:
         self.reply_channel: str | None = None
         self.pending: dict[str, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
+        self._sends = asyncio.Semaphore(LAYER_CONCURRENCY)
 
     @classmethod
     async def get(cls) -> "AgentLink":
@@ -71,6 +116,16 @@ class AgentLink:
             if fut is not None and not fut.done():
                 fut.set_result(msg)
 
+    async def _group_send(self, provider: str, message: dict) -> None:
+        """``group_send`` bounded to ``LAYER_CONCURRENCY`` at once per process (the layer's
+        connection pool); a refusal by the layer raises ``AgentUnavailable("backpressure")``."""
+        async with self._sends:
+            try:
+                await self.layer.group_send(agent_group(provider), message)
+            except (ChannelFull, ConnectionError, OSError, RedisError) as exc:
+                raise AgentUnavailable(f"channel layer refused the request to holder {provider[:12]}…: "
+                                       f"{type(exc).__name__}: {exc}", "backpressure") from exc
+
     async def request(self, provider: str, header: dict, payload: bytes = b"",
                       timeout: float = 30.0, req_id: str | None = None) -> tuple[dict, bytes]:
         """Send ``header``/``payload`` to ``provider``'s agent and wait for its answer.
@@ -85,10 +140,14 @@ class AgentLink:
         fut = asyncio.get_running_loop().create_future()
         self.pending[req_id] = fut
         try:
-            await self.layer.group_send(agent_group(provider), {
-                "type": "agent.request", "id": req_id, "reply_to": self.reply_channel,
-                "header": {**header, "id": req_id}, "payload": payload,
-            })
+            sock = _local_socket(provider)
+            if sock is not None:
+                await sock.relay(req_id, {**header, "id": req_id}, payload, fut)
+            else:
+                await self._group_send(provider, {
+                    "type": "agent.request", "id": req_id, "reply_to": self.reply_channel,
+                    "header": {**header, "id": req_id}, "payload": payload,
+                })
             msg = await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError as exc:
             raise AgentUnavailable(f"holder {provider[:12]}… did not answer within {timeout:g} s") from exc
