@@ -49,6 +49,10 @@ log = logging.getLogger("tenzro.agent")
 CLOSE_AUTH = 4401
 
 
+class HeartbeatTooLarge(ValueError):
+    """The holdings do not fit the site's message cap even in the coarsest compact form."""
+
+
 class AuthRefused(RuntimeError):
     """The site refused this agent's identity (close code 4401); retrying will not help."""
 
@@ -205,21 +209,37 @@ class HolderAgent:
             log.warning("site says: %s", msg.get("message"))
 
     def heartbeat_message(self) -> dict:
-        """A freshly signed heartbeat with the current holdings (timestamps strictly increase)."""
-        ts = max(int(time.time() * 1000), self._last_ts + 1)
-        self._last_ts = ts
-        body = {"provider": self.provider, "timestamp_ms": ts, "nonce": secrets.token_hex(16),
-                "name": self.name, "roles": list(self.roles), "http_endpoint": self.http_endpoint,
-                "iroh_endpoint_id": "",
-                "moe_gpu": bool(self.backend.gpu), "price_per_input_token": self.price_per_input_token,
-                "minimum_price": self.minimum_price, "holdings": self.runtime.holdings()}
-        return messages.heartbeat(body, sign_body(self.key, DOMAIN_HEARTBEAT, body))
+        """A freshly signed heartbeat with the current holdings in compact form
+        (``messages.compact_holdings``), below the site's message cap: committed_tps is
+        coarsened (rounded down) only when the exact figures would not fit. Timestamps
+        strictly increase. Raises ``HeartbeatTooLarge`` when not even the coarsest form fits.
+        """
+        held = self.runtime.holdings()
+        for precision in range(len(messages.TPS_PRECISIONS)):
+            ts = max(int(time.time() * 1000), self._last_ts + 1)
+            body = {"provider": self.provider, "timestamp_ms": ts, "nonce": secrets.token_hex(16),
+                    "name": self.name, "roles": list(self.roles), "http_endpoint": self.http_endpoint,
+                    "iroh_endpoint_id": "",
+                    "moe_gpu": bool(self.backend.gpu), "price_per_input_token": self.price_per_input_token,
+                    "minimum_price": self.minimum_price, "holdings": messages.compact_holdings(held, precision)}
+            msg = messages.heartbeat(body, sign_body(self.key, DOMAIN_HEARTBEAT, body))
+            size = len(json.dumps(msg))
+            if size <= self.max_message:
+                self._last_ts = ts
+                return msg
+        raise HeartbeatTooLarge(f"the holdings of {len(held)} experts take {size} bytes even in compact form, over "
+                                f"the site's {self.max_message}-byte message cap; not sent")
 
     async def send_heartbeat(self) -> None:
-        """Send one signed heartbeat now."""
+        """Send one signed heartbeat now (an over-cap one is logged, not sent: the site would close)."""
         if self._ws is not None:
+            try:
+                text = json.dumps(self.heartbeat_message())
+            except HeartbeatTooLarge as exc:
+                log.error("%s", exc)
+                return
             async with self._send_lock:
-                await self._ws.send(json.dumps(self.heartbeat_message()))
+                await self._ws.send(text)
 
     def _tier_changed(self) -> None:
         """Runtime listener (any thread): wake the heartbeat loop."""

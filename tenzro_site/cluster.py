@@ -125,9 +125,8 @@ class LocalCluster:
                "TENZRO_OPERATOR_TOKEN": operator_token(), "PYTHONUNBUFFERED": "1"}
         if self.repair_interval:
             env["TENZRO_REPAIR_INTERVAL"] = str(self.repair_interval)
-        self.site = self._spawn("site", [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port),
-                                         "--websocket-max-message-size", str(settings.TENZRO["WS_MAX_MESSAGE"]),
-                                         "--websocket_timeout", "-1", "tenzro_site.asgi:application"], env)
+        self.site = self._spawn("site", [sys.executable, "-m", "tenzro_site.serve", "-b", "127.0.0.1",
+                                         "-p", str(self.port), "--websocket_timeout", "-1"], env)
         self._wait(lambda: self._healthy(), timeout, "the site did not answer /healthz")
         self.say(f"site up at {self.url}; starting {self.holders} holder agents ...")
         ids = []
