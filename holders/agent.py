@@ -191,10 +191,17 @@ class HolderAgent:
         log.info("connected to %s as %s", self.site, self.provider)
         beat = asyncio.create_task(self._heartbeat_loop())
         stopper = asyncio.create_task(self._stop.wait())
+        parts = wire.Reassembler()  # a request above the frame cap arrives in parts: act on it whole
         try:
             async for frame in ws:
                 if isinstance(frame, bytes):
-                    asyncio.create_task(self._handle(frame))
+                    try:
+                        msg = parts.feed(*wire.unpack_frame(frame))
+                    except wire.WireError as exc:
+                        log.warning("bad frame from site: %s", exc)
+                        continue
+                    if msg is not None:
+                        asyncio.create_task(self._handle(*msg))
                 else:
                     self._control(frame)
                 if self._stop.is_set():
@@ -258,15 +265,14 @@ class HolderAgent:
                 pass
 
     async def _reply(self, header: dict, payload: bytes = b"") -> None:
+        """Send one answer, in part frames when it is above the site's cap (``wire.split_frames``)."""
+        frames = wire.split_frames(header, payload, self.max_message)
         async with self._send_lock:
-            await self._ws.send(wire.pack_frame(header, payload))
+            for frame in frames:
+                await self._ws.send(frame)
 
-    async def _handle(self, frame: bytes) -> None:
-        try:
-            header, payload = wire.unpack_frame(frame)
-        except wire.WireError as exc:
-            log.warning("bad frame from site: %s", exc)
-            return
+    async def _handle(self, header: dict, payload: bytes) -> None:
+        """Answer one (reassembled) request from the site; every request gets a reply."""
         req_id = header.get("id")
         try:
             kind = header.get("type")
@@ -284,18 +290,18 @@ class HolderAgent:
                 fields, out = await asyncio.to_thread(self.generation.handle, kind, header, payload)
                 await self._reply(messages.reply(req_id, **fields), out)
             elif kind == "rpc":
-                body = json.dumps(await self._rpc(header, payload)).encode()
-                if len(body) > self.max_message - wire.FRAME_HEADER_MAX:  # the site would drop the socket
-                    body = json.dumps({"error": RpcError(
-                        EXECUTION_ERROR, f"the result is {len(body)} bytes, over the socket's {self.max_message}"
-                        "-byte frame cap", field="params").to_json()}).encode()
-                await self._reply(messages.reply(req_id), body)
+                await self._reply(messages.reply(req_id), json.dumps(await self._rpc(header, payload)).encode())
             else:
                 await self._reply(messages.failure(req_id, "bad_request", f"unknown request type {kind!r}"))
         except (RuntimeFault, wire.WireError, BlobError, HandoffError, ValueError, KeyError, TypeError) as exc:
             await self._reply(messages.failure(req_id, type(exc).__name__, str(exc)))
+        except RpcError as exc:
+            await self._reply(messages.failure(req_id, type(exc).__name__, exc.message))
         except ConnectionClosed:
             pass
+        except Exception as exc:  # noqa: BLE001 (a request must be answered, not left to its caller's timeout)
+            log.exception("request %r failed", req_id)
+            await self._reply(messages.failure(req_id, "internal", f"{type(exc).__name__}: {exc}"))
 
     async def _rpc(self, header: dict, payload: bytes) -> dict:
         """A relayed execution method: ``{"result": ...}`` or ``{"error": {code, message, data}}``."""
@@ -331,16 +337,13 @@ class HolderAgent:
         ``req``: ``request_id, model_id, layer, expert, token_indices, d_model, output?,
         purpose?`` (``purpose`` other than "serve" is not metered); ``payload`` the carrier
         bytes (``carrier`` "f32" or "q8_0"). Returns (answer fields ``{rows, d_model,
-        output, token_indices, receipt}``, output bytes). Raises ``wire.WireError``,
+        output, token_indices, receipt}``, output bytes). Raises ``RpcError`` (-32602: a bad
+        model_id, layer, expert, d_model or token index, ``methods.execute_key``), ``wire.WireError``,
         ``RuntimeFault`` (``ExpertNotLoaded``, ``DimensionMismatch``, ...) or ``ValueError``.
         """
-        tokens = req.get("token_indices")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
-            raise wire.WireError("token_indices must be a list of non-negative integers")
+        model_id, layer, expert, d_model, tokens = methods.execute_key(req)
         if not isinstance(req.get("request_id"), str) or not req["request_id"]:
-            raise wire.WireError("request_id must be a non-empty string")
-        model_id, layer, expert = str(req["model_id"]), int(req["layer"]), int(req["expert"])
-        d_model = int(req.get("d_model", 0))
+            raise wire.WireError("request_id must be a non-empty string", "request_id")
         output = req.get("output", "f32")
         metered = req.get("purpose", "serve") == "serve"  # disputes and self-tests are not metered
         if carrier not in wire.CARRIERS:

@@ -5,7 +5,8 @@ Handshake: the site sends ``{"type": "challenge", "nonce": hex}``; the agent ans
 under ``identity.DOMAIN_HELLO``. A bad signature, a malformed hello, or no hello within
 ``AGENT_HELLO_TIMEOUT_S`` closes the socket with code 4401. Then: JSON text frames for
 control (``heartbeat`` → ``heartbeat_ack`` or ``error``) and binary frames
-(``wire.pack_frame``) for requests to the agent and its answers.
+(``wire.pack_frame``) for requests to the agent and its answers; either above the
+socket's cap travels as part frames (``wire.split_frames``, reassembled on arrival).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         """Accept, send the challenge nonce, and arm the hello timeout."""
         self.nonce = secrets.token_bytes(32)
         self.pending: dict[str, str] = {}  # request id → reply channel
+        self.parts = wire.Reassembler()  # answers above the frame cap arrive in parts
         await self.accept()
         await self.send(text_data=json.dumps(messages.challenge(self.nonce)))
         self._hello_timer = asyncio.get_running_loop().create_task(self._hello_timeout())
@@ -128,9 +130,16 @@ class AgentConsumer(AsyncWebsocketConsumer):
     async def _answer(self, data: bytes):
         try:
             header, payload = wire.unpack_frame(data)
+            if str(header.get("id")) not in self.pending:
+                await self._send_error(f"answer for unknown request id {header.get('id')!r}")
+                return
+            whole = self.parts.feed(header, payload)
         except wire.WireError as exc:
             await self._send_error(str(exc))
             return
+        if whole is None:
+            return  # more parts to come
+        header, payload = whole
         reply_to = self.pending.pop(str(header.get("id")), None)
         if reply_to is None:
             await self._send_error(f"answer for unknown request id {header.get('id')!r}")
@@ -142,6 +151,15 @@ class AgentConsumer(AsyncWebsocketConsumer):
         await self.send(text_data=json.dumps(messages.socket_error(message, field=field, ref=ref)))
 
     async def agent_request(self, event):
-        """Channel-layer event from a router: write the request frame to the agent."""
+        """Channel-layer event from a router: write the request to the agent, in part frames when
+        it is above the socket's cap (the agent executes it whole)."""
+        try:
+            frames = wire.split_frames(event["header"], event.get("payload") or b"", settings.TENZRO["WS_MAX_MESSAGE"])
+        except wire.WireError as exc:
+            await self.channel_layer.send(event["reply_to"], {
+                "type": "agent.reply", "id": event["id"], "header": messages.failure(event["id"], "too_large", str(exc)),
+                "payload": b""})
+            return
         self.pending[event["id"]] = event["reply_to"]
-        await self.send(bytes_data=wire.pack_frame(event["header"], event.get("payload") or b""))
+        for frame in frames:
+            await self.send(bytes_data=frame)

@@ -109,25 +109,18 @@ async def send_ws(provider: str, req: BatchRequest) -> BatchAnswer:
 
 async def send_to_agent(model_id: str, provider: str, layer: int, expert: int, tokens: list[int],
                         rows: np.ndarray, purpose: str = "serve") -> np.ndarray:
-    """Execute one batch on ``provider``'s agent over its socket, split into frames below the cap.
+    """Execute one batch, whole, on ``provider``'s agent over its socket (frames below the cap:
+    ``AgentConsumer`` splits, the agent reassembles).
 
     Returns f32 rows [n, H]. Raises ``AgentUnavailable`` (a ``ConnectionError``) or
     ``wire.WireError`` (a ``ValueError``) for a malformed answer.
     """
     link = await AgentLink.get()
     d_model = rows.shape[1]
-    per = wire.rows_per_frame(d_model, settings.TENZRO["WS_MAX_MESSAGE"])
-    timeout = settings.TENZRO["BATCH_TIMEOUT_S"]
-
-    async def one(lo: int):
-        chunk = tokens[lo:lo + per]
-        header = messages.execute_header(model_id=model_id, layer=layer, expert=expert, token_indices=chunk,
-                                         d_model=d_model, carrier="f32", purpose=purpose)
-        answer, payload = await link.request(provider, header, wire.encode_f32(rows[lo:lo + per]), timeout)
-        return wire.decode_f32(payload, d_model, n_rows=len(chunk), field="outputs")
-
-    parts = await asyncio.gather(*(one(lo) for lo in range(0, len(tokens), per)))
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+    header = messages.execute_header(model_id=model_id, layer=layer, expert=expert, token_indices=list(tokens),
+                                     d_model=d_model, carrier="f32", purpose=purpose)
+    _answer, payload = await link.request(provider, header, wire.encode_f32(rows), settings.TENZRO["BATCH_TIMEOUT_S"])
+    return wire.decode_f32(payload, d_model, n_rows=len(tokens), field="outputs")
 
 
 _http_clients: dict[int, HttpHolderClient] = {}
@@ -241,14 +234,13 @@ _recording: set[asyncio.Task] = set()
 
 
 async def _recorded_forward(**kwargs):
-    """``distributed_forward`` over ``send_batch`` with the site's deadlines and frame cap; each
+    """``distributed_forward`` over ``send_batch`` with the site's deadlines; each
     holder's failures and latencies are recorded afterwards, also when the forward fails.
     A successful forward gets a fresh ``forward_id`` (set on the result) and is handed to the
     forward listeners (``holders.hooks``: receipt sampling, settlement) in the background."""
     t = settings.TENZRO
     try:
         res = await distributed_forward(send=send_batch, deadline_s=t["BATCH_DEADLINE_S"],
-                                        max_message=t["WS_MAX_MESSAGE"],
                                         split_threshold=t["PLAN_SPLIT_THRESHOLD"], **kwargs)
     except ForwardError as exc:
         _record_later(exc.data.get("failures", []), {})
@@ -323,9 +315,6 @@ async def call_method(method: str, params: dict, provider: str | None = None) ->
         h = await asyncio.to_thread(BlobStore(settings.TENZRO["BLOB_DIR"]).put, data)
         params = {**{k: v for k, v in params.items() if k != "blob_base64"}, "uri": blob_uri(h)}
     body = json.dumps(params).encode()
-    if len(body) > settings.TENZRO["WS_MAX_MESSAGE"] - wire.FRAME_HEADER_MAX:
-        raise RpcError(INVALID_PARAMS, f"params of {len(body)} bytes are too large to relay to an agent; send "
-                       "fewer rows per call", field="hidden_states")
     timeout = 120.0 if method in methods.MANAGEMENT else settings.TENZRO["BATCH_TIMEOUT_S"]
     link = await AgentLink.get()
     try:
