@@ -20,7 +20,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
 from holders import messages, repair_site, wire
-from registry.identity import DOMAIN_HELLO, SignatureError, verify
+from registry.identity import DOMAIN_HELLO, SignatureError, loads_signed, verify
 from holders.transports.ws import agent_group
 from registry import services as registry_services
 from registry.heartbeat import HeartbeatError
@@ -87,7 +87,10 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await self._answer(bytes_data)
             return
         try:
-            msg = json.loads(text_data)
+            msg = loads_signed(text_data)  # heartbeats are signed: a repeated key is refused first
+        except SignatureError as exc:
+            await self._send_error(str(exc), field="body", ref="heartbeat")
+            return
         except (TypeError, ValueError, RecursionError):
             await self._send_error("frame is not JSON (or nests too deeply / holds an oversized number)")
             return

@@ -14,7 +14,7 @@ from holders import wire
 from registry.identity import DOMAIN_HELLO, provider_id, sign
 from registry.models import Holding, Provider
 from tenzro_site.asgi import application
-from tests.conftest import holding, signed_heartbeat
+from tests.conftest import holding, signed_heartbeat, with_repeated_key
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
 
@@ -165,4 +165,14 @@ async def test_a_request_and_answer_above_the_cap_travel_in_parts_and_arrive_who
         await comm.send_to(bytes_data=frame)
     msg = await layer.receive(reply)
     assert msg["header"]["token_indices"] == tokens and msg["payload"] == big[::-1]
+    await comm.disconnect()
+
+
+async def test_socket_heartbeat_with_a_repeated_key_is_refused():
+    key = SigningKey.generate()
+    comm = await authed(key)
+    await comm.send_to(text_data=with_repeated_key(signed_heartbeat(key, [holding(expert=4)]), "holdings", []))
+    err = await comm.receive_json_from()
+    assert err["type"] == "error" and err["ref"] == "heartbeat" and "repeats the key" in err["message"]
+    assert not await database_sync_to_async(Holding.objects.exists)()
     await comm.disconnect()

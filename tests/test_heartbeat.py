@@ -9,7 +9,7 @@ from nacl.signing import SigningKey
 from registry.identity import SignatureError, provider_id
 from registry.heartbeat import HeartbeatError, ingest
 from registry.models import Holding, Provider
-from tests.conftest import holding, signed_heartbeat
+from tests.conftest import holding, signed_heartbeat, with_repeated_key
 
 pytestmark = pytest.mark.django_db
 
@@ -211,3 +211,15 @@ def test_agent_advertises_its_pricing_in_the_signed_heartbeat(tmp_path):
     assert (p.price_per_input_token, p.minimum_price) == (3, 7)
     gross, holder_amount, fee = price(2, p.price_per_input_token, p.minimum_price, 9000)
     assert (gross, holder_amount + fee) == (7, 7)  # 2 tokens × 3 < the minimum of 7
+
+
+def test_rest_heartbeat_with_a_repeated_key_is_refused_before_verifying(client):
+    import json
+
+    key = SigningKey.generate()
+    text = with_repeated_key(signed_heartbeat(key, [holding()], name="signed"), "name", "unsigned")
+    assert json.loads(text)["body"]["name"] == "signed"  # what a last-wins parser verifies: a good signature
+    before = state()
+    resp = client.post("/api/v1/providers/heartbeat", text, content_type="application/json")
+    assert resp.status_code == 400 and resp.json()["field"] == "body" and "repeats the key" in resp.json()["error"]
+    assert state() == before
