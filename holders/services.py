@@ -286,6 +286,26 @@ def site_fetch(uri: str) -> bytes:
     return BlobStore(settings.TENZRO["BLOB_DIR"]).get(parse_blob_uri(uri), verify=True)
 
 
+def _published_gate_on_demand(p: dict) -> None:
+    """Load the published gate of ``tenzro_moeRoute``'s (model_id, layer) into the site's runtime
+    when it holds none for that layer (a gate an operator loaded stays). Params that are not a
+    string model_id and an integer layer are left for ``methods.call`` to report; a layer with
+    no published gate keeps its "no gate is loaded" error."""
+    model_id, layer = p.get("model_id"), p.get("layer")
+    if not isinstance(model_id, str) or isinstance(layer, bool) or not isinstance(layer, int) \
+            or not 0 <= layer < 2**31:
+        return
+    rt = site_runtime()
+    try:
+        rt.gate(model_id, layer)
+        return
+    except GateNotLoaded:
+        pass
+    h = GateBlob.objects.filter(model_id=model_id, layer=layer).values_list("blob_hash", flat=True).first()
+    if h is not None:
+        rt.load_gate(model_id, layer, BlobStore(settings.TENZRO["BLOB_DIR"]).get(h, verify=True), blob_uri(h))
+
+
 def _connected(provider: str) -> bool:
     return Provider.objects.filter(provider=provider, connected=True).exists()
 
@@ -300,6 +320,8 @@ async def call_method(method: str, params: dict, provider: str | None = None) ->
     Raises ``RpcError`` (code, message, data.field).
     """
     if provider is None:
+        if method == "tenzro_moeRoute":
+            await database_sync_to_async(_published_gate_on_demand)(params)
         return await asyncio.to_thread(methods.call, site_runtime(), method, params, site_fetch)
     if not await database_sync_to_async(_connected)(provider):
         raise RpcError(EXECUTION_ERROR, f"provider {provider[:12]}… has no agent connected", field="provider")
