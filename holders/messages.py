@@ -11,7 +11,12 @@ module says what goes in the headers and in the socket's JSON text messages:
   payload = JSON params);
 - the holder's reply to each: ``{id, ok: true, ...}`` (an execute answer adds ``rows``,
   ``d_model``, ``output``, ``token_indices``, ``receipt``; payload = output rows) or
-  ``{id, ok: false, code, message}``.
+  ``{id, ok: false, code, message}``;
+- either direction, a message above the socket's cap as part frames ``{id, part, parts}``
+  (``wire.split_frames``), acted on only once reassembled.
+
+Heartbeat holdings go in the compact range form (``compact_holdings``), so any holding
+count fits the cap.
 
 Also the router-side request/answer records (``BatchRequest``, ``BatchAnswer``), the two
 holder outcomes a router distinguishes (``HolderFault``, ``AuthRefusal``) and

@@ -112,7 +112,7 @@ class Reassembler:
         if "parts" not in header:
             return header, payload
         key, part, parts = str(header.get("id")), header.get("part"), header.get("parts")
-        if not (isinstance(parts, int) and isinstance(part, int) and 0 <= part < parts) or isinstance(part, bool):
+        if not (type(parts) is int and type(part) is int and 0 <= part < parts):  # bools are not counts
             self.discard(key)
             raise WireError(f"part frame of message {key!r}: part {part!r} of {parts!r}")
         got = self._parts.setdefault(key, {})
