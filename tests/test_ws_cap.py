@@ -66,11 +66,11 @@ def site_factory(tmp_path):
     sites = []
 
     def make(cap: int = 1 << 20) -> Site:
-        sites.append(Site(tmp_path / f"site{len(sites)}", cap))
+        root = tmp_path / f"site{len(sites)}"
+        root.mkdir()
+        sites.append(Site(root, cap))
         return sites[-1]
 
-    (tmp_path / "site0").mkdir()
-    (tmp_path / "site1").mkdir()
     yield make
     for s in sites:
         s.stop()
