@@ -39,7 +39,7 @@ test: $(TESTDEPS)
 # Operators: the site (daphne), one Celery worker, exactly one beat (needs REDIS_URL).
 serve: $(RUNTIME)
 	$(BIN)/python manage.py migrate --noinput -v 0
-	$(BIN)/daphne -e tcp:port=$${PORT:-8000}:interface=0.0.0.0:backlog=1024 --websocket-max-message-size $${TENZRO_WS_MAX_MESSAGE:-1048576} tenzro_site.asgi:application
+	$(BIN)/python -m tenzro_site.serve -e tcp:port=$${PORT:-8000}:interface=0.0.0.0:backlog=1024
 
 worker: $(RUNTIME)
 	$(BIN)/celery -A tenzro_site worker -l info

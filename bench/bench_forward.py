@@ -149,8 +149,7 @@ def main() -> None:
 
         async def dist(carrier):
             return await distributed_forward(gate=gate, model_id=MODEL, layer=LAYER, hidden_states=x,
-                                             get_view=get_view, send=send, carrier=carrier, deadline_s=120,
-                                             max_message=1 << 20)
+                                             get_view=get_view, send=send, carrier=carrier, deadline_s=120)
 
         loop = asyncio.new_event_loop()
         mono_t, dist_t = [], []

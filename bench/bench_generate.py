@@ -192,7 +192,7 @@ def bench_model(name: str, a) -> dict:
         def dist_mlp(layer, x):
             res = loop.run_until_complete(distributed_forward(
                 gate=model.gates[layer], model_id=name, layer=layer, hidden_states=x, get_view=get_view, send=send,
-                carrier=a.carrier, deadline_s=300, max_message=1 << 20))
+                carrier=a.carrier, deadline_s=300))
             return res.output
 
         def local_mlp(layer, x):

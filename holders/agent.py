@@ -49,6 +49,10 @@ log = logging.getLogger("tenzro.agent")
 CLOSE_AUTH = 4401
 
 
+class HeartbeatTooLarge(ValueError):
+    """The holdings do not fit the site's message cap even in the coarsest compact form."""
+
+
 class AuthRefused(RuntimeError):
     """The site refused this agent's identity (close code 4401); retrying will not help."""
 
@@ -187,10 +191,17 @@ class HolderAgent:
         log.info("connected to %s as %s", self.site, self.provider)
         beat = asyncio.create_task(self._heartbeat_loop())
         stopper = asyncio.create_task(self._stop.wait())
+        parts = wire.Reassembler()  # a request above the frame cap arrives in parts: act on it whole
         try:
             async for frame in ws:
                 if isinstance(frame, bytes):
-                    asyncio.create_task(self._handle(frame))
+                    try:
+                        msg = parts.feed(*wire.unpack_frame(frame))
+                    except wire.WireError as exc:
+                        log.warning("bad frame from site: %s", exc)
+                        continue
+                    if msg is not None:
+                        asyncio.create_task(self._handle(*msg))
                 else:
                     self._control(frame)
                 if self._stop.is_set():
@@ -205,21 +216,37 @@ class HolderAgent:
             log.warning("site says: %s", msg.get("message"))
 
     def heartbeat_message(self) -> dict:
-        """A freshly signed heartbeat with the current holdings (timestamps strictly increase)."""
-        ts = max(int(time.time() * 1000), self._last_ts + 1)
-        self._last_ts = ts
-        body = {"provider": self.provider, "timestamp_ms": ts, "nonce": secrets.token_hex(16),
-                "name": self.name, "roles": list(self.roles), "http_endpoint": self.http_endpoint,
-                "iroh_endpoint_id": "",
-                "moe_gpu": bool(self.backend.gpu), "price_per_input_token": self.price_per_input_token,
-                "minimum_price": self.minimum_price, "holdings": self.runtime.holdings()}
-        return messages.heartbeat(body, sign_body(self.key, DOMAIN_HEARTBEAT, body))
+        """A freshly signed heartbeat with the current holdings in compact form
+        (``messages.compact_holdings``), below the site's message cap: committed_tps is
+        coarsened (rounded down) only when the exact figures would not fit. Timestamps
+        strictly increase. Raises ``HeartbeatTooLarge`` when not even the coarsest form fits.
+        """
+        held = self.runtime.holdings()
+        for precision in range(len(messages.TPS_PRECISIONS)):
+            ts = max(int(time.time() * 1000), self._last_ts + 1)
+            body = {"provider": self.provider, "timestamp_ms": ts, "nonce": secrets.token_hex(16),
+                    "name": self.name, "roles": list(self.roles), "http_endpoint": self.http_endpoint,
+                    "iroh_endpoint_id": "",
+                    "moe_gpu": bool(self.backend.gpu), "price_per_input_token": self.price_per_input_token,
+                    "minimum_price": self.minimum_price, "holdings": messages.compact_holdings(held, precision)}
+            msg = messages.heartbeat(body, sign_body(self.key, DOMAIN_HEARTBEAT, body))
+            size = len(json.dumps(msg))
+            if size <= self.max_message:
+                self._last_ts = ts
+                return msg
+        raise HeartbeatTooLarge(f"the holdings of {len(held)} experts take {size} bytes even in compact form, over "
+                                f"the site's {self.max_message}-byte message cap; not sent")
 
     async def send_heartbeat(self) -> None:
-        """Send one signed heartbeat now."""
+        """Send one signed heartbeat now (an over-cap one is logged, not sent: the site would close)."""
         if self._ws is not None:
+            try:
+                text = json.dumps(self.heartbeat_message())
+            except HeartbeatTooLarge as exc:
+                log.error("%s", exc)
+                return
             async with self._send_lock:
-                await self._ws.send(json.dumps(self.heartbeat_message()))
+                await self._ws.send(text)
 
     def _tier_changed(self) -> None:
         """Runtime listener (any thread): wake the heartbeat loop."""
@@ -238,15 +265,14 @@ class HolderAgent:
                 pass
 
     async def _reply(self, header: dict, payload: bytes = b"") -> None:
+        """Send one answer, in part frames when it is above the site's cap (``wire.split_frames``)."""
+        frames = wire.split_frames(header, payload, self.max_message)
         async with self._send_lock:
-            await self._ws.send(wire.pack_frame(header, payload))
+            for frame in frames:
+                await self._ws.send(frame)
 
-    async def _handle(self, frame: bytes) -> None:
-        try:
-            header, payload = wire.unpack_frame(frame)
-        except wire.WireError as exc:
-            log.warning("bad frame from site: %s", exc)
-            return
+    async def _handle(self, header: dict, payload: bytes) -> None:
+        """Answer one (reassembled) request from the site; every request gets a reply."""
         req_id = header.get("id")
         try:
             kind = header.get("type")
@@ -264,18 +290,18 @@ class HolderAgent:
                 fields, out = await asyncio.to_thread(self.generation.handle, kind, header, payload)
                 await self._reply(messages.reply(req_id, **fields), out)
             elif kind == "rpc":
-                body = json.dumps(await self._rpc(header, payload)).encode()
-                if len(body) > self.max_message - wire.FRAME_HEADER_MAX:  # the site would drop the socket
-                    body = json.dumps({"error": RpcError(
-                        EXECUTION_ERROR, f"the result is {len(body)} bytes, over the socket's {self.max_message}"
-                        "-byte frame cap", field="params").to_json()}).encode()
-                await self._reply(messages.reply(req_id), body)
+                await self._reply(messages.reply(req_id), json.dumps(await self._rpc(header, payload)).encode())
             else:
                 await self._reply(messages.failure(req_id, "bad_request", f"unknown request type {kind!r}"))
         except (RuntimeFault, wire.WireError, BlobError, HandoffError, ValueError, KeyError, TypeError) as exc:
             await self._reply(messages.failure(req_id, type(exc).__name__, str(exc)))
+        except RpcError as exc:
+            await self._reply(messages.failure(req_id, type(exc).__name__, exc.message))
         except ConnectionClosed:
             pass
+        except Exception as exc:  # noqa: BLE001 (a request must be answered, not left to its caller's timeout)
+            log.exception("request %r failed", req_id)
+            await self._reply(messages.failure(req_id, "internal", f"{type(exc).__name__}: {exc}"))
 
     async def _rpc(self, header: dict, payload: bytes) -> dict:
         """A relayed execution method: ``{"result": ...}`` or ``{"error": {code, message, data}}``."""
@@ -311,16 +337,13 @@ class HolderAgent:
         ``req``: ``request_id, model_id, layer, expert, token_indices, d_model, output?,
         purpose?`` (``purpose`` other than "serve" is not metered); ``payload`` the carrier
         bytes (``carrier`` "f32" or "q8_0"). Returns (answer fields ``{rows, d_model,
-        output, token_indices, receipt}``, output bytes). Raises ``wire.WireError``,
+        output, token_indices, receipt}``, output bytes). Raises ``RpcError`` (-32602: a bad
+        model_id, layer, expert, d_model or token index, ``methods.execute_key``), ``wire.WireError``,
         ``RuntimeFault`` (``ExpertNotLoaded``, ``DimensionMismatch``, ...) or ``ValueError``.
         """
-        tokens = req.get("token_indices")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
-            raise wire.WireError("token_indices must be a list of non-negative integers")
+        model_id, layer, expert, d_model, tokens = methods.execute_key(req)
         if not isinstance(req.get("request_id"), str) or not req["request_id"]:
-            raise wire.WireError("request_id must be a non-empty string")
-        model_id, layer, expert = str(req["model_id"]), int(req["layer"]), int(req["expert"])
-        d_model = int(req.get("d_model", 0))
+            raise wire.WireError("request_id must be a non-empty string", "request_id")
         output = req.get("output", "f32")
         metered = req.get("purpose", "serve") == "serve"  # disputes and self-tests are not metered
         if carrier not in wire.CARRIERS:

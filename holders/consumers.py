@@ -5,7 +5,8 @@ Handshake: the site sends ``{"type": "challenge", "nonce": hex}``; the agent ans
 under ``identity.DOMAIN_HELLO``. A bad signature, a malformed hello, or no hello within
 ``AGENT_HELLO_TIMEOUT_S`` closes the socket with code 4401. Then: JSON text frames for
 control (``heartbeat`` → ``heartbeat_ack`` or ``error``) and binary frames
-(``wire.pack_frame``) for requests to the agent and its answers.
+(``wire.pack_frame``) for requests to the agent and its answers; either above the
+socket's cap travels as part frames (``wire.split_frames``, reassembled on arrival).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
 from holders import messages, repair_site, wire
-from registry.identity import DOMAIN_HELLO, SignatureError, verify
+from registry.identity import DOMAIN_HELLO, SignatureError, loads_signed, verify
 from holders.transports.ws import agent_group, register_local, unregister_local
 from registry import services as registry_services
 from registry.heartbeat import HeartbeatError
@@ -40,6 +41,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         # request id → the router's reply channel, or its future when the router is in this process
         self.pending: dict[str, str | asyncio.Future] = {}
         self.loop = asyncio.get_running_loop()
+        self.parts = wire.Reassembler()  # answers above the frame cap arrive in parts
         await self.accept()
         await self.send(text_data=json.dumps(messages.challenge(self.nonce)))
         self._hello_timer = asyncio.get_running_loop().create_task(self._hello_timeout())
@@ -86,7 +88,10 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await self._answer(bytes_data)
             return
         try:
-            msg = json.loads(text_data)
+            msg = loads_signed(text_data)  # heartbeats are signed: a repeated key is refused first
+        except SignatureError as exc:
+            await self._send_error(str(exc), field="body", ref="heartbeat")
+            return
         except (TypeError, ValueError, RecursionError):
             await self._send_error("frame is not JSON (or nests too deeply / holds an oversized number)")
             return
@@ -130,9 +135,16 @@ class AgentConsumer(AsyncWebsocketConsumer):
     async def _answer(self, data: bytes):
         try:
             header, payload = wire.unpack_frame(data)
+            if str(header.get("id")) not in self.pending:
+                await self._send_error(f"answer for unknown request id {header.get('id')!r}")
+                return
+            whole = self.parts.feed(header, payload)
         except wire.WireError as exc:
             await self._send_error(str(exc))
             return
+        if whole is None:
+            return  # more parts to come
+        header, payload = whole
         reply_to = self.pending.pop(str(header.get("id")), None)
         if reply_to is None:
             await self._send_error(f"answer for unknown request id {header.get('id')!r}")
@@ -155,12 +167,25 @@ class AgentConsumer(AsyncWebsocketConsumer):
         await self.send(text_data=json.dumps(messages.socket_error(message, field=field, ref=ref)))
 
     async def agent_request(self, event):
-        """Channel-layer event from a router: write the request frame to the agent."""
+        """Channel-layer event from a router: write the request to the agent, in part frames when
+        it is above the socket's cap (the agent executes it whole)."""
+        try:
+            frames = wire.split_frames(event["header"], event.get("payload") or b"", settings.TENZRO["WS_MAX_MESSAGE"])
+        except wire.WireError as exc:
+            await self.channel_layer.send(event["reply_to"], {
+                "type": "agent.reply", "id": event["id"], "header": messages.failure(event["id"], "too_large", str(exc)),
+                "payload": b""})
+            return
         self.pending[event["id"]] = event["reply_to"]
-        await self.send(bytes_data=wire.pack_frame(event["header"], event.get("payload") or b""))
+        for frame in frames:
+            await self.send(bytes_data=frame)
 
     async def relay(self, req_id: str, header: dict, payload: bytes, answer: asyncio.Future) -> None:
-        """A router in this process and loop: write the request frame, the answer resolves
-        ``answer`` directly (``holders.transports.ws.LocalSocket``)."""
+        """A router in this process and loop: write the request (in part frames above the socket's
+        cap); the answer resolves ``answer`` directly (``holders.transports.ws.LocalSocket``).
+
+        Raises ``wire.WireError`` when the message cannot be split below the cap."""
+        frames = wire.split_frames(header, payload, settings.TENZRO["WS_MAX_MESSAGE"])
         self.pending[req_id] = answer
-        await self.send(bytes_data=wire.pack_frame(header, payload))
+        for frame in frames:
+            await self.send(bytes_data=frame)

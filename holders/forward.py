@@ -1,7 +1,8 @@
 """The router's MoE layer forward over remote holders (DESIGN §7), free of Django.
 
 gate locally → per-token routings → readahead hook → planner over the live shard view →
-batches cut to fit one message → each batch to its primary under a deadline; when the
+each planned batch, whole (the transport splits it into frames below the socket cap and
+the holder reassembles it), to its primary under a deadline; when the
 primary errs, answers badly (rows or receipt) or stalls past the deadline, the next warm
 backup gets it → when every known holder of an expert failed, the remaining (expert,
 token) pairs are replanned over a view without any provider that failed, at most
@@ -19,7 +20,8 @@ expert is always fatal) and the pairs are reported in ``missing``.
 
 Source: reference §6.3 with its §14 fixes 5 (request-keyed combine, duplicate guard),
 11 (shared slot never renormalized), 12 (zero-holder experts handled by ``allow_partial``),
-23 (per-batch deadline, warm backup), 24 (batches cut below the message size), 25 (large
+23 (per-batch deadline, warm backup), 24 (frames below the message size, batches executed
+whole: ``holders.wire.split_frames``), 25 (large
 batches split over warm replicas by the planner's ``split_threshold``).
 """
 from __future__ import annotations
@@ -158,7 +160,7 @@ class LayerForward:
     Construct with the forward's inputs (see ``distributed_forward`` for each parameter),
     then ``await run()``. Steps: ``route`` (gate or given routing, carrier choice, carrier
     rows encoded once), ``run_local`` (experts the router holds), ``plan_round`` (planner
-    over the live view minus excluded providers), ``run_batch`` (one message-sized batch,
+    over the live view minus excluded providers), ``run_batch`` (one planned batch, whole,
     primary then warm backups), ``attempt`` (one request to one holder: deadline, shape,
     duplicate guard, receipt), ``finish`` (missing pairs, renormalization, combine).
 
@@ -175,7 +177,7 @@ class LayerForward:
     def __init__(self, *, gate: Gate | None, model_id: str, layer: int, hidden_states: np.ndarray,
                  get_view: Callable[[frozenset], Awaitable[ShardView]], send: Send,
                  top_k: int | None = None, allow_cold: bool = False, allow_partial: bool = False,
-                 carrier: str = "auto", deadline_s: float = 10.0, max_message: int = 1 << 20,
+                 carrier: str = "auto", deadline_s: float = 10.0,
                  split_threshold: int | None = None,
                  readahead: Callable[[list[int]], Awaitable[None]] | None = None,
                  verify: bool = True,
@@ -188,7 +190,7 @@ class LayerForward:
         self.fallback, self.saturated = fallback, saturated
         self.hidden_states, self.get_view, self.send = hidden_states, get_view, send
         self.top_k, self.allow_cold, self.allow_partial = top_k, allow_cold, allow_partial
-        self.carrier, self.deadline_s, self.max_message = carrier, deadline_s, max_message
+        self.carrier, self.deadline_s = carrier, deadline_s
         self.split_threshold, self.readahead, self.verify = split_threshold, readahead, verify
         self.local, self.routing = local, routing
         self.on_verified_batch = on_verified_batch
@@ -206,7 +208,7 @@ class LayerForward:
         self.local_ok = local is not None
 
     def route(self) -> None:
-        """Routing, carrier/output encodings, rows per message and the carrier rows encoded once.
+        """Routing, carrier/output encodings and the carrier rows encoded once.
 
         Raises ``ValueError`` for bad input (from ``route``, ``wire.choose_carrier``).
         """
@@ -222,9 +224,6 @@ class LayerForward:
         self.carrier_kind, self.output_kind = wire.choose_carrier(self.carrier, self.d_model)
         self.x = np.ascontiguousarray(hs, dtype=np.float32)
         self.rows = _Rows(self.routing, self.d_model)
-        self.per_msg = min(1024, wire.rows_per_frame(self.d_model, self.max_message,
-                                                     max(wire.BYTES_PER_VALUE[self.carrier_kind],
-                                                         wire.BYTES_PER_VALUE[self.output_kind])))
         # Rows encode independently, so each token's carrier row is encoded once and batches
         # gather their rows' bytes (a token routed to k experts is not quantized k times).
         self.encoded = np.frombuffer(wire.encode_rows(self.x, self.carrier_kind),
@@ -337,9 +336,9 @@ class LayerForward:
             if not todo:
                 break
             plan = await self.plan_round(todo)
-            per_msg = self.per_msg
-            await asyncio.gather(*(self.run_batch(b, b.token_indices[i:i + per_msg])
-                                   for b in plan.batches for i in range(0, len(b.token_indices), per_msg)))
+            # Each planned batch goes whole: the holder runs exactly the rows the monolithic forward
+            # runs together (bit for bit); the transport splits it into frames and reassembles it.
+            await asyncio.gather(*(self.run_batch(b, b.token_indices) for b in plan.batches))
             if not rows.outstanding() or self.replans == MAX_REPLANS:
                 break
             if not plan.batches:

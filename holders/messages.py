@@ -11,7 +11,12 @@ module says what goes in the headers and in the socket's JSON text messages:
   payload = JSON params);
 - the holder's reply to each: ``{id, ok: true, ...}`` (an execute answer adds ``rows``,
   ``d_model``, ``output``, ``token_indices``, ``receipt``; payload = output rows) or
-  ``{id, ok: false, code, message}``.
+  ``{id, ok: false, code, message}``;
+- either direction, a message above the socket's cap as part frames ``{id, part, parts}``
+  (``wire.split_frames``), acted on only once reassembled.
+
+Heartbeat holdings go in the compact range form (``compact_holdings``), so any holding
+count fits the cap.
 
 Also the router-side request/answer records (``BatchRequest``, ``BatchAnswer``), the two
 holder outcomes a router distinguishes (``HolderFault``, ``AuthRefusal``) and
@@ -93,6 +98,51 @@ def welcome(provider: str, max_message: int, heartbeat_interval_s: float) -> dic
 def heartbeat(body: dict, signature: str) -> dict:
     """Agent → site: a signed heartbeat ``body`` (``registry.heartbeat`` checks it)."""
     return {"type": "heartbeat", "body": body, "signature": signature}
+
+
+def format_ranges(values) -> str:
+    """Sorted unique non-negative ints as the heartbeat's range string (``[0, 1, 2, 5]`` → ``"0-2,5"``);
+    ``registry.heartbeat.parse_ranges`` reads it back."""
+    out, vals = [], sorted(set(values))
+    i = 0
+    while i < len(vals):
+        j = i
+        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
+            j += 1
+        out.append(str(vals[i]) if i == j else f"{vals[i]}-{vals[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _tps_floor_pow2(tps: int) -> int:
+    return 0 if tps <= 0 else 1 << (int(tps).bit_length() - 1)
+
+
+# committed_tps at each precision, tried in order until the holdings fit: exact, rounded down to a
+# power of two (at most ~31 distinct values), none. Rounding down never promises more than measured.
+TPS_PRECISIONS = (lambda t: int(t), _tps_floor_pow2, lambda t: 0)
+
+
+def compact_holdings(holdings: list[dict], precision: int = 0) -> list[dict]:
+    """Expanded holdings (``{model_id, layer, expert, residency, committed_tps, blob_uri}``, as
+    ``ExpertRuntime.holdings``) in the heartbeat's compact form (``registry.heartbeat``):
+    one entry per (model, residency, committed_tps, set of experts) with the layers sharing that
+    set as a range string, so a holder of whole layers sends a few hundred bytes at any count.
+
+    ``precision`` indexes ``TPS_PRECISIONS`` (coarser committed_tps, fewer entries). Compact
+    entries carry no ``blob_uri``: the site fills in its published blob of each expert.
+    """
+    coarse = TPS_PRECISIONS[precision]
+    by_layer: dict[tuple, list[int]] = {}
+    for h in holdings:
+        key = (h["model_id"], h["residency"], coarse(h.get("committed_tps", 0)), h["layer"])
+        by_layer.setdefault(key, []).append(h["expert"])
+    by_set: dict[tuple, list[int]] = {}
+    for (model_id, residency, tps, layer), experts in by_layer.items():
+        by_set.setdefault((model_id, residency, tps, format_ranges(experts)), []).append(layer)
+    return [{"model_id": model_id, "layers": format_ranges(layers), "experts": experts, "residency": residency,
+             "committed_tps": tps}
+            for (model_id, residency, tps, experts), layers in sorted(by_set.items())]
 
 
 HEARTBEAT_ACK = {"type": "heartbeat_ack"}

@@ -85,12 +85,26 @@ def request_rows(p: dict, n_tokens: int, d_model: int) -> np.ndarray:
         raise RpcError.invalid_params(exc, "hidden_states") from exc
 
 
+MAX_TOKEN_INDEX = 2**32 - 1  # receipts commit token indices as uint32 (holders.receipts)
+
+
 def _token_indices(p: dict) -> list[int]:
     t = p.get("token_indices")
-    if not isinstance(t, list) or not t or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in t):
-        raise _invalid("token_indices must be a non-empty list of non-negative integers",
-                          "token_indices")
+    if not isinstance(t, list) or not t or any(isinstance(i, bool) or not isinstance(i, int)
+                                               or not 0 <= i <= MAX_TOKEN_INDEX for i in t):
+        raise _invalid(f"token_indices must be a non-empty list of integers in [0, {MAX_TOKEN_INDEX}]",
+                       "token_indices")
     return t
+
+
+def execute_key(p: dict) -> tuple[str, int, int, int, list[int]]:
+    """``(model_id, layer, expert, d_model, token_indices)`` of an execute request (``tenzro_moeExecute``
+    params or an ``execute`` frame header), each checked: model_id a non-empty string, layer and
+    expert integers in [0, 2^31], d_model in [1, 2^20], token indices integers in [0, 2^32 - 1].
+    Raises ``RpcError`` (-32602) naming the field (a float such as ``1e400`` is not an integer).
+    """
+    return (_str(p, "model_id"), _int(p, "layer"), _int(p, "expert"), _int(p, "d_model", 1, 1 << 20),
+            _token_indices(p))
 
 
 def _fault(exc: RuntimeFault) -> RpcError:
@@ -159,9 +173,7 @@ def _route(rt: ExpertRuntime, p: dict) -> dict:
 
 
 def _execute(rt: ExpertRuntime, p: dict) -> dict:
-    model_id, layer, expert = _str(p, "model_id"), _int(p, "layer"), _int(p, "expert")
-    d_model = _int(p, "d_model", 1, 1 << 20)
-    tokens = _token_indices(p)
+    model_id, layer, expert, d_model, tokens = execute_key(p)
     purpose = p.get("purpose", "serve")
     if purpose not in PURPOSES:
         raise _invalid(f"purpose must be one of {', '.join(PURPOSES)}", "purpose")

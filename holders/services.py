@@ -110,25 +110,18 @@ async def send_ws(provider: str, req: BatchRequest) -> BatchAnswer:
 
 async def send_to_agent(model_id: str, provider: str, layer: int, expert: int, tokens: list[int],
                         rows: np.ndarray, purpose: str = "serve") -> np.ndarray:
-    """Execute one batch on ``provider``'s agent over its socket, split into frames below the cap.
+    """Execute one batch, whole, on ``provider``'s agent over its socket (frames below the cap:
+    ``AgentConsumer`` splits, the agent reassembles).
 
     Returns f32 rows [n, H]. Raises ``AgentUnavailable`` (a ``ConnectionError``) or
     ``wire.WireError`` (a ``ValueError``) for a malformed answer.
     """
     link = await AgentLink.get()
     d_model = rows.shape[1]
-    per = wire.rows_per_frame(d_model, settings.TENZRO["WS_MAX_MESSAGE"])
-    timeout = settings.TENZRO["BATCH_TIMEOUT_S"]
-
-    async def one(lo: int):
-        chunk = tokens[lo:lo + per]
-        header = messages.execute_header(model_id=model_id, layer=layer, expert=expert, token_indices=chunk,
-                                         d_model=d_model, carrier="f32", purpose=purpose)
-        answer, payload = await link.request(provider, header, wire.encode_f32(rows[lo:lo + per]), timeout)
-        return wire.decode_f32(payload, d_model, n_rows=len(chunk), field="outputs")
-
-    parts = await asyncio.gather(*(one(lo) for lo in range(0, len(tokens), per)))
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+    header = messages.execute_header(model_id=model_id, layer=layer, expert=expert, token_indices=list(tokens),
+                                     d_model=d_model, carrier="f32", purpose=purpose)
+    _answer, payload = await link.request(provider, header, wire.encode_f32(rows), settings.TENZRO["BATCH_TIMEOUT_S"])
+    return wire.decode_f32(payload, d_model, n_rows=len(tokens), field="outputs")
 
 
 _http_clients: dict[int, HttpHolderClient] = {}
@@ -242,7 +235,7 @@ _recording: set[asyncio.Task] = set()
 
 
 async def _recorded_forward(**kwargs):
-    """``distributed_forward`` over ``send_batch`` with the site's deadlines and frame cap, under a
+    """``distributed_forward`` over ``send_batch`` with the site's deadlines, under a
     forward slot of ``holders.admission`` (``Busy`` when none is free in time, or when the forward
     failed only because deadlines expired while this router was saturated); each
     holder's failures and latencies are recorded afterwards, also when the forward fails.
@@ -253,7 +246,7 @@ async def _recorded_forward(**kwargs):
     try:
         async with admission.slot():  # raises Busy (-32005) at once past the concurrency and queue bounds
             res = await distributed_forward(send=send_batch, deadline_s=t["BATCH_DEADLINE_S"],
-                                            max_message=t["WS_MAX_MESSAGE"], saturated=admission.saturated_since,
+                                            saturated=admission.saturated_since,
                                             split_threshold=t["PLAN_SPLIT_THRESHOLD"], **kwargs)
     except ForwardError as exc:
         failures = exc.data.get("failures", [])
@@ -303,6 +296,26 @@ def site_fetch(uri: str) -> bytes:
     return BlobStore(settings.TENZRO["BLOB_DIR"]).get(parse_blob_uri(uri), verify=True)
 
 
+def _published_gate_on_demand(p: dict) -> None:
+    """Load the published gate of ``tenzro_moeRoute``'s (model_id, layer) into the site's runtime
+    when it holds none for that layer (a gate an operator loaded stays). Params that are not a
+    string model_id and an integer layer are left for ``methods.call`` to report; a layer with
+    no published gate keeps its "no gate is loaded" error."""
+    model_id, layer = p.get("model_id"), p.get("layer")
+    if not isinstance(model_id, str) or isinstance(layer, bool) or not isinstance(layer, int) \
+            or not 0 <= layer < 2**31:
+        return
+    rt = site_runtime()
+    try:
+        rt.gate(model_id, layer)
+        return
+    except GateNotLoaded:
+        pass
+    h = GateBlob.objects.filter(model_id=model_id, layer=layer).values_list("blob_hash", flat=True).first()
+    if h is not None:
+        rt.load_gate(model_id, layer, BlobStore(settings.TENZRO["BLOB_DIR"]).get(h, verify=True), blob_uri(h))
+
+
 def _connected(provider: str) -> bool:
     return Provider.objects.filter(provider=provider, connected=True).exists()
 
@@ -317,6 +330,8 @@ async def call_method(method: str, params: dict, provider: str | None = None) ->
     Raises ``RpcError`` (code, message, data.field).
     """
     if provider is None:
+        if method == "tenzro_moeRoute":
+            await database_sync_to_async(_published_gate_on_demand)(params)
         return await asyncio.to_thread(methods.call, site_runtime(), method, params, site_fetch)
     if not await database_sync_to_async(_connected)(provider):
         raise RpcError(EXECUTION_ERROR, f"provider {provider[:12]}… has no agent connected", field="provider")
@@ -332,9 +347,6 @@ async def call_method(method: str, params: dict, provider: str | None = None) ->
         h = await asyncio.to_thread(BlobStore(settings.TENZRO["BLOB_DIR"]).put, data)
         params = {**{k: v for k, v in params.items() if k != "blob_base64"}, "uri": blob_uri(h)}
     body = json.dumps(params).encode()
-    if len(body) > settings.TENZRO["WS_MAX_MESSAGE"] - wire.FRAME_HEADER_MAX:
-        raise RpcError(INVALID_PARAMS, f"params of {len(body)} bytes are too large to relay to an agent; send "
-                       "fewer rows per call", field="hidden_states")
     timeout = 120.0 if method in methods.MANAGEMENT else settings.TENZRO["BATCH_TIMEOUT_S"]
     link = await AgentLink.get()
     try:

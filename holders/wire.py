@@ -6,6 +6,11 @@ payload is a carrier of rows ``[n, d_model]``: ``"f32"`` (little-endian float32)
 or, for outputs only, ``"bf16"`` (round to nearest even). Every request carries an
 ``id``; results are matched by it, never by fields the holder returns.
 
+A message (header + payload) larger than the socket's frame cap travels as several part
+frames ``{id, part, parts}`` whose payloads concatenate to the whole message packed as one
+frame (``split_frames``); the receiver reassembles it (``Reassembler``) before acting, so a
+batch is executed whole whatever the cap: frames are a transport detail.
+
 Pure Python + numpy; imports nothing from Django.
 """
 from __future__ import annotations
@@ -22,6 +27,10 @@ from holders.codec import encode_bf16
 from registry.jsonrpc import ParamError
 
 FRAME_HEADER_MAX = 64 * 1024
+# A whole message (HTTP /frame body, reassembled parts): its header may list ~1M token indices.
+MESSAGE_HEADER_MAX = 16 * 1024 * 1024
+MESSAGE_MAX = 256 * 1024 * 1024  # bytes of one reassembled message
+PART_OVERHEAD = 1024  # room for a part frame's own header
 CARRIERS = ("f32", "q8_0")
 OUTPUTS = ("f32", "bf16", "q8_0")
 BYTES_PER_VALUE = {"f32": 4.0, "bf16": 2.0, "q8_0": quant.Q8_0.type_size / quant.Q8_0.block_size}
@@ -32,26 +41,26 @@ class WireError(ParamError):
     ``field`` names the parameter at fault when the caller gave one."""
 
 
-def pack_frame(header: dict, payload: bytes = b"") -> bytes:
+def pack_frame(header: dict, payload: bytes = b"", header_max: int = FRAME_HEADER_MAX) -> bytes:
     """Build a binary frame ``u32 LE len ‖ JSON header ‖ payload``.
 
-    Raises ``WireError`` when the JSON header exceeds ``FRAME_HEADER_MAX`` bytes.
+    Raises ``WireError`` when the JSON header exceeds ``header_max`` bytes.
     """
     h = json.dumps(header, separators=(",", ":")).encode()
-    if len(h) > FRAME_HEADER_MAX:
-        raise WireError(f"frame header is {len(h)} bytes; the limit is {FRAME_HEADER_MAX}")
+    if len(h) > header_max:
+        raise WireError(f"frame header is {len(h)} bytes; the limit is {header_max}")
     return struct.pack("<I", len(h)) + h + payload
 
 
-def unpack_frame(data: bytes) -> tuple[dict, bytes]:
+def unpack_frame(data: bytes, header_max: int = FRAME_HEADER_MAX) -> tuple[dict, bytes]:
     """Split a binary frame into (header dict, payload bytes).
 
-    Raises ``WireError`` for a truncated frame, an oversized or non-JSON header.
+    Raises ``WireError`` for a truncated frame, a header over ``header_max`` bytes or not a JSON object.
     """
     if len(data) < 4:
         raise WireError("frame shorter than its 4-byte header length")
     (n,) = struct.unpack_from("<I", data)
-    if n > FRAME_HEADER_MAX or 4 + n > len(data):
+    if n > header_max or 4 + n > len(data):
         raise WireError(f"frame header length {n} does not fit a {len(data)}-byte frame")
     try:
         header = json.loads(data[4:4 + n])
@@ -60,6 +69,70 @@ def unpack_frame(data: bytes) -> tuple[dict, bytes]:
     if not isinstance(header, dict):
         raise WireError("frame header must be a JSON object")
     return header, data[4 + n:]
+
+
+def split_frames(header: dict, payload: bytes, max_message: int) -> list[bytes]:
+    """The frames that carry one message ``header``/``payload`` over a socket capped at
+    ``max_message`` bytes: the plain frame when it fits, else part frames ``{id, part, parts}``
+    (``id`` = ``header["id"]``) whose payloads concatenate to the whole message packed as one
+    frame (header up to ``MESSAGE_HEADER_MAX``). Raises ``WireError`` for a message over
+    ``MESSAGE_MAX`` or a cap too small for a part.
+    """
+    h = json.dumps(header, separators=(",", ":")).encode()
+    if len(h) <= FRAME_HEADER_MAX and 4 + len(h) + len(payload) <= max_message:
+        return [struct.pack("<I", len(h)) + h + payload]
+    whole = pack_frame(header, payload, MESSAGE_HEADER_MAX)
+    if len(whole) > MESSAGE_MAX:
+        raise WireError(f"message of {len(whole)} bytes; the limit is {MESSAGE_MAX}")
+    chunk = max_message - PART_OVERHEAD
+    if chunk < PART_OVERHEAD:
+        raise WireError(f"a {max_message}-byte message cap leaves no room for a part frame")
+    n = -(-len(whole) // chunk)
+    return [pack_frame({"id": header.get("id"), "part": i, "parts": n}, whole[i * chunk:(i + 1) * chunk])
+            for i in range(n)]
+
+
+class Reassembler:
+    """Receiver side of ``split_frames``: ``feed`` part frames in any order, get the whole message.
+
+    At most ``max_bytes`` are buffered over all unfinished messages (a sender that never finishes
+    cannot grow it further). Not thread-safe; one per socket.
+    """
+
+    def __init__(self, max_bytes: int = MESSAGE_MAX):
+        self.max_bytes = max_bytes
+        self.buffered = 0
+        self._parts: dict[str, dict[int, bytes]] = {}
+
+    def feed(self, header: dict, payload: bytes) -> tuple[dict, bytes] | None:
+        """A frame's (header, payload): the message when it is whole (a plain frame at once, a part
+        frame when it was the last one missing), None while parts are outstanding. Raises
+        ``WireError`` for a malformed part, one over the buffer bound (its message is dropped),
+        or a reassembled message whose id differs from its parts'."""
+        if "parts" not in header:
+            return header, payload
+        key, part, parts = str(header.get("id")), header.get("part"), header.get("parts")
+        if not (type(parts) is int and type(part) is int and 0 <= part < parts):  # bools are not counts
+            self.discard(key)
+            raise WireError(f"part frame of message {key!r}: part {part!r} of {parts!r}")
+        got = self._parts.setdefault(key, {})
+        if part in got or self.buffered + len(payload) > self.max_bytes:
+            self.discard(key)
+            raise WireError(f"part {part} of message {key!r} repeated or over the {self.max_bytes}-byte buffer; "
+                            "message dropped")
+        got[part] = payload
+        self.buffered += len(payload)
+        if len(got) < parts:
+            return None
+        self.discard(key)
+        whole, body = unpack_frame(b"".join(got[i] for i in range(parts)), MESSAGE_HEADER_MAX)
+        if str(whole.get("id")) != key:
+            raise WireError(f"reassembled message has id {whole.get('id')!r}, its parts {key!r}")
+        return whole, body
+
+    def discard(self, key: str) -> None:
+        """Forget the parts of message ``key`` received so far."""
+        self.buffered -= sum(len(p) for p in self._parts.pop(key, {}).values())
 
 
 def encode_f32(rows: np.ndarray) -> bytes:
@@ -109,18 +182,6 @@ def rows_from_b64(text: str, d_model: int, n_rows: int | None = None, field: str
     """f32 rows ``[n, d_model]`` from base64 little-endian float32 ``text``; raises ``WireError``
     naming ``field`` (or ``token_indices`` when the row count differs from ``n_rows``)."""
     return decode_f32(b64decode(text, field), d_model, n_rows=n_rows, field=field)
-
-
-def rows_per_frame(d_model: int, max_message: int, bytes_per_value: float = 4) -> int:
-    """How many rows of ``d_model`` values fit one frame below ``max_message`` bytes.
-
-    Leaves room for the header. Raises ``WireError`` when not even one row fits.
-    """
-    budget = max_message - FRAME_HEADER_MAX - 1024
-    n = int(budget // (d_model * bytes_per_value + 64))  # + per-row receipt sketch
-    if n < 1:
-        raise WireError(f"one row of d_model={d_model} does not fit a {max_message}-byte message", "d_model")
-    return int(n)
 
 
 def choose_carrier(requested: str, d_model: int) -> tuple[str, str]:

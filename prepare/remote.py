@@ -15,7 +15,9 @@ ignores ``Range`` (200 instead of 206) is an error.
 * Retries: transport errors, 429 and 5xx are retried ``retries`` times with exponential
   backoff (``backoff`` × 2^i seconds); other 4xx fail at once with the status.
 * Size checks: ``Content-Range`` must name the requested range and the shard's total size,
-  and the body must have exactly the requested length.
+  and the body must have exactly the requested length. Bodies are streamed and reading stops
+  one chunk past the expected length (a ranged read) or ``JSON_LIMIT`` (``config.json``, the
+  index), so a server sending more is refused without being buffered.
 * ``HF_TOKEN`` (or ``token``) is sent as a bearer token when set.
 
 Pure Python; imports nothing from Django.
@@ -23,6 +25,7 @@ Pure Python; imports nothing from Django.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import time
@@ -37,6 +40,7 @@ from holders.codec import CheckpointError
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 _HF_REPO = re.compile(r"^https://huggingface\.co/([^/]+/[^/]+)/?$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
+JSON_LIMIT = 64 * 1024 * 1024  # config.json / model.safetensors.index.json (a big index is a few MiB)
 
 
 def is_url(source) -> bool:
@@ -112,23 +116,39 @@ class HttpCheckpoint(Checkpoint):
         self._client.close()
 
     # -- HTTP ------------------------------------------------------------------------------
-    def _request(self, url: str, headers: dict | None = None) -> httpx.Response:
-        """GET with retries on transport errors, 429 and 5xx (exponential backoff)."""
+    def _request(self, url: str, headers: dict | None = None, *, read: int = 200,
+                 limit: int = JSON_LIMIT) -> tuple[httpx.Response, bytes]:
+        """GET with retries on transport errors, 429 and 5xx (exponential backoff); returns the
+        response and its body, which is read only for status ``read`` (else b"") and streamed up
+        to ``limit`` bytes. Raises ``CheckpointError`` when every attempt failed or the body is
+        longer than ``limit`` (reading stops there: a hostile length is never buffered)."""
         last = ""
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             self.requests += 1
             try:
-                resp = self._client.get(url, headers=headers or {})
+                with self._client.stream("GET", url, headers=headers or {}) as resp:
+                    if resp.status_code == 429 or resp.status_code >= 500:
+                        last = f"HTTP {resp.status_code}"
+                        continue
+                    self._pin(resp)
+                    if resp.status_code != read:
+                        return resp, b""
+                    declared = resp.headers.get("content-length", "")
+                    if declared.isdigit() and int(declared) > limit:
+                        raise CheckpointError(f"{url}: the response declares {declared} bytes; at most {limit} "
+                                              f"were asked for")
+                    body = bytearray()
+                    for chunk in resp.iter_bytes():
+                        body += chunk
+                        if len(body) > limit:
+                            raise CheckpointError(f"{url}: the response is longer than the {limit} bytes asked "
+                                                  f"for; stopped reading")
+                    return resp, bytes(body)
             except httpx.TransportError as exc:
                 last = f"{type(exc).__name__}: {exc}"
                 continue
-            if resp.status_code == 429 or resp.status_code >= 500:
-                last = f"HTTP {resp.status_code}"
-                continue
-            self._pin(resp)
-            return resp
         raise CheckpointError(f"{url}: failed after {self.retries + 1} attempts ({last})")
 
     def _pin(self, resp: httpx.Response) -> None:
@@ -140,20 +160,20 @@ class HttpCheckpoint(Checkpoint):
 
     def _get_json(self, name: str, missing_ok: bool = False):
         url = self.base + name
-        resp = self._request(url)
+        resp, body = self._request(url)
         if resp.status_code == 404 and missing_ok:
             return None
         if resp.status_code != 200:
             raise CheckpointError(f"{url}: HTTP {resp.status_code}")
         try:
-            return resp.json()
-        except (ValueError, UnicodeDecodeError) as exc:
+            return json.loads(body)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise CheckpointError(f"{url}: not JSON ({exc})") from None
 
     def _ranged(self, shard: str, offset: int, length: int) -> tuple[bytes, int]:
         """(body, total size) of one Range GET, every size checked."""
         end = offset + length - 1
-        resp = self._request(shard, {"Range": f"bytes={offset}-{end}"})
+        resp, body = self._request(shard, {"Range": f"bytes={offset}-{end}"}, read=206, limit=length)
         if resp.status_code == 200:
             raise CheckpointError(f"{shard}: the server ignored the Range header (HTTP 200); whole shards are "
                                   f"never downloaded")
@@ -164,9 +184,9 @@ class HttpCheckpoint(Checkpoint):
             raise CheckpointError(f"{shard}: Content-Range {resp.headers.get('content-range')!r} does not match "
                                   f"the requested bytes {offset}-{end}")
         total = int(m.group(3))
-        if len(resp.content) != length:
+        if len(body) != length:
             raise CheckpointError(f"{shard}: short read: wanted {length} bytes at offset {offset}, "
-                                  f"got {len(resp.content)}")
+                                  f"got {len(body)}")
         etag = resp.headers.get("etag")
         if shard not in self._etags:
             self._etags[shard] = etag
@@ -175,7 +195,7 @@ class HttpCheckpoint(Checkpoint):
                                   f"(ETag {self._etags[shard]!r} became {etag!r})")
         if shard in self._sizes and total != self._sizes[shard]:
             raise CheckpointError(f"{shard}: size changed from {self._sizes[shard]} to {total} bytes")
-        return resp.content, total
+        return body, total
 
     # -- the byte-access seam of Checkpoint ------------------------------------------------
     def _shard_size(self, shard: str) -> int:

@@ -16,7 +16,7 @@ from rest_framework import exceptions, permissions, serializers, throttling
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from registry.identity import SignatureError
+from registry.identity import SignatureError, loads_signed
 from registry import catalog, governance, selectors, services
 from registry.heartbeat import HeartbeatError
 from registry.models import Holding, Provider, Proposal
@@ -544,12 +544,21 @@ class HeartbeatView(ApiView):
     @extend_schema(request=HeartbeatMessage, responses={200: JSON_OBJECT, 400: ERROR, 413: ERROR},
                    summary="Apply a signed provider heartbeat (expanded or compact holdings)")
     def post(self, request):
-        """Apply the heartbeat; 400 with a message naming the field when refused."""
-        if not isinstance(request.data, dict):
+        """Apply the heartbeat; 400 with a message naming the field when refused (a repeated JSON
+        key included: the body is parsed here, refusing duplicates before the signature is checked)."""
+        try:
+            message = loads_signed(request.body)
+        except SignatureError as exc:
+            return Response({"error": str(exc), "field": "body"}, status=400)
+        except RecursionError:
+            return Response({"error": "JSON parse error - nested too deeply", "field": "body"}, status=400)
+        except ValueError as exc:
+            return Response({"error": f"JSON parse error - {str(exc)[:200]}", "field": "body"}, status=400)
+        if not isinstance(message, dict):
             return Response({"error": "heartbeat must be a JSON object {body, signature}", "field": "body"},
                             status=400)
         try:
-            provider = services.ingest_heartbeat(request.data)
+            provider = services.ingest_heartbeat(message)
         except HeartbeatError as exc:
             return Response({"error": str(exc), "field": exc.field}, status=400)
         except SignatureError as exc:

@@ -28,6 +28,23 @@ class SignatureError(ValueError):
     """A signature, key or signed body is malformed or does not verify."""
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise SignatureError(f"JSON object repeats the key {dup[:100]!r}: a signed message must be unambiguous")
+    return obj
+
+
+def loads_signed(text: str | bytes):
+    """``json.loads`` for messages whose signature will be checked: an object that repeats a key is
+    refused before any verification (parsers disagree on which value wins, so the signer and a
+    verifier could read different bodies). Raises ``SignatureError`` for a repeated key and
+    ``ValueError`` / ``RecursionError`` as ``json.loads`` does."""
+    return json.loads(text, object_pairs_hook=_unique_keys)
+
+
 def canonical_json(body: dict) -> bytes:
     """Encode ``body`` as canonical JSON bytes (sorted keys, compact, ASCII).
 

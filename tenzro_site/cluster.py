@@ -147,10 +147,9 @@ class LocalCluster:
             env["TENZRO_REPAIR_INTERVAL"] = str(self.repair_interval)
         # An explicit listen backlog: Twisted's default of 50 resets connections when hundreds of
         # clients connect while the loop is busy with forwards.
-        self.site = self._spawn("site", [sys.executable, "-m", "daphne",
+        self.site = self._spawn("site", [sys.executable, "-m", "tenzro_site.serve",
                                          "-e", f"tcp:port={self.port}:interface=127.0.0.1:backlog={LISTEN_BACKLOG}",
-                                         "--websocket-max-message-size", str(settings.TENZRO["WS_MAX_MESSAGE"]),
-                                         "--websocket_timeout", "-1", "tenzro_site.asgi:application"], env)
+                                         "--websocket_timeout", "-1"], env)
         self._wait(lambda: self._healthy(), timeout, "the site did not answer /healthz")
         self.say(f"site up at {self.url}; starting {self.holders} holder agents ...")
         ids = [provider_id(load_or_create_key(settings.VAR_DIR / "keys" / f"agent-{i}.key"))

@@ -53,6 +53,16 @@ def signed_heartbeat(key: SigningKey, holdings=(), ts_ms: int | None = None, **f
     return {"type": "heartbeat", "body": body, "signature": sign_body(key, DOMAIN_HEARTBEAT, body)}
 
 
+def with_repeated_key(message: dict, key: str, first_value) -> str:
+    """``message`` as JSON text whose ``body`` repeats ``key``: ``first_value`` first, then the
+    signed value (which Python's ``json.loads`` keeps, other parsers may not)."""
+    import json
+
+    body = json.dumps(message["body"])
+    return json.dumps({**message, "body": None}).replace(
+        '"body": null', '"body": {' + json.dumps(key) + ": " + json.dumps(first_value) + ", " + body[1:])
+
+
 def holding(model_id="m", layer=0, expert=0, residency="Warm", **kw) -> dict:
     """A holding dict for heartbeats."""
     return {"model_id": model_id, "layer": layer, "expert": expert, "residency": residency,

@@ -14,7 +14,7 @@ from holders import wire
 from registry.identity import DOMAIN_HELLO, provider_id, sign
 from registry.models import Holding, Provider
 from tenzro_site.asgi import application
-from tests.conftest import holding, signed_heartbeat
+from tests.conftest import holding, signed_heartbeat, with_repeated_key
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
 
@@ -136,4 +136,43 @@ async def test_hostile_json_gets_an_error_not_a_dropped_socket():
     assert (await comm.receive_json_from())["type"] == "error"
     await comm.send_json_to(signed_heartbeat(key))  # the socket still serves
     assert (await comm.receive_json_from())["type"] == "heartbeat_ack"
+    await comm.disconnect()
+
+
+async def test_a_request_and_answer_above_the_cap_travel_in_parts_and_arrive_whole(settings):
+    settings.TENZRO = {**settings.TENZRO, "WS_MAX_MESSAGE": 64 * 1024}
+    key = SigningKey.generate()
+    comm = await authed(key)
+    layer = get_channel_layer()
+    reply = await layer.new_channel("test.")
+    tokens = list(range(20_000))  # a header over FRAME_HEADER_MAX too
+    big = bytes(range(256)) * 1000  # 256,000 bytes: four frames' worth
+    await layer.group_send(f"agent.{provider_id(key)}", {
+        "type": "agent.request", "id": "r2", "reply_to": reply,
+        "header": {"id": "r2", "type": "execute", "token_indices": tokens}, "payload": big})
+    parts, got = wire.Reassembler(), None
+    n = 0
+    while got is None:
+        frame = await comm.receive_from()
+        assert len(frame) <= 64 * 1024
+        got = parts.feed(*wire.unpack_frame(frame))
+        n += 1
+    assert n >= 5 and got[0]["token_indices"] == tokens and got[1] == big
+    # The agent answers in parts too, out of order: the router receives one whole answer.
+    frames = wire.split_frames({"id": "r2", "ok": True, "token_indices": tokens}, big[::-1], 64 * 1024)
+    assert len(frames) >= 5
+    for frame in reversed(frames):
+        await comm.send_to(bytes_data=frame)
+    msg = await layer.receive(reply)
+    assert msg["header"]["token_indices"] == tokens and msg["payload"] == big[::-1]
+    await comm.disconnect()
+
+
+async def test_socket_heartbeat_with_a_repeated_key_is_refused():
+    key = SigningKey.generate()
+    comm = await authed(key)
+    await comm.send_to(text_data=with_repeated_key(signed_heartbeat(key, [holding(expert=4)]), "holdings", []))
+    err = await comm.receive_json_from()
+    assert err["type"] == "error" and err["ref"] == "heartbeat" and "repeats the key" in err["message"]
+    assert not await database_sync_to_async(Holding.objects.exists)()
     await comm.disconnect()

@@ -106,3 +106,18 @@ def test_verify_forward_exits_1_when_the_reference_disagrees(tmp_path):
     report = json.loads(res.stdout.strip().splitlines()[-1])
     assert report["layers"][0]["max_rel_err_vs_reference"] > 1e-4
     assert report["layers"][0]["max_abs_diff_vs_monolithic"] == 0.0
+
+
+def test_verify_forward_batches_above_one_frame_equal_monolithic(tmp_path):
+    from tests.synth import make_checkpoint
+
+    # H 4096 and 62 tokens on each of 2 experts: each batch (~1 MiB of f32 rows each way) crosses the
+    # agent socket in part frames, and the agent executes it whole (it once ran 59 + 3 rows apart).
+    ckpt = make_checkpoint(tmp_path / "h4096", family="qwen3_moe", hidden=4096, d_ff=32, experts=2, top_k=2,
+                           layers=1, tokens=62)
+    res = subprocess.run([sys.executable, str(ROOT / "manage.py"), "verify_forward", "--checkpoint", str(ckpt),
+                          "--reference", str(ckpt / "reference.safetensors"), "--holders", "2", "--json"],
+                         cwd=ROOT, env=env_for(tmp_path), capture_output=True, text=True, timeout=300)
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [r["max_abs_diff_vs_monolithic"] for r in report["layers"]] == [0.0], res.stdout + res.stderr
+    assert res.returncode == 0, res.stdout + res.stderr

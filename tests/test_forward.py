@@ -115,6 +115,27 @@ def test_carrier_choice_and_q8_rows():
         wire.decode_rows(b"\0" * 10, "bf16", 64, 4)
 
 
+def test_part_frames_reassemble_and_refuse_bad_parts():
+    header, payload = {"id": "a", "type": "execute", "token_indices": list(range(30_000))}, bytes(300_000)
+    assert wire.split_frames({"id": "s"}, b"xy", 1 << 20) == [wire.pack_frame({"id": "s"}, b"xy")]
+    frames = wire.split_frames(header, payload, 100_000)
+    assert len(frames) == 5 and all(len(f) <= 100_000 for f in frames)  # 170 KB header + 300 KB payload
+    r = wire.Reassembler()
+    assert [r.feed(*wire.unpack_frame(f)) for f in frames[:-1]] == [None] * 4 and r.buffered > 0
+    assert r.feed(*wire.unpack_frame(frames[-1])) == (header, payload) and r.buffered == 0
+    with pytest.raises(wire.WireError, match="repeated"):
+        r.feed(*wire.unpack_frame(frames[0]))
+        r.feed(*wire.unpack_frame(frames[0]))
+    assert r.buffered == 0
+    with pytest.raises(wire.WireError, match="part"):
+        r.feed({"id": "a", "part": 4, "parts": 4}, b"")
+    small = wire.Reassembler(max_bytes=150_000)
+    small.feed(*wire.unpack_frame(frames[0]))
+    with pytest.raises(wire.WireError, match="buffer"):
+        small.feed(*wire.unpack_frame(frames[1]))
+    assert small.buffered == 0
+
+
 # -- forward with in-process holders --------------------------------------------------------
 class Fixture:
     def __init__(self, ckpt, layer, n_holders=3, replication=2):
@@ -177,6 +198,17 @@ def test_forward_matches_monolithic_bit_for_bit(qwen):
     assert np.array_equal(res.output, qwen.monolithic())
     assert res.replans == 0 and not res.missing and not res.failures
     assert len(res.receipts) == res.batches and res.bytes_out > 0
+
+
+def test_a_batch_above_one_frame_is_executed_whole(tmp_path):
+    from tests.synth import make_checkpoint
+
+    # H 4096, 62 tokens on each of 2 experts: 62 f32 rows are ~1 MiB, above one socket frame. The
+    # router once cut such a batch 59 + 3 and the 3-row product differed from the monolithic 62-row one.
+    fx = Fixture(make_checkpoint(tmp_path / "h4096", "qwen3_moe", hidden=4096, d_ff=32, experts=2, top_k=2,
+                                 layers=1, tokens=62), 0, n_holders=2, replication=1)
+    res = fx.run()
+    assert res.batches == 2 and np.array_equal(res.output, fx.monolithic())
 
 
 def test_compact_wire_is_close_and_smaller(qwen):

@@ -9,7 +9,7 @@ from nacl.signing import SigningKey
 from registry.identity import SignatureError, provider_id
 from registry.heartbeat import HeartbeatError, ingest
 from registry.models import Holding, Provider
-from tests.conftest import holding, signed_heartbeat
+from tests.conftest import holding, signed_heartbeat, with_repeated_key
 
 pytestmark = pytest.mark.django_db
 
@@ -211,3 +211,34 @@ def test_agent_advertises_its_pricing_in_the_signed_heartbeat(tmp_path):
     assert (p.price_per_input_token, p.minimum_price) == (3, 7)
     gross, holder_amount, fee = price(2, p.price_per_input_token, p.minimum_price, 9000)
     assert (gross, holder_amount + fee) == (7, 7)  # 2 tokens × 3 < the minimum of 7
+
+
+def test_rest_heartbeat_with_a_repeated_key_is_refused_before_verifying(client):
+    import json
+
+    key = SigningKey.generate()
+    text = with_repeated_key(signed_heartbeat(key, [holding()], name="signed"), "name", "unsigned")
+    assert json.loads(text)["body"]["name"] == "signed"  # what a last-wins parser verifies: a good signature
+    before = state()
+    resp = client.post("/api/v1/providers/heartbeat", text, content_type="application/json")
+    assert resp.status_code == 400 and resp.json()["field"] == "body" and "repeats the key" in resp.json()["error"]
+    assert state() == before
+
+
+def test_compact_holdings_round_trip_through_the_parser():
+    import random
+
+    from holders.messages import compact_holdings, format_ranges
+    from registry.heartbeat import parse_holdings, parse_ranges
+
+    assert format_ranges([5, 0, 1, 2, 9, 10]) == "0-2,5,9-10" and parse_ranges("0-2,5,9-10", "x", 99) == [0, 1, 2, 5, 9, 10]
+    rng = random.Random(3)
+    held = [{"model_id": m, "layer": layer, "expert": e, "residency": rng.choice(["Warm", "Cold"]),
+             "committed_tps": rng.choice([0, 0, 3, 1000, 1500]), "blob_uri": "x"}
+            for m in ("a", "b") for layer in range(4) for e in range(40) if rng.random() < 0.7]
+    key = lambda h: (h["model_id"], h["layer"], h["expert"])  # noqa: E731
+    exact = {key(h): (h["residency"], h["committed_tps"]) for h in parse_holdings(compact_holdings(held))}
+    assert exact == {key(h): (h["residency"], h["committed_tps"]) for h in held}
+    pow2 = {key(h): h["committed_tps"] for h in parse_holdings(compact_holdings(held, 1))}
+    assert pow2 == {key(h): {0: 0, 3: 2, 1000: 512, 1500: 1024}[h["committed_tps"]] for h in held}
+    assert all(h["committed_tps"] == 0 for h in parse_holdings(compact_holdings(held, 2)))

@@ -148,3 +148,35 @@ def test_hub_urls_pin_the_revision_to_the_reported_commit():
     assert seen[0] == "https://huggingface.co/org/repo/resolve/main/config.json"
     assert seen[1] == f"https://huggingface.co/org/repo/resolve/{commit}/model.safetensors.index.json"
     assert ck.revision == commit and ck.shards == [f"https://huggingface.co/org/repo/resolve/{commit}/model.safetensors"]
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+def test_a_206_longer_than_the_range_is_refused_without_buffering_it(declared):
+    import httpx
+
+    cfg = (QWEN / "config.json").read_bytes()
+    pulled = []
+    mib = 1 << 20
+
+    class Huge(httpx.SyncByteStream):
+        """400 MiB, produced lazily: ``pulled`` counts the MiB the client actually read."""
+
+        def __iter__(self):
+            for _ in range(400):
+                pulled.append(1)
+                yield bytes(mib)
+
+    def handler(request: httpx.Request):
+        if request.url.path.endswith("config.json"):
+            return httpx.Response(200, content=cfg)
+        if request.url.path.endswith(".json"):
+            return httpx.Response(404)
+        headers = {"Content-Range": "bytes 0-7/1000"}
+        if declared:
+            headers["Content-Length"] = str(400 * mib)
+        return httpx.Response(206, headers=headers, stream=Huge())
+
+    ck = HttpCheckpoint("http://ckpt.test/m", transport=httpx.MockTransport(handler), retries=0)
+    with pytest.raises(CheckpointError, match="asked for"):
+        ck._shard_size(ck.shards[0])
+    assert len(pulled) <= 1  # stopped at the first chunk past the 8 requested bytes, not after 400 MiB

@@ -113,3 +113,10 @@ def test_unknown_model_names_the_model_id(client):
     err = call(client, req("tenzro_moeForward", {"model_id": "nope", "layer": 0, "d_model": 256,
                                                  "hidden_states": wire.b64encode(wire.encode_f32(x))}))[1]["error"]
     assert err["code"] == -32602 and err["data"]["field"] == "model_id" and "not published" in err["message"]
+
+
+def test_an_integer_of_100000_digits_is_a_parse_error_not_a_500(client):
+    status, body = call(client, '{"jsonrpc": "2.0", "id": 1, "method": "tenzro_moeShardMap", "params": {"x": '
+                        + "9" * 100_000 + "}}")
+    assert status == 200 and body["error"]["code"] == -32700 and body["error"]["data"]["field"] == "body"
+    assert "digits" in body["error"]["message"]

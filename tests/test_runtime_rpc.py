@@ -112,3 +112,19 @@ def test_nonfinite_rows_corrupt_blob_and_hash_mismatch_over_rpc(client, site_rt)
 def test_relay_to_unconnected_provider_is_a_clear_error(client, site_rt):
     err = call(client, req("tenzro_moeExpertStatus", {"provider": "ab" * 32}))[1]["error"]
     assert err["code"] == -32004 and err["data"]["field"] == "provider" and "no agent connected" in err["message"]
+
+
+def test_route_loads_the_published_gate_on_demand(client, site_rt):
+    from safetensors.numpy import load_file
+
+    from prepare.services import publish_checkpoint
+    from tests.conftest import QWEN
+
+    publish_checkpoint(QWEN, "qwen-route")
+    x = load_file(str(QWEN / "reference.safetensors"))["layer0.hidden_states"][:4].astype(np.float32)
+    r = call(client, req("tenzro_moeRoute", {"model_id": "qwen-route", "layer": 0, "d_model": x.shape[1],
+                                             "hidden_states": b64(x)}))[1]
+    assert r["result"]["tokens"] == 4 and len(r["result"]["routed"]) == 4, r
+    err = call(client, req("tenzro_moeRoute", {"model_id": "qwen-route", "layer": 99, "d_model": x.shape[1],
+                                               "hidden_states": b64(x)}))[1]["error"]
+    assert err["code"] == -32004 and "no gate" in err["message"]  # unpublished layer: still a clear error

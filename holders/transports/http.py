@@ -25,12 +25,12 @@ from typing import Awaitable, Callable
 from holders import wire
 from holders import messages
 from holders.messages import BatchAnswer, BatchRequest, HolderFault, answer_to_batch
-from registry.jsonrpc import (INVALID_PARAMS, INVALID_REQUEST, PARSE_ERROR, RpcError, error_response,
-                              result_response)
+from registry.jsonrpc import (INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, PARSE_ERROR, RpcError,
+                              error_response, result_response)
 
 log = logging.getLogger(__name__)
 
-MAX_BODY = 256 * 1024 * 1024
+MAX_BODY = wire.MESSAGE_MAX
 
 # handler(method, params) -> result dict; raises RpcError for an error envelope.
 Handler = Callable[[str, dict], Awaitable[dict]]
@@ -66,8 +66,8 @@ async def _respond(writer: asyncio.StreamWriter, status: int, body: dict | bytes
 async def _rpc(handler: Handler, body: bytes) -> dict:
     try:
         msg = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return error_response(None, RpcError(PARSE_ERROR, f"parse error: {exc}", field="body"))
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, an integer over 4,300 digits, deep nesting
+        return error_response(None, RpcError(PARSE_ERROR, f"parse error: {str(exc)[:300]}", field="body"))
     if not isinstance(msg, dict) or not isinstance(msg.get("method"), str):
         return error_response(None, RpcError(INVALID_REQUEST, "expected a JSON-RPC 2.0 request", field="method"))
     rid, params = msg.get("id"), msg.get("params") or {}
@@ -77,18 +77,25 @@ async def _rpc(handler: Handler, body: bytes) -> dict:
         return result_response(rid, await handler(msg["method"], params))
     except RpcError as exc:
         return error_response(rid, exc)
+    except Exception:  # noqa: BLE001 (an answer, not a dropped connection; details stay in the log)
+        log.exception("holder HTTP %s failed", msg["method"])
+        return error_response(rid, RpcError(INTERNAL_ERROR, "internal error; the holder log has the details"))
 
 
 async def _frame(frame_handler: FrameHandler, body: bytes) -> bytes:
     try:
-        header, payload = wire.unpack_frame(body)
+        header, payload = wire.unpack_frame(body, wire.MESSAGE_HEADER_MAX)  # one whole batch: no frame cap
     except wire.WireError as exc:
         return wire.pack_frame(messages.failure(None, PARSE_ERROR, str(exc)))
     try:
         answer, out = await frame_handler(header, payload)
     except RpcError as exc:
-        return wire.pack_frame(messages.failure(header.get("id"), exc.code, exc.message))
-    return wire.pack_frame(messages.reply(header.get("id"), **answer), out)
+        return wire.pack_frame(messages.failure(header.get("id"), exc.code, exc.message[:2000]))
+    except Exception:  # noqa: BLE001 (an answer, not a dropped connection; details stay in the log)
+        log.exception("holder HTTP frame failed")
+        return wire.pack_frame(messages.failure(header.get("id"), INTERNAL_ERROR,
+                                                "internal error; the holder log has the details"))
+    return wire.pack_frame(messages.reply(header.get("id"), **answer), out, wire.MESSAGE_HEADER_MAX)
 
 
 async def serve_http(handler: Handler, host: str, port: int,
@@ -174,7 +181,7 @@ class HttpHolderClient:
         if parts.scheme != "http" or not parts.hostname:
             raise ConnectionError(f"{endpoint}: only http:// endpoints are supported")
         host, port = parts.hostname, parts.port or 80
-        body = wire.pack_frame(messages.request_header(req), req.payload)
+        body = wire.pack_frame(messages.request_header(req), req.payload, wire.MESSAGE_HEADER_MAX)
         idle = self._idle.setdefault((host, port), [])
         try:
             reader, writer = idle.pop() if idle else await asyncio.wait_for(
@@ -204,7 +211,7 @@ class HttpHolderClient:
             else:
                 writer.close()
         try:
-            answer, out = wire.unpack_frame(data)
+            answer, out = wire.unpack_frame(data, wire.MESSAGE_HEADER_MAX)
         except wire.WireError as exc:
             raise HolderFault(f"{endpoint}: {exc}") from exc
         return answer_to_batch(answer, out, req, "http", len(body), len(data))

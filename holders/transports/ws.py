@@ -24,6 +24,8 @@ from channels.exceptions import ChannelFull
 from channels.layers import get_channel_layer
 from redis.exceptions import RedisError
 
+from holders import wire
+
 log = logging.getLogger(__name__)
 
 # Layer sends in flight per process: below redis-py's default pool of 100 connections, which
@@ -142,7 +144,11 @@ class AgentLink:
         try:
             sock = _local_socket(provider)
             if sock is not None:
-                await sock.relay(req_id, {**header, "id": req_id}, payload, fut)
+                try:
+                    await sock.relay(req_id, {**header, "id": req_id}, payload, fut)
+                except wire.WireError as exc:
+                    raise AgentUnavailable(f"request to holder {provider[:12]}… cannot be framed: {exc}",
+                                           "too_large") from exc
             else:
                 await self._group_send(provider, {
                     "type": "agent.request", "id": req_id, "reply_to": self.reply_channel,

@@ -3,6 +3,7 @@ gate blobs with a progress bar (the job runs in this process; ``--resume JOB`` c
 from __future__ import annotations
 
 import json
+import uuid
 
 from django.core.management.base import BaseCommand, CommandError
 from tqdm import tqdm
@@ -53,8 +54,13 @@ class Command(BaseCommand):
     def handle(self, *args, **o):
         if o["resume"]:
             try:
-                job = PrepareJob.objects.get(job_id=o["resume"])
-            except (PrepareJob.DoesNotExist, ValueError):
+                job_id = uuid.UUID(o["resume"])
+            except ValueError:
+                raise CommandError(f"--resume: {o['resume']!r} is not a job id (a UUID such as "
+                                   f"{uuid.UUID(int=0)})") from None
+            try:
+                job = PrepareJob.objects.get(job_id=job_id)
+            except PrepareJob.DoesNotExist:
                 raise CommandError(f"--resume: no preparation job {o['resume']!r}") from None
         else:
             if not o["checkpoint"]:

@@ -1,0 +1,127 @@
+"""A holder agent's answers to hostile or large requests: every request gets an answer (socket and
+HTTP), a bad number is a -32602 naming its field, and HTTP ``/frame`` carries a batch whole."""
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import numpy as np
+import pytest
+from nacl.signing import SigningKey
+
+from holders import wire
+from holders.agent import HolderAgent
+from holders.messages import BatchRequest
+from holders.transports.http import HttpHolderClient, serve_http
+from tenzro_site.cluster import free_port
+from tests.test_runtime import H, expert
+
+MODEL = "m"
+
+
+class Socket:
+    """What the agent writes to its site socket (frames), in order."""
+
+    def __init__(self):
+        self.sent: list[bytes] = []
+
+    async def send(self, data):
+        self.sent.append(data)
+
+
+@pytest.fixture
+def agent(tmp_path):
+    a = HolderAgent("http://127.0.0.1:1", SigningKey.generate(), tmp_path, name="h")
+    a.runtime.load_expert(MODEL, 0, 0, expert(0).to_blob("f32"))
+    a._ws = Socket()
+    return a
+
+
+def _execute_header(**over):
+    return {"type": "execute", "id": uuid.uuid4().hex, "model_id": MODEL, "layer": 0, "expert": 0,
+            "token_indices": [0, 1], "d_model": H, "carrier": "f32", **over}
+
+
+@pytest.mark.parametrize("bad, field", [({"token_indices": [0, 2**32]}, "token_indices"),
+                                        ({"layer": float("inf")}, "layer"), ({"expert": "0"}, "expert"),
+                                        ({"d_model": 1e400}, "d_model")])
+def test_socket_request_with_a_bad_number_gets_a_failure_reply(agent, bad, field):
+    header = _execute_header(**bad)
+    asyncio.run(agent._handle(header, np.zeros((2, H), np.float32).tobytes()))
+    (frame,) = agent._ws.sent  # answered at once, not left to the router's 30 s timeout
+    reply, _ = wire.unpack_frame(frame)
+    assert reply["id"] == header["id"] and reply["ok"] is False and field in reply["message"]
+
+
+def test_an_unexpected_error_is_still_answered(agent, monkeypatch):
+    def boom(*_a, **_k):
+        raise OverflowError("unexpected")
+
+    monkeypatch.setattr(agent.runtime, "execute", boom)
+    header = _execute_header()
+    asyncio.run(agent._handle(header, np.zeros((2, H), np.float32).tobytes()))
+    reply, _ = wire.unpack_frame(agent._ws.sent[0])
+    assert reply["ok"] is False and reply["code"] == "internal" and "OverflowError" in reply["message"]
+
+
+async def _post(reader, writer, path: str, body: bytes) -> tuple[bytes, bytes]:
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    await writer.drain()
+    status = await reader.readline()
+    headers = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        k, _, v = line.decode().partition(":")
+        headers[k.strip().lower()] = v.strip()
+    return status, await reader.readexactly(int(headers["content-length"]))
+
+
+def test_http_endpoint_answers_bad_numbers_on_a_kept_connection(agent):
+    async def go():
+        port = free_port()
+        server = await serve_http(agent._http_rpc, "127.0.0.1", port, agent._http_frame)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            rows = wire.rows_to_b64(np.zeros((1, H), np.float32))
+            out = []
+            for raw in ('{"jsonrpc": "2.0", "id": 1, "method": "tenzro_moeExecute", "params": {"model_id": "m", '
+                        f'"layer": 1e400, "expert": 0, "token_indices": [0], "d_model": {H}, '
+                        f'"hidden_states": "{rows}"}}}}',
+                        '{"jsonrpc": "2.0", "id": 2, "method": "moe/status", "params": {"x": ' + "9" * 100_000 + "}}",
+                        '{"jsonrpc": "2.0", "id": 3, "method": "moe/status", "params": {}}'):
+                status, body = await _post(reader, writer, "/rpc", raw.encode())
+                out.append((status.split()[1], json.loads(body)))
+            status, body = await _post(reader, writer, "/frame", wire.pack_frame(
+                _execute_header(token_indices=[2**32]), bytes(4 * H)))
+            out.append((status.split()[1], wire.unpack_frame(body)[0]))
+            return out
+        finally:
+            writer.close()
+            server.close()
+
+    (s1, inf), (s2, digits), (s3, ok), (s4, frame) = asyncio.run(go())
+    assert inf["error"]["code"] == -32602 and inf["error"]["data"]["field"] == "layer"
+    assert digits["error"]["code"] == -32700
+    assert ok["result"]["provider"] == agent.provider  # the same connection still serves
+    assert frame["ok"] is False and frame["code"] == -32602 and "token_indices" in frame["message"]
+    assert {s1, s2, s3, s4} == {b"200"}
+
+
+def test_http_frame_carries_a_whole_batch_with_a_long_token_list(agent):
+    n = 20_000  # its header alone is over one socket frame's 64 KiB header limit
+    x = np.random.default_rng(0).standard_normal((n, H), dtype=np.float32)
+
+    async def go():
+        port = free_port()
+        server = await serve_http(agent._http_rpc, "127.0.0.1", port, agent._http_frame)
+        client = HttpHolderClient(60)
+        try:
+            req = BatchRequest(uuid.uuid4().hex, MODEL, 0, 0, list(range(n)), "f32", wire.encode_f32(x), "f32", H)
+            return await client.execute_frame(f"http://127.0.0.1:{port}/rpc", req)
+        finally:
+            await client.close()
+            server.close()
+
+    ans = asyncio.run(go())
+    assert ans.rows.shape == (n, H)
+    assert np.array_equal(ans.rows, agent.runtime.execute(MODEL, 0, 0, x, n, H, False))
