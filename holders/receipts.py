@@ -76,18 +76,51 @@ def sketch(rows: np.ndarray, input_hash: bytes) -> np.ndarray:
     return np.ascontiguousarray(rows, dtype=np.float64) @ sketch_signs(input_hash, rows.shape[1]).T
 
 
+TOP_BLOCK = 32  # values per class in top_features' class-maximum prefilter
+
+
 def top_features(rows: np.ndarray, k: int = TOP_K) -> tuple[np.ndarray, np.ndarray]:
     """Per row the top-``k`` features by |value| (descending, ties to the lower index).
 
     Returns (indices uint32 ``[n, k]``, values float32 ``[n, k]``); ``k`` is clamped to H.
-    Selection is O(H) per row (``np.partition`` finds the k-th magnitude; everything above
-    it plus the lowest-index ties at it are kept), then the k are ordered.
+    Prefilter (finite rows, H a multiple of ``TOP_BLOCK`` with at least ``k`` classes): the
+    features split into ``TOP_BLOCK``-value classes (index mod ``c``, ``c = H / TOP_BLOCK``);
+    the k-th largest class maximum is a lower bound of the k-th largest magnitude (k classes
+    each hold a value ``>=`` it), so the classes whose maximum reaches that bound (k, or more
+    when maxima are equal) hold the answer and every tie at it. Their values are ranked by
+    one unique uint64 key (magnitude bits, then reversed index: magnitude descending, lower
+    index first). Other rows take
+    ``_top_features_partition``; both give the same answer.
     """
     rows = np.ascontiguousarray(rows, dtype=np.float32)
     n, h = rows.shape
     k = min(k, h)
-    if n == 0:
-        return np.zeros((0, k), np.uint32), np.zeros((0, k), np.float32)
+    c = h // TOP_BLOCK
+    if n == 0 or k == 0 or h % TOP_BLOCK or c < k or not np.isfinite(rows).all():
+        return _top_features_partition(rows, k)
+    mag = np.abs(rows).reshape(n, TOP_BLOCK, c)
+    cmax = mag.max(axis=1)  # [n, c]: a reduction over contiguous rows of c, fast
+    cls = np.argpartition(cmax, c - k, axis=1)[:, c - k:]  # [n, k] classes with the largest maxima
+    bound = np.take_along_axis(cmax, cls, axis=1).min(axis=1, keepdims=True)
+    kk = int(np.count_nonzero(cmax >= bound, axis=1).max())
+    if kk > k:  # other classes reach the bound (equal magnitudes): take them too, in every row
+        cls = np.argpartition(cmax, c - kk, axis=1)[:, c - kk:]
+    cand = np.take_along_axis(mag, cls[:, None, :], axis=2)  # [n, TOP_BLOCK, kk]
+    idx = np.arange(TOP_BLOCK)[None, :, None] * c + cls[:, None, :]
+    key = (cand.view(np.uint32).astype(np.uint64) << np.uint64(32)) | (h - 1 - idx).astype(np.uint64)
+    key = key.reshape(n, -1)
+    top = np.sort(np.partition(key, key.shape[1] - k, axis=1)[:, key.shape[1] - k:], axis=1)[:, ::-1]
+    idx = (h - 1) - (top & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    return idx.astype(np.uint32), np.take_along_axis(rows, idx, axis=1)
+
+
+def _top_features_partition(rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``top_features`` for any f32 rows (NaN included) by a full per-row partition, O(H) per row:
+    ``np.partition`` finds the k-th magnitude; everything above it plus the lowest-index ties
+    at it are kept, then the k are ordered."""
+    n, h = rows.shape
+    if n == 0 or k == 0:
+        return np.zeros((n, k), np.uint32), np.zeros((n, k), np.float32)
     mag = np.abs(rows)
     kth = np.partition(mag, h - k, axis=1)[:, h - k:h - k + 1]  # the k-th largest magnitude per row
     above = mag > kth
