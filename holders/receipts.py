@@ -228,7 +228,7 @@ def verify_receipt(receipt: dict | None, *, provider: str, request_id: str, mode
     if rows.shape[0] != n:
         raise ReceiptError(f"{rows.shape[0]} output rows for {n} tokens")
     ours = sketch(rows, ih)
-    tol = SKETCH_RTOL * np.abs(rows.astype(np.float64)).sum(axis=1, keepdims=True) + 1e-30
+    tol = SKETCH_RTOL * np.abs(rows).sum(axis=1, dtype=np.float64, keepdims=True) + 1e-30
     if not np.isfinite(theirs).all() or (np.abs(theirs - ours) > tol).any():
         raise ReceiptError("output rows do not match the receipt's sketch")
     if hashlib.sha256(commitment_bytes(tokens, rows, theirs)).hexdigest() != receipt["commitment"]:
