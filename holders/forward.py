@@ -250,7 +250,8 @@ class LayerForward:
                            self.output_kind, d_model)
         t = time.perf_counter()
         try:
-            ans = await asyncio.wait_for(self.send(provider, info, req), self.deadline_s)
+            async with asyncio.timeout(self.deadline_s):  # in this task: wait_for would start one per batch
+                ans = await self.send(provider, info, req)
             if ans.rows.shape != (len(tokens), d_model):
                 raise HolderFault(f"returned rows of shape {ans.rows.shape}, expected {(len(tokens), d_model)}")
             self.rows.check(expert, tokens)
