@@ -125,6 +125,9 @@ class LocalCluster:
                "TENZRO_OPERATOR_TOKEN": operator_token(), "PYTHONUNBUFFERED": "1"}
         if self.repair_interval:
             env["TENZRO_REPAIR_INTERVAL"] = str(self.repair_interval)
+        # The agents share this machine's cores: each gets its share for the quantized kernels'
+        # row threads (numba / native), so N agents do not run N x cores spinning threads.
+        env.setdefault("NUMBA_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // max(1, self.holders))))
         self.site = self._spawn("site", [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port),
                                          "--websocket-max-message-size", str(settings.TENZRO["WS_MAX_MESSAGE"]),
                                          "--websocket_timeout", "-1", "tenzro_site.asgi:application"], env)
