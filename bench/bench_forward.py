@@ -19,7 +19,7 @@ baseline gets as many BLAS threads as the set has cores (a second in-process bas
 the experts on as many threads, one BLAS thread each: ``moe_expert_parallel``, stronger
 when each expert's batch is small), and each of N agents
 ``max(1, cores // N)`` (``--agent-threads``), so agents do not oversubscribe the cores
-they share. Baseline and distributed runs alternate (``--repeat`` of each, after one
+they share; the router (this process) runs its distributed forward with one BLAS thread. Baseline and distributed runs alternate (``--repeat`` of each, after one
 warm-up forward) and medians are reported, for every agent count of ``--agents``.
 Goal: time ratio ≤ 1.10.
 
@@ -266,7 +266,8 @@ def run_count(n_agents: int, a, cpus: list[int], gate: Gate, experts: dict, x: n
         async def agent_phases():
             return [await probe(i.http_endpoint, "bench/phases") for i in infos]
 
-        res = loop.run_until_complete(dist())  # warm-up: connections, caches, first-touch of the weights
+        with threadpool_limits(limits=1):  # warm-up: connections, caches, first-touch of the weights
+            res = loop.run_until_complete(dist())
         loop.run_until_complete(agent_phases())
         mono_t, par_t, dist_t, mono_cpu, par_cpu, router_cpu, agent_cpu = [], [], [], [], [], [], []
         exact = None
@@ -283,16 +284,18 @@ def run_count(n_agents: int, a, cpus: list[int], gate: Gate, experts: dict, x: n
                 par_t.append(time.perf_counter() - t0)
                 par_cpu.append(time.process_time() - c0)
             router.reset()
-            t0 = time.perf_counter()
-            res = loop.run_until_complete(dist())
-            dist_t.append(time.perf_counter() - t0)
+            with threadpool_limits(limits=1):  # the router's gate is small; a spinning BLAS pool would take agent cores
+                t0 = time.perf_counter()
+                res = loop.run_until_complete(dist())
+                dist_t.append(time.perf_counter() - t0)
             router_cpu.append(router.snapshot())
             agent_cpu.append(loop.run_until_complete(agent_phases()))
         if a.profile:
             prof = cProfile.Profile()
-            prof.enable()
-            loop.run_until_complete(dist())
-            prof.disable()
+            with threadpool_limits(limits=1):
+                prof.enable()
+                loop.run_until_complete(dist())
+                prof.disable()
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
             print(f"\nrouter cProfile, one distributed forward over {n_agents} agents (tottime):")
