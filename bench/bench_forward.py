@@ -31,7 +31,7 @@ phases summed over agents (carrier decode, expert compute, output encode, receip
 the rest = HTTP server, frame parsing, event loop), against the baseline's CPU seconds.
 The wrappers live in this file (agents report theirs over an extra ``bench/phases`` RPC
 method), so the timed code is the production code. ``--profile`` also prints the
-router's cProfile top entries for one distributed forward.
+router's cProfile top entries (process CPU time) for one distributed forward.
 
 Wire bytes per routed element out and back (goals ≤ 1.07 and ≤ 2.1) and the compact
 wire's error against the in-process forward are printed for the last agent count.
@@ -291,14 +291,14 @@ def run_count(n_agents: int, a, cpus: list[int], gate: Gate, experts: dict, x: n
             router_cpu.append(router.snapshot())
             agent_cpu.append(loop.run_until_complete(agent_phases()))
         if a.profile:
-            prof = cProfile.Profile()
+            prof = cProfile.Profile(time.process_time)  # CPU, not wall: waits on other processes drop out
             with threadpool_limits(limits=1):
                 prof.enable()
                 loop.run_until_complete(dist())
                 prof.disable()
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
-            print(f"\nrouter cProfile, one distributed forward over {n_agents} agents (tottime):")
+            print(f"\nrouter cProfile (process CPU time), one distributed forward over {n_agents} agents:")
             print("\n".join(s.getvalue().splitlines()[4:30]))
         loop.run_until_complete(close())
         pool.shutdown()
