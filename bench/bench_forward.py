@@ -50,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -143,6 +144,9 @@ def agent_main(port: int, experts: list[int], blob_dir: str, threads: int) -> No
     for e in experts:
         agent.runtime.load_expert(MODEL, LAYER, e, (Path(blob_dir) / f"{e}.blob").read_bytes())
     agent.runtime.execute = ph.timed("expert compute", agent.runtime.execute)
+    for t in threading.enumerate():  # the backend's JIT warm-up (seconds with a cold numba cache) is not the forward's
+        if t.name == "compute-warm":
+            t.join()
 
     async def rpc(method, params):
         if method == "bench/phases":  # this bench's own probe: read and restart the phase counters
