@@ -19,8 +19,9 @@ baseline gets as many BLAS threads as the set has cores (a second in-process bas
 the experts on as many threads, one BLAS thread each: ``moe_expert_parallel``, stronger
 when each expert's batch is small), and each of N agents
 ``max(1, cores // N)`` (``--agent-threads``), so agents do not oversubscribe the cores
-they share; the router (this process) runs its distributed forward with one BLAS thread. Baseline and distributed runs alternate (``--repeat`` of each, after one
-warm-up forward) and medians are reported, for every agent count of ``--agents``.
+they share; the router (this process) runs its distributed forward with one BLAS thread.
+Baselines and distributed runs alternate (``--repeat`` of each, after one warm-up
+forward) and medians are reported, for every agent count of ``--agents``.
 Goal: time ratio ≤ 1.10.
 
 Where the time goes: CPU seconds per forward (``time.thread_time`` inside timed wrappers,
@@ -431,9 +432,9 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|")
         for r in results:
             cpu = r["router_cpu_s"]["process"] + r["agents_cpu_s"]["process"]
-            print(f"| {r['agents']} | {r['cores']} | {r['in_process_s'] * 1e3:.1f} | {r['expert_parallel_s'] * 1e3:.1f} "
-                  f"| {r['distributed_s'] * 1e3:.1f} | {r['time_ratio']:.3f} | {r['time_ratio_vs_expert_parallel']:.3f} "
-                  f"| {cpu / r['expert_parallel_cpu_s']:.3f} |")
+            print(f"| {r['agents']} | {r['cores']} | {r['in_process_s'] * 1e3:.1f} "
+                  f"| {r['expert_parallel_s'] * 1e3:.1f} | {r['distributed_s'] * 1e3:.1f} | {r['time_ratio']:.3f} "
+                  f"| {r['time_ratio_vs_expert_parallel']:.3f} | {cpu / r['expert_parallel_cpu_s']:.3f} |")
         print(json.dumps({"shape": {"experts": a.experts, "top_k": a.top_k, "hidden": a.hidden, "ffn": a.ffn,
                                     "tokens": a.tokens}, "cpu": cpu_model(), "transport": a.transport,
                           "carrier": a.carrier, "results": results}, default=float))
