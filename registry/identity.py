@@ -50,15 +50,19 @@ def canonical_json(body: dict) -> bytes:
 
     Raises ``SignatureError`` when the body holds floats (their text form is not canonical).
     """
+    leaf = (int, str)  # the common values: no path string built for them (receipts list every token)
+
     def check(value, path="body"):
         if isinstance(value, float):
             raise SignatureError(f"{path} is a float; signed bodies carry integers and strings only")
         if isinstance(value, dict):
             for k, v in value.items():
-                check(v, f"{path}.{k}")
+                if not isinstance(v, leaf):
+                    check(v, f"{path}.{k}")
         elif isinstance(value, (list, tuple)):
             for i, v in enumerate(value):
-                check(v, f"{path}[{i}]")
+                if not isinstance(v, leaf):
+                    check(v, f"{path}[{i}]")
 
     check(body)
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()

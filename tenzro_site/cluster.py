@@ -145,6 +145,9 @@ class LocalCluster:
                "TENZRO_OPERATOR_TOKEN": operator_token(), "PYTHONUNBUFFERED": "1"}
         if self.repair_interval:
             env["TENZRO_REPAIR_INTERVAL"] = str(self.repair_interval)
+        # The agents share this machine's cores: each gets its share for the quantized kernels'
+        # row threads (numba / native), so N agents do not run N x cores spinning threads.
+        env.setdefault("NUMBA_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // max(1, self.holders))))
         # An explicit listen backlog: Twisted's default of 50 resets connections when hundreds of
         # clients connect while the loop is busy with forwards.
         self.site = self._spawn("site", [sys.executable, "-m", "tenzro_site.serve",

@@ -14,7 +14,7 @@ from nacl.signing import SigningKey
 from safetensors.numpy import load_file
 from threadpoolctl import threadpool_limits
 
-from holders import wire
+from holders import receipts, wire
 from holders.agent import HolderAgent
 from holders.ffn import expert_forward
 from holders.forward import (BatchAnswer, ForwardError, HolderFault, _Rows, distributed_forward,
@@ -53,6 +53,36 @@ def test_receipt_round_trip(out_rows):
     key, rec = _signed(out_rows)
     assert _check(rec, key, out_rows) is rec
     assert rec["d_model"] == 64 and len(rec["commitment"]) == 64
+
+
+def _top_by_sorting(row: np.ndarray, k: int) -> list[int]:
+    """The definition: indices by |value| descending, ties to the lower index."""
+    return sorted(range(row.size), key=lambda i: (-abs(float(row[i])), i))[:k]
+
+
+@pytest.mark.parametrize("family", ["normal", "bf16", "small_ints", "sparse", "equal_class_maxima"])
+@pytest.mark.parametrize("h", [256, 2048, 96])
+def test_top_features_match_the_definition_on_tie_heavy_rows(family, h):
+    rng = np.random.default_rng([h, len(family)])
+    x = rng.standard_normal((6, h)).astype(np.float32)
+    if family == "bf16":  # 8 mantissa bits: equal magnitudes across classes are common
+        x = wire.decode_rows(wire.encode_rows(x, "bf16"), "bf16", h, 6)
+    elif family == "small_ints":
+        x = rng.integers(-3, 4, (6, h)).astype(np.float32)
+    elif family == "sparse":
+        x = np.where(rng.random((6, h)) < 0.01, x, np.float32(0))
+        x[0] = 0.0
+        x[1, ::7] = -0.0
+    elif family == "equal_class_maxima":  # every class maximum equal: the prefilter must keep them all
+        x = np.abs(x) % np.float32(0.5)
+        x[:, ::3] = np.float32(0.75)
+        x[:, 5::11] = np.float32(-0.75)
+    for k in (1, 3, 8):
+        idx, val = receipts.top_features(x, k)
+        assert idx.dtype == np.uint32 and val.dtype == np.float32 and idx.shape == (6, k)
+        for r in range(6):
+            assert idx[r].tolist() == _top_by_sorting(x[r], k), (family, h, k, r)
+            assert np.array_equal(val[r].view(np.uint32), x[r, idx[r]].view(np.uint32))
 
 
 @pytest.mark.parametrize("where", ["top", "tail"])
