@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+import numpy as np
 from nacl.signing import SigningKey
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
@@ -89,8 +90,9 @@ class HolderAgent:
         # Advertised pricing (signed in every heartbeat; settlement charges from it).
         self.price_per_input_token, self.minimum_price = int(price_per_input_token), int(minimum_price)
         self.backend = compute.backend()
-        if hasattr(self.backend, "warm"):  # JIT the quantized kernels while connecting, not on the first batch
-            threading.Thread(target=self.backend.warm, name="compute-warm", daemon=True).start()
+        self.kernels_warm = threading.Event()
+        self._warming: set[tuple[str, int, int]] = set()
+        self._site_holdings: list[dict] = []  # what others declare (blackhole drill only)
         self.runtime = ExpertRuntime(memory_budget, Path(disk_dir) if disk_dir else Path(blob_dir) / "tier",
                                      backend=self.backend)
         self.runtime.add_listener(self._tier_changed)
@@ -111,10 +113,25 @@ class HolderAgent:
                                    release_grace_s=float(os.environ.get("TENZRO_REPAIR_RELEASE_GRACE") or 600))
         self.faults = FaultInjector(fault)  # drill mode (holders.faults): off unless asked for
         if fault is not None:
-            log.warning("DRILL FAULT ENABLED: this agent will %s", f"sign perturbed rows for {fault.value:.0%} of "
-                        "its batches" if fault.kind == "corrupt" else f"stall {fault.value:g} s per batch")
+            log.warning("DRILL FAULT ENABLED: this agent will %s", {
+                "corrupt": f"sign perturbed rows for {fault.value:.0%} of its batches",
+                "stall": f"stall {fault.value:g} s per batch",
+                "blackhole": "declare every expert Warm and never answer a batch"}[fault.kind])
         # Prefill/Decode frames (holders.handoff): the backbone runs here, MLP layers on the site.
         self.generation = RoleRunner(roles, self.site, self.fetch, lambda: self.max_message)
+        # JIT the quantized kernels while connecting, not on the first batch (heartbeat_message:
+        # what is declared meanwhile).
+        threading.Thread(target=self._warm_kernels, name="compute-warm", daemon=True).start()
+
+    def _warm_kernels(self) -> None:
+        try:
+            if hasattr(self.backend, "warm"):
+                self.backend.warm()
+        except Exception:  # a failed warm-up only means the first batch compiles
+            log.exception("compute warm-up failed")
+        finally:
+            self.kernels_warm.set()
+            self._tier_changed()
 
     def stop(self) -> None:
         """Ask ``run()`` to return after closing the socket."""
@@ -205,14 +222,27 @@ class HolderAgent:
             log.warning("site says: %s", msg.get("message"))
 
     def heartbeat_message(self) -> dict:
-        """A freshly signed heartbeat with the current holdings (timestamps strictly increase)."""
+        """A freshly signed heartbeat with the current holdings (timestamps strictly increase).
+
+        An expert loaded but not yet run once (``_load``'s warm-up batch) is not declared
+        yet, and while the kernels compile every holding is declared Cold, so no router plans
+        a first-call compile inside its deadline; the ``blackhole`` drill declares everything
+        (``FaultInjector.advertise``).
+        """
+        holdings = self.runtime.holdings()
+        warming = set(self._warming)
+        if warming:
+            holdings = [h for h in holdings if (h["model_id"], h["layer"], h["expert"]) not in warming]
+        if not self.kernels_warm.is_set():
+            holdings = [{**h, "residency": "Cold"} for h in holdings]
+        holdings = self.faults.advertise(holdings, self._site_holdings)
         ts = max(int(time.time() * 1000), self._last_ts + 1)
         self._last_ts = ts
         body = {"provider": self.provider, "timestamp_ms": ts, "nonce": secrets.token_hex(16),
                 "name": self.name, "roles": list(self.roles), "http_endpoint": self.http_endpoint,
                 "iroh_endpoint_id": "",
                 "moe_gpu": bool(self.backend.gpu), "price_per_input_token": self.price_per_input_token,
-                "minimum_price": self.minimum_price, "holdings": self.runtime.holdings()}
+                "minimum_price": self.minimum_price, "holdings": holdings}
         return messages.heartbeat(body, sign_body(self.key, DOMAIN_HEARTBEAT, body))
 
     async def send_heartbeat(self) -> None:
@@ -230,12 +260,26 @@ class HolderAgent:
         """Heartbeat on the timer and soon after every tier change (bursts coalesced)."""
         while True:
             self._changed.clear()
+            if self.faults.blackhole:
+                self._site_holdings = await asyncio.to_thread(self._declared_on_site)
             await self.send_heartbeat()
             try:
                 await asyncio.wait_for(self._changed.wait(), self.heartbeat_interval)
                 await asyncio.sleep(0.05)  # coalesce a burst of loads/evictions into one heartbeat
             except asyncio.TimeoutError:
                 pass
+
+    def _declared_on_site(self) -> list[dict]:
+        """Holdings every provider declares on the site (``GET /api/v1/holdings``); ``[]`` when
+        unreachable. Only the ``blackhole`` drill reads it."""
+        import httpx
+
+        try:
+            r = httpx.get(f"{self.site}/api/v1/holdings", params={"limit": 100_000}, timeout=10)
+            return [h for h in r.json().get("holdings", []) if h.get("provider") != self.provider]
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            log.warning("blackhole drill: cannot read the site's holdings: %s", exc)
+            return []
 
     async def _reply(self, header: dict, payload: bytes = b"") -> None:
         async with self._send_lock:
@@ -250,6 +294,8 @@ class HolderAgent:
         req_id = header.get("id")
         try:
             kind = header.get("type")
+            if kind == "execute" and self.faults.blackhole:
+                return  # the drill: never answer
             if kind == "execute":
                 answer, out = await self.execute_request({**header, "request_id": req_id},
                                                          header.get("carrier", "f32"), payload)
@@ -351,6 +397,8 @@ class HolderAgent:
         """Binary execute over HTTP (``POST /frame``): the socket's frame format, no base64."""
         if header.get("type") != "execute":
             raise RpcError(METHOD_NOT_FOUND, f"unknown request type {header.get('type')!r}")
+        if self.faults.blackhole:
+            await asyncio.Event().wait()  # the drill: never answer
         try:
             return await self.execute_request({**header, "request_id": header.get("id")},
                                               header.get("carrier", "f32"), payload)
@@ -381,6 +429,21 @@ class HolderAgent:
 
     async def _load(self, header: dict) -> None:
         uri = header["uri"]
+        key = (str(header["model_id"]), int(header["layer"]), int(header["expert"]))
         data = await asyncio.to_thread(self.fetch, uri)
-        await asyncio.to_thread(self.runtime.load_expert, header["model_id"], int(header["layer"]),
-                                int(header["expert"]), data, uri)
+        self._warming.add(key)
+        try:
+            row = await asyncio.to_thread(self.runtime.load_expert, *key, data, uri)
+            await asyncio.get_running_loop().run_in_executor(self._compute, self._warm_expert, key, row["d_model"])
+        finally:
+            self._warming.discard(key)
+            self._tier_changed()
+
+    def _warm_expert(self, key: tuple[str, int, int], d_model: int) -> None:
+        """One unmetered 1-row batch of a freshly loaded expert (first-call costs: kernel
+        dispatch, BLAS setup, page faults) before it is declared Warm."""
+        self.kernels_warm.wait(600)
+        try:
+            self.runtime.execute(*key, np.zeros((1, d_model), dtype=np.float32), 1, d_model, False)
+        except (RuntimeFault, ValueError) as exc:
+            log.warning("warm-up batch of %s failed: %s", key, exc)

@@ -20,7 +20,7 @@ from django.conf import settings
 
 from holders import messages, repair_site, wire
 from registry.identity import DOMAIN_HELLO, SignatureError, verify
-from holders.transports.ws import agent_group
+from holders.transports.ws import ROUTERS_GROUP, agent_group, presence_event
 from registry import services as registry_services
 from registry.heartbeat import HeartbeatError
 
@@ -49,18 +49,20 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await self.close(code=CLOSE_AUTH)
 
     async def disconnect(self, code):
-        """Leave the group, mark the provider disconnected, fail its in-flight requests."""
+        """Tell every router the socket is gone (they fail its pending requests at once), fail
+        the requests relayed here, leave the group, then mark the provider disconnected."""
         self._hello_timer.cancel()
         if self.provider is None:
             return
-        await self.channel_layer.group_discard(agent_group(self.provider), self.channel_name)
-        await database_sync_to_async(registry_services.agent_disconnected)(self.provider, self.channel_name)
+        await self.channel_layer.group_send(ROUTERS_GROUP, presence_event(self.provider, False))
         for req_id, reply_to in list(self.pending.items()):
             await self.channel_layer.send(reply_to, {
                 "type": "agent.reply", "id": req_id,
                 "header": messages.failure(req_id, "disconnected", "agent disconnected"),
                 "payload": b""})
         self.pending.clear()
+        await self.channel_layer.group_discard(agent_group(self.provider), self.channel_name)
+        await database_sync_to_async(registry_services.agent_disconnected)(self.provider, self.channel_name)
 
     async def dispatch(self, message):
         """Data-plane messages (binary answers, relayed requests) skip channels' per-message
@@ -114,6 +116,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         self._hello_timer.cancel()
         await self.channel_layer.group_add(agent_group(self.provider), self.channel_name)
         await database_sync_to_async(registry_services.agent_connected)(self.provider, self.channel_name)
+        await self.channel_layer.group_send(ROUTERS_GROUP, presence_event(self.provider, True))
         await self.send(text_data=json.dumps(messages.welcome(self.provider, settings.TENZRO["WS_MAX_MESSAGE"],
                                                               settings.TENZRO["HEARTBEAT_INTERVAL_S"])))
 

@@ -21,6 +21,15 @@ Source: reference §6.3 with its §14 fixes 5 (request-keyed combine, duplicate 
 11 (shared slot never renormalized), 12 (zero-holder experts handled by ``allow_partial``),
 23 (per-batch deadline, warm backup), 24 (batches cut below the message size), 25 (large
 batches split over warm replicas by the planner's ``split_threshold``).
+
+Deadline semantics (issue 15): a holder that misses the deadline is not abandoned. The next
+holder gets the batch and the first one keeps its request until ``attempt_timeout_s``; the
+first verified answer wins. So a forward does not fail when every holder is merely slow
+(a cold first call), and a black hole costs one deadline. A holder that missed the deadline
+while another answered counts as a fault. With a ``scoreboard``
+(``holders.scoreboard.Scoreboard``) the planner orders holders by what this router observed,
+every outcome is recorded there, and unproven or half-open backups of a proven primary get
+hedged probes (copies with purpose "selftest" whose answers never enter the forward).
 """
 from __future__ import annotations
 
@@ -39,11 +48,13 @@ from holders.gating import Gate, Routing, route
 # The request/answer records live with the other messages; re-exported for the forward's callers.
 from holders.messages import AuthRefusal, BatchAnswer, BatchRequest, HolderFault, Send  # noqa: F401
 from holders.receipts import ReceiptError, verify_receipt
+from holders.scoreboard import Scoreboard
 from registry.jsonrpc import ParamError
 from registry.planner import DispatchPlan, PlanningError, TokenRouting, plan_dispatch
 from registry.shardmap import ShardView
 
 MAX_REPLANS = 2
+_probes: set[asyncio.Task] = set()  # hedged probes outlive their forward; kept referenced until done
 
 
 class ForwardError(Exception):
@@ -178,8 +189,12 @@ class LayerForward:
                  local: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
                  routing: Routing | None = None,
                  on_verified_batch: Callable[..., object] | None = None,
-                 fallback: Callable[[int, np.ndarray], np.ndarray | None] | None = None):
+                 fallback: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
+                 scoreboard: Scoreboard | None = None, attempt_timeout_s: float | None = None):
         self.gate, self.model_id, self.layer = gate, model_id, layer
+        self.scoreboard = scoreboard
+        self.attempt_timeout_s = max(deadline_s, attempt_timeout_s if attempt_timeout_s is not None
+                                     else 3 * deadline_s)
         self.fallback = fallback
         self.hidden_states, self.get_view, self.send = hidden_states, get_view, send
         self.top_k, self.allow_cold, self.allow_partial = top_k, allow_cold, allow_partial
@@ -243,17 +258,22 @@ class LayerForward:
         self.batches += 1
 
     async def attempt(self, provider: str, info, expert: int, tokens: list[int], payload: bytes) -> str:
-        """One request to one holder under the deadline; returns "ok", "late" (another answer
-        filled the pairs first), "refused" (auth, no penalty) or "fault" (exclude the holder)."""
+        """One request to one holder, given up after ``attempt_timeout_s``; returns "ok", "late"
+        (another answer filled the pairs first), "refused" (auth, no penalty) or "fault"
+        (exclude the holder). Outcomes are recorded on the scoreboard."""
         layer, d_model = self.layer, self.d_model
         req = BatchRequest(uuid.uuid4().hex, self.model_id, layer, expert, tokens, self.carrier_kind, payload,
                            self.output_kind, d_model)
         t = time.perf_counter()
         try:
-            ans = await asyncio.wait_for(self.send(provider, info, req), self.deadline_s)
+            ans = await asyncio.wait_for(self.send(provider, info, req), self.attempt_timeout_s)
             if ans.rows.shape != (len(tokens), d_model):
                 raise HolderFault(f"returned rows of shape {ans.rows.shape}, expected {(len(tokens), d_model)}")
-            self.rows.check(expert, tokens)
+            try:
+                self.rows.check(expert, tokens)
+            except HolderFault as exc:  # a concurrent answer (a backup's) filled the pairs first
+                self.failures.append({"provider": provider, "expert": expert, "error": str(exc), "fault": False})
+                return "late"
             if self.verify and ans.transport != "local":
                 # numpy work releases the GIL: verify off the loop so other answers keep flowing.
                 await asyncio.to_thread(verify_receipt, ans.receipt, provider=provider, request_id=req.request_id,
@@ -264,19 +284,20 @@ class LayerForward:
                                   "fault": False})
             return "refused"
         except asyncio.TimeoutError:
-            self.failures.append({"provider": provider, "expert": expert, "fault": True,
-                                  "error": f"no answer within the {self.deadline_s:g} s deadline"})
+            self._fault(provider, expert, f"no answer within {self.attempt_timeout_s:g} s")
             return "fault"
         except (HolderFault, ReceiptError, ConnectionError, ValueError, OSError) as exc:
-            self.failures.append({"provider": provider, "expert": expert, "error": str(exc) or type(exc).__name__,
-                                  "fault": True})
+            self._fault(provider, expert, str(exc) or type(exc).__name__)
             return "fault"
+        ms = (time.perf_counter() - t) * 1e3
+        if self.scoreboard is not None:
+            self.scoreboard.success(provider, ms, len(tokens))
         try:
             self.rows.put(expert, tokens, ans.rows)
         except HolderFault as exc:  # a concurrent answer filled the pairs first
             self.failures.append({"provider": provider, "expert": expert, "error": str(exc), "fault": False})
             return "late"
-        self.latencies.setdefault(provider, []).append((time.perf_counter() - t) * 1e3)
+        self.latencies.setdefault(provider, []).append(ms)
         self.transports[ans.transport] = self.transports.get(ans.transport, 0) + 1
         self.bytes_out += ans.bytes_out
         self.bytes_back += ans.bytes_back
@@ -292,20 +313,86 @@ class LayerForward:
                 await hooked
         return "ok"
 
+    def _fault(self, provider: str, expert: int, error: str) -> None:
+        self.failures.append({"provider": provider, "expert": expert, "error": error, "fault": True})
+        if self.scoreboard is not None:
+            self.scoreboard.fault(provider)
+
+    async def probe(self, provider: str, info, expert: int, tokens: list[int], payload: bytes) -> None:
+        """A hedged probe: the batch's copy to ``provider`` (purpose "selftest", not metered)
+        whose answer only scores the holder (verified receipt: success; error, bad answer or
+        no answer within the deadline: fault). Never touches the forward's rows or result."""
+        sb = self.scoreboard
+        req = BatchRequest(uuid.uuid4().hex, self.model_id, self.layer, expert, tokens, self.carrier_kind, payload,
+                           self.output_kind, self.d_model, purpose="selftest")
+        t = time.perf_counter()
+        try:
+            ans = await asyncio.wait_for(self.send(provider, info, req), self.deadline_s)
+            if ans.rows.shape != (len(tokens), self.d_model):
+                raise HolderFault(f"returned rows of shape {ans.rows.shape}")
+            if self.verify and ans.transport != "local":
+                await asyncio.to_thread(verify_receipt, ans.receipt, provider=provider, request_id=req.request_id,
+                                        model_id=self.model_id, layer=self.layer, expert=expert, tokens=tokens,
+                                        carrier_kind=self.carrier_kind, carrier=payload, rows=ans.rows)
+        except AuthRefusal:
+            pass
+        except (asyncio.TimeoutError, HolderFault, ReceiptError, ConnectionError, ValueError, OSError):
+            sb.fault(provider)
+        else:
+            sb.success(provider, (time.perf_counter() - t) * 1e3, len(tokens))
+        finally:
+            sb.probe_done(provider)
+
     async def run_batch(self, batch, tokens: list[int]) -> None:
-        """Send ``tokens`` of a planned batch to its primary, then to each warm backup not
-        excluded, until one answers; a faulty holder is excluded for the rest of the forward."""
+        """Send ``tokens`` of a planned batch to its primary; each time the newest request
+        passes the deadline, or a request faults, the next warm backup not excluded gets it
+        too, while the earlier requests keep running; the first verified answer wins. A
+        holder that faulted, or missed the deadline while another answered, is excluded for
+        the rest of the forward."""
         payload = self.encoded[np.asarray(tokens, dtype=np.int64)].tobytes()
         self.batches += 1
-        targets = [(batch.provider, None)] + [(b.provider, b) for b in batch.backups]
-        for provider, info in targets:
-            if provider in self.excluded:
-                continue
-            outcome = await self.attempt(provider, info or batch, batch.expert, tokens, payload)
-            if outcome in ("ok", "late"):
-                return
-            if outcome == "fault":
-                self.excluded.add(provider)
+        queue = [(batch.provider, batch)] + [(b.provider, b) for b in batch.backups]
+        queue = [t for t in queue if t[0] not in self.excluded]
+        sb = self.scoreboard
+        if sb is not None and queue and sb.state(queue[0][0]) == "proven":
+            for provider, info in queue[1:]:
+                if sb.claim_probe(provider):
+                    task = asyncio.get_running_loop().create_task(
+                        self.probe(provider, info, batch.expert, tokens, payload))
+                    _probes.add(task)
+                    task.add_done_callback(_probes.discard)
+        loop = asyncio.get_running_loop()
+        inflight: dict[asyncio.Task, tuple[str, float]] = {}
+        try:
+            while True:
+                if not inflight or (queue and loop.time() - max(s for _, s in inflight.values()) >= self.deadline_s):
+                    while queue and queue[0][0] in self.excluded:
+                        queue.pop(0)
+                    if not queue and not inflight:
+                        return
+                    if queue:
+                        provider, info = queue.pop(0)
+                        inflight[loop.create_task(self.attempt(provider, info, batch.expert, tokens, payload))] = \
+                            (provider, loop.time())
+                newest = max(s for _, s in inflight.values())
+                wait = max(0.0, newest + self.deadline_s - loop.time()) if queue else None
+                done, _ = await asyncio.wait(inflight, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    provider, _ = inflight.pop(task)
+                    outcome = task.result()
+                    if outcome in ("ok", "late"):
+                        return
+                    if outcome == "fault":
+                        self.excluded.add(provider)
+        finally:
+            now = loop.time()
+            for task, (provider, started) in inflight.items():
+                if task.done():  # finished alongside the winner: its outcome is already recorded
+                    continue
+                task.cancel()
+                if now - started >= self.deadline_s:  # a backup answered while this one was past its deadline
+                    self.excluded.add(provider)
+                    self._fault(provider, batch.expert, f"no answer within the {self.deadline_s:g} s deadline")
 
     async def plan_round(self, todo: dict[int, list[int]]) -> DispatchPlan:
         """Plan the outstanding pairs ``{expert: [tokens]}`` over the live view without the
@@ -313,7 +400,8 @@ class LayerForward:
         view = await self.get_view(frozenset(self.excluded))
         try:
             return plan_dispatch(view, token_routings(todo, self.layer), allow_cold=self.allow_cold,
-                                 split_threshold=self.split_threshold)
+                                 split_threshold=self.split_threshold,
+                                 order=self.scoreboard.order if self.scoreboard is not None else None)
         except PlanningError as exc:
             raise ForwardError("planning", str(exc)) from exc
 
@@ -426,6 +514,9 @@ async def distributed_forward(**kwargs) -> ForwardResult:
     the next round. ``routing``: use this routing instead of the gate's (``gate`` may then
     be None; a split dense layer routes every token to every slice,
     ``holders.dense.dense_routing``). ``on_verified_batch``: see ``LayerForward``.
+    ``scoreboard``: the router's ``holders.scoreboard.Scoreboard`` (holder order, outcomes,
+    hedged probes); None keeps the view's order. ``attempt_timeout_s`` (default 3 ×
+    ``deadline_s``): how long a request past its deadline may still answer first.
 
     Raises ``ValueError`` for bad input (from ``route``, ``wire.choose_carrier``) and
     ``ForwardError`` with ``data["missing"] = [{layer, expert, tokens}]`` when pairs stay
