@@ -49,12 +49,12 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await self.close(code=CLOSE_AUTH)
 
     async def disconnect(self, code):
-        """Tell every router the socket is gone (they fail its pending requests at once), fail
-        the requests relayed here, leave the group, then mark the provider disconnected."""
+        """Fail the requests relayed here, leave the group, mark the session closed, and when it
+        was the provider's last socket tell every router (``agent.gone``): they fail its
+        requests still pending at once instead of letting them wait out the deadline."""
         self._hello_timer.cancel()
         if self.provider is None:
             return
-        await self.channel_layer.group_send(ROUTERS_GROUP, presence_event(self.provider, False))
         for req_id, reply_to in list(self.pending.items()):
             await self.channel_layer.send(reply_to, {
                 "type": "agent.reply", "id": req_id,
@@ -62,7 +62,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
                 "payload": b""})
         self.pending.clear()
         await self.channel_layer.group_discard(agent_group(self.provider), self.channel_name)
-        await database_sync_to_async(registry_services.agent_disconnected)(self.provider, self.channel_name)
+        still = await database_sync_to_async(registry_services.agent_disconnected)(self.provider, self.channel_name)
+        if not still:
+            await self.channel_layer.group_send(ROUTERS_GROUP, presence_event(self.provider, False))
 
     async def dispatch(self, message):
         """Data-plane messages (binary answers, relayed requests) skip channels' per-message

@@ -106,14 +106,18 @@ class Scoreboard:
                 s.rows_per_s = _ewma(s.rows_per_s, rows * 1e3 / latency_ms)
 
     def fault(self, provider: str) -> None:
-        """An error, bad answer or missed deadline: opens the circuit for the next cooldown."""
+        """An error, bad answer or missed deadline: opens the circuit for the next cooldown.
+        Faults while it is already open (requests that were in flight together) count in the
+        totals but do not lengthen the cooldown."""
         with self._lock:
             s = self._get(provider)
             s.faults += 1
-            s.consecutive_faults += 1
             s.success_rate = _ewma(s.success_rate, 0.0)
-            cool = min(self.cooldown_s * 2 ** (s.consecutive_faults - 1), self.max_cooldown_s)
-            s.open_until = self.clock() + cool
+            now = self.clock()
+            if s.open_until > now:
+                return
+            s.consecutive_faults += 1
+            s.open_until = now + min(self.cooldown_s * 2 ** (s.consecutive_faults - 1), self.max_cooldown_s)
 
     def disconnected(self, provider: str) -> None:
         """The holder's socket closed: skip it for one cooldown (not counted as a fault)."""

@@ -8,8 +8,8 @@ matches answers to waiting requests by request id (never by fields the holder re
 With the in-memory layer this only works inside one process, which is how the embedded
 mode runs; with channels-redis it works across site processes.
 
-Every link's reply channel is also in the group ``ROUTERS_GROUP``: when an agent's socket
-closes, its consumer tells every router (``agent.gone``), which fails that provider's
+Every link's reply channel is also in the group ``ROUTERS_GROUP``: when an agent's last
+socket closes, its consumer tells every router (``agent.gone``), which fails that provider's
 pending requests at once instead of letting them wait out the deadline (a request sent to
 a group whose socket left is dropped by the layer without a word), and refuses new ones
 for ``GONE_GRACE_S`` (until the shard view has dropped the provider) unless the agent
