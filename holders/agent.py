@@ -48,6 +48,7 @@ from registry.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND, 
 log = logging.getLogger("tenzro.agent")
 
 CLOSE_AUTH = 4401
+WARM_ROWS = 64  # above the native and numba small-batch limits: the decode + BLAS path
 
 
 class AuthRefused(RuntimeError):
@@ -92,6 +93,7 @@ class HolderAgent:
         self.backend = compute.backend()
         self.kernels_warm = threading.Event()
         self._warming: set[tuple[str, int, int]] = set()
+        self._warmed_kinds: set[str | None] = set()  # quant kinds whose large-batch path ran once
         self._site_holdings: list[dict] = []  # what others declare (blackhole drill only)
         self.runtime = ExpertRuntime(memory_budget, Path(disk_dir) if disk_dir else Path(blob_dir) / "tier",
                                      backend=self.backend)
@@ -440,10 +442,18 @@ class HolderAgent:
             self._tier_changed()
 
     def _warm_expert(self, key: tuple[str, int, int], d_model: int) -> None:
-        """One unmetered 1-row batch of a freshly loaded expert (first-call costs: kernel
-        dispatch, BLAS setup, page faults) before it is declared Warm."""
+        """Unmetered warm-up batches of a freshly loaded expert before it is declared Warm: one
+        row (kernel dispatch, page faults), and for the first expert of each quant kind also
+        ``WARM_ROWS`` rows, the decode + BLAS path of larger batches, whose numba kernels
+        compile again for read-only blob buffers (measured: 5-6 s on the first 48-row
+        DeepSeek Q4_K_M batch at load 18, after ``backend.warm``)."""
         self.kernels_warm.wait(600)
+        held = self.runtime._held.get(key)
+        kind = held.quant if held is not None else None
+        sizes = (1,) if kind in self._warmed_kinds else (1, WARM_ROWS)
         try:
-            self.runtime.execute(*key, np.zeros((1, d_model), dtype=np.float32), 1, d_model, False)
+            for n in sizes:
+                self.runtime.execute(*key, np.zeros((n, d_model), dtype=np.float32), n, d_model, False)
+            self._warmed_kinds.add(kind)
         except (RuntimeFault, ValueError) as exc:
             log.warning("warm-up batch of %s failed: %s", key, exc)
