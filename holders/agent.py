@@ -127,7 +127,7 @@ class HolderAgent:
 
     def _warm_kernels(self) -> None:
         try:
-            if hasattr(self.backend, "warm"):
+            if hasattr(self.backend, "warm") and not self.faults.blackhole:  # a black hole never computes
                 self.backend.warm()
         except Exception:  # a failed warm-up only means the first batch compiles
             log.exception("compute warm-up failed")
