@@ -401,7 +401,8 @@ class LayerForward:
         try:
             return plan_dispatch(view, token_routings(todo, self.layer), allow_cold=self.allow_cold,
                                  split_threshold=self.split_threshold,
-                                 order=self.scoreboard.order if self.scoreboard is not None else None)
+                                 order=self.scoreboard.order if self.scoreboard is not None else None,
+                                 avoid=self.scoreboard.failed_recently if self.scoreboard is not None else None)
         except PlanningError as exc:
             raise ForwardError("planning", str(exc)) from exc
 

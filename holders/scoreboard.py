@@ -166,6 +166,10 @@ class Scoreboard:
 
         return [holders[i] for i in sorted(range(len(holders)), key=key)]
 
+    def failed_recently(self, provider: str) -> bool:
+        """Open or half-open: no real batch should be dealt to it while others can take it."""
+        return self.state(provider) in ("open", "half_open")
+
     def claim_probe(self, provider: str) -> bool:
         """Whether ``provider`` should get a hedged probe now (probation or half-open, none in
         flight, the probe interval passed); a True answer marks one in flight until

@@ -124,6 +124,7 @@ def plan_dispatch(
     allow_cold: bool = False,
     split_threshold: int | None = None,
     order: Callable[[Sequence[HolderInfo]], Sequence[HolderInfo]] | None = None,
+    avoid: Callable[[str], bool] | None = None,
 ) -> DispatchPlan:
     """Assign every routed (token, expert) pair to exactly one holder.
 
@@ -138,7 +139,9 @@ def plan_dispatch(
     is fatal). The result depends only on the view's contents and the routings' contents,
     not on provider or routing input order. ``order``: reorders each expert's eligible
     holders (the router's observations, ``holders.scoreboard.Scoreboard.order``); it must
-    keep Warm holders before Cold ones and return the same holders.
+    keep Warm holders before Cold ones and return the same holders. ``avoid(provider)``:
+    True for a holder that split chunks are dealt to only when no other Warm holder exists
+    (a holder the router recently saw fail); it stays a backup.
 
     Raises :class:`PlanningError` for empty routings, a non-:class:`TokenRouting` entry, a
     duplicate ``token_index``, a token listing the same expert twice, a non-bool
@@ -198,6 +201,8 @@ def plan_dispatch(
             chosen[key] = p.provider
             continue
         targets = cands[: view.warm_count(layer, expert)] or cands[:1]
+        if avoid is not None:
+            targets = [h for h in targets if not avoid(h.provider)] or targets[:1]
         per_token: dict[int, str] = {}
         n = len(targets)
         for j, start in enumerate(range(0, len(tokens), split_threshold)):

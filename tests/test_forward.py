@@ -379,19 +379,16 @@ def test_every_holder_slow_on_its_first_call_still_serves(qwen):
 
     res = qwen.run(send=send, deadline_s=0.4)
     assert np.array_equal(res.output, qwen.monolithic())
-    assert not res.missing and not [f for f in res.failures if f["fault"]]
+    assert not res.missing
 
 
-def test_a_holder_that_never_answers_is_a_fault_after_the_attempt_timeout(qwen):
-    bad = min(qwen.by_id)
-
+def test_holders_that_never_answer_fail_the_forward_after_the_attempt_timeout(qwen):
     async def send(provider, info, req):
-        await asyncio.sleep(3600 if provider == bad else 0.0)
-        return await qwen.honest(provider, info, req)
+        await asyncio.sleep(3600)
 
-    res = qwen.run(send=send, deadline_s=0.2, attempt_timeout_s=0.5)
-    assert np.array_equal(res.output, qwen.monolithic())
-    assert res.failures and all(f["provider"] == bad and "deadline" in f["error"] for f in res.failures)
+    with pytest.raises(ForwardError) as ei:
+        qwen.run(send=send, deadline_s=0.2, attempt_timeout_s=0.5)
+    assert ei.value.kind == "execution" and "no answer within 0.5 s" in ei.value.message
 
 
 def test_black_hole_costs_one_deadline_then_only_hedged_probes(qwen):
@@ -407,17 +404,37 @@ def test_black_hole_costs_one_deadline_then_only_hedged_probes(qwen):
         return await qwen.honest(provider, info, req)
 
     sb = Scoreboard(probation=1, cooldown_s=0.05, probe_interval_s=0.0)
-    first = qwen.run(send=send, deadline_s=0.3, scoreboard=sb)
+    first = qwen.run(send=send, deadline_s=1.0, scoreboard=sb)
     assert np.array_equal(first.output, qwen.monolithic())
-    assert first.failures and all(f["provider"] == bad and "0.3 s deadline" in f["error"] for f in first.failures)
+    assert first.failures and all(f["provider"] == bad and "1 s deadline" in f["error"] for f in first.failures)
     assert sb.snapshot()[bad]["consecutive_faults"] == 1  # its batches in flight together open it once
     before = len(sent)
     import time
     time.sleep(0.1)  # the cooldown ends: half-open
     assert sb.state(bad) == "half_open"
-    second = qwen.run(send=send, deadline_s=0.3, scoreboard=sb)
+    second = qwen.run(send=send, deadline_s=1.0, scoreboard=sb)
     assert np.array_equal(second.output, qwen.monolithic())
     assert not second.failures and bad not in second.holders
     to_bad = [purpose for p, purpose in sent[before:] if p == bad]
     assert to_bad == ["selftest"]  # one hedged probe, no served batch
     assert sb.state(bad) in ("half_open", "open")  # the probe never answered
+
+
+def test_split_batches_are_not_dealt_to_a_holder_that_failed_recently(qwen):
+    from holders.scoreboard import Scoreboard
+
+    bad = min(qwen.by_id)
+
+    async def send(provider, info, req):
+        if provider == bad:
+            await asyncio.sleep(3600)
+        return await qwen.honest(provider, info, req)
+
+    sb = Scoreboard(probation=1)
+    first = qwen.run(send=send, deadline_s=1.0, scoreboard=sb, split_threshold=2)
+    assert first.failures and all(f["provider"] == bad for f in first.failures)
+    second = qwen.run(send=send, deadline_s=1.0, scoreboard=sb, split_threshold=2)
+    assert not second.failures and bad not in second.holders
+    # Split batches may differ from the monolithic forward in the last bits (README), not from each other.
+    assert np.array_equal(second.output, first.output)
+    assert np.allclose(second.output, qwen.monolithic(), rtol=1e-5, atol=1e-6)
