@@ -39,6 +39,7 @@ MODEL, LAYER = "qwen3-moe-tiny", 1
 
 
 def timed_forward(info, x) -> tuple[float, dict]:
+    """One f32 ``tenzro_moeForward`` of layer ``LAYER``: (wall ms, result); exits on an error."""
     t = time.perf_counter()
     resp = rpc(info["rpc"], "tenzro_moeForward", {"model_id": MODEL, "layer": LAYER, "d_model": int(x.shape[1]),
                                                   "carrier": "f32", "hidden_states": wire.b64encode(wire.encode_f32(x))},
@@ -50,6 +51,7 @@ def timed_forward(info, x) -> tuple[float, dict]:
 
 
 def main() -> None:
+    """Run the scene and print its JSON line (module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--forwards", type=int, default=9)
     ap.add_argument("--deadline", type=float, default=10.0, help="TENZRO_BATCH_DEADLINE seconds")
