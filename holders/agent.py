@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+import numpy as np
 from nacl.signing import SigningKey
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
@@ -47,6 +48,7 @@ from registry.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND, 
 log = logging.getLogger("tenzro.agent")
 
 CLOSE_AUTH = 4401
+WARM_ROWS = 64  # above the native and numba small-batch limits: the decode + BLAS path
 
 
 class HeartbeatTooLarge(ValueError):
@@ -93,8 +95,10 @@ class HolderAgent:
         # Advertised pricing (signed in every heartbeat; settlement charges from it).
         self.price_per_input_token, self.minimum_price = int(price_per_input_token), int(minimum_price)
         self.backend = compute.backend()
-        if hasattr(self.backend, "warm"):  # JIT the quantized kernels while connecting, not on the first batch
-            threading.Thread(target=self.backend.warm, name="compute-warm", daemon=True).start()
+        self.kernels_warm = threading.Event()
+        self._warming: set[tuple[str, int, int]] = set()
+        self._warmed_kinds: set[str | None] = set()  # quant kinds whose large-batch path ran once
+        self._site_holdings: list[dict] = []  # what others declare (blackhole drill only)
         self.runtime = ExpertRuntime(memory_budget, Path(disk_dir) if disk_dir else Path(blob_dir) / "tier",
                                      backend=self.backend)
         self.runtime.add_listener(self._tier_changed)
@@ -115,10 +119,25 @@ class HolderAgent:
                                    release_grace_s=float(os.environ.get("TENZRO_REPAIR_RELEASE_GRACE") or 600))
         self.faults = FaultInjector(fault)  # drill mode (holders.faults): off unless asked for
         if fault is not None:
-            log.warning("DRILL FAULT ENABLED: this agent will %s", f"sign perturbed rows for {fault.value:.0%} of "
-                        "its batches" if fault.kind == "corrupt" else f"stall {fault.value:g} s per batch")
+            log.warning("DRILL FAULT ENABLED: this agent will %s", {
+                "corrupt": f"sign perturbed rows for {fault.value:.0%} of its batches",
+                "stall": f"stall {fault.value:g} s per batch",
+                "blackhole": "declare every expert Warm and never answer a batch"}[fault.kind])
         # Prefill/Decode frames (holders.handoff): the backbone runs here, MLP layers on the site.
         self.generation = RoleRunner(roles, self.site, self.fetch, lambda: self.max_message)
+        # JIT the quantized kernels while connecting, not on the first batch (heartbeat_message:
+        # what is declared meanwhile).
+        threading.Thread(target=self._warm_kernels, name="compute-warm", daemon=True).start()
+
+    def _warm_kernels(self) -> None:
+        try:
+            if hasattr(self.backend, "warm") and not self.faults.blackhole:  # a black hole never computes
+                self.backend.warm()
+        except Exception:  # a failed warm-up only means the first batch compiles
+            log.exception("compute warm-up failed")
+        finally:
+            self.kernels_warm.set()
+            self._tier_changed()
 
     def stop(self) -> None:
         """Ask ``run()`` to return after closing the socket."""
@@ -220,8 +239,19 @@ class HolderAgent:
         (``messages.compact_holdings``), below the site's message cap: committed_tps is
         coarsened (rounded down) only when the exact figures would not fit. Timestamps
         strictly increase. Raises ``HeartbeatTooLarge`` when not even the coarsest form fits.
+
+        An expert loaded but not yet run once (``_load``'s warm-up batch) is not declared
+        yet, and while the kernels compile every holding is declared Cold, so no router plans
+        a first-call compile inside its deadline; the ``blackhole`` drill declares everything
+        (``FaultInjector.advertise``).
         """
         held = self.runtime.holdings()
+        warming = set(self._warming)
+        if warming:
+            held = [h for h in held if (h["model_id"], h["layer"], h["expert"]) not in warming]
+        if not self.kernels_warm.is_set():
+            held = [{**h, "residency": "Cold"} for h in held]
+        held = self.faults.advertise(held, self._site_holdings)
         for precision in range(len(messages.TPS_PRECISIONS)):
             ts = max(int(time.time() * 1000), self._last_ts + 1)
             body = {"provider": self.provider, "timestamp_ms": ts, "nonce": secrets.token_hex(16),
@@ -257,12 +287,26 @@ class HolderAgent:
         """Heartbeat on the timer and soon after every tier change (bursts coalesced)."""
         while True:
             self._changed.clear()
+            if self.faults.blackhole:
+                self._site_holdings = await asyncio.to_thread(self._declared_on_site)
             await self.send_heartbeat()
             try:
                 await asyncio.wait_for(self._changed.wait(), self.heartbeat_interval)
                 await asyncio.sleep(0.05)  # coalesce a burst of loads/evictions into one heartbeat
             except asyncio.TimeoutError:
                 pass
+
+    def _declared_on_site(self) -> list[dict]:
+        """Holdings every provider declares on the site (``GET /api/v1/holdings``); ``[]`` when
+        unreachable. Only the ``blackhole`` drill reads it."""
+        import httpx
+
+        try:
+            r = httpx.get(f"{self.site}/api/v1/holdings", params={"limit": 100_000}, timeout=10)
+            return [h for h in r.json().get("holdings", []) if h.get("provider") != self.provider]
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            log.warning("blackhole drill: cannot read the site's holdings: %s", exc)
+            return []
 
     async def _reply(self, header: dict, payload: bytes = b"") -> None:
         """Send one answer, in part frames when it is above the site's cap (``wire.split_frames``)."""
@@ -276,6 +320,8 @@ class HolderAgent:
         req_id = header.get("id")
         try:
             kind = header.get("type")
+            if kind == "execute" and self.faults.blackhole:
+                return  # the drill: never answer
             if kind == "execute":
                 answer, out = await self.execute_request({**header, "request_id": req_id},
                                                          header.get("carrier", "f32"), payload)
@@ -374,6 +420,8 @@ class HolderAgent:
         """Binary execute over HTTP (``POST /frame``): the socket's frame format, no base64."""
         if header.get("type") != "execute":
             raise RpcError(METHOD_NOT_FOUND, f"unknown request type {header.get('type')!r}")
+        if self.faults.blackhole:
+            await asyncio.Event().wait()  # the drill: never answer
         try:
             return await self.execute_request({**header, "request_id": header.get("id")},
                                               header.get("carrier", "f32"), payload)
@@ -404,6 +452,29 @@ class HolderAgent:
 
     async def _load(self, header: dict) -> None:
         uri = header["uri"]
+        key = (str(header["model_id"]), int(header["layer"]), int(header["expert"]))
         data = await asyncio.to_thread(self.fetch, uri)
-        await asyncio.to_thread(self.runtime.load_expert, header["model_id"], int(header["layer"]),
-                                int(header["expert"]), data, uri)
+        self._warming.add(key)
+        try:
+            row = await asyncio.to_thread(self.runtime.load_expert, *key, data, uri)
+            await asyncio.get_running_loop().run_in_executor(self._compute, self._warm_expert, key, row["d_model"])
+        finally:
+            self._warming.discard(key)
+            self._tier_changed()
+
+    def _warm_expert(self, key: tuple[str, int, int], d_model: int) -> None:
+        """Unmetered warm-up batches of a freshly loaded expert before it is declared Warm: one
+        row (kernel dispatch, page faults), and for the first expert of each quant kind also
+        ``WARM_ROWS`` rows, the decode + BLAS path of larger batches, whose numba kernels
+        compile again for read-only blob buffers (measured: 5-6 s on the first 48-row
+        DeepSeek Q4_K_M batch at load 18, after ``backend.warm``)."""
+        self.kernels_warm.wait(600)
+        held = self.runtime._held.get(key)
+        kind = held.quant if held is not None else None
+        sizes = (1,) if kind in self._warmed_kinds else (1, WARM_ROWS)
+        try:
+            for n in sizes:
+                self.runtime.execute(*key, np.zeros((n, d_model), dtype=np.float32), n, d_model, False)
+            self._warmed_kinds.add(kind)
+        except (RuntimeFault, ValueError) as exc:
+            log.warning("warm-up batch of %s failed: %s", key, exc)

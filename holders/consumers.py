@@ -21,7 +21,7 @@ from django.conf import settings
 
 from holders import messages, repair_site, wire
 from registry.identity import DOMAIN_HELLO, SignatureError, loads_signed, verify
-from holders.transports.ws import agent_group, register_local, unregister_local
+from holders.transports.ws import ROUTERS_GROUP, agent_group, presence_event, register_local, unregister_local
 from registry import services as registry_services
 from registry.heartbeat import HeartbeatError
 
@@ -53,7 +53,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await self.close(code=CLOSE_AUTH)
 
     async def disconnect(self, code):
-        """Leave the group, mark the provider disconnected, fail its in-flight requests."""
+        """Fail the requests relayed here, leave the group, mark the session closed, and when it
+        was the provider's last socket tell every router (``agent.gone``): they fail its
+        requests still pending at once instead of letting them wait out the deadline."""
         self._hello_timer.cancel()
         if self.provider is None:
             return
@@ -63,7 +65,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await self._reply(reply_to, {"type": "agent.reply", "id": req_id, "payload": b"",
                                          "header": messages.failure(req_id, "disconnected", "agent disconnected")})
         await self.channel_layer.group_discard(agent_group(self.provider), self.channel_name)
-        await database_sync_to_async(registry_services.agent_disconnected)(self.provider, self.channel_name)
+        still = await database_sync_to_async(registry_services.agent_disconnected)(self.provider, self.channel_name)
+        if not still:
+            await self.channel_layer.group_send(ROUTERS_GROUP, presence_event(self.provider, False))
 
     async def dispatch(self, message):
         """Data-plane messages (binary answers, relayed requests) skip channels' per-message
@@ -121,6 +125,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
         register_local(self.provider, self)
         await self.channel_layer.group_add(agent_group(self.provider), self.channel_name)
         await database_sync_to_async(registry_services.agent_connected)(self.provider, self.channel_name)
+        await self.channel_layer.group_send(ROUTERS_GROUP, presence_event(self.provider, True))
         await self.send(text_data=json.dumps(messages.welcome(self.provider, settings.TENZRO["WS_MAX_MESSAGE"],
                                                               settings.TENZRO["HEARTBEAT_INTERVAL_S"])))
 

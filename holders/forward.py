@@ -23,6 +23,15 @@ Source: reference §6.3 with its §14 fixes 5 (request-keyed combine, duplicate 
 23 (per-batch deadline, warm backup), 24 (frames below the message size, batches executed
 whole: ``holders.wire.split_frames``), 25 (large
 batches split over warm replicas by the planner's ``split_threshold``).
+
+Deadline semantics (issue 15): a holder that misses the deadline is not abandoned. The next
+holder gets the batch and the first one keeps its request until ``attempt_timeout_s``; the
+first verified answer wins. So a forward does not fail when every holder is merely slow
+(a cold first call), and a black hole costs one deadline. A holder that missed the deadline
+while another answered counts as a fault. With a ``scoreboard``
+(``holders.scoreboard.Scoreboard``) the planner orders holders by what this router observed,
+every outcome is recorded there, and unproven or half-open backups of a proven primary get
+hedged probes (copies with purpose "selftest" whose answers never enter the forward).
 """
 from __future__ import annotations
 
@@ -41,11 +50,13 @@ from holders.gating import Gate, Routing, route
 # The request/answer records live with the other messages; re-exported for the forward's callers.
 from holders.messages import AuthRefusal, BatchAnswer, BatchRequest, HolderFault, Send  # noqa: F401
 from holders.receipts import ReceiptError, verify_receipt
+from holders.scoreboard import Scoreboard
 from registry.jsonrpc import ParamError
 from registry.planner import DispatchPlan, PlanningError, TokenRouting, plan_dispatch
 from registry.shardmap import ShardView
 
 MAX_REPLANS = 2
+_probes: set[asyncio.Task] = set()  # hedged probes outlive their forward; kept referenced until done
 
 
 class ForwardError(Exception):
@@ -185,9 +196,13 @@ class LayerForward:
                  routing: Routing | None = None,
                  on_verified_batch: Callable[..., object] | None = None,
                  fallback: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
-                 saturated: Callable[[float], bool] | None = None):
+                 saturated: Callable[[float], bool] | None = None,
+                 scoreboard: Scoreboard | None = None, attempt_timeout_s: float | None = None):
         self.gate, self.model_id, self.layer = gate, model_id, layer
-        self.fallback, self.saturated = fallback, saturated
+        self.scoreboard, self.saturated = scoreboard, saturated
+        self.attempt_timeout_s = max(deadline_s, attempt_timeout_s if attempt_timeout_s is not None
+                                     else 3 * deadline_s)
+        self.fallback = fallback
         self.hidden_states, self.get_view, self.send = hidden_states, get_view, send
         self.top_k, self.allow_cold, self.allow_partial = top_k, allow_cold, allow_partial
         self.carrier, self.deadline_s = carrier, deadline_s
@@ -247,19 +262,24 @@ class LayerForward:
         self.batches += 1
 
     async def attempt(self, provider: str, info, expert: int, tokens: list[int], payload: bytes) -> str:
-        """One request to one holder under the deadline; returns "ok", "late" (another answer
-        filled the pairs first), "refused" (auth, no penalty) or "fault" (exclude the holder)."""
+        """One request to one holder, given up after ``attempt_timeout_s``; returns "ok", "late"
+        (another answer filled the pairs first), "refused" (auth, no penalty) or "fault"
+        (exclude the holder). Outcomes are recorded on the scoreboard."""
         layer, d_model = self.layer, self.d_model
         req = BatchRequest(uuid.uuid4().hex, self.model_id, layer, expert, tokens, self.carrier_kind, payload,
                            self.output_kind, d_model)
         t = time.perf_counter()
         sent_at = time.monotonic()
         try:
-            async with asyncio.timeout(self.deadline_s):  # in this task: wait_for would start one per batch
+            async with asyncio.timeout(self.attempt_timeout_s):  # in this task: wait_for would start one per batch
                 ans = await self.send(provider, info, req)
             if ans.rows.shape != (len(tokens), d_model):
                 raise HolderFault(f"returned rows of shape {ans.rows.shape}, expected {(len(tokens), d_model)}")
-            self.rows.check(expert, tokens)
+            try:
+                self.rows.check(expert, tokens)
+            except HolderFault as exc:  # a concurrent answer (a backup's) filled the pairs first
+                self.failures.append({"provider": provider, "expert": expert, "error": str(exc), "fault": False})
+                return "late"
             if self.verify and ans.transport != "local":
                 # Inline on the loop (a few hundred µs of small numpy calls): a worker thread
                 # would only add GIL hand-offs with the loop, on cores the holders share.
@@ -271,22 +291,20 @@ class LayerForward:
                                   "fault": False})
             return "refused"
         except asyncio.TimeoutError:
-            ours = self.saturated is not None and self.saturated(sent_at)
-            self.failures.append({"provider": provider, "expert": expert, "fault": not ours,
-                                  "error": f"no answer within the {self.deadline_s:g} s deadline"
-                                           + (" while the router was saturated (not the holder's fault)" if ours
-                                              else ""), **({"saturated": True} if ours else {})})
+            self._timed_out(provider, expert, sent_at, f"no answer within {self.attempt_timeout_s:g} s")
             return "fault"
         except (HolderFault, ReceiptError, ConnectionError, ValueError, OSError) as exc:
-            self.failures.append({"provider": provider, "expert": expert, "error": str(exc) or type(exc).__name__,
-                                  "fault": True})
+            self._fault(provider, expert, str(exc) or type(exc).__name__)
             return "fault"
+        ms = (time.perf_counter() - t) * 1e3
+        if self.scoreboard is not None:
+            self.scoreboard.success(provider, ms, len(tokens))
         try:
             self.rows.put(expert, tokens, ans.rows)
         except HolderFault as exc:  # a concurrent answer filled the pairs first
             self.failures.append({"provider": provider, "expert": expert, "error": str(exc), "fault": False})
             return "late"
-        self.latencies.setdefault(provider, []).append((time.perf_counter() - t) * 1e3)
+        self.latencies.setdefault(provider, []).append(ms)
         self.transports[ans.transport] = self.transports.get(ans.transport, 0) + 1
         self.bytes_out += ans.bytes_out
         self.bytes_back += ans.bytes_back
@@ -302,20 +320,96 @@ class LayerForward:
                 await hooked
         return "ok"
 
+    def _fault(self, provider: str, expert: int, error: str) -> None:
+        self.failures.append({"provider": provider, "expert": expert, "error": error, "fault": True})
+        if self.scoreboard is not None:
+            self.scoreboard.fault(provider)
+
+    def _timed_out(self, provider: str, expert: int, sent_at: float, error: str) -> None:
+        """A request sent at monotonic ``sent_at`` ran out of time: the holder's fault, unless
+        the router itself was saturated since then (recorded ``fault: False, saturated: True``)."""
+        if self.saturated is not None and self.saturated(sent_at):
+            self.failures.append({"provider": provider, "expert": expert, "fault": False, "saturated": True,
+                                  "error": error + " while the router was saturated (not the holder's fault)"})
+        else:
+            self._fault(provider, expert, error)
+
+    async def probe(self, provider: str, info, expert: int, tokens: list[int], payload: bytes) -> None:
+        """A hedged probe: the batch's copy to ``provider`` (purpose "selftest", not metered)
+        whose answer only scores the holder (verified receipt: success; error, bad answer or
+        no answer within the deadline: fault). Never touches the forward's rows or result."""
+        sb = self.scoreboard
+        req = BatchRequest(uuid.uuid4().hex, self.model_id, self.layer, expert, tokens, self.carrier_kind, payload,
+                           self.output_kind, self.d_model, purpose="selftest")
+        t = time.perf_counter()
+        try:
+            ans = await asyncio.wait_for(self.send(provider, info, req), self.deadline_s)
+            if ans.rows.shape != (len(tokens), self.d_model):
+                raise HolderFault(f"returned rows of shape {ans.rows.shape}")
+            if self.verify and ans.transport != "local":
+                await asyncio.to_thread(verify_receipt, ans.receipt, provider=provider, request_id=req.request_id,
+                                        model_id=self.model_id, layer=self.layer, expert=expert, tokens=tokens,
+                                        carrier_kind=self.carrier_kind, carrier=payload, rows=ans.rows)
+        except AuthRefusal:
+            pass
+        except (asyncio.TimeoutError, HolderFault, ReceiptError, ConnectionError, ValueError, OSError):
+            sb.fault(provider)
+        else:
+            sb.success(provider, (time.perf_counter() - t) * 1e3, len(tokens))
+        finally:
+            sb.probe_done(provider)
+
     async def run_batch(self, batch, tokens: list[int]) -> None:
-        """Send ``tokens`` of a planned batch to its primary, then to each warm backup not
-        excluded, until one answers; a faulty holder is excluded for the rest of the forward."""
+        """Send ``tokens`` of a planned batch to its primary; each time the newest request
+        passes the deadline, or a request faults, the next warm backup not excluded gets it
+        too, while the earlier requests keep running; the first verified answer wins. A
+        holder that faulted, or missed the deadline while another answered, is excluded for
+        the rest of the forward."""
         payload = self.encoded[np.asarray(tokens, dtype=np.int64)].tobytes()
         self.batches += 1
-        targets = [(batch.provider, None)] + [(b.provider, b) for b in batch.backups]
-        for provider, info in targets:
-            if provider in self.excluded:
-                continue
-            outcome = await self.attempt(provider, info or batch, batch.expert, tokens, payload)
-            if outcome in ("ok", "late"):
-                return
-            if outcome == "fault":
-                self.excluded.add(provider)
+        queue = [(batch.provider, batch)] + [(b.provider, b) for b in batch.backups]
+        queue = [t for t in queue if t[0] not in self.excluded]
+        sb = self.scoreboard
+        if sb is not None and queue and sb.state(queue[0][0]) == "proven":
+            for provider, info in queue[1:]:
+                if sb.claim_probe(provider):
+                    task = asyncio.get_running_loop().create_task(
+                        self.probe(provider, info, batch.expert, tokens, payload))
+                    _probes.add(task)
+                    task.add_done_callback(_probes.discard)
+        loop = asyncio.get_running_loop()
+        inflight: dict[asyncio.Task, tuple[str, float]] = {}
+        try:
+            while True:
+                if not inflight or (queue and loop.time() - max(s for _, s in inflight.values()) >= self.deadline_s):
+                    while queue and queue[0][0] in self.excluded:
+                        queue.pop(0)
+                    if not queue and not inflight:
+                        return
+                    if queue:
+                        provider, info = queue.pop(0)
+                        inflight[loop.create_task(self.attempt(provider, info, batch.expert, tokens, payload))] = \
+                            (provider, loop.time())
+                newest = max(s for _, s in inflight.values())
+                wait = max(0.0, newest + self.deadline_s - loop.time()) if queue else None
+                done, _ = await asyncio.wait(inflight, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    provider, _ = inflight.pop(task)
+                    outcome = task.result()
+                    if outcome in ("ok", "late"):
+                        return
+                    if outcome == "fault":
+                        self.excluded.add(provider)
+        finally:
+            now = loop.time()
+            for task, (provider, started) in inflight.items():
+                if task.done():  # finished alongside the winner: its outcome is already recorded
+                    continue
+                task.cancel()
+                if now - started >= self.deadline_s:  # a backup answered while this one was past its deadline
+                    self.excluded.add(provider)
+                    self._timed_out(provider, batch.expert, started,
+                                    f"no answer within the {self.deadline_s:g} s deadline")
 
     async def plan_round(self, todo: dict[int, list[int]]) -> DispatchPlan:
         """Plan the outstanding pairs ``{expert: [tokens]}`` over the live view without the
@@ -323,7 +417,9 @@ class LayerForward:
         view = await self.get_view(frozenset(self.excluded))
         try:
             return plan_dispatch(view, token_routings(todo, self.layer), allow_cold=self.allow_cold,
-                                 split_threshold=self.split_threshold)
+                                 split_threshold=self.split_threshold,
+                                 order=self.scoreboard.order if self.scoreboard is not None else None,
+                                 avoid=self.scoreboard.failed_recently if self.scoreboard is not None else None)
         except PlanningError as exc:
             raise ForwardError("planning", str(exc)) from exc
 
@@ -436,6 +532,9 @@ async def distributed_forward(**kwargs) -> ForwardResult:
     the next round. ``routing``: use this routing instead of the gate's (``gate`` may then
     be None; a split dense layer routes every token to every slice,
     ``holders.dense.dense_routing``). ``on_verified_batch``: see ``LayerForward``.
+    ``scoreboard``: the router's ``holders.scoreboard.Scoreboard`` (holder order, outcomes,
+    hedged probes); None keeps the view's order. ``attempt_timeout_s`` (default 3 ×
+    ``deadline_s``): how long a request past its deadline may still answer first.
 
     Raises ``ValueError`` for bad input (from ``route``, ``wire.choose_carrier``) and
     ``ForwardError`` with ``data["missing"] = [{layer, expert, tokens}]`` when pairs stay

@@ -47,6 +47,7 @@ class BatchRequest:
     """One request to one holder: rows f32 ``[n, H]`` of ``tokens``, encoded once as ``payload``.
 
     ``request_id`` is fresh for every attempt (the router's own id; answers are matched by it).
+    ``purpose``: "serve" (metered) or "selftest" (a router's hedged probe, not metered).
     """
 
     request_id: str
@@ -58,6 +59,7 @@ class BatchRequest:
     payload: bytes
     output: str
     d_model: int
+    purpose: str = "serve"
 
 
 @dataclass
@@ -184,7 +186,8 @@ def execute_header(*, model_id: str, layer: int, expert: int, token_indices: lis
 def request_header(req: BatchRequest) -> dict:
     """The ``execute`` header of a router's ``BatchRequest`` (payload: ``req.payload``)."""
     return execute_header(request_id=req.request_id, model_id=req.model_id, layer=req.layer, expert=req.expert,
-                          token_indices=req.tokens, d_model=req.d_model, carrier=req.carrier, output=req.output)
+                          token_indices=req.tokens, d_model=req.d_model, carrier=req.carrier, output=req.output,
+                          purpose=None if req.purpose == "serve" else req.purpose)
 
 
 def load_header(model_id: str, layer: int, expert: int, uri: str) -> dict:

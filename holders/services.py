@@ -26,6 +26,7 @@ from holders.messages import BatchAnswer, BatchRequest, answer_to_batch
 from holders.gating import Gate
 from holders.hooks import ForwardRecord, emit_forward
 from holders.runtime import ExpertRuntime, GateNotLoaded
+from holders.scoreboard import Scoreboard
 from holders.transports.http import HttpHolderClient
 from holders.transports.ws import AgentLink, AgentUnavailable
 from holders.admission import Admission, Busy, overloaded
@@ -233,9 +234,21 @@ async def dense_forward(model_id: str, layer: int, d_model: int, hidden_states: 
 
 _recording: set[asyncio.Task] = set()
 
+# The router's observations of holders (holders.scoreboard: why per process). Socket presence
+# from the agent consumers reaches it through the agent link.
+scoreboard = Scoreboard()
+
+
+def _presence(provider: str, connected: bool) -> None:
+    (scoreboard.connected if connected else scoreboard.disconnected)(provider)
+
+
+AgentLink.presence_listeners.append(_presence)
+
 
 async def _recorded_forward(**kwargs):
-    """``distributed_forward`` over ``send_batch`` with the site's deadlines, under a
+    """``distributed_forward`` over ``send_batch`` with the site's deadlines and holder scoreboard
+    (a request past ``BATCH_DEADLINE`` may still answer first until ``BATCH_TIMEOUT``), under a
     forward slot of ``holders.admission`` (``Busy`` when none is free in time, or when the forward
     failed only because deadlines expired while this router was saturated); each
     holder's failures and latencies are recorded afterwards, also when the forward fails.
@@ -246,6 +259,7 @@ async def _recorded_forward(**kwargs):
     try:
         async with admission.slot():  # raises Busy (-32005) at once past the concurrency and queue bounds
             res = await distributed_forward(send=send_batch, deadline_s=t["BATCH_DEADLINE_S"],
+                                            attempt_timeout_s=t["BATCH_TIMEOUT_S"], scoreboard=scoreboard,
                                             saturated=admission.saturated_since,
                                             split_threshold=t["PLAN_SPLIT_THRESHOLD"], **kwargs)
     except ForwardError as exc:

@@ -12,7 +12,7 @@ duplicate slots are rejected, and large batches can be split across warm replica
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable, Sequence
 
 from registry.shardmap import HolderInfo, ShardView, is_int
 
@@ -123,6 +123,8 @@ def plan_dispatch(
     routings: Iterable[TokenRouting],
     allow_cold: bool = False,
     split_threshold: int | None = None,
+    order: Callable[[Sequence[HolderInfo]], Sequence[HolderInfo]] | None = None,
+    avoid: Callable[[str], bool] | None = None,
 ) -> DispatchPlan:
     """Assign every routed (token, expert) pair to exactly one holder.
 
@@ -135,7 +137,11 @@ def plan_dispatch(
     ``split_threshold`` tokens; each chunk's backups are the other eligible holders. An
     expert with no eligible holder goes to ``unplanned`` (the forward decides whether that
     is fatal). The result depends only on the view's contents and the routings' contents,
-    not on provider or routing input order.
+    not on provider or routing input order. ``order``: reorders each expert's eligible
+    holders (the router's observations, ``holders.scoreboard.Scoreboard.order``); it must
+    keep Warm holders before Cold ones and return the same holders. ``avoid(provider)``:
+    True for a holder that split chunks are dealt to only when no other Warm holder exists
+    (a holder the router recently saw fail); it stays a backup.
 
     Raises :class:`PlanningError` for empty routings, a non-:class:`TokenRouting` entry, a
     duplicate ``token_index``, a token listing the same expert twice, a non-bool
@@ -180,6 +186,8 @@ def plan_dispatch(
     for key in sorted(by_expert):
         tokens = by_expert[key]
         cands = view.eligible(key, allow_cold)
+        if order is not None and len(cands) > 1:
+            cands = tuple(order(cands))
         layer, expert = key
         if not cands:
             unplanned.append({"layer": layer, "expert": expert, "tokens": tokens})
@@ -193,6 +201,8 @@ def plan_dispatch(
             chosen[key] = p.provider
             continue
         targets = cands[: view.warm_count(layer, expert)] or cands[:1]
+        if avoid is not None:
+            targets = [h for h in targets if not avoid(h.provider)] or targets[:1]
         per_token: dict[int, str] = {}
         n = len(targets)
         for j, start in enumerate(range(0, len(tokens), split_threshold)):

@@ -31,12 +31,14 @@ def agent_connected(provider: str, channel_name: str) -> None:
 
 
 @transaction.atomic
-def agent_disconnected(provider: str, channel_name: str) -> None:
-    """Close the session on ``channel_name``; the provider stays connected while another session is open."""
+def agent_disconnected(provider: str, channel_name: str) -> bool:
+    """Close the session on ``channel_name``; the provider stays connected while another session
+    is open. Returns whether it still is."""
     AgentSession.objects.filter(channel_name=channel_name).delete()
     latest = AgentSession.objects.filter(provider_id=provider).order_by("-opened").first()
     Provider.objects.filter(provider=provider).update(connected=latest is not None,
                                                       agent_channel=latest.channel_name if latest else "")
+    return latest is not None
 
 
 @transaction.atomic

@@ -176,3 +176,59 @@ async def test_socket_heartbeat_with_a_repeated_key_is_refused():
     assert err["type"] == "error" and err["ref"] == "heartbeat" and "repeats the key" in err["message"]
     assert not await database_sync_to_async(Holding.objects.exists)()
     await comm.disconnect()
+
+
+async def test_a_closed_socket_fails_pending_requests_at_once_and_tells_the_routers():
+    import asyncio
+
+    from holders.transports.ws import AgentLink, AgentUnavailable
+
+    key = SigningKey.generate()
+    pid = provider_id(key)
+    heard: list[tuple[str, bool]] = []
+    AgentLink.presence_listeners.append(lambda p, up: heard.append((p, up)))
+    try:
+        first = await authed(key)
+        second = await authed(key)  # the same key twice: closing one socket is not "gone"
+        link = await AgentLink.get()
+        await second.disconnect()
+        await asyncio.sleep(0.1)
+        assert (pid, False) not in heard
+        # A request the agent never answers, pending when its last socket closes: it fails at
+        # once (not after its 30 s timeout), and new ones are refused during the grace period.
+        pending = asyncio.ensure_future(link.request(pid, {"type": "execute"}, b"", timeout=30.0))
+        await first.receive_from()
+        t0 = time.perf_counter()
+        await first.disconnect()
+        with pytest.raises(AgentUnavailable, match="disconnected"):
+            await pending
+        assert time.perf_counter() - t0 < 5.0
+        await asyncio.sleep(0.1)
+        assert (pid, False) in heard
+        with pytest.raises(AgentUnavailable, match="disconnected"):
+            await link.request(pid, {"type": "execute"}, b"", timeout=30.0)
+        # The agent comes back: requests reach it again.
+        back = await authed(key)
+        await asyncio.sleep(0.1)
+        assert (pid, True) in heard
+        again = asyncio.ensure_future(link.request(pid, {"type": "execute"}, b"", timeout=30.0))
+        header, _ = wire.unpack_frame(await back.receive_from())
+        await back.send_to(bytes_data=wire.pack_frame({"id": header["id"], "ok": True}, b"ok"))
+        assert (await again)[1] == b"ok"
+        await back.disconnect()
+    finally:
+        AgentLink.presence_listeners.pop()
+
+
+async def test_requests_dropped_by_the_layer_fail_when_the_routers_hear_gone():
+    import asyncio
+
+    from holders.transports.ws import ROUTERS_GROUP, AgentLink, AgentUnavailable, presence_event
+
+    link = await AgentLink.get()
+    # Nobody is in this provider's group: the layer drops the request without a word.
+    pending = asyncio.ensure_future(link.request("ab" * 32, {"type": "execute"}, b"", timeout=30.0))
+    await asyncio.sleep(0.05)
+    await get_channel_layer().group_send(ROUTERS_GROUP, presence_event("ab" * 32, False))
+    with pytest.raises(AgentUnavailable, match="disconnected"):
+        await asyncio.wait_for(pending, 5.0)

@@ -5,12 +5,19 @@ One cluster, scenes in order: 20 concurrent forwards while holders stall and com
 SIGKILLed while its batches are in flight (output identical to the no-fault run); every
 holder of some experts gone (fail closed naming them; ``allow_partial`` equals the
 reference computed without them).
+
+A second cluster, on the Redis channel layer with the default 10 s deadline (issue 15): a black-hole agent joins
+(``--fault blackhole``: every expert Warm at committed_tps 1,000,000, never answers) and
+costs at most the first forward one deadline; a holder killed right before a forward is
+failed over on its socket's close, not on the deadline.
 """
 from __future__ import annotations
 
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,8 +31,8 @@ from holders.ffn import expert_forward
 from holders.gating import route
 from prepare.checkpoint import Checkpoint
 from prepare.layouts import load_expert, load_gate, spec_from_config
-from tests.cluster_util import env_for, rpc, running_cluster
-from tests.conftest import QWEN
+from tests.cluster_util import ROOT, env_for, rpc, running_cluster
+from tests.conftest import QWEN, REDIS_URL, needs_services
 
 pytestmark = pytest.mark.cluster
 
@@ -121,7 +128,9 @@ def test_chaos_scenes(tmp_path):
         assert took < DEADLINE_S * 3, f"backup took over after {took:.2f} s"
 
         # 3. SIGKILL a holder while its batches are in flight: identical output.
-        shard, victim = busiest_primary()  # reputation moved: the stalled holder may no longer lead
+        shard, _ = busiest_primary()
+        # The router skips the stalled holder for a while (circuit breaker): the victim is one it uses.
+        victim = next(p for p in forward(info, x)["result"]["holders"] if p != stalled)
         os.kill(agents[victim], signal.SIGSTOP)  # hold its batches in flight ...
         with ThreadPoolExecutor(1) as pool:
             fut = pool.submit(forward, info, x)
@@ -160,3 +169,67 @@ def test_chaos_scenes(tmp_path):
         assert {m["expert"] for m in res["result"]["missing"]} == missing & routed_p
         ref = reference_without(xp, missing)
         assert np.abs(out - ref).max() <= 1e-6 * np.abs(ref).max()
+
+
+@pytest.mark.services
+@needs_services
+def test_chaos_black_hole_and_disconnect(tmp_path):
+    # The Redis channel layer: the site's consumers and its router talk through Redis, where a
+    # request to a socket that just closed is lost without a word (the in-memory layer hands it
+    # to the closing consumer, which fails it).
+    env = env_for(tmp_path, redis_url=REDIS_URL)
+    env.update({"TENZRO_BATCH_DEADLINE": "10"})  # and the default 1 s view cache
+    x = load_file(str(QWEN / "reference.safetensors"))[f"layer{LAYER}.hidden_states"].astype(np.float32)
+    d = x.shape[1]
+    with running_cluster(tmp_path, [QWEN], holders=4, env=env) as (info, _):
+        agents = {a["provider"]: a["pid"] for a in info["agents"]}
+        base = outputs(forward(info, x), d)
+        for _ in range(4):  # the router observes every primary (probation ends)
+            assert np.array_equal(outputs(forward(info, x), d), base)
+
+        # 1. A black hole joins: every expert Warm at committed_tps 1e6, never answers.
+        bh = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), "holder_agent", "--site", info["url"],
+                               "--key", str(tmp_path / "blackhole.key"), "--blob-dir", str(tmp_path / "bh-blobs"),
+                               "--name", "blackhole", "--heartbeat-interval", "5", "--fault", "blackhole"],
+                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                              stderr=open(tmp_path / "blackhole.stderr", "wb"))
+        try:
+            def bh_everywhere():
+                shard = rpc(info["rpc"], "tenzro_moeShardMap", {"model_id": MODEL})["result"]
+                rows = [h for h in shard["holders"] if h["layer"] == LAYER]
+                bhs = {p for p in shard["providers"] if p not in agents}
+                return bhs and all(any(p["provider"] in bhs and p["committed_tps"] == 1_000_000
+                                       for p in h["holders"]) for h in rows), bhs
+
+            deadline = time.time() + 60
+            while not bh_everywhere()[0]:
+                assert time.time() < deadline and bh.poll() is None, (tmp_path / "blackhole.stderr").read_text()
+                time.sleep(0.5)
+            bad = bh_everywhere()[1].pop()
+            first = forward(info, x)
+            assert np.array_equal(outputs(first, d), base)
+            assert all(f["provider"] == bad and "deadline" in f["error"] for f in first["result"]["failures"])
+            for _ in range(5):  # from the next forward on: no deadline waited, the black hole serves nothing
+                resp = forward(info, x)
+                assert np.array_equal(outputs(resp, d), base)
+                assert not resp["result"]["failures"] and bad not in resp["result"]["holders"], resp["result"]
+        finally:
+            bh.send_signal(signal.SIGINT)
+            try:
+                bh.wait(20)
+            except subprocess.TimeoutExpired:
+                bh.kill()
+                bh.wait()
+        time.sleep(1.0)
+
+        # 2. A holder killed just before a forward: the router's cached view (1 s) still lists it,
+        # and a request to a socket that is gone is dropped by the channel layer without a word.
+        victim = forward(info, x)["result"]["holders"][0]
+        os.kill(agents[victim], signal.SIGKILL)
+        killed = time.perf_counter()
+        resp = forward(info, x)
+        after_kill = time.perf_counter() - killed
+        assert np.array_equal(outputs(resp, d), base)
+        fails = [f for f in resp["result"]["failures"] if f["provider"] == victim]
+        assert all("disconnected" in f["error"] for f in fails), resp["result"]["failures"]
+        assert after_kill < 5.0, f"the backup answered {after_kill:.2f} s after the kill (deadline 10 s)"

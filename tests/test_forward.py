@@ -429,3 +429,74 @@ def test_dense_layer_split_over_holders_recombines_exactly():
         whole = expert_forward(w, x)
     assert np.abs(res.output - whole).max() <= 1e-5 * np.abs(whole).max()
     assert len(res.holders) >= 2 and len(res.receipts) == 3
+
+
+# -- slow, black-hole and gone holders (issue 15) --------------------------------------------
+def test_every_holder_slow_on_its_first_call_still_serves(qwen):
+    # Every holder answers 1.5 deadlines late (a cold first call): the late primary is kept while
+    # its backup gets the batch, and the first verified answer wins.
+    async def send(provider, info, req):
+        await asyncio.sleep(0.6)
+        return await qwen.honest(provider, info, req)
+
+    res = qwen.run(send=send, deadline_s=0.4)
+    assert np.array_equal(res.output, qwen.monolithic())
+    assert not res.missing
+
+
+def test_holders_that_never_answer_fail_the_forward_after_the_attempt_timeout(qwen):
+    async def send(provider, info, req):
+        await asyncio.sleep(3600)
+
+    with pytest.raises(ForwardError) as ei:
+        qwen.run(send=send, deadline_s=0.2, attempt_timeout_s=0.5)
+    assert ei.value.kind == "execution" and "no answer within 0.5 s" in ei.value.message
+
+
+def test_black_hole_costs_one_deadline_then_only_hedged_probes(qwen):
+    from holders.scoreboard import Scoreboard
+
+    bad = min(qwen.by_id)  # the view's primary for the experts it holds
+    sent: list[tuple[str, str]] = []
+
+    async def send(provider, info, req):
+        sent.append((provider, req.purpose))
+        if provider == bad:
+            await asyncio.sleep(3600)  # declares Warm, never answers
+        return await qwen.honest(provider, info, req)
+
+    sb = Scoreboard(probation=1, cooldown_s=0.05, probe_interval_s=0.0)
+    first = qwen.run(send=send, deadline_s=1.0, scoreboard=sb)
+    assert np.array_equal(first.output, qwen.monolithic())
+    assert first.failures and all(f["provider"] == bad and "1 s deadline" in f["error"] for f in first.failures)
+    assert sb.snapshot()[bad]["consecutive_faults"] == 1  # its batches in flight together open it once
+    before = len(sent)
+    import time
+    time.sleep(0.1)  # the cooldown ends: half-open
+    assert sb.state(bad) == "half_open"
+    second = qwen.run(send=send, deadline_s=1.0, scoreboard=sb)
+    assert np.array_equal(second.output, qwen.monolithic())
+    assert not second.failures and bad not in second.holders
+    to_bad = [purpose for p, purpose in sent[before:] if p == bad]
+    assert to_bad == ["selftest"]  # one hedged probe, no served batch
+    assert sb.state(bad) in ("half_open", "open")  # the probe never answered
+
+
+def test_split_batches_are_not_dealt_to_a_holder_that_failed_recently(qwen):
+    from holders.scoreboard import Scoreboard
+
+    bad = min(qwen.by_id)
+
+    async def send(provider, info, req):
+        if provider == bad:
+            await asyncio.sleep(3600)
+        return await qwen.honest(provider, info, req)
+
+    sb = Scoreboard(probation=1)
+    first = qwen.run(send=send, deadline_s=1.0, scoreboard=sb, split_threshold=2)
+    assert first.failures and all(f["provider"] == bad for f in first.failures)
+    second = qwen.run(send=send, deadline_s=1.0, scoreboard=sb, split_threshold=2)
+    assert not second.failures and bad not in second.holders
+    # Split batches may differ from the monolithic forward in the last bits (README), not from each other.
+    assert np.array_equal(second.output, first.output)
+    assert np.allclose(second.output, qwen.monolithic(), rtol=1e-5, atol=1e-6)

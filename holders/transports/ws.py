@@ -12,13 +12,21 @@ answer back to the requesting process's reply channel, where one reader task per
 matches answers to waiting requests by request id (never by fields the holder returns). A
 layer that refuses a send (full, or out of connections) is an immediate ``AgentUnavailable``
 (code ``"backpressure"``), not a timeout later.
+
+Every link's reply channel is also in the group ``ROUTERS_GROUP``: when an agent's last
+socket closes, its consumer tells every router (``agent.gone``), which fails that provider's
+pending requests at once instead of letting them wait out the deadline (a request sent to
+a group whose socket left is dropped by the layer without a word), and refuses new ones
+for ``GONE_GRACE_S`` (until the shard view has dropped the provider) unless the agent
+says ``agent.back`` first. Presence listeners (``AgentLink.presence_listeners``) hear both.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
-from typing import Protocol
+from typing import Callable, Protocol
 
 from channels.exceptions import ChannelFull
 from channels.layers import get_channel_layer
@@ -39,6 +47,10 @@ class AgentUnavailable(ConnectionError):
     def __init__(self, message: str, code: int | None = None):
         super().__init__(message)
         self.code = code
+
+
+ROUTERS_GROUP = "tenzro.routers"
+GONE_GRACE_S = 3.0
 
 
 def agent_group(provider: str) -> str:
@@ -78,15 +90,24 @@ def _local_socket(provider: str) -> LocalSocket | None:
     return next((s for s in reversed(_local.get(provider, ())) if s.loop is loop), None)
 
 
+def presence_event(provider: str, connected: bool) -> dict:
+    """The ``ROUTERS_GROUP`` message a consumer sends when ``provider``'s socket opens or closes."""
+    return {"type": "agent.back" if connected else "agent.gone", "provider": provider}
+
+
 class AgentLink:
     """Per-event-loop client of the channel layer for request/response calls to agents."""
 
     _by_loop: dict[int, "AgentLink"] = {}
+    # Called with (provider, connected: bool) on agent.gone / agent.back (the router's scoreboard).
+    presence_listeners: list[Callable[[str, bool], None]] = []
 
     def __init__(self):
         self.layer = get_channel_layer()
         self.reply_channel: str | None = None
         self.pending: dict[str, asyncio.Future] = {}
+        self.provider_of: dict[str, str] = {}  # request id → provider
+        self.gone_at: dict[str, float] = {}  # provider → monotonic time its socket closed
         self._reader: asyncio.Task | None = None
         self._sends = asyncio.Semaphore(LAYER_CONCURRENCY)
 
@@ -100,6 +121,7 @@ class AgentLink:
             # The layer's default prefix: channels-redis polls one key per process for all
             # process-specific channels, and a custom prefix would be a second, unpolled key.
             link.reply_channel = await link.layer.new_channel()
+            await link.layer.group_add(ROUTERS_GROUP, link.reply_channel)
             link._reader = loop.create_task(link._read())
             cls._by_loop[id(loop)] = link
         return link
@@ -113,6 +135,9 @@ class AgentLink:
             except Exception:  # a broken layer connection must not strand waiting requests
                 log.exception("channel layer receive failed; retrying")
                 await asyncio.sleep(0.5)
+                continue
+            if msg.get("type") in ("agent.gone", "agent.back"):
+                self._presence(str(msg.get("provider")), msg["type"] == "agent.back")
                 continue
             fut = self.pending.pop(msg.get("id", ""), None)
             if fut is not None and not fut.done():
@@ -128,6 +153,22 @@ class AgentLink:
                 raise AgentUnavailable(f"channel layer refused the request to holder {provider[:12]}…: "
                                        f"{type(exc).__name__}: {exc}", "backpressure") from exc
 
+    def _presence(self, provider: str, connected: bool) -> None:
+        if connected:
+            self.gone_at.pop(provider, None)
+        else:
+            self.gone_at[provider] = time.monotonic()
+            for req_id, p in list(self.provider_of.items()):
+                fut = self.pending.pop(req_id, None) if p == provider else None
+                if fut is not None and not fut.done():
+                    fut.set_result({"id": req_id, "header": {"ok": False, "code": "disconnected",
+                                                             "message": "agent disconnected"}})
+        for fn in list(self.presence_listeners):
+            try:
+                fn(provider, connected)
+            except Exception:  # a listener must not stop the reader
+                log.exception("presence listener failed")
+
     async def request(self, provider: str, header: dict, payload: bytes = b"",
                       timeout: float = 30.0, req_id: str | None = None) -> tuple[dict, bytes]:
         """Send ``header``/``payload`` to ``provider``'s agent and wait for its answer.
@@ -139,8 +180,12 @@ class AgentLink:
         req_id = req_id or uuid.uuid4().hex
         if req_id in self.pending:
             raise ValueError(f"request id {req_id} is already in flight")
+        gone = self.gone_at.get(provider)
+        if gone is not None and time.monotonic() - gone < GONE_GRACE_S:
+            raise AgentUnavailable(f"holder {provider[:12]}…: agent disconnected", "disconnected")
         fut = asyncio.get_running_loop().create_future()
         self.pending[req_id] = fut
+        self.provider_of[req_id] = provider
         try:
             sock = _local_socket(provider)
             if sock is not None:
@@ -159,6 +204,7 @@ class AgentLink:
             raise AgentUnavailable(f"holder {provider[:12]}… did not answer within {timeout:g} s") from exc
         finally:
             self.pending.pop(req_id, None)
+            self.provider_of.pop(req_id, None)
         answer = msg.get("header") or {}
         if not answer.get("ok"):
             raise AgentUnavailable(f"holder {provider[:12]}…: {answer.get('message', 'request failed')}",

@@ -49,7 +49,8 @@ class Command(BaseCommand):
                             help="advertised minimum price of one forward's work (default 100)")
         parser.add_argument("--fault", default=None,
                             help="DRILL ONLY: corrupt:P signs perturbed rows for a fraction P of batches; "
-                                 "stall:S sleeps S seconds per batch (default off)")
+                                 "stall:S sleeps S seconds per batch; blackhole declares every expert on the site "
+                                 "Warm at committed_tps 1000000 and never answers a batch (default off)")
 
     def handle(self, *args, **opts):
         try:

@@ -19,7 +19,7 @@ def parse_agent_faults(items: list[str] | None) -> dict[int, str]:
     for item in items or []:
         index, sep, mode = item.partition("=")
         if not sep or not index.strip().isdigit():
-            raise CommandError(f"--agent-fault {item!r}: expected INDEX=corrupt:P or INDEX=stall:S")
+            raise CommandError(f"--agent-fault {item!r}: expected INDEX=corrupt:P, INDEX=stall:S or INDEX=blackhole")
         try:
             parse_fault(mode)
         except ValueError as exc:
@@ -49,7 +49,7 @@ class Command(BaseCommand):
         parser.add_argument("--quant", default=None,
                             help="publish the experts quantized: q4_k_m, q8_0, q4_k, q6_k or a JSON object")
         parser.add_argument("--agent-fault", action="append", default=None, metavar="INDEX=MODE",
-                            help="DRILL: run agent INDEX with --fault MODE (corrupt:P or stall:S); repeatable")
+                            help="DRILL: run agent INDEX with --fault MODE (corrupt:P, stall:S or blackhole); repeatable")
 
     def handle(self, *args, **opts):
         try:

@@ -1,0 +1,195 @@
+"""The router's holder scoreboard: what this router process observed of each holder, and the
+holder order and probes that follow from it. Plain Python, imports nothing from Django.
+
+Self-declared numbers (``committed_tps``) cost a holder nothing to inflate, so the forward
+orders an expert's holders by observation instead (issue 15 item 2):
+
+- **circuit breaker**: a fault (error, bad receipt, deadline missed while a backup answered,
+  socket gone) opens the holder's circuit for ``cooldown_s``, doubled per consecutive fault
+  up to ``max_cooldown_s``; while open it is ranked last (tried only when nobody else holds
+  the expert). When the cooldown ends it is *half-open*: it gets hedged probes until one
+  succeeds, which closes the circuit.
+- **probation**: a holder with fewer than ``probation`` successes seen by this router ranks
+  after proven ones and earns its record through hedged probes (or as primary where every
+  holder is unproven, e.g. a fresh cluster).
+- **observed quality**: among holders of one tier, a success-rate EWMA below 0.9 ranks
+  later, then latency more than 2× (+50 ms) the best candidate's, then site reputation;
+  the view's own order (residency, then declared numbers, then id) only breaks ties.
+
+A *hedged probe* is a copy of a batch whose proven primary also has it: its answer never
+enters the forward (the primary's does), so a probe that stalls costs no forward any time.
+
+The state is per router process on purpose: it changes on every batch (a database write per
+batch would cost more than the batch), latency is a property of this router's path to the
+holder, and a new process relearns it within one deadline per holder. What must outlive the
+process (reputation, ``batches_served``, ``batch_failures``, latency EWMA) is recorded in
+the database by ``registry.services.record_holder_outcomes`` as before.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+PROBATION_SUCCESSES = 4
+COOLDOWN_S = 2.0
+MAX_COOLDOWN_S = 120.0
+PROBE_INTERVAL_S = 0.5
+EWMA_ALPHA = 0.2
+
+_RESIDENCY = {"Warm": 0, "Cold": 1}
+_TIERS = {"proven": 0, "probation": 1, "half_open": 2, "open": 3}
+
+
+@dataclass
+class HolderStats:
+    """One holder as this router saw it: counts, EWMAs (success rate 0..1, latency ms per
+    batch, rows per second) and circuit state (``open_until`` on ``Scoreboard.clock``)."""
+
+    successes: int = 0
+    faults: int = 0
+    consecutive_faults: int = 0
+    success_rate: float = 1.0
+    latency_ms: float | None = None
+    rows_per_s: float | None = None
+    open_until: float = 0.0
+    probing: bool = False
+    last_probe: float = -math.inf
+
+    def to_json(self) -> dict:
+        """Counts and EWMAs as a JSON object (latency and throughput rounded)."""
+        return {"successes": self.successes, "faults": self.faults, "consecutive_faults": self.consecutive_faults,
+                "success_rate": round(self.success_rate, 4),
+                "latency_ms": None if self.latency_ms is None else round(self.latency_ms, 3),
+                "rows_per_s": None if self.rows_per_s is None else round(self.rows_per_s, 1)}
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EWMA_ALPHA) * old + EWMA_ALPHA * new
+
+
+class Scoreboard:
+    """Thread-safe per-process record of holder outcomes (module docstring).
+
+    ``clock``: monotonic seconds (tests pass a fake one). ``probation``: successes before a
+    holder counts as proven. ``cooldown_s`` / ``max_cooldown_s``: circuit-open time after the
+    first / any later consecutive fault. ``probe_interval_s``: least time between two probes
+    of one holder.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, probation: int = PROBATION_SUCCESSES,
+                 cooldown_s: float = COOLDOWN_S, max_cooldown_s: float = MAX_COOLDOWN_S,
+                 probe_interval_s: float = PROBE_INTERVAL_S):
+        self.clock, self.probation = clock, probation
+        self.cooldown_s, self.max_cooldown_s, self.probe_interval_s = cooldown_s, max_cooldown_s, probe_interval_s
+        self._stats: dict[str, HolderStats] = {}
+        self._lock = threading.Lock()
+
+    def _get(self, provider: str) -> HolderStats:
+        s = self._stats.get(provider)
+        if s is None:
+            s = self._stats[provider] = HolderStats()
+        return s
+
+    def success(self, provider: str, latency_ms: float, rows: int) -> None:
+        """A verified answer of ``rows`` rows after ``latency_ms`` ms: closes the circuit."""
+        with self._lock:
+            s = self._get(provider)
+            s.successes += 1
+            s.consecutive_faults = 0
+            s.open_until = 0.0
+            s.success_rate = _ewma(s.success_rate, 1.0)
+            s.latency_ms = _ewma(s.latency_ms, float(latency_ms))
+            if latency_ms > 0:
+                s.rows_per_s = _ewma(s.rows_per_s, rows * 1e3 / latency_ms)
+
+    def fault(self, provider: str) -> None:
+        """An error, bad answer or missed deadline: opens the circuit for the next cooldown.
+        Faults while it is already open (requests that were in flight together) count in the
+        totals but do not lengthen the cooldown."""
+        with self._lock:
+            s = self._get(provider)
+            s.faults += 1
+            s.success_rate = _ewma(s.success_rate, 0.0)
+            now = self.clock()
+            if s.open_until > now:
+                return
+            s.consecutive_faults += 1
+            s.open_until = now + min(self.cooldown_s * 2 ** (s.consecutive_faults - 1), self.max_cooldown_s)
+
+    def disconnected(self, provider: str) -> None:
+        """The holder's socket closed: skip it for one cooldown (not counted as a fault)."""
+        with self._lock:
+            s = self._get(provider)
+            s.open_until = max(s.open_until, self.clock() + self.cooldown_s)
+
+    def connected(self, provider: str) -> None:
+        """The holder's socket (re)opened: a disconnect-only circuit closes at once."""
+        with self._lock:
+            s = self._stats.get(provider)
+            if s is not None and s.consecutive_faults == 0:
+                s.open_until = 0.0
+
+    def state(self, provider: str) -> str:
+        """"open", "half_open" (cooldown over, no success since the fault), "probation" or "proven"."""
+        with self._lock:
+            return self._state(self._stats.get(provider))
+
+    def _state(self, s: HolderStats | None) -> str:
+        if s is None:
+            return "probation"
+        if s.open_until > self.clock():
+            return "open"
+        if s.consecutive_faults:
+            return "half_open"
+        return "proven" if s.successes >= self.probation else "probation"
+
+    def order(self, holders: Sequence) -> list:
+        """``holders`` (``HolderInfo``-like: ``provider``, ``residency``, ``reputation``) best
+        first: residency (Warm before Cold, so split batches still deal over Warm holders),
+        then tier (proven, probation, half-open, open), then success rate ≥ 0.9, then latency
+        bucket against the best candidate, then reputation descending, then input position."""
+        with self._lock:
+            stats = [self._stats.get(h.provider) for h in holders]
+            tiers = [_TIERS[self._state(s)] for s in stats]
+        lats = [s.latency_ms for s in stats if s is not None and s.latency_ms is not None]
+        fast = 2 * min(lats) + 50.0 if lats else math.inf
+
+        def key(i: int):
+            h, s = holders[i], stats[i]
+            lat = s.latency_ms if s is not None else None
+            bucket = 0 if lat is None or lat <= fast else 1 + int(math.log2(lat / fast))
+            rate = 0 if s is None or s.success_rate >= 0.9 else 1
+            return (_RESIDENCY.get(h.residency, 2), tiers[i], rate, bucket, -int(h.reputation), i)
+
+        return [holders[i] for i in sorted(range(len(holders)), key=key)]
+
+    def failed_recently(self, provider: str) -> bool:
+        """Open or half-open: no real batch should be dealt to it while others can take it."""
+        return self.state(provider) in ("open", "half_open")
+
+    def claim_probe(self, provider: str) -> bool:
+        """Whether ``provider`` should get a hedged probe now (probation or half-open, none in
+        flight, the probe interval passed); a True answer marks one in flight until
+        ``probe_done``."""
+        with self._lock:
+            s = self._get(provider)
+            now = self.clock()
+            if self._state(s) not in ("probation", "half_open") or s.probing or now - s.last_probe < \
+                    self.probe_interval_s:
+                return False
+            s.probing, s.last_probe = True, now
+            return True
+
+    def probe_done(self, provider: str) -> None:
+        """The probe claimed by ``claim_probe`` ended (its outcome recorded separately)."""
+        with self._lock:
+            self._get(provider).probing = False
+
+    def snapshot(self) -> dict:
+        """``{provider: {state, successes, faults, consecutive_faults, success_rate, latency_ms,
+        rows_per_s}}`` for status pages and benchmarks."""
+        with self._lock:
+            return {p: {"state": self._state(s), **s.to_json()} for p, s in sorted(self._stats.items())}

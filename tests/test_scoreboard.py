@@ -1,0 +1,117 @@
+"""The router's holder scoreboard: circuit breaker, probation, half-open probes, observed order."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from holders.scoreboard import Scoreboard
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def holder(provider, residency="Warm", reputation=500):
+    return SimpleNamespace(provider=provider, residency=residency, reputation=reputation)
+
+
+def names(hs):
+    return [h.provider for h in hs]
+
+
+def proven(sb, provider, ms=10.0, n=4):
+    for _ in range(n):
+        sb.success(provider, ms, 8)
+
+
+def test_new_holders_keep_the_view_order_until_observed():
+    sb = Scoreboard(clock=Clock())
+    hs = [holder("b"), holder("a"), holder("c")]
+    assert names(sb.order(hs)) == ["b", "a", "c"]
+    assert sb.state("b") == "probation"
+
+
+def test_a_fault_opens_the_circuit_then_half_open_then_closed_by_a_success():
+    clock = Clock()
+    sb = Scoreboard(clock=clock, cooldown_s=2.0, max_cooldown_s=5.0)
+    for p in "abc":
+        proven(sb, p)
+    sb.fault("a")
+    sb.fault("a")  # its other requests in flight at the time: no longer cooldown
+    assert sb.state("a") == "open"
+    assert names(sb.order([holder("a"), holder("b"), holder("c")])) == ["b", "c", "a"]
+    clock.t += 2.0
+    assert sb.state("a") == "half_open"
+    assert names(sb.order([holder("a"), holder("b")])) == ["b", "a"]  # still behind the proven
+    sb.fault("a")  # the probe failed: twice the cooldown
+    clock.t += 3.9
+    assert sb.state("a") == "open"
+    clock.t += 0.1
+    assert sb.state("a") == "half_open"
+    sb.fault("a")
+    clock.t += 4.9  # capped at max_cooldown_s
+    assert sb.state("a") == "open"
+    clock.t += 0.1
+    sb.success("a", 10.0, 8)
+    assert sb.state("a") == "proven"
+
+
+def test_probation_ranks_a_newcomer_behind_proven_holders_until_it_earns_successes():
+    sb = Scoreboard(clock=Clock(), probation=3)
+    proven(sb, "old", n=3)
+    hs = [holder("new", reputation=900), holder("old")]  # the newcomer declares/looks better
+    assert names(sb.order(hs)) == ["old", "new"]
+    assert sb.claim_probe("new") and not sb.claim_probe("new")  # one probe in flight at a time
+    sb.probe_done("new")
+    for _ in range(3):
+        sb.success("new", 10.0, 8)
+    assert sb.state("new") == "proven" and names(sb.order(hs)) == ["new", "old"]  # then reputation decides
+    assert not sb.claim_probe("old")  # proven holders are not probed
+
+
+def test_probe_interval_limits_probes_of_one_holder():
+    clock = Clock()
+    sb = Scoreboard(clock=clock, probe_interval_s=0.5)
+    assert sb.claim_probe("x")
+    sb.probe_done("x")
+    assert not sb.claim_probe("x")
+    clock.t += 0.5
+    assert sb.claim_probe("x")
+
+
+def test_order_by_observed_latency_and_success_rate_not_declared_numbers():
+    sb = Scoreboard(clock=Clock())
+    proven(sb, "slow", ms=900.0)
+    proven(sb, "fast", ms=20.0)
+    proven(sb, "close", ms=60.0)  # within 2x best + 50 ms: same bucket as "fast"
+    hs = [holder("slow"), holder("close"), holder("fast")]
+    assert names(sb.order(hs)) == ["close", "fast", "slow"]
+    for _ in range(3):  # "close" answers but often fails: success rate below 0.9
+        sb.fault("close")
+        sb.success("close", 60.0, 8)
+    assert names(sb.order(hs)) == ["fast", "slow", "close"]  # a failure costs a deadline: worse than slow
+
+
+def test_warm_holders_stay_before_cold_ones():
+    sb = Scoreboard(clock=Clock())
+    proven(sb, "cold")
+    sb.fault("warm")
+    assert names(sb.order([holder("warm"), holder("cold", residency="Cold")])) == ["warm", "cold"]
+
+
+def test_a_disconnect_skips_the_holder_for_one_cooldown_and_a_reconnect_restores_it():
+    clock = Clock()
+    sb = Scoreboard(clock=clock)
+    proven(sb, "a")
+    sb.disconnected("a")
+    assert sb.state("a") == "open"
+    sb.connected("a")
+    assert sb.state("a") == "proven"
+    sb.fault("a")
+    sb.connected("a")  # a reconnect does not close a circuit opened by a fault
+    assert sb.state("a") == "open"
+    snap = sb.snapshot()["a"]
+    assert snap["faults"] == 1 and snap["successes"] == 4 and snap["state"] == "open"
