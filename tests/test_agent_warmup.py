@@ -11,7 +11,13 @@ from holders.agent import HolderAgent
 from holders.faults import BLACKHOLE_TPS, FaultInjector, parse_fault
 from holders.ffn import ExpertWeights
 from registry.content import blob_uri
+from registry.heartbeat import parse_holdings
 from registry.identity import provider_id
+
+
+def declared(agent) -> list[dict]:
+    """The holdings of a fresh heartbeat of ``agent``, expanded from the compact form."""
+    return parse_holdings(agent.heartbeat_message()["body"]["holdings"])
 
 
 def _blob():
@@ -30,7 +36,7 @@ def test_an_expert_is_declared_only_after_its_warm_up_batch(tmp_path):
     warm = agent._warm_expert
 
     def watching(key, d_model):
-        seen.append([h for h in agent.heartbeat_message()["body"]["holdings"]])  # during the warm-up
+        seen.append(declared(agent))  # during the warm-up
         warm(key, d_model)
 
     agent._warm_expert = watching
@@ -42,7 +48,7 @@ def test_an_expert_is_declared_only_after_its_warm_up_batch(tmp_path):
 
     asyncio.run(go())
     assert seen == [[]]  # loaded, not yet run once: not declared
-    after = agent.heartbeat_message()["body"]["holdings"]
+    after = declared(agent)
     assert [(h["expert"], h["residency"]) for h in after] == [(3, "Warm")]
     assert agent.runtime.meter.tokens() == executed  # the warm-up batch is not metered
 
@@ -52,9 +58,9 @@ def test_holdings_are_cold_while_the_kernels_compile(tmp_path):
     agent.kernels_warm.wait(120)
     agent.runtime.load_expert("m", 1, 2, _blob())
     agent.kernels_warm.clear()  # as right after start, before the JIT finished
-    assert [h["residency"] for h in agent.heartbeat_message()["body"]["holdings"]] == ["Cold"]
+    assert [h["residency"] for h in declared(agent)] == ["Cold"]
     agent.kernels_warm.set()
-    assert [h["residency"] for h in agent.heartbeat_message()["body"]["holdings"]] == ["Warm"]
+    assert [h["residency"] for h in declared(agent)] == ["Warm"]
 
 
 def test_blackhole_fault_declares_every_expert_warm_at_a_huge_rate():
