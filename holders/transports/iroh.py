@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 ALPN = b"tenzro/moe"
 MAX_FRAME_BYTES = 4 * 1024 * 1024
 MAX_PARTS = 64  # one batch: at most 256 MiB of frames each way
+MAX_STREAMS = 512  # concurrent requests per connection (a forward sends one batch per expert)
 METHODS = ("moe/execute", "moe/status")
 DOMAIN_ENDPOINT = b"tenzro/moe/iroh-endpoint/v1"
 
@@ -324,6 +325,7 @@ class IrohServer:
         if conn.alpn() != ALPN:  # the endpoint offers only ALPN; never serve another protocol
             conn.close(1, b"unsupported ALPN")
             return
+        conn.set_max_concurrent_bi_streams(MAX_STREAMS)
         while True:
             try:
                 bi = await conn.accept_bi()
@@ -423,8 +425,9 @@ def request_frames(req: BatchRequest, rid: int = 1) -> list[bytes]:
 
 
 class IrohHolderClient:
-    """Router-side client of holders' iroh endpoints: one QUIC connection per holder, reused;
-    one bi-stream per call.
+    """Router-side client of holders' iroh endpoints: one QUIC connection per holder (endpoint
+    id and addresses), reused; one bi-stream per call. A call that fails or is cancelled (a
+    deadline) retires its connection, so a restarted or stalled holder gets a fresh one.
 
     ``timeout``: seconds one exchange may take; ``bind``: the client endpoint's address
     (``host:port``). Connection trouble is a ``ConnectionError`` (the caller falls back to
@@ -434,7 +437,7 @@ class IrohHolderClient:
     def __init__(self, timeout: float = 60.0, bind: str = "127.0.0.1:0"):
         self.timeout, self.bind = timeout, bind
         self._endpoint = None
-        self._conns: dict[str, asyncio.Future] = {}
+        self._conns: dict[tuple, asyncio.Future] = {}
 
     async def close(self) -> None:
         """Close the connections and the client endpoint."""
@@ -457,17 +460,17 @@ class IrohHolderClient:
             raise ConnectionError(f"cannot connect to iroh endpoint {endpoint_id[:12]}… at {addrs}: "
                                   f"{_msg(exc)}") from exc
 
-    async def _connection(self, endpoint_id: str, addrs: list[str]):
-        fut = self._conns.get(endpoint_id)
+    async def _connection(self, key: tuple):
+        fut = self._conns.get(key)
         if fut is not None and fut.done() and (fut.exception() is not None or fut.result().close_reason() is not None):
             fut = None
         if fut is None:
-            fut = self._conns[endpoint_id] = asyncio.ensure_future(self._connect(endpoint_id, addrs))
+            fut = self._conns[key] = asyncio.ensure_future(self._connect(key[0], list(key[1])))
         try:
             return await asyncio.shield(fut)
         except ConnectionError:
-            if self._conns.get(endpoint_id) is fut:
-                del self._conns[endpoint_id]
+            if self._conns.get(key) is fut:
+                del self._conns[key]
             raise
 
     async def call(self, endpoint_id: str, addrs: list[str], frames: list[bytes]) -> tuple[list[dict], int]:
@@ -477,7 +480,8 @@ class IrohHolderClient:
         or timeout) and ``HolderFault`` (an answer frame that is not JSON or breaks the cap).
         """
         _require()
-        conn = await self._connection(endpoint_id, addrs)
+        key = (endpoint_id, tuple(addrs))
+        conn = await self._connection(key)
         out: list[dict] = []
         nbytes = 0
         try:
@@ -490,11 +494,14 @@ class IrohHolderClient:
                 while (body := await read_frame(recv)) is not None:
                     nbytes += 4 + len(body)
                     out.append(json.loads(body))
+        except asyncio.CancelledError:  # the caller's deadline: other streams on it may still finish
+            self._retire(key, conn, close=False)
+            raise
         except TimeoutError as exc:
-            self._drop(endpoint_id, conn)
+            self._retire(key, conn)
             raise ConnectionError(f"iroh {endpoint_id[:12]}…: no answer within {self.timeout:g} s") from exc
         except (ConnectionError, _iroh.IrohError) as exc:
-            self._drop(endpoint_id, conn)
+            self._retire(key, conn)
             raise ConnectionError(f"iroh {endpoint_id[:12]}…: {_msg(exc)}") from exc
         except (FrameError, ValueError, RecursionError) as exc:
             raise HolderFault(f"iroh {endpoint_id[:12]}…: bad answer frame: {str(exc)[:200]}") from exc
@@ -502,12 +509,14 @@ class IrohHolderClient:
             raise HolderFault(f"iroh {endpoint_id[:12]}…: no JSON-RPC answer")
         return out, nbytes
 
-    def _drop(self, endpoint_id: str, conn) -> None:
-        fut = self._conns.get(endpoint_id)
-        if fut is not None and fut.done() and fut.exception() is None and fut.result() is conn:
-            del self._conns[endpoint_id]
+    def _retire(self, key: tuple, conn, close: bool = True) -> None:
+        """New calls to ``key`` get a new connection; ``close``: also close ``conn`` now."""
+        fut = self._conns.get(key)
+        if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None and fut.result() is conn:
+            del self._conns[key]
+        if close:
             try:
-                conn.close(0, b"dropped after a failed call")
+                conn.close(0, b"retired after a failed call")
             except _iroh.IrohError:
                 pass
 
