@@ -209,3 +209,27 @@ def test_unreachable_endpoint_is_a_connection_error():
         finally:
             await client.close()
     asyncio.run(go())
+
+
+def test_concurrent_first_calls_share_one_client_endpoint_and_a_cancelled_call_leaves_it_usable(holder):
+    agent, x = holder
+    req = request(x[:8], list(range(8)))
+
+    async def go(server, client):
+        other = await iroh.IrohServer(iroh.endpoint_secret(SigningKey.generate().encode()), "127.0.0.1:0",
+                                      agent.execute_rpc, agent.status).start()
+        try:
+            # The first calls to two holders race to bind the client endpoint: both must answer.
+            first = await asyncio.gather(*(client.execute(s.endpoint_id, s.addrs, req) for s in (server, other)
+                                           for _ in range(4)))
+            # A call cut by the caller's deadline retires its connection; the next call dials anew.
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(client.execute(server.endpoint_id, server.addrs, req), 0.0005)
+            again = await client.execute(server.endpoint_id, server.addrs, req)
+            return first, again
+        finally:
+            await other.close()
+
+    first, again = serve(agent, go)
+    assert all(a.transport == "iroh" and np.array_equal(a.rows, first[0].rows) for a in first)
+    assert np.array_equal(again.rows, first[0].rows)

@@ -436,25 +436,28 @@ class IrohHolderClient:
 
     def __init__(self, timeout: float = 60.0, bind: str = "127.0.0.1:0"):
         self.timeout, self.bind = timeout, bind
-        self._endpoint = None
+        self._endpoint: asyncio.Future | None = None
         self._conns: dict[tuple, asyncio.Future] = {}
 
     async def close(self) -> None:
         """Close the connections and the client endpoint."""
         self._conns.clear()
-        if self._endpoint is not None:
-            await self._endpoint.close()
-            self._endpoint = None
+        ep, self._endpoint = self._endpoint, None
+        if ep is not None and ep.done() and ep.exception() is None:
+            await ep.result().close()
 
     async def _connect(self, endpoint_id: str, addrs: list[str]):
-        if self._endpoint is None:
-            self._endpoint = await bind_endpoint(None, self.bind, [])
+        # One endpoint for every connection: concurrent first calls share its bind (a second
+        # endpoint would replace the first, and dropping an endpoint kills its connections).
+        if self._endpoint is None or (self._endpoint.done() and self._endpoint.exception() is not None):
+            self._endpoint = asyncio.ensure_future(bind_endpoint(None, self.bind, []))
+        endpoint = await asyncio.shield(self._endpoint)
         try:
             eid = _iroh.EndpointId.from_string(endpoint_id)
         except _iroh.IrohError as exc:
             raise ConnectionError(f"iroh endpoint id {endpoint_id[:16]}… is malformed: {_msg(exc)}") from exc
         try:
-            return await asyncio.wait_for(self._endpoint.connect(_iroh.EndpointAddr(eid, None, list(addrs)), ALPN),
+            return await asyncio.wait_for(endpoint.connect(_iroh.EndpointAddr(eid, None, list(addrs)), ALPN),
                                           min(self.timeout, 10.0))
         except (_iroh.IrohError, asyncio.TimeoutError) as exc:
             raise ConnectionError(f"cannot connect to iroh endpoint {endpoint_id[:12]}… at {addrs}: "
