@@ -55,7 +55,8 @@ class SocketHub:
 
     async def start(self) -> "SocketHub":
         from websockets.asyncio.server import serve
-        self.server = await serve(self._agent, "127.0.0.1", 0, max_size=None, ping_interval=None)
+        # No permessage-deflate: daphne (autobahn) does not accept it, so the real socket is uncompressed.
+        self.server = await serve(self._agent, "127.0.0.1", 0, max_size=None, ping_interval=None, compression=None)
         self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
         return self
 

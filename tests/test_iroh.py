@@ -28,13 +28,15 @@ from prepare.checkpoint import Checkpoint
 from prepare.layouts import load_expert, spec_from_config
 from tests.conftest import QWEN
 
-pytestmark = pytest.mark.skipif(not iroh.available(), reason=iroh.UNAVAILABLE or "iroh available")
+needs_iroh = pytest.mark.skipif(not iroh.available(), reason=iroh.UNAVAILABLE or "iroh available")
 
 MODEL, LAYER, EXPERT = "m", 1, 3
 
 
 @pytest.fixture(scope="module")
 def holder():
+    if not iroh.available():
+        pytest.skip(iroh.UNAVAILABLE)
     ck = Checkpoint(QWEN)
     agent = HolderAgent("http://127.0.0.1:1", SigningKey.generate(), tempfile.mkdtemp(prefix="tenzro-test-iroh-"))
     agent.runtime.load_expert(MODEL, LAYER, EXPERT, load_expert(ck, spec_from_config(ck.config), LAYER, EXPERT)
@@ -196,6 +198,7 @@ def test_bad_input_gets_an_error_and_the_holder_stays_up(holder):
     assert ans.rows.shape == (4, 256) and ans.transport == "iroh"  # still serving after all of it
 
 
+@needs_iroh
 def test_unreachable_endpoint_is_a_connection_error():
     async def go():
         client = iroh.IrohHolderClient(timeout=3, bind="127.0.0.1:0")
@@ -233,3 +236,60 @@ def test_concurrent_first_calls_share_one_client_endpoint_and_a_cancelled_call_l
     first, again = serve(agent, go)
     assert all(a.transport == "iroh" and np.array_equal(a.rows, first[0].rows) for a in first)
     assert np.array_equal(again.rows, first[0].rows)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_router_prefers_iroh_then_falls_back_to_the_socket_and_http(holder, settings):
+    """``send_batch`` with ``DATA_TRANSPORT=iroh``: the advertised endpoint when it answers; when
+    it cannot be dialed (no address advertised) or the wheel is missing, the socket (no agent
+    socket here: it times out) and then the holder's HTTP endpoint answer."""
+    from types import SimpleNamespace
+
+    from holders import services
+    from holders.transports.http import serve_http
+    from registry.heartbeat import ingest
+    from registry.models import Provider
+    from tests.conftest import signed_heartbeat
+
+    agent, x = holder
+    settings.TENZRO = {**settings.TENZRO, "DATA_TRANSPORT": "iroh", "VIEW_CACHE_S": 0, "BATCH_TIMEOUT_S": 0.3}
+    req = request(x[:4], [0, 1, 2, 3])
+
+    async def go(server, _client):
+        http = await serve_http(agent._http_rpc, "127.0.0.1", 0, agent._http_frame)
+        endpoint = f"http://127.0.0.1:{http.sockets[0].getsockname()[1]}/rpc"
+        holder_info = SimpleNamespace(iroh_endpoint_id=server.endpoint_id, http_endpoint=endpoint)
+        seen = []
+        try:
+            for addrs, wheel in ((server.addrs, True), ([], True), (server.addrs, False)):
+                await asyncio.to_thread(ingest, signed_heartbeat(agent.key, iroh_endpoint_id=server.endpoint_id,
+                                                                 iroh_addrs=addrs, http_endpoint=endpoint))
+                await asyncio.to_thread(lambda: Provider.objects.update(connected=True))
+                saved = iroh._iroh
+                iroh._iroh = iroh._iroh if wheel else None  # as if the optional wheel were missing
+                try:
+                    seen.append((await services.send_batch(agent.provider, holder_info, req)).transport)
+                finally:
+                    iroh._iroh = saved
+                await asyncio.sleep(0.002)  # heartbeat timestamps strictly increase
+        finally:
+            http.close()
+        return seen
+
+    assert serve(agent, go) == ["iroh", "http", "http"]
+
+
+def test_without_the_wheel_the_agent_refuses_iroh_with_a_clear_message(tmp_path):
+    """``holder_agent --iroh`` on a machine where ``import iroh`` fails: exit 1 naming the flag."""
+    import subprocess
+    import sys
+
+    from tests.cluster_util import ROOT, env_for
+
+    code = ("import sys; sys.modules['iroh'] = None; sys.argv = ['manage.py', 'holder_agent', '--site', "
+            f"'http://127.0.0.1:9', '--key', {str(tmp_path / 'k')!r}, '--iroh']; "
+            "from django.core.management import execute_from_command_line; execute_from_command_line(sys.argv)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env_for(tmp_path), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1
+    assert "--iroh: the iroh package cannot be imported" in done.stderr and "Traceback" not in done.stderr
