@@ -309,9 +309,12 @@ class IrohServer:
         while True:
             try:
                 incoming = await self.endpoint.accept_next()
-            except _iroh.IrohError as exc:
+            except _iroh.IrohError as exc:  # keep serving unless the endpoint itself is gone
+                if self.endpoint.is_closed():
+                    return
                 log.warning("iroh accept failed: %s", _msg(exc))
-                return
+                await asyncio.sleep(0.1)
+                continue
             if incoming is None:  # endpoint closed
                 return
             self._spawn(self._connection(incoming))
