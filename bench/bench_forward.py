@@ -200,7 +200,8 @@ def main() -> None:
                   "carrier": a.carrier, "transport": transports[0],
                   "by_transport": {t: {"distributed_s": round(statistics.median(dist_ts[t]), 4),
                                        "time_ratio": round(statistics.median(dist_ts[t]) / m, 3),
-                                       "bytes_out": results[t].bytes_out, "bytes_back": results[t].bytes_back}
+                                       "bytes_out": results[t].bytes_out, "bytes_back": results[t].bytes_back,
+                                       "runs_s": [round(v, 4) for v in dist_ts[t]]}
                                    for t in transports}, "baseline_blas_threads": a.baseline_threads,
                   "in_process_s": round(m, 4), "distributed_s": round(dd, 4),
                   "time_ratio": round(dd / m, 3), "bytes_per_element_out": round(res.bytes_out / routed, 4),

@@ -12,12 +12,22 @@ and how the bench's router reaches it.
 
 Each agent serves every transport asked for at once, so one set of agent processes is
 measured over each transport in the same run. Imports nothing from Django.
+
+Run alone (``.venv/bin/python bench/bench_transports.py``) it measures the frame codec of
+each transport without a network: CPU ms per batch (Q8_0 rows out, bf16 rows back, H 2048,
+with a receipt), both ends together (router encode, holder decode/reassemble, holder encode,
+router decode), ratio against the binary frames of the socket and HTTP.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from holders import messages, wire
 from holders.messages import answer_to_batch
@@ -117,3 +127,41 @@ def make_send(transport: str, hub: SocketHub | None = None):
     if transport == "ws":
         return hub.send, (lambda: asyncio.sleep(0))
     raise SystemExit(f"--transport must be one of {', '.join(TRANSPORTS)} or all")
+
+
+def codec_cpu_ms(rows: int, hidden: int = 2048, repeat: int = 30) -> dict:
+    """CPU ms per batch of each transport's frame codec, both ends (see the module docstring)."""
+    import numpy as np
+
+    from holders.messages import BatchRequest
+
+    x = np.random.default_rng(0).standard_normal((rows, hidden)).astype(np.float32)
+    payload, out = wire.encode_rows(x, "q8_0"), wire.encode_rows(x, "bf16")
+    req = BatchRequest("r" * 32, "m", 0, 1, list(range(rows)), "q8_0", payload, "bf16", hidden)
+    receipt = {"commitment": [[list(range(8)), [0.5] * 8] for _ in range(rows)], "signature": "ab" * 64}
+    answer = {"d_model": hidden, "output": "bf16", "token_indices": req.tokens, "receipt": receipt}
+
+    def binary():
+        header, data = wire.unpack_frame(wire.pack_frame(messages.request_header(req), req.payload))
+        wire.unpack_frame(wire.pack_frame(messages.reply(header["id"], rows=rows, **answer), out))
+
+    def iroh_json():
+        params, _, data = iroh.assemble([json.loads(f[4:]) for f in iroh.request_frames(req)])
+        for f in iroh.answer_frames(1, params, answer, out):
+            wire.b64decode(json.loads(f[4:])["result"]["outputs"], "outputs")
+
+    got = {}
+    for name, fn in (("binary (ws, http)", binary), ("iroh JSON", iroh_json)):
+        fn()
+        t0 = time.process_time()
+        for _ in range(repeat):
+            fn()
+        got[name] = (time.process_time() - t0) / repeat * 1e3
+    return got
+
+
+if __name__ == "__main__":
+    for n in (32, 256):
+        ms = codec_cpu_ms(n)
+        base = ms["binary (ws, http)"]
+        print(f"{n:4d} rows: " + ", ".join(f"{k} {v:.2f} ms CPU ({v / base:.1f}x)" for k, v in ms.items()))
