@@ -81,7 +81,9 @@ def _fast_buffer_write(self, value) -> None:
         ctypes.memmove(ctypes.cast(self.rbuf.data, ctypes.c_void_p).value + self.rbuf.len, value, len(value))
 
 
+GENERATED_WRITE = None  # uniffi's own write, kept so bench/bench_transports.py can measure both
 if _ffi is not None and hasattr(getattr(_ffi, "_UniffiRustBufferBuilder", None), "_reserve"):
+    GENERATED_WRITE = _ffi._UniffiRustBufferBuilder.write
     _ffi._UniffiRustBufferBuilder.write = _fast_buffer_write
 
 
