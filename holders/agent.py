@@ -12,7 +12,9 @@ every tier change triggers a heartbeat so residency (Warm/Cold) and per-expert
 ``committed_tps`` reach the shard map at once. The compute backend is selected at start
 and ``moe_gpu`` advertised from it. Execute answers carry a signed receipt
 (``holders.receipts``); with ``http_port`` the agent also serves its own HTTP endpoint
-(``holders.transports.http``). It reconnects with backoff when the site goes away.
+(``holders.transports.http``), with ``iroh_bind`` an iroh QUIC endpoint
+(``holders.transports.iroh``) whose id and direct addresses ride every heartbeat. It
+reconnects with backoff when the site goes away.
 Imports nothing from Django.
 """
 from __future__ import annotations
@@ -39,6 +41,7 @@ from registry.identity import DOMAIN_HEARTBEAT, DOMAIN_HELLO, provider_id, sign,
 from holders.faults import Fault, FaultInjector
 from holders.receipts import make_receipt
 from holders.runtime import ExpertNotLoaded, ExpertRuntime, RuntimeFault
+from holders.transports import iroh
 from holders.transports.http import serve_http
 from holders.blobs import MAX_BLOB_BYTES, BlobStore, fetch_blob
 from holders.repair_agent import RepairWorker
@@ -76,13 +79,16 @@ class HolderAgent:
     """One holder process. ``run()`` runs until ``stop()`` or an authentication refusal.
 
     ``http_port``: also serve ``POST /rpc`` and ``POST /frame`` on ``http_host:http_port``
-    and advertise it. ``compute_threads``: threads running batches (decode, FFN, encode,
-    receipt); one per core is plenty, and more only contend."""
+    and advertise it. ``iroh_bind``: also serve ``moe/execute``/``moe/status`` on an iroh
+    endpoint bound to this ``host:port`` (its secret key derived from ``key``) and advertise
+    its id and direct addresses; None = off. ``compute_threads``: threads running batches
+    (decode, FFN, encode, receipt); one per core is plenty, and more only contend."""
 
     def __init__(self, site: str, key: SigningKey, blob_dir: str | Path, name: str = "",
                  heartbeat_interval: float = 15.0, roles: tuple[str, ...] = ("ExpertHolder",),
                  memory_budget: int | None = None, disk_dir: str | Path | None = None,
-                 http_port: int | None = None, http_host: str = "127.0.0.1", compute_threads: int = 1,
+                 http_port: int | None = None, http_host: str = "127.0.0.1", iroh_bind: str | None = None,
+                 compute_threads: int = 1,
                  fault: Fault | None = None, price_per_input_token: int = 10, minimum_price: int = 100):
         self.site = site.rstrip("/")
         self.url = ws_url(site)
@@ -112,6 +118,10 @@ class HolderAgent:
         self.http_port = http_port
         self.http_host = http_host
         self.http_endpoint = f"http://{http_host}:{http_port}/rpc" if http_port else ""
+        if iroh_bind is not None and not iroh.available():
+            raise ValueError(f"--iroh: {iroh.UNAVAILABLE}")
+        self.iroh_bind = iroh_bind
+        self.iroh: iroh.IrohServer | None = None
         self._compute = ThreadPoolExecutor(max_workers=compute_threads, thread_name_prefix="compute")
         # Repair (DESIGN §8): passes on the site's offers, and on its own timer without them.
         self.repair = RepairWorker(self.site, self.provider, self.runtime, self.store,
@@ -151,6 +161,10 @@ class HolderAgent:
         self._loop = asyncio.get_running_loop()
         server = (await serve_http(self._http_rpc, self.http_host, self.http_port, self._http_frame)
                   if self.http_port else None)
+        if self.iroh_bind is not None:
+            self.iroh = await iroh.IrohServer(iroh.endpoint_secret(self.key.encode()), self.iroh_bind,
+                                              self.execute_rpc, self.status).start()
+            log.info("iroh endpoint %s on %s", self.iroh.endpoint_id, ", ".join(self.iroh.addrs))
         own_repair = asyncio.create_task(self._repair_timer())
         try:
             await self._run_socket()
@@ -158,6 +172,8 @@ class HolderAgent:
             own_repair.cancel()
             if server is not None:
                 server.close()
+            if self.iroh is not None:
+                await self.iroh.close()
 
     async def _repair_timer(self) -> None:
         """Own repair passes, every interval, when the site sent no offer for 1.5 intervals."""
@@ -256,7 +272,8 @@ class HolderAgent:
             ts = max(int(time.time() * 1000), self._last_ts + 1)
             body = {"provider": self.provider, "timestamp_ms": ts, "nonce": secrets.token_hex(16),
                     "name": self.name, "roles": list(self.roles), "http_endpoint": self.http_endpoint,
-                    "iroh_endpoint_id": "",
+                    "iroh_endpoint_id": self.iroh.endpoint_id if self.iroh else "",
+                    "iroh_addrs": list(self.iroh.addrs) if self.iroh else [],
                     "moe_gpu": bool(self.backend.gpu), "price_per_input_token": self.price_per_input_token,
                     "minimum_price": self.minimum_price, "holdings": messages.compact_holdings(held, precision)}
             msg = messages.heartbeat(body, sign_body(self.key, DOMAIN_HEARTBEAT, body))
@@ -416,19 +433,29 @@ class HolderAgent:
         return ({"rows": len(tokens), "d_model": d_model, "output": output, "token_indices": tokens,
                  "receipt": receipt}, data)
 
+    async def execute_rpc(self, req: dict, carrier: str, payload: bytes) -> tuple[dict, bytes]:
+        """``execute_request`` for the HTTP and iroh endpoints: its errors as ``RpcError``
+        (-32004 the expert is not held here, -32602 anything wrong with the request). Under the
+        ``blackhole`` drill it never answers."""
+        if self.faults.blackhole:
+            await asyncio.Event().wait()
+        try:
+            return await self.execute_request(req, carrier, payload)
+        except ExpertNotLoaded as exc:
+            raise RpcError(EXECUTION_ERROR, str(exc), field="expert") from exc
+        except (RuntimeFault, wire.WireError, KeyError, TypeError, ValueError) as exc:
+            raise RpcError(INVALID_PARAMS, str(exc), field="params") from exc
+
+    async def status(self) -> dict:
+        """``moe/status``: this provider's id and its runtime's status."""
+        return {"provider": self.provider, **await asyncio.to_thread(self.runtime.status)}
+
     async def _http_frame(self, header: dict, payload: bytes) -> tuple[dict, bytes]:
         """Binary execute over HTTP (``POST /frame``): the socket's frame format, no base64."""
         if header.get("type") != "execute":
             raise RpcError(METHOD_NOT_FOUND, f"unknown request type {header.get('type')!r}")
-        if self.faults.blackhole:
-            await asyncio.Event().wait()  # the drill: never answer
-        try:
-            return await self.execute_request({**header, "request_id": header.get("id")},
-                                              header.get("carrier", "f32"), payload)
-        except ExpertNotLoaded as exc:
-            raise RpcError(EXECUTION_ERROR, str(exc)) from exc
-        except (RuntimeFault, wire.WireError, KeyError, TypeError, ValueError) as exc:
-            raise RpcError(INVALID_PARAMS, str(exc)) from exc
+        return await self.execute_rpc({**header, "request_id": header.get("id")}, header.get("carrier", "f32"),
+                                      payload)
 
     async def _http_rpc(self, method: str, params: dict) -> dict:
         """JSON-RPC handler of the HTTP endpoint (``holders.transports.http``)."""
@@ -438,16 +465,14 @@ class HolderAgent:
                 carrier = "q8_0" if q8 is not None else "f32"
                 payload = wire.b64decode(q8 if q8 is not None else params.get("hidden_states"),
                                          "hidden_q8" if q8 is not None else "hidden_states")
-                answer, data = await self.execute_request(params, carrier, payload)
-            except ExpertNotLoaded as exc:
-                raise RpcError(EXECUTION_ERROR, str(exc), field="expert") from exc
-            except (RuntimeFault, wire.WireError, KeyError, TypeError, ValueError) as exc:
+            except wire.WireError as exc:
                 raise RpcError(INVALID_PARAMS, str(exc), field="params") from exc
+            answer, data = await self.execute_rpc(params, carrier, payload)
             return {"model_id": params["model_id"], "layer": params["layer"], "expert": params["expert"],
                     "token_indices": answer["token_indices"], "d_model": answer["d_model"],
                     "output": answer["output"], "outputs": wire.b64encode(data), "receipt": answer["receipt"]}
         if method in ("moe/status", "tenzro_moeExpertStatus"):
-            return {"provider": self.provider, **await asyncio.to_thread(self.runtime.status)}
+            return await self.status()
         raise RpcError(METHOD_NOT_FOUND, f"unknown method {method!r}", field="method")
 
     async def _load(self, header: dict) -> None:

@@ -2,9 +2,11 @@
 and the execution methods (``holders.methods``) on the site's own runtime or relayed to an agent.
 
 Transports (DESIGN §6): experts held by the site's own runtime run in process (no wire,
-no receipt); a holder advertising an HTTP endpoint is reached there with binary frames
-when ``TENZRO["DATA_TRANSPORT"]`` is ``"http"``; otherwise (and as the fallback when the
-other path cannot connect) over its agent WebSocket through the channel layer.
+no receipt); with ``TENZRO["DATA_TRANSPORT"]`` ``"iroh"`` a holder advertising an iroh
+endpoint is dialed there (``moe/execute``), with ``"http"`` a holder advertising an HTTP
+endpoint is reached there with binary frames; otherwise, and as the fallback when the
+preferred path cannot connect, over its agent WebSocket through the channel layer, then
+over its HTTP endpoint.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from holders.gating import Gate
 from holders.hooks import ForwardRecord, emit_forward
 from holders.runtime import ExpertRuntime, GateNotLoaded
 from holders.scoreboard import Scoreboard
+from holders.transports import iroh
 from holders.transports.http import HttpHolderClient
 from holders.transports.ws import AgentLink, AgentUnavailable
 from holders.admission import Admission, Busy, overloaded
@@ -35,7 +38,7 @@ from registry.content import blob_uri, parse_blob_uri
 from registry.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, ParamError, RpcError
 from registry.models import GateBlob
 from registry.models import MoeModel, Provider
-from registry.selectors import expected_experts, provider_infos
+from registry.selectors import expected_experts, iroh_peers, provider_infos
 from registry import repair
 from registry.services import placement_inputs, record_holder_outcomes
 from registry.shardmap import ReplicationPolicy, ShardView
@@ -136,20 +139,57 @@ def _http_client() -> HttpHolderClient:
     return client
 
 
+_iroh_clients: dict[int, iroh.IrohHolderClient] = {}
+
+
+def _iroh_client() -> iroh.IrohHolderClient:
+    loop = id(asyncio.get_running_loop())
+    client = _iroh_clients.get(loop)
+    if client is None:
+        client = _iroh_clients[loop] = iroh.IrohHolderClient(settings.TENZRO["BATCH_TIMEOUT_S"],
+                                                             settings.TENZRO["IROH_BIND"])
+    return client
+
+
+async def send_iroh(provider: str, endpoint_id: str, req: BatchRequest) -> BatchAnswer:
+    """One request to ``provider``'s iroh endpoint at the direct addresses of its last heartbeat.
+
+    Raises ``ConnectionError`` (no addresses advertised for that endpoint id, cannot connect,
+    stream broke), ``HolderFault`` or ``AuthRefusal``.
+    """
+    hit = _ttl_cache.get(("iroh_peers",))
+    if hit is not None and time.monotonic() - hit[0] < settings.TENZRO["VIEW_CACHE_S"]:
+        peers = hit[1]
+    else:
+        peers = await database_sync_to_async(_cached)(("iroh_peers",), iroh_peers)
+    eid, addrs = peers.get(provider, ("", []))
+    if eid != endpoint_id or not addrs:
+        raise ConnectionError(f"holder {provider[:12]}… advertises no direct address for iroh endpoint "
+                              f"{endpoint_id[:12]}…")
+    return await _iroh_client().execute(endpoint_id, addrs, req)
+
+
 async def send_batch(provider: str, holder, req: BatchRequest) -> BatchAnswer:
-    """Send one request by the holder's advertised transport, falling back when it cannot connect."""
+    """Send one request by the preferred transport the holder advertises (``DATA_TRANSPORT``),
+    then over its agent socket, then over its HTTP endpoint, moving on only when a path cannot
+    connect (a ``ConnectionError``); the last path's error propagates."""
+    mode = settings.TENZRO["DATA_TRANSPORT"]
     endpoint = getattr(holder, "http_endpoint", None)
-    if endpoint and settings.TENZRO["DATA_TRANSPORT"] == "http":
+    iroh_id = getattr(holder, "iroh_endpoint_id", None)
+    paths = []
+    if mode == "iroh" and iroh_id and iroh.available():
+        paths.append(lambda: send_iroh(provider, iroh_id, req))
+    if mode == "http" and endpoint:
+        paths.append(lambda: _http_client().execute_frame(endpoint, req))
+    paths.append(lambda: send_ws(provider, req))
+    if endpoint and mode != "http":
+        paths.append(lambda: _http_client().execute_frame(endpoint, req))
+    for path in paths[:-1]:
         try:
-            return await _http_client().execute_frame(endpoint, req)
+            return await path()
         except ConnectionError:
-            return await send_ws(provider, req)
-    try:
-        return await send_ws(provider, req)
-    except ConnectionError:
-        if not endpoint:
-            raise
-        return await _http_client().execute_frame(endpoint, req)
+            continue
+    return await paths[-1]()
 
 
 async def forward(model_id: str, layer: int, d_model: int, hidden_states: np.ndarray, top_k: int | None = None,

@@ -156,7 +156,8 @@ def provider_json(p: Provider, holdings: int | None = None) -> dict:
     holding count."""
     cutoff = selectors.live_cutoff()
     return {"provider": p.provider, "name": p.name, "http_endpoint": p.http_endpoint,
-            "iroh_endpoint_id": p.iroh_endpoint_id, "roles": list(p.roles), "moe_gpu": p.moe_gpu,
+            "iroh_endpoint_id": p.iroh_endpoint_id, "iroh_addrs": list(p.iroh_addrs or []), "roles": list(p.roles),
+            "moe_gpu": p.moe_gpu,
             "price_per_input_token": p.price_per_input_token, "minimum_price": p.minimum_price,
             "reputation": p.reputation, "status": p.status, "connected": p.connected,
             "live": selectors.is_live(p, cutoff), "state": selectors.provider_state(p, cutoff),

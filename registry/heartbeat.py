@@ -4,7 +4,7 @@ A heartbeat is ``{"body": {...}, "signature": hex}``; the body is signed with th
 ed25519 key under ``identity.DOMAIN_HEARTBEAT`` over its canonical JSON:
 
     {"provider": hex64, "timestamp_ms": int, "nonce": hex, "name": str, "roles": [str],
-     "http_endpoint": str, "iroh_endpoint_id": str, "moe_gpu": bool,
+     "http_endpoint": str, "iroh_endpoint_id": str, "iroh_addrs": ["ip:port"], "moe_gpu": bool,
      "price_per_input_token": int, "minimum_price": int,
      "holdings": [entry, ...]}
 
@@ -32,6 +32,7 @@ holdings set is replaced as a whole in one transaction. Pure expert holders (rol
 """
 from __future__ import annotations
 
+import ipaddress
 import re
 import time
 from datetime import datetime, timezone
@@ -67,6 +68,27 @@ def _str(body: dict, field: str, max_len: int = 500) -> str:
     if not isinstance(value, str) or len(value) > max_len or "\x00" in value:
         raise HeartbeatError(f"{field} must be a string of at most {max_len} characters without NUL", field)
     return value
+
+
+MAX_ADDRS = 16
+
+
+def _socket_addrs(body: dict, field: str) -> list[str]:
+    """A list of at most ``MAX_ADDRS`` direct socket addresses (``1.2.3.4:5`` or ``[::1]:5``)."""
+    value = body.get(field, [])
+    if not isinstance(value, list) or len(value) > MAX_ADDRS:
+        raise HeartbeatError(f"{field} must be a list of at most {MAX_ADDRS} ip:port strings", field)
+    for i, addr in enumerate(value):
+        host, sep, port = addr.rpartition(":") if isinstance(addr, str) else ("", "", "")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        try:
+            ok = bool(sep) and ipaddress.ip_address(host) is not None and port.isdigit() and 0 < int(port) < 65536
+        except ValueError:
+            ok = False
+        if not ok:
+            raise HeartbeatError(f"{field}[{i}] must be an ip:port socket address, got {str(addr)[:60]!r}",
+                                 f"{field}[{i}]")
+    return list(value)
 
 
 MAX_LAYER = 100_000
@@ -231,6 +253,7 @@ def ingest(message: dict, expected_provider: str | None = None, now_ms: int | No
         "name": _str(body, "name", 200),
         "http_endpoint": _str(body, "http_endpoint"),
         "iroh_endpoint_id": _str(body, "iroh_endpoint_id", 200),
+        "iroh_addrs": _socket_addrs(body, "iroh_addrs"),
         "roles": sorted(set(roles)),
         "moe_gpu": body.get("moe_gpu", False),
         "price_per_input_token": _int(body, "price_per_input_token") if "price_per_input_token" in body else 10,

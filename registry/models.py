@@ -33,6 +33,8 @@ class Provider(models.Model):
     name = models.CharField(max_length=200, blank=True, default="")
     http_endpoint = models.CharField(max_length=500, blank=True, default="")
     iroh_endpoint_id = models.CharField(max_length=200, blank=True, default="")
+    # Direct "ip:port" addresses of the iroh endpoint (no relays or discovery: routers dial these).
+    iroh_addrs = models.JSONField(default=list, blank=True, db_default=[])
     roles = models.JSONField(default=list, blank=True)
     moe_gpu = models.BooleanField(default=False)
     price_per_input_token = models.BigIntegerField(default=10)

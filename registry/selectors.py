@@ -139,6 +139,13 @@ def published_shapes() -> list[catalog.ModelShape]:
     return out
 
 
+def iroh_peers() -> dict[str, tuple[str, list[str]]]:
+    """Live providers advertising an iroh endpoint: ``{provider: (endpoint id, ["ip:port", ...])}``
+    (from their last signed heartbeat)."""
+    return {pid: (eid, list(addrs or [])) for pid, eid, addrs in
+            live_providers().exclude(iroh_endpoint_id="").values_list("provider", "iroh_endpoint_id", "iroh_addrs")}
+
+
 def expected_experts(model_id: str) -> list[tuple[int, int]] | None:
     """Every (layer, expert) slot of ``model_id``: from the published model, else from the seed
     catalog when its layer map is known, else None (the view then knows only covered experts)."""

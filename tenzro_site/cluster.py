@@ -24,6 +24,7 @@ import httpx
 from django.conf import settings
 from django.core.management import call_command
 
+from holders.transports import iroh
 from registry.identity import load_or_create_key, provider_id
 from prepare.checkpoint import Checkpoint, CheckpointError
 from prepare.backbone import publish_backbone
@@ -68,7 +69,8 @@ class LocalCluster:
     ``model_ids`` and ``quants`` (preset name, per-projection object or None = dense) are
     per checkpoint; the same checkpoint may appear twice (dense and quantized, under two
     ids). ``say`` receives progress lines (default: silent). ``agent_http``: each agent also
-    serves its HTTP endpoint (``--http-port``) on a free port and advertises it.
+    serves its HTTP endpoint (``--http-port``) on a free port and advertises it; ``agent_iroh``:
+    each agent also serves an iroh endpoint on 127.0.0.1 (``--iroh``) and advertises it.
     ``dense_parts``: dense MLP layers are split into this many intermediate slices and
     placed like experts (``holders.dense``; model ids in ``dense_ids``). ``repair_interval``:
     seconds between repair passes of the site and of every agent (``TENZRO_REPAIR_INTERVAL``;
@@ -81,7 +83,7 @@ class LocalCluster:
     def __init__(self, checkpoints: list[str | Path], holders: int = 4, port: int = 0, replication: int = 2,
                  heartbeat_interval: int = 5, say: Callable[[str], None] | None = None,
                  model_ids: list[str | None] | None = None, quants: list | None = None,
-                 agent_http: bool = False, dense_parts: int = 2, repair_interval: int | None = None,
+                 agent_http: bool = False, agent_iroh: bool = False, dense_parts: int = 2, repair_interval: int | None = None,
                  agent_faults: dict[int, str] | None = None, roles: list[str] | None = None):
         if not 1 <= holders <= MAX_LOCAL_HOLDERS:
             raise ClusterError(f"--holders must be between 1 and {MAX_LOCAL_HOLDERS} on one machine, got {holders}")
@@ -102,6 +104,9 @@ class LocalCluster:
         if bad:
             raise ClusterError(f"--agent-role must be PrefillDecode, Prefill or Decode, got {bad[0]!r}")
         self.agent_http = agent_http
+        if agent_iroh and not iroh.available():
+            raise ClusterError(f"--agent-iroh: {iroh.UNAVAILABLE}")
+        self.agent_iroh = agent_iroh
         self.port = port or free_port()
         self.replication = replication
         self.heartbeat_interval = heartbeat_interval
@@ -168,6 +173,7 @@ class LocalCluster:
                                               "--heartbeat-interval", str(self.heartbeat_interval),
                                               "--role", self.roles[i % len(self.roles)]]
                                + (["--http-port", str(free_port())] if self.agent_http else [])
+                               + (["--iroh"] if self.agent_iroh else [])
                                + (["--fault", self.agent_faults[i]] if i in self.agent_faults else []), env)
             self.agents.append((pid, proc))
         self._wait(lambda: Provider.objects.filter(provider__in=ids, connected=True,

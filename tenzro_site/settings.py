@@ -252,10 +252,13 @@ TENZRO = {
     "API_READ_RATE": os.environ.get("TENZRO_API_READ_RATE", "1200/min"),
     "API_WRITE_RATE": os.environ.get("TENZRO_API_WRITE_RATE", "300/min"),
     # Data plane of tenzro_moeForward (DESIGN §7): seconds one holder has for one batch before
-    # its warm backup gets it; "ws" (agent sockets, HTTP fallback) or "http" (advertised
-    # endpoints with binary frames, socket fallback); seconds the shard view read is reused.
+    # its warm backup gets it; "ws" (agent sockets, HTTP fallback), "http" (advertised
+    # endpoints with binary frames, socket fallback) or "iroh" (advertised iroh endpoints, then
+    # socket, then HTTP); the router's iroh endpoint binds to IROH_BIND; seconds the shard view
+    # read is reused.
     "BATCH_DEADLINE_S": float(os.environ.get("TENZRO_BATCH_DEADLINE", "10")),
     "DATA_TRANSPORT": os.environ.get("TENZRO_DATA_TRANSPORT", "ws"),
+    "IROH_BIND": os.environ.get("TENZRO_IROH_BIND", "0.0.0.0:0"),
     "VIEW_CACHE_S": float(os.environ.get("TENZRO_VIEW_CACHE", "1.0")),
     # Repair pass (DESIGN §8): seconds between passes; 0 = the governance policy's
     # repair_interval_s (a local cluster or a test sets a short one). Release grace: seconds an

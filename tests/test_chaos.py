@@ -1,4 +1,6 @@
-"""Chaos with real processes: a ``tenzro_cluster`` (site + 4 agents, replication 2) under faults.
+"""Chaos with real processes: a ``tenzro_cluster`` (site + 4 agents, replication 2) under faults,
+with the router reaching holders over their agent sockets (``ws``) or their iroh endpoints
+(``iroh``: ``--agent-iroh``, ``TENZRO_DATA_TRANSPORT=iroh``).
 
 One cluster, scenes in order: 20 concurrent forwards while holders stall and come back
 (SIGSTOP/SIGCONT); a stalled holder (its backup answers within the deadline); a holder
@@ -29,6 +31,7 @@ from safetensors.numpy import load_file
 from holders import wire
 from holders.ffn import expert_forward
 from holders.gating import route
+from holders.transports import iroh
 from prepare.checkpoint import Checkpoint
 from prepare.layouts import load_expert, load_gate, spec_from_config
 from tests.cluster_util import ROOT, env_for, rpc, running_cluster
@@ -71,14 +74,22 @@ def reference_without(x, experts_gone):
     return out
 
 
-def test_chaos_scenes(tmp_path):
+TRANSPORTS = {"ws": (), "iroh": ("--agent-iroh",)}
+
+
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_chaos_scenes(tmp_path, transport):
+    if transport == "iroh" and not iroh.available():
+        pytest.skip(iroh.UNAVAILABLE)
     env = env_for(tmp_path)
-    env.update({"TENZRO_BATCH_DEADLINE": str(DEADLINE_S), "TENZRO_VIEW_CACHE": "0"})
+    env.update({"TENZRO_BATCH_DEADLINE": str(DEADLINE_S), "TENZRO_VIEW_CACHE": "0", "TENZRO_DATA_TRANSPORT": transport})
     x = load_file(str(QWEN / "reference.safetensors"))[f"layer{LAYER}.hidden_states"].astype(np.float32)
     d = x.shape[1]
     inputs = [x * np.float32(1 + i / 16) for i in range(20)]
-    with running_cluster(tmp_path, [QWEN], holders=4, env=env) as (info, _):
+    with running_cluster(tmp_path, [QWEN], holders=4, env=env, extra=TRANSPORTS[transport]) as (info, _):
         agents = {a["provider"]: a["pid"] for a in info["agents"]}
+        first = forward(info, inputs[0])["result"]
+        assert first["transports"][transport] == first["batches"] > 0, first["transports"]
         base = [outputs(forward(info, xi), d) for xi in inputs]
 
         # 1. 20 concurrent forwards while one holder at a time stalls and comes back.

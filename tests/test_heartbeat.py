@@ -152,13 +152,14 @@ def test_provider_fields_round_trip_and_pure_expert_holders(client):
     pid = provider_id(key)
     ingest(signed_heartbeat(key, [{"model_id": "m", "layer": 0, "experts": "0-1"}], name="holder-a",
                             roles=["ExpertHolder"], http_endpoint="http://10.0.0.5:8545/rpc",
-                            iroh_endpoint_id="a" * 52, moe_gpu=True, price_per_input_token=25, minimum_price=300))
+                            iroh_endpoint_id="a" * 52, iroh_addrs=["10.0.0.5:9001", "[::1]:9001"], moe_gpu=True,
+                            price_per_input_token=25, minimum_price=300))
     Provider.objects.filter(provider=pid).update(connected=True)
     got = client.get(f"/api/v1/providers/{pid}").json()
-    assert {k: got[k] for k in ("name", "roles", "http_endpoint", "iroh_endpoint_id", "moe_gpu",
+    assert {k: got[k] for k in ("name", "roles", "http_endpoint", "iroh_endpoint_id", "iroh_addrs", "moe_gpu",
                                 "price_per_input_token", "minimum_price", "status", "live", "holdings")} == {
         "name": "holder-a", "roles": ["ExpertHolder"], "http_endpoint": "http://10.0.0.5:8545/rpc",
-        "iroh_endpoint_id": "a" * 52, "moe_gpu": True, "price_per_input_token": 25, "minimum_price": 300,
+        "iroh_endpoint_id": "a" * 52, "iroh_addrs": ["10.0.0.5:9001", "[::1]:9001"], "moe_gpu": True, "price_per_input_token": 25, "minimum_price": 300,
         "status": "Active", "live": True, "holdings": 2}
     sm = client.get("/api/v1/shard-map", {"model_id": "m"}).json()
     assert sm["expert_holders_role_count"] == 1 and sm["replica_role_count"] == 0  # pure expert holder admitted
@@ -172,6 +173,11 @@ def test_provider_fields_round_trip_and_pure_expert_holders(client):
         ingest(signed_heartbeat(key, [], ts_ms=int(time.time() * 1000) + 5, roles=["Miner"]))
     with pytest.raises(HeartbeatError, match="moe_gpu"):
         ingest(signed_heartbeat(key, [], ts_ms=int(time.time() * 1000) + 6, moe_gpu="yes"))
+    for i, bad in enumerate((["relay.example:443"], ["10.0.0.5"], ["10.0.0.5:0"], "10.0.0.5:9001", [7],
+                             ["10.0.0.5:9001"] * 17)):
+        with pytest.raises(HeartbeatError, match="iroh_addrs"):
+            ingest(signed_heartbeat(key, [], ts_ms=int(time.time() * 1000) + 7 + i, iroh_addrs=bad))
+    assert Provider.objects.get(provider=pid).iroh_addrs == ["10.0.0.5:9001", "[::1]:9001"]
 
 
 def test_rest_heartbeat_refuses_replayed_foreign_and_stale_compact_heartbeats(client):

@@ -1,13 +1,17 @@
-"""Transports with real processes: agents' HTTP endpoints (JSON-RPC + binary frames) and the
-router following what holders advertise."""
+"""Transports with real processes: agents' HTTP endpoints (JSON-RPC + binary frames), their iroh
+endpoints (``moe/execute`` over QUIC) and the router following what holders advertise."""
 from __future__ import annotations
+
+import asyncio
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
 from holders import wire
+from holders.messages import BatchRequest
 from holders.receipts import verify_receipt
+from holders.transports import iroh
 from tenzro_site.verify import max_rel_err
 from tests.cluster_util import env_for, rpc, running_cluster
 from tests.conftest import QWEN
@@ -49,3 +53,46 @@ def test_forward_over_agent_http_endpoints_and_direct_execute(tmp_path):
                                                   "hidden_states": "!!"})
         assert bad["error"]["code"] == -32602
         assert rpc(endpoint, "nope", {})["error"]["code"] == -32601
+
+
+@pytest.mark.skipif(not iroh.available(), reason=iroh.UNAVAILABLE or "iroh available")
+def test_forward_over_agent_iroh_endpoints_and_direct_execute(tmp_path):
+    env = env_for(tmp_path)
+    env["TENZRO_DATA_TRANSPORT"] = "iroh"
+    ref = load_file(str(QWEN / "reference.safetensors"))
+    x, want = ref["layer0.hidden_states"].astype(np.float32), ref["layer0.output"]
+    params = {"model_id": "qwen3-moe-tiny", "layer": 0, "d_model": 256, "carrier": "f32",
+              "hidden_states": wire.b64encode(wire.encode_f32(x))}
+    with running_cluster(tmp_path, [QWEN], holders=3, env=env, extra=("--agent-iroh",)) as (info, _):
+        r = rpc(info["rpc"], "tenzro_moeForward", params)["result"]
+        assert r["transports"]["iroh"] == r["batches"] and r["transports"]["ws"] == 0
+        assert r["receipts"] == r["batches"] and not r["failures"]
+        assert max_rel_err(wire.decode_f32(wire.b64decode(r["outputs"], "outputs"), 256), want) <= 1e-5
+
+        # Every agent advertises its endpoint id (derived from its key) and a loopback address.
+        providers = rpc(info["rpc"], "tenzro_moeListProviders", {})["result"]["providers"]
+        assert len(providers) == 3
+        for p in providers:
+            assert len(p["iroh_endpoint_id"]) == 64 and p["iroh_addrs"][0].startswith("127.0.0.1:")
+
+        # A client dialing a holder directly: the same rows and a receipt that verifies.
+        p = providers[0]
+        shard = rpc(info["rpc"], "tenzro_moeShardMap", {"model_id": "qwen3-moe-tiny"})["result"]
+        expert = next(h["expert"] for h in shard["holders"] if h["layer"] == 0
+                      and any(x["provider"] == p["provider"] for x in h["holders"]))
+        req = BatchRequest("direct-1", "qwen3-moe-tiny", 0, expert, [0, 1, 2], "q8_0",
+                           wire.encode_rows(x[:3], "q8_0"), "f32", 256)
+
+        async def direct():
+            client = iroh.IrohHolderClient(timeout=30, bind="127.0.0.1:0")
+            try:
+                return (await client.execute(p["iroh_endpoint_id"], p["iroh_addrs"], req),
+                        await client.status(p["iroh_endpoint_id"], p["iroh_addrs"]))
+            finally:
+                await client.close()
+
+        ans, status = asyncio.run(direct())
+        verify_receipt(ans.receipt, provider=p["provider"], request_id="direct-1", model_id="qwen3-moe-tiny", layer=0,
+                       expert=expert, tokens=[0, 1, 2], carrier_kind="q8_0", carrier=req.payload, rows=ans.rows)
+        assert status["provider"] == p["provider"]
+

@@ -1,1 +1,2 @@
-"""Transports from the router to expert holders (agent WebSocket through the channel layer)."""
+"""Transports from the router to expert holders: the agent WebSocket through the channel layer
+(``ws``), holders' HTTP endpoints (``http``) and their iroh QUIC endpoints (``iroh``)."""

@@ -13,6 +13,7 @@ from django.core.management.base import BaseCommand, CommandError
 from holders import compute
 from holders.agent import AuthRefused, HolderAgent, ws_url
 from holders.faults import parse_fault
+from holders.transports import iroh
 from registry.identity import load_or_create_key, provider_id
 
 
@@ -40,6 +41,12 @@ class Command(BaseCommand):
         parser.add_argument("--http-port", type=int, default=None,
                             help="also serve POST /rpc (tenzro_moeExecute, moe/status) on this port and advertise it")
         parser.add_argument("--http-host", default="127.0.0.1", help="address the HTTP endpoint binds and advertises")
+        parser.add_argument("--iroh", action="store_true",
+                            help="also serve moe/execute and moe/status over iroh QUIC (ALPN tenzro/moe) and advertise "
+                                 "the endpoint id (derived from --key) and its direct addresses")
+        parser.add_argument("--iroh-bind", default="127.0.0.1:0", metavar="HOST:PORT",
+                            help="address the iroh endpoint binds (default 127.0.0.1:0, a free port; relays are off, "
+                                 "so routers dial the addresses this binds)")
         parser.add_argument("--blas-threads", type=int, default=1,
                             help="BLAS threads per matmul (default 1: batches run concurrently, and several "
                                  "spinning BLAS pools on shared cores made a 48-token forward ~40x slower)")
@@ -80,6 +87,14 @@ class Command(BaseCommand):
             fault = parse_fault(opts["fault"])
         except ValueError as exc:
             raise CommandError(str(exc)) from exc
+        iroh_bind = None
+        if opts["iroh"]:
+            if not iroh.available():
+                raise CommandError(f"--iroh: {iroh.UNAVAILABLE}")
+            iroh_bind = opts["iroh_bind"]
+            host, sep, port = iroh_bind.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+                raise CommandError(f"--iroh-bind must be HOST:PORT (port 0 = a free one), got {iroh_bind!r}")
         blob_dir = opts["blob_dir"] or settings.VAR_DIR / "agent-blobs"
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         try:
@@ -87,7 +102,8 @@ class Command(BaseCommand):
             agent = HolderAgent(opts["site"], key, blob_dir, name=opts["name"], heartbeat_interval=interval,
                                 roles=("ExpertHolder", opts["role"]),
                                 memory_budget=opts["budget"], disk_dir=opts["disk_dir"],
-                                http_port=opts["http_port"], http_host=opts["http_host"], fault=fault,
+                                http_port=opts["http_port"], http_host=opts["http_host"], iroh_bind=iroh_bind,
+                                fault=fault,
                                 price_per_input_token=opts["price_per_input_token"],
                                 minimum_price=opts["minimum_price"])
         except compute.BackendUnavailable as exc:
@@ -110,4 +126,6 @@ class Command(BaseCommand):
         try:
             asyncio.run(main())
         except AuthRefused as exc:
+            raise CommandError(str(exc)) from exc
+        except OSError as exc:  # --http-port / --iroh-bind cannot be bound
             raise CommandError(str(exc)) from exc

@@ -39,6 +39,9 @@ class Command(BaseCommand):
         parser.add_argument("--port", type=int, default=0, help="site port (default: a free one)")
         parser.add_argument("--agent-http", action="store_true",
                             help="agents also serve POST /rpc on free ports (--http-port) and advertise them")
+        parser.add_argument("--agent-iroh", action="store_true",
+                            help="agents also serve moe/execute over iroh QUIC on 127.0.0.1 (--iroh) and advertise it; "
+                                 "routers use it with TENZRO_DATA_TRANSPORT=iroh")
         parser.add_argument("--model-id", action="append", default=None,
                             help="model id per checkpoint (default: from the directory name)")
         parser.add_argument("--repair-interval", type=int, default=None, metavar="S",
@@ -76,7 +79,8 @@ class Command(BaseCommand):
             cluster = LocalCluster(opts["checkpoint"], holders=opts["holders"], port=opts["port"], say=say,
                                    model_ids=opts["model_id"],
                                    quants=[plan.to_json() if plan else None] * len(opts["checkpoint"]),
-                                   agent_http=opts["agent_http"], repair_interval=opts["repair_interval"],
+                                   agent_http=opts["agent_http"], agent_iroh=opts["agent_iroh"],
+                                   repair_interval=opts["repair_interval"],
                                    agent_faults=faults, roles=opts["agent_role"])
             cluster.start()
             for sig in (signal.SIGINT, signal.SIGTERM):  # ready: the next signal ends the wait below
