@@ -310,7 +310,7 @@ class HolderAgent:
 
         ``req``: ``request_id, model_id, layer, expert, token_indices, d_model, output?,
         purpose?`` (``purpose`` other than "serve" is not metered); ``payload`` the carrier
-        bytes (``carrier`` "f32" or "q8_0"). Returns (answer fields ``{rows, d_model,
+        bytes (``carrier`` "f32", "f16" or "q8_0"). Returns (answer fields ``{rows, d_model,
         output, token_indices, receipt}``, output bytes). Raises ``wire.WireError``,
         ``RuntimeFault`` (``ExpertNotLoaded``, ``DimensionMismatch``, ...) or ``ValueError``.
         """

@@ -214,8 +214,8 @@ class LayerForward:
             if self.routing.expert_ids.shape[0] != hs.shape[0]:
                 raise ParamError(f"routing has {self.routing.expert_ids.shape[0]} tokens, "
                              f"hidden_states {hs.shape[0]}", "hidden_states")
-        self.carrier_kind, self.output_kind = wire.choose_carrier(self.carrier, self.d_model)
         self.x = np.ascontiguousarray(hs, dtype=np.float32)
+        self.carrier_kind, self.output_kind = wire.choose_carrier(self.carrier, self.d_model, self.x)
         self.rows = _Rows(self.routing, self.d_model)
         self.per_msg = min(1024, wire.rows_per_frame(self.d_model, self.max_message,
                                                      max(wire.BYTES_PER_VALUE[self.carrier_kind],

@@ -20,6 +20,7 @@ from channels.db import database_sync_to_async
 from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
+from holders import wire
 from holders.backbone import BackboneError
 from holders.backbone.decode import Sampling
 from holders.forward import ForwardError
@@ -128,8 +129,8 @@ async def _run(served: ServedModel, body: dict, prompt, chat: bool):
     """Validate, then either the whole answer (JsonResponse) or an SSE stream."""
     sampling = _sampling(served, body)
     carrier = body.get("carrier", "auto")
-    if carrier not in ("auto", "f32", "q8_0"):
-        raise ApiError(400, "carrier must be auto, f32 or q8_0", "carrier")
+    if carrier not in wire.CARRIER_CHOICES:
+        raise ApiError(400, f"carrier must be one of {', '.join(wire.CARRIER_CHOICES)}", "carrier")
     try:
         prompts = encode_prompts(served, prompt)
     except BackboneError as exc:

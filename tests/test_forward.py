@@ -100,9 +100,11 @@ def test_receipt_binds_tokens_and_carrier(out_rows):
 
 # -- wire ---------------------------------------------------------------------------------
 def test_carrier_choice_and_q8_rows():
-    assert wire.choose_carrier("auto", 256) == ("q8_0", "bf16")
-    assert wire.choose_carrier("auto", 100) == ("f32", "bf16")
+    assert wire.choose_carrier("auto", 256) == ("f16", "bf16")
+    assert wire.choose_carrier("auto", 100) == ("f16", "bf16")
+    assert wire.choose_carrier("auto", 4, np.array([[1.0, -7e4, 0, 0]], np.float32)) == ("f32", "bf16")
     assert wire.choose_carrier("f32", 256) == ("f32", "f32")
+    assert wire.choose_carrier("f16", 100) == ("f16", "f16")
     with pytest.raises(wire.WireError, match="divisible by 32"):
         wire.choose_carrier("q8_0", 100)
     x = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
@@ -113,6 +115,19 @@ def test_carrier_choice_and_q8_rows():
         wire.decode_rows(data + bytes(34), "q8_0", 64, 4)
     with pytest.raises(wire.WireError, match="bf16 rows"):
         wire.decode_rows(b"\0" * 10, "bf16", 64, 4)
+
+
+def test_f16_rows_round_trip_and_range():
+    x = np.random.default_rng(1).standard_normal((3, 100)).astype(np.float32) * 50
+    data = wire.encode_rows(x, "f16")
+    assert len(data) == 3 * 100 * 2 == wire.encoded_nbytes("f16", 3, 100)
+    back = wire.decode_rows(data, "f16", 100, 3)
+    assert np.array_equal(back, x.astype(np.float16).astype(np.float32))
+    assert np.max(np.abs(back - x) / np.maximum(np.abs(x), 1e-3)) <= 2.0 ** -11
+    with pytest.raises(wire.WireError, match="f16 range"):
+        wire.encode_rows(np.array([[7e4]], np.float32), "f16")
+    with pytest.raises(wire.WireError, match="f16 rows"):
+        wire.decode_rows(data[:-2], "f16", 100, 3)
 
 
 # -- forward with in-process holders --------------------------------------------------------
@@ -183,8 +198,11 @@ def test_compact_wire_is_close_and_smaller(qwen):
     exact = qwen.run()
     res = qwen.run(carrier="auto")
     rel = np.abs(res.output - exact.output).max() / np.abs(exact.output).max()
-    assert 0 < rel < 2e-2
-    assert res.bytes_out < exact.bytes_out * 0.3 and res.bytes_back == exact.bytes_back // 2
+    assert 0 < rel < 5e-3  # f16 rows out (~3e-4 per value), bf16 rows back (~2e-3)
+    assert res.bytes_out == exact.bytes_out // 2 and res.bytes_back == exact.bytes_back // 2
+    q8 = qwen.run(carrier="q8_0")  # the smallest carrier, and the lossier one
+    rel_q8 = np.abs(q8.output - exact.output).max() / np.abs(exact.output).max()
+    assert rel < rel_q8 < 5e-2 and q8.bytes_out < exact.bytes_out * 0.3
 
 
 def _faulty(fx, bad: str, mode: str):
