@@ -27,6 +27,21 @@ from holders.dense import dense_model_id
 from registry.models import MoeModel
 
 
+# What ``carrier: "auto"`` means for a whole-model generation: f16 rows out, bf16 back
+# (``wire.choose_carrier("f16")``). Every token crosses the wire at every layer, so the
+# carrier's error compounds over depth: Q8_0 rows (the layer forward's "auto", ~5e-3 per
+# value) put 1.2 % error on the DeepSeek fixture's residual stream by its third layer and
+# flipped a near-tie routing choice there (prompt-logit cosine 0.9964); f16 rows (~3e-4) keep
+# it at 0.24 % (cosine 0.999995).
+GENERATION_AUTO_CARRIER = "f16"
+
+
+def generation_carrier(carrier: str) -> str:
+    """The layer forwards' ``carrier`` for a generation's ``carrier`` (``auto`` →
+    ``GENERATION_AUTO_CARRIER``, anything else unchanged)."""
+    return GENERATION_AUTO_CARRIER if carrier == "auto" else carrier
+
+
 class NoBackbone(BackboneError):
     """The model is unknown here or was published without its backbone."""
 
@@ -178,6 +193,7 @@ async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "au
     """``tenzro_moeGenerate``: prefill and decode ``prompt`` (see ``encode_prompts``) on the
     published backbone with distributed MLP layers.
 
+    ``carrier``: of every layer forward, ``auto`` being ``GENERATION_AUTO_CARRIER``.
     ``on_tokens(list[Sequence])`` is called from the worker thread as tokens are chosen.
     ``fallback`` (default on): the site's fallback replica (``holders.fallback``) runs
     batches that every remote holder failed.
@@ -195,7 +211,8 @@ async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "au
     stats = LayerStats()
     gen_id = uuid.uuid4().hex[:12]
     loop = asyncio.get_running_loop()
-    gen = Generator(served.backbone, distributed_mlp(served, loop, carrier, stats, gen_id, fallback), sampling)
+    gen = Generator(served.backbone, distributed_mlp(served, loop, generation_carrier(carrier), stats, gen_id,
+                                                     fallback), sampling)
     seqs: list[Sequence] = await asyncio.to_thread(gen.run, prompts, return_logits, on_tokens)
     total = (time.perf_counter() - t0) * 1e3
     new = sum(len(s.output) for s in seqs)

@@ -129,21 +129,21 @@ def rows_per_frame(d_model: int, max_message: int, bytes_per_value: float = 4) -
 def choose_carrier(requested: str, d_model: int, rows: np.ndarray | None = None) -> tuple[str, str]:
     """(input carrier, output encoding) for a forward's ``carrier`` parameter.
 
-    ``"auto"`` (the compact wire): f16 rows out, bf16 rows back — f16 keeps ~3e-4 relative
-    error per value where Q8_0 loses ~5e-3 (one int8 scale per 32 values), which on the
-    shipped DeepSeek fixture flipped a near-tie routing choice two layers later (cosine
-    0.9964); bf16 back keeps f32's range for expert outputs. When ``rows`` holds a value
-    beyond the f16 range, ``auto`` sends f32 rows instead. ``"f32"``: exact rows both ways;
-    ``"f16"``: f16 both ways (Kvasir's v2f16); ``"q8_0"``: Q8_0 both ways (the smallest,
-    1.0625 bytes per value). Raises ``WireError`` for an unknown value or ``"q8_0"`` with
-    ``d_model % 32 != 0``.
+    ``"auto"``: Q8_0 rows when ``d_model % 32 == 0`` (f32 otherwise) and bf16 outputs — the
+    fewest bytes (1.0625 per value out), ~5e-3 relative error per value (one int8 scale per
+    32 values); ``"f16"``: f16 rows (~3e-4 per value, 2 bytes; Kvasir's v2f16 rows) and bf16
+    outputs (f32's range), f32 rows instead when ``rows`` holds a value beyond f16's range;
+    ``"f32"``: exact rows both ways; ``"q8_0"``: Q8_0 both ways. Raises ``WireError`` for an
+    unknown value or ``"q8_0"`` with ``d_model % 32 != 0``.
     """
     if requested == "auto":
+        return ("q8_0" if d_model % 32 == 0 else "f32"), "bf16"
+    if requested == "f16":
         if rows is not None and rows.size and float(np.max(np.abs(rows))) >= F16_MAX:
             return "f32", "bf16"
         return "f16", "bf16"
-    if requested in ("f32", "f16"):
-        return requested, requested
+    if requested == "f32":
+        return "f32", "f32"
     if requested == "q8_0":
         if d_model % 32:
             raise WireError(f"carrier q8_0 needs d_model divisible by 32, got {d_model}", "carrier")
