@@ -237,6 +237,17 @@ def bench_model(name: str, a) -> dict:
                 locals_.append(run(local_mlp))
             with threadpool_limits(limits=1):
                 dists.append(run(dist_mlp))
+        if a.profile:
+            import cProfile
+            import io
+            import pstats
+
+            prof = cProfile.Profile()
+            with threadpool_limits(limits=1):
+                prof.runcall(run, dist_mlp)
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+            print(f"router profile of one distributed generation ({name}):\n{out.getvalue()}", flush=True)
         loop.run_until_complete(client.close())
         loop.close()
     finally:
@@ -301,6 +312,7 @@ def main() -> None:
                                                  "process's affinity), e.g. 0-1")
     ap.add_argument("--repeat", type=int, default=3, help="alternated in-process/distributed generations")
     ap.add_argument("--agent-threads", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--profile", action="store_true", help="also print the router's cProfile top entries")
     ap.add_argument("--pool", type=int, default=8, help="distinct Q4_K_M matrices of the synthetic model")
     ap.add_argument("--synth-vocab", type=int, default=8192)
     ap.add_argument("--agent", default=None, help=argparse.SUPPRESS)
