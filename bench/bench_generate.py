@@ -1,7 +1,7 @@
 """Token generation with distributed experts vs the same model in one process.
 
 Usage:  .venv/bin/python bench/bench_generate.py [--batch 8] [--prompt 32] [--steps 8] [--agents 4]
-        [--models qwen3,synth] [--carrier auto] [--cpus 0-1] [--repeat 3]
+        [--models qwen3,synth] [--carrier f16] [--cpus 0-1] [--repeat 3] [--profile]
 
 Two models: the shipped qwen3_moe fixture, and a Qwen3-30B-A3B-shaped synthetic model (2
 layers, 128 experts, top-8, H 2048, expert FFN 768, 32 query / 4 KV heads of 128, vocab
@@ -307,7 +307,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--agents", type=int, default=4)
-    ap.add_argument("--carrier", default="auto", choices=["auto", "f32", "f16", "q8_0"])
+    ap.add_argument("--carrier", default="f16", choices=["auto", "f32", "f16", "q8_0"],
+                    help="layer-forward carrier (default f16: what a generation's auto means, "
+                         "holders.generate.GENERATION_AUTO_CARRIER)")
     ap.add_argument("--cpus", default=None, help="CPU set of this process and every agent (default: this "
                                                  "process's affinity), e.g. 0-1")
     ap.add_argument("--repeat", type=int, default=3, help="alternated in-process/distributed generations")
