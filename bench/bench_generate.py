@@ -254,7 +254,7 @@ def bench_model(name: str, a) -> dict:
         for p, _, _ in procs:
             p.terminate()
             p.wait(10)
-    ls, handoff, ds = locals_[-1][0], locals_[-1][3], dists[-1][0]
+    ls, handoff = locals_[-1][0], locals_[-1][3]
     lstep = float(np.median([t for r in locals_ for t in r[2]]))
     dstep = float(np.median([t for r in dists for t in r[2]]))
     lpre = float(np.median([r[1] for r in locals_]))

@@ -7,8 +7,9 @@ such lists, as the OpenAI API allows) and answers each choice's ``text`` as the 
 ids separated by spaces, with the ids also in ``token_ids``. ``stream: true`` answers
 Server-Sent Events (``data: {chunk}`` … ``data: [DONE]``). Chat applies the checkpoint's
 chat template (``holders.chat``) or, without one, the plain ``<role>: <content>`` rendering.
-Extensions: ``top_k`` and ``carrier``. ``stop`` takes token ids, or strings that are one token each. Errors follow
-OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with HTTP 400/404.
+Extensions: ``top_k`` and ``carrier``. ``stop`` takes token ids, or strings that are one
+token each. Errors follow OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``
+with HTTP 400/404.
 """
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ from tests.conftest import DEEPSEEK, MIXTRAL, QWEN, QWEN2
 pytestmark = pytest.mark.cluster
 
 
-@pytest.mark.parametrize("ckpt", [QWEN, DEEPSEEK, QWEN2, MIXTRAL], ids=["qwen3_moe", "deepseek_v3", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("ckpt", [QWEN, DEEPSEEK, QWEN2, MIXTRAL],
+                         ids=["qwen3_moe", "deepseek_v3", "qwen2_moe", "mixtral"])
 def test_verify_generate_with_a_holder_killed_mid_decode(tmp_path, ckpt):
     cmd = [sys.executable, str(ROOT / "manage.py"), "verify_generate", "--checkpoint", str(ckpt),
            "--reference", str(ckpt / "generation_reference.safetensors"), "--holders", "3", "--json",
