@@ -1,7 +1,7 @@
 """Token generation with distributed experts vs the same model in one process.
 
 Usage:  .venv/bin/python bench/bench_generate.py [--batch 8] [--prompt 32] [--steps 8] [--agents 4]
-        [--models qwen3,synth] [--carrier auto]
+        [--models qwen3,synth] [--carrier f16] [--cpus 0-1] [--repeat 3] [--profile]
 
 Two models: the shipped qwen3_moe fixture, and a Qwen3-30B-A3B-shaped synthetic model (2
 layers, 128 experts, top-8, H 2048, expert FFN 768, 32 query / 4 KV heads of 128, vocab
@@ -19,6 +19,14 @@ experts dealt round-robin). Both run the same prompts in the same run: prefill o
 tokens/s, the time ratio per decode step (goal ≤ 1.25), prefill tokens/s, greedy-id
 agreement, and the KV-handoff bytes per prompt token (``holders.handoff.pack_handoff`` of
 the prefilled batch: what a Prefill agent hands a Decode agent).
+
+Equal cores (as ``bench_forward.py``): this process and every agent are pinned to the same
+CPU set (``--cpus``, default this process's affinity; ``os.sched_setaffinity``, inherited by
+the agents); the in-process baseline gets as many BLAS threads as the set has cores, each
+of N agents ``max(1, cores // N)``. In-process and distributed generations alternate
+(``--repeat`` of each after one warm-up of each); the decode-step time is the median over
+every step of every repeat. ``cpu`` in the report is the CPU model and the SIMD path of the
+quantized kernels (``holders.kernels``).
 """
 from __future__ import annotations
 
@@ -116,8 +124,9 @@ class Model:
         self.backbone = build_backbone(self.config, w)
 
 
-def agent_main(spec: str, port: int, keys: list[tuple[int, int]], pool: int, vocab: int) -> None:
-    """Holder process: hold ``keys`` (layer, expert) of model ``spec``, serve HTTP, print ``ready``."""
+def agent_main(spec: str, port: int, keys: list[tuple[int, int]], pool: int, vocab: int, threads: int = 1) -> None:
+    """Holder process: hold ``keys`` (layer, expert) of model ``spec`` with ``threads`` BLAS
+    threads, serve HTTP, print ``ready``."""
     from nacl.signing import SigningKey
     from threadpoolctl import threadpool_limits
 
@@ -125,7 +134,7 @@ def agent_main(spec: str, port: int, keys: list[tuple[int, int]], pool: int, voc
     from holders.runtime import ExpertRuntime
     from holders.transports.http import serve_http
 
-    threadpool_limits(limits=1)
+    threadpool_limits(limits=threads)
     model = Model(spec, pool, vocab)
     agent = HolderAgent("http://127.0.0.1:9", SigningKey.generate(), tempfile.mkdtemp(prefix="tenzro-bench-gen-"))
     agent.runtime = ExpertRuntime(backend=agent.backend)
@@ -158,6 +167,8 @@ def bench_model(name: str, a) -> dict:
     from holders.transports.http import HttpHolderClient
     from registry.shardmap import HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView
 
+    cores = len(a.cpus)
+    agent_threads, base_threads = max(1, cores // a.agents), cores
     t_build = time.perf_counter()
     model = Model(name, a.pool, a.synth_vocab)
     keys = [(L, e) for L in model.layers for e in sorted(model.experts[L])]
@@ -168,7 +179,8 @@ def bench_model(name: str, a) -> dict:
             port = free_port()
             arg = f"{name}:{port}:{';'.join(f'{L},{e}' for L, e in mine)}"
             procs.append((subprocess.Popen([sys.executable, __file__, "--agent", arg, "--pool", str(a.pool),
-                                            "--synth-vocab", str(a.synth_vocab)], stdout=subprocess.PIPE, text=True),
+                                            "--synth-vocab", str(a.synth_vocab), "--agent-threads",
+                                            str(agent_threads)], stdout=subprocess.PIPE, text=True),
                           port, mine))
         infos = []
         for p, port, mine in procs:
@@ -215,28 +227,77 @@ def bench_model(name: str, a) -> dict:
                 per_step.append(time.perf_counter() - t0)
             return seqs, g.timings["prefill_ms"] / 1e3, per_step, handoff
 
-        with threadpool_limits(limits=1):
-            run(dist_mlp)  # warm up connections, kernels and caches
-            run(local_mlp)
-            local = run(local_mlp)
-            dist = run(dist_mlp)
+        locals_, dists = [], []
+        with threadpool_limits(limits=base_threads):
+            run(local_mlp)  # warm up kernels and caches
+        with threadpool_limits(limits=1):  # the router's own numpy work: one thread, as the site runs it
+            run(dist_mlp)  # warm up connections
+        for _ in range(a.repeat):
+            with threadpool_limits(limits=base_threads):
+                locals_.append(run(local_mlp))
+            with threadpool_limits(limits=1):
+                dists.append(run(dist_mlp))
+        if a.profile:
+            import cProfile
+            import io
+            import pstats
+
+            prof = cProfile.Profile()
+            with threadpool_limits(limits=1):
+                prof.runcall(run, dist_mlp)
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+            print(f"router profile of one distributed generation ({name}):\n{out.getvalue()}", flush=True)
         loop.run_until_complete(client.close())
         loop.close()
     finally:
         for p, _, _ in procs:
             p.terminate()
             p.wait(10)
-    (ls, lpre, lsteps, handoff), (ds, dpre, dsteps, _) = local, dist
-    lstep, dstep = float(np.median(lsteps)), float(np.median(dsteps))
+    ls, handoff = locals_[-1][0], locals_[-1][3]
+    lstep = float(np.median([t for r in locals_ for t in r[2]]))
+    dstep = float(np.median([t for r in dists for t in r[2]]))
+    lpre = float(np.median([r[1] for r in locals_]))
+    dpre = float(np.median([r[1] for r in dists]))
     ptoks = a.batch * a.prompt
-    return {"model": name, "agents": a.agents, "batch": a.batch, "prompt_tokens": a.prompt, "decode_steps": len(dsteps),
-            "carrier": a.carrier, "cpu_cores": os.cpu_count(), "setup_s": round(build_s, 1),
+    return {"model": name, "agents": a.agents, "batch": a.batch, "prompt_tokens": a.prompt,
+            "decode_steps": len(dists[-1][2]), "repeat": a.repeat, "carrier": a.carrier, "cpus": a.cpus,
+            "cpu": cpu_description(), "agent_blas_threads": agent_threads, "baseline_blas_threads": base_threads,
+            "setup_s": round(build_s, 1),
             "decode_step_ms": {"in_process": round(lstep * 1e3, 2), "distributed": round(dstep * 1e3, 2)},
             "decode_step_ratio": round(dstep / lstep, 3),
             "decode_tokens_per_s": {"in_process": round(a.batch / lstep, 2), "distributed": round(a.batch / dstep, 2)},
             "prefill_tokens_per_s": {"in_process": round(ptoks / lpre, 2), "distributed": round(ptoks / dpre, 2)},
-            "greedy_ids_equal": [x.output for x in ls] == [x.output for x in ds],
+            "greedy_ids_equal": all([x.output for x in r[0]] == [x.output for x in ls] for r in locals_ + dists),
             "kv_handoff_bytes_per_token": round(handoff / ptoks, 1)}
+
+
+def parse_cpus(text: str | None) -> list[int]:
+    """``"0-3,6"`` → [0, 1, 2, 3, 6]; None → this process's affinity."""
+    if not text:
+        return sorted(os.sched_getaffinity(0))
+    out = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return sorted(set(out))
+
+
+def cpu_description() -> str:
+    """CPU model (``/proc/cpuinfo``) and the SIMD path of the quantized kernels."""
+    import platform
+
+    name = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    from holders import kernels
+
+    return f"{name}; quantized kernels: {kernels.isa() or 'numba (no native extension)'}"
 
 
 def main() -> None:
@@ -246,7 +307,14 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--agents", type=int, default=4)
-    ap.add_argument("--carrier", default="auto", choices=["auto", "f32", "q8_0"])
+    ap.add_argument("--carrier", default="f16", choices=["auto", "f32", "f16", "q8_0"],
+                    help="layer-forward carrier (default f16: what a generation's auto means, "
+                         "holders.generate.GENERATION_AUTO_CARRIER)")
+    ap.add_argument("--cpus", default=None, help="CPU set of this process and every agent (default: this "
+                                                 "process's affinity), e.g. 0-1")
+    ap.add_argument("--repeat", type=int, default=3, help="alternated in-process/distributed generations")
+    ap.add_argument("--agent-threads", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--profile", action="store_true", help="also print the router's cProfile top entries")
     ap.add_argument("--pool", type=int, default=8, help="distinct Q4_K_M matrices of the synthetic model")
     ap.add_argument("--synth-vocab", type=int, default=8192)
     ap.add_argument("--agent", default=None, help=argparse.SUPPRESS)
@@ -254,13 +322,15 @@ def main() -> None:
     if a.agent:
         name, port, keys = a.agent.split(":")
         agent_main(name, int(port), [tuple(map(int, k.split(","))) for k in keys.split(";") if k], a.pool,
-                   a.synth_vocab)
+                   a.synth_vocab, a.agent_threads)
         return
+    a.cpus = parse_cpus(a.cpus)
+    os.sched_setaffinity(0, a.cpus)  # inherited by the agents: both sides get the same cores
     for name in a.models.split(","):
         r = bench_model(name, a)
         print(f"{name}: decode step at batch {r['batch']}: in process {r['decode_step_ms']['in_process']} ms, "
               f"distributed {r['decode_step_ms']['distributed']} ms over {r['agents']} agents "
-              f"({r['cpu_cores']} cores): ratio {r['decode_step_ratio']} (goal <= 1.25); decode tok/s "
+              f"(cpus {r['cpus']}): ratio {r['decode_step_ratio']} (goal <= 1.25); decode tok/s "
               f"{r['decode_tokens_per_s']}; prefill tok/s {r['prefill_tokens_per_s']}; KV handoff "
               f"{r['kv_handoff_bytes_per_token']} B/token; greedy ids equal: {r['greedy_ids_equal']}", flush=True)
         print(json.dumps(r), flush=True)

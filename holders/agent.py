@@ -399,7 +399,7 @@ class HolderAgent:
 
         ``req``: ``request_id, model_id, layer, expert, token_indices, d_model, output?,
         purpose?`` (``purpose`` other than "serve" is not metered); ``payload`` the carrier
-        bytes (``carrier`` "f32" or "q8_0"). Returns (answer fields ``{rows, d_model,
+        bytes (``carrier`` "f32", "f16" or "q8_0"). Returns (answer fields ``{rows, d_model,
         output, token_indices, receipt}``, output bytes). Raises ``RpcError`` (-32602: a bad
         model_id, layer, expert, d_model or token index, ``methods.execute_key``), ``wire.WireError``,
         ``RuntimeFault`` (``ExpertNotLoaded``, ``DimensionMismatch``, ...) or ``ValueError``.

@@ -48,7 +48,7 @@ class ForwardParams(serializers.Serializer):
     top_k = serializers.IntegerField(min_value=1, required=False, allow_null=True, default=None)
     allow_cold = serializers.BooleanField(required=False, default=False)
     allow_partial = serializers.BooleanField(required=False, default=False)
-    carrier = serializers.ChoiceField(["auto", "f32", "q8_0"], required=False, default="auto")
+    carrier = serializers.ChoiceField(list(wire.CARRIER_CHOICES), required=False, default="auto")
 
 
 def _hidden_rows(p: dict):
@@ -182,7 +182,7 @@ class DenseForwardParams(serializers.Serializer):
     layer = serializers.IntegerField(min_value=0)
     d_model = serializers.IntegerField(min_value=1, max_value=1 << 20)
     hidden_states = Base64Field(help_text="base64 of little-endian f32 [T, d_model]")
-    carrier = serializers.ChoiceField(["auto", "f32", "q8_0"], required=False, default="auto")
+    carrier = serializers.ChoiceField(list(wire.CARRIER_CHOICES), required=False, default="auto")
 
 
 @rpc_methods.method("tenzro_moeDenseForward", params=DenseForwardParams, forward=True)
@@ -229,7 +229,7 @@ class GenerateParams(serializers.Serializer):
     top_k = serializers.IntegerField(min_value=0, required=False, default=0)
     seed = serializers.IntegerField(min_value=0, required=False, allow_null=True, default=None)
     stop = serializers.ListField(child=serializers.IntegerField(min_value=0), required=False, default=list)
-    carrier = serializers.ChoiceField(["auto", "f32", "q8_0"], required=False, default="auto")
+    carrier = serializers.ChoiceField(list(wire.CARRIER_CHOICES), required=False, default="auto")
     return_logits = serializers.BooleanField(required=False, default=False)
     fallback = serializers.BooleanField(required=False, default=True,
                                         help_text="the site runs batches every remote holder failed")

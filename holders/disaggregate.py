@@ -15,7 +15,7 @@ from django.conf import settings
 
 from holders.backbone import BackboneError
 from holders.backbone.weights import BACKBONE_KEY
-from holders.generate import decode_text, encode_prompts, served_model
+from holders.generate import decode_text, encode_prompts, generation_carrier, served_model
 from holders.handoff import chunk_size, sampling_to_header
 from holders.transports.ws import AgentLink, AgentUnavailable
 from registry.models import MoeModel
@@ -76,7 +76,7 @@ async def generate_handoff(model_id: str, prompt, sampling, carrier: str = "auto
     session = uuid.uuid4().hex
     common = {"session": session, "model_id": model_id, "config": config, "record": record,
               "moe_layers": sorted(served.moe_layers), "dense_layers": sorted(served.dense_layers),
-              "sampling": sampling_to_header(sampling), "carrier": carrier}
+              "sampling": sampling_to_header(sampling), "carrier": generation_carrier(carrier)}
     link = await AgentLink.get()
     info, _ = await link.request(pre, {"type": "prefill", **common, "prompts": [p.tolist() for p in prompts]},
                                  timeout=AGENT_TIMEOUT_S)

@@ -236,8 +236,8 @@ class LayerForward:
             if self.routing.expert_ids.shape[0] != hs.shape[0]:
                 raise ParamError(f"routing has {self.routing.expert_ids.shape[0]} tokens, "
                              f"hidden_states {hs.shape[0]}", "hidden_states")
-        self.carrier_kind, self.output_kind = wire.choose_carrier(self.carrier, self.d_model)
         self.x = np.ascontiguousarray(hs, dtype=np.float32)
+        self.carrier_kind, self.output_kind = wire.choose_carrier(self.carrier, self.d_model, self.x)
         self.rows = _Rows(self.routing, self.d_model)
         # Rows encode independently, so each token's carrier row is encoded once and batches
         # gather their rows' bytes (a token routed to k experts is not quantized k times).

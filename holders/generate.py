@@ -9,6 +9,7 @@ back on the caller's event loop, so holder traffic keeps flowing while the threa
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 import uuid
@@ -21,8 +22,24 @@ from holders import services, wire
 from holders.backbone import Backbone, BackboneError
 from holders.backbone.decode import Generator, Sampling, Sequence
 from holders.backbone.weights import BACKBONE_KEY, load_backbone
+from holders.chat import ChatTemplate, ChatTemplateError
 from holders.dense import dense_model_id
 from registry.models import MoeModel
+
+
+# What ``carrier: "auto"`` means for a whole-model generation: f16 rows out, bf16 back
+# (``wire.choose_carrier("f16")``). Every token crosses the wire at every layer, so the
+# carrier's error compounds over depth: Q8_0 rows (the layer forward's "auto", ~5e-3 per
+# value) put 1.2 % error on the DeepSeek fixture's residual stream by its third layer and
+# flipped a near-tie routing choice there (prompt-logit cosine 0.9964); f16 rows (~3e-4) keep
+# it at 0.24 % (cosine 0.999995).
+GENERATION_AUTO_CARRIER = "f16"
+
+
+def generation_carrier(carrier: str) -> str:
+    """The layer forwards' ``carrier`` for a generation's ``carrier`` (``auto`` →
+    ``GENERATION_AUTO_CARRIER``, anything else unchanged)."""
+    return GENERATION_AUTO_CARRIER if carrier == "auto" else carrier
 
 
 class NoBackbone(BackboneError):
@@ -31,14 +48,16 @@ class NoBackbone(BackboneError):
 
 @dataclass
 class ServedModel:
-    """A model this site can generate with: its backbone, MoE layers, dense layers and the
-    optional ``tokenizers.Tokenizer`` (None: token ids in and out)."""
+    """A model this site can generate with: its backbone, MoE layers, dense layers, the
+    optional ``tokenizers.Tokenizer`` (None: token ids in and out) and the checkpoint's chat
+    template (None: ``holders.chat.plain_chat``)."""
 
     model_id: str
     backbone: Backbone
     moe_layers: frozenset[int]
     dense_layers: frozenset[int]
     tokenizer: object | None
+    chat_template: ChatTemplate | None = None
 
 
 _models: dict[tuple, ServedModel] = {}
@@ -49,7 +68,8 @@ def served_model(model_id: str) -> ServedModel:
     """Load (once per published content) the backbone of ``model_id`` from its blobs.
 
     Raises ``NoBackbone`` (field ``model_id``) for an unknown model or one without a
-    published backbone, and ``BackboneError`` for a malformed one.
+    published backbone, ``BackboneError`` for a malformed one or a chat template that does
+    not compile.
     """
     m = MoeModel.objects.filter(model_id=model_id).first()
     if m is None:
@@ -58,7 +78,9 @@ def served_model(model_id: str) -> ServedModel:
     if not record:
         raise NoBackbone(f"model {model_id!r} has experts but no backbone: publish it with "
                          f"prepare.backbone.publish_backbone (tenzro_cluster and verify_generate do)")
-    key = (model_id, tuple(sorted(record["blobs"].items())), record.get("tokenizer"))
+    chat = record.get("chat_template")
+    key = (model_id, tuple(sorted(record["blobs"].items())), record.get("tokenizer"),
+           json.dumps(chat, sort_keys=True) if chat else None)
     with _models_lock:
         hit = _models.get(key)
     if hit is not None:
@@ -71,15 +93,20 @@ def served_model(model_id: str) -> ServedModel:
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_str(services.site_fetch(f"tenzro://blob/{record['tokenizer']}").decode())
+    try:
+        template = ChatTemplate(chat["template"], chat.get("special_tokens") or {}) if chat else None
+    except ChatTemplateError as exc:
+        raise BackboneError(f"model {model_id!r}: {exc}") from exc
     served = ServedModel(model_id, backbone, frozenset(m.moe_layers),
-                         frozenset(dense.moe_layers) if dense else frozenset(), tokenizer)
+                         frozenset(dense.moe_layers) if dense else frozenset(), tokenizer, template)
     with _models_lock:
         _models[key] = served
     return served
 
 
 class LayerStats:
-    """What the distributed layer forwards of one generation took (summed over calls)."""
+    """What the distributed layer forwards of one generation took (summed over calls; the
+    holders also per step, step 0 being the prefill)."""
 
     def __init__(self):
         self.forward_ids: list[str] = []
@@ -87,9 +114,13 @@ class LayerStats:
         self.failures: list[dict] = []
         self.transports: dict[str, int] = {}
         self.holders: set[str] = set()
+        self.holders_by_step: list[set[str]] = []
 
-    def add(self, fid: str, res: dict) -> None:
+    def add(self, fid: str, res: dict, step: int = 0) -> None:
         self.forward_ids.append(fid)
+        while len(self.holders_by_step) <= step:
+            self.holders_by_step.append(set())
+        self.holders_by_step[step].update(res["holders"])
         self.batches += res["batches"]
         self.replans += res["replans"]
         self.receipts += res["receipts"]
@@ -103,7 +134,8 @@ class LayerStats:
     def to_json(self) -> dict:
         return {"forwards": len(self.forward_ids), "batches": self.batches, "replans": self.replans,
                 "receipts": self.receipts, "failures": self.failures, "transports": self.transports,
-                "holders": sorted(self.holders), "wire": {"bytes_out": self.bytes_out, "bytes_back": self.bytes_back}}
+                "holders": sorted(self.holders), "holders_by_step": [sorted(h) for h in self.holders_by_step],
+                "wire": {"bytes_out": self.bytes_out, "bytes_back": self.bytes_back}}
 
 
 def distributed_mlp(served: ServedModel, loop: asyncio.AbstractEventLoop, carrier: str, stats: LayerStats,
@@ -128,7 +160,7 @@ def distributed_mlp(served: ServedModel, loop: asyncio.AbstractEventLoop, carrie
         res = asyncio.run_coroutine_threadsafe(coro, loop).result()
         step = steps.get(layer, 0)
         steps[layer] = step + 1
-        stats.add(f"{gen_id}/{step}/{layer}", res)
+        stats.add(f"{gen_id}/{step}/{layer}", res, step)
         return wire.decode_f32(wire.b64decode(res["outputs"], "outputs"), x.shape[1])
 
     return mlp
@@ -161,6 +193,7 @@ async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "au
     """``tenzro_moeGenerate``: prefill and decode ``prompt`` (see ``encode_prompts``) on the
     published backbone with distributed MLP layers.
 
+    ``carrier``: of every layer forward, ``auto`` being ``GENERATION_AUTO_CARRIER``.
     ``on_tokens(list[Sequence])`` is called from the worker thread as tokens are chosen.
     ``fallback`` (default on): the site's fallback replica (``holders.fallback``) runs
     batches that every remote holder failed.
@@ -178,7 +211,8 @@ async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "au
     stats = LayerStats()
     gen_id = uuid.uuid4().hex[:12]
     loop = asyncio.get_running_loop()
-    gen = Generator(served.backbone, distributed_mlp(served, loop, carrier, stats, gen_id, fallback), sampling)
+    gen = Generator(served.backbone, distributed_mlp(served, loop, generation_carrier(carrier), stats, gen_id,
+                                                     fallback), sampling)
     seqs: list[Sequence] = await asyncio.to_thread(gen.run, prompts, return_logits, on_tokens)
     total = (time.perf_counter() - t0) * 1e3
     new = sum(len(s.output) for s in seqs)

@@ -169,7 +169,7 @@ def execute_header(*, model_id: str, layer: int, expert: int, token_indices: lis
                    carrier: str, output: str | None = None, purpose: str | None = None,
                    request_id: str | None = None) -> dict:
     """Header of an ``execute`` frame; its payload is ``token_indices`` rows of ``d_model`` in
-    ``carrier`` ("f32" or "q8_0"). ``output`` (answer encoding, default f32), ``purpose``
+    ``carrier`` ("f32", "f16" or "q8_0"). ``output`` (answer encoding, default f32), ``purpose``
     (default "serve", the only metered one) and ``request_id`` (``id``) only when given."""
     header: dict = {"type": "execute"}
     if request_id is not None:

@@ -5,9 +5,11 @@ Text in and out when the checkpoint ships ``tokenizer.json`` (``tokenizers`` lib
 otherwise ``/v1/completions`` takes token ids as ``prompt`` (a list of ints, or a list of
 such lists, as the OpenAI API allows) and answers each choice's ``text`` as the generated
 ids separated by spaces, with the ids also in ``token_ids``. ``stream: true`` answers
-Server-Sent Events (``data: {chunk}`` … ``data: [DONE]``). Extensions: ``top_k`` and
-``carrier``. ``stop`` takes token ids, or strings that are one token each. Errors follow
-OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with HTTP 400/404.
+Server-Sent Events (``data: {chunk}`` … ``data: [DONE]``). Chat applies the checkpoint's
+chat template (``holders.chat``) or, without one, the plain ``<role>: <content>`` rendering.
+Extensions: ``top_k`` and ``carrier``. ``stop`` takes token ids, or strings that are one
+token each. Errors follow OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``
+with HTTP 400/404.
 """
 from __future__ import annotations
 
@@ -20,9 +22,11 @@ from channels.db import database_sync_to_async
 from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
+from holders import wire
 from holders.admission import Busy, check_forward_rate
 from holders.backbone import BackboneError
 from holders.backbone.decode import Sampling
+from holders.chat import ChatTemplateError, plain_chat
 from holders.forward import ForwardError
 from holders.generate import NoBackbone, ServedModel, decode_text, encode_prompts, generate, served_model
 from holders.runtime import GateNotLoaded
@@ -107,22 +111,34 @@ async def _served(body: dict) -> ServedModel:
         return await database_sync_to_async(served_model)(model)
     except NoBackbone as exc:
         raise ApiError(404, str(exc), "model", "not_found_error") from exc
+    except BackboneError as exc:  # published, but its backbone or chat template is malformed
+        raise ApiError(400, str(exc), "model") from exc
 
 
-def chat_prompt(served: ServedModel, messages) -> str:
-    """A plain chat rendering, ``<role>: <content>`` per line then ``assistant:`` (the
-    checkpoint's Jinja chat template is not applied). Raises ``ApiError`` for bad messages."""
+def chat_prompt(served: ServedModel, messages) -> str | list[int]:
+    """The prompt of a chat: the checkpoint's chat template applied to ``messages`` and
+    tokenized without added special tokens (the template holds them), as token ids; or,
+    for a checkpoint without a template, the plain rendering ``holders.chat.plain_chat``
+    as text. Raises ``ApiError`` (400) for bad messages, a template that refuses them, or
+    a model without ``tokenizer.json``."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", "messages")
     if served.tokenizer is None:
         raise ApiError(400, f"model {served.model_id!r} ships no tokenizer.json, so chat (text) is not available; "
                             f"use /v1/completions with token ids as prompt", "model")
-    lines = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ApiError(400, f"messages[{i}] must be {{role: string, content: string}}", f"messages[{i}]")
-        lines.append(f"{m['role']}: {m['content']}")
-    return "\n".join(lines + ["assistant:"])
+    if served.chat_template is None:
+        return plain_chat(messages)
+    try:
+        text = served.chat_template.render([{"role": m["role"], "content": m["content"]} for m in messages])
+    except ChatTemplateError as exc:
+        raise ApiError(400, str(exc), "messages") from exc
+    ids = served.tokenizer.encode(text, add_special_tokens=False).ids
+    if not ids:
+        raise ApiError(400, "the chat template rendered these messages as an empty prompt", "messages")
+    return ids
 
 
 def _text_of(served: ServedModel, ids: list[int]) -> str:
@@ -133,8 +149,8 @@ async def _run(served: ServedModel, body: dict, prompt, chat: bool):
     """Validate, then either the whole answer (JsonResponse) or an SSE stream."""
     sampling = _sampling(served, body)
     carrier = body.get("carrier", "auto")
-    if carrier not in ("auto", "f32", "q8_0"):
-        raise ApiError(400, "carrier must be auto, f32 or q8_0", "carrier")
+    if carrier not in wire.CARRIER_CHOICES:
+        raise ApiError(400, f"carrier must be one of {', '.join(wire.CARRIER_CHOICES)}", "carrier")
     try:
         prompts = encode_prompts(served, prompt)
     except BackboneError as exc:
@@ -165,7 +181,11 @@ async def _run(served: ServedModel, body: dict, prompt, chat: bool):
             choice(i, o, f) for i, (o, f) in enumerate(zip(res["output_ids"], res["finish_reasons"]))],
             "usage": {"prompt_tokens": res["prompt_tokens"], "completion_tokens": done,
                       "total_tokens": res["prompt_tokens"] + done}, "timings_ms": res["timings_ms"]})
-    return StreamingHttpResponse(_stream(served, prompts, sampling, carrier, base, chat),
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise ApiError(400, "stream_options must be an object", "stream_options")
+    return StreamingHttpResponse(_stream(served, prompts, sampling, carrier, base, chat,
+                                         bool(opts.get("include_usage"))),
                                  content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
@@ -179,8 +199,12 @@ def _generation_error(exc: Exception) -> ApiError:
     return ApiError(503, getattr(exc, "message", str(exc)), "model", "server_error")
 
 
-async def _stream(served: ServedModel, prompts, sampling: Sampling, carrier: str, base: dict, chat: bool):
-    """SSE chunks: each new token's text per choice as it is chosen, then ``[DONE]``."""
+async def _stream(served: ServedModel, prompts, sampling: Sampling, carrier: str, base: dict, chat: bool,
+                  include_usage: bool = False):
+    """SSE chunks: each new token's text per choice as it is chosen, then (``include_usage``,
+    OpenAI's ``stream_options``) one chunk with empty ``choices``, ``usage`` and the
+    extensions ``layers`` (batches, failures, transports, holders by step) and
+    ``timings_ms``, then ``[DONE]``."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     sent = [0] * len(prompts)
@@ -221,6 +245,14 @@ async def _stream(served: ServedModel, prompts, sampling: Sampling, carrier: str
         err = _generation_error(exc) if isinstance(exc, (BackboneError, ForwardError, GateNotLoaded, Busy)) else \
             ApiError(500, "generation failed", None, "server_error")
         yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.kind, 'param': err.param}})}\n\n"
+    elif include_usage:
+        res = task.result()
+        done = sum(sent)
+        usage = {"prompt_tokens": res["prompt_tokens"], "completion_tokens": done,
+                 "total_tokens": res["prompt_tokens"] + done}
+        last = {**base, "object": obj, "choices": [], "usage": usage, "layers": res["layers"],
+                "timings_ms": res["timings_ms"]}
+        yield f"data: {json.dumps(last)}\n\n"
     yield "data: [DONE]\n\n"
 
 
@@ -253,5 +285,6 @@ async def completions(request: HttpRequest):
 
 @csrf_exempt
 async def chat_completions(request: HttpRequest):
-    """``POST /v1/chat/completions`` (OpenAI chat completions; plain role-prefixed prompt)."""
+    """``POST /v1/chat/completions`` (OpenAI chat completions; the checkpoint's chat template,
+    or the plain role-prefixed prompt without one: ``chat_prompt``)."""
     return await _handle(request, chat=True)

@@ -45,7 +45,7 @@ SKETCH_DOMAIN = b"tenzro/moe/sketch"
 TOP_K = 8
 SKETCH_PROJECTIONS = 4
 SKETCH_RTOL = 1e-9
-CARRIER_TAGS = {"f32": 0, "q8_0": 1}
+CARRIER_TAGS = {"f32": 0, "q8_0": 1, "f16": 2}
 _HEX32 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -54,7 +54,7 @@ class ReceiptError(ValueError):
 
 
 def carrier_hash(kind: str, payload: bytes) -> bytes:
-    """SHA-256 (32 bytes) of ``b"tenzro/moe/carrier" ‖ tag ‖ payload``; ``kind`` "f32" or "q8_0".
+    """SHA-256 (32 bytes) of ``b"tenzro/moe/carrier" ‖ tag ‖ payload``; ``kind`` "f32", "f16" or "q8_0".
 
     Raises ``ReceiptError`` for another kind.
     """
@@ -179,7 +179,7 @@ def make_receipt(key: SigningKey, *, request_id: str, model_id: str, layer: int,
                  carrier_kind: str, carrier: bytes, rows: np.ndarray, blob_hash: str, quant: str) -> dict:
     """Sign a receipt for one executed batch (holder side).
 
-    ``carrier`` is the exact payload received (kind "f32" or "q8_0"), ``rows`` f32 ``[n, H]``
+    ``carrier`` is the exact payload received (kind "f32", "f16" or "q8_0"), ``rows`` f32 ``[n, H]``
     the output rows exactly as the router will decode them. Returns
     ``{provider, request_id, input_hash, commitment, d_model, blob_hash, quant, sketch, signature}``
     (hashes hex, ``sketch`` base64 of f64 LE ``[n, p]``).

@@ -2,8 +2,9 @@
 
 Frame (DESIGN §6): ``u32 LE header length ‖ JSON header (UTF-8) ‖ raw payload``. The
 payload is a carrier of rows ``[n, d_model]``: ``"f32"`` (little-endian float32),
-``"q8_0"`` (GGUF Q8_0 blocks row after row, 34 bytes per 32 values, via ``holders.quant``)
-or, for outputs only, ``"bf16"`` (round to nearest even). Every request carries an
+``"f16"`` (IEEE half, round to nearest even; Kvasir's v2f16 rows), ``"q8_0"`` (GGUF Q8_0
+blocks row after row, 34 bytes per 32 values, via ``holders.quant``) or, for outputs only,
+``"bf16"`` (round to nearest even). Every request carries an
 ``id``; results are matched by it, never by fields the holder returns.
 
 A message (header + payload) larger than the socket's frame cap travels as several part
@@ -31,9 +32,11 @@ FRAME_HEADER_MAX = 64 * 1024
 MESSAGE_HEADER_MAX = 16 * 1024 * 1024
 MESSAGE_MAX = 256 * 1024 * 1024  # bytes of one reassembled message
 PART_OVERHEAD = 1024  # room for a part frame's own header
-CARRIERS = ("f32", "q8_0")
-OUTPUTS = ("f32", "bf16", "q8_0")
-BYTES_PER_VALUE = {"f32": 4.0, "bf16": 2.0, "q8_0": quant.Q8_0.type_size / quant.Q8_0.block_size}
+CARRIERS = ("f32", "f16", "q8_0")
+OUTPUTS = ("f32", "f16", "bf16", "q8_0")
+BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": quant.Q8_0.type_size / quant.Q8_0.block_size}
+CARRIER_CHOICES = ("auto", "f32", "f16", "q8_0")  # values of a forward's ``carrier`` parameter
+F16_MAX = float(np.finfo(np.float16).max)  # 65504: larger magnitudes round to infinity
 
 
 class WireError(ParamError):
@@ -184,29 +187,43 @@ def rows_from_b64(text: str, d_model: int, n_rows: int | None = None, field: str
     return decode_f32(b64decode(text, field), d_model, n_rows=n_rows, field=field)
 
 
-def choose_carrier(requested: str, d_model: int) -> tuple[str, str]:
+def choose_carrier(requested: str, d_model: int, rows: np.ndarray | None = None) -> tuple[str, str]:
     """(input carrier, output encoding) for a forward's ``carrier`` parameter.
 
-    ``"auto"``: Q8_0 rows when ``d_model % 32 == 0`` (f32 otherwise) and bf16 outputs;
+    ``"auto"``: Q8_0 rows when ``d_model % 32 == 0`` (f32 otherwise) and bf16 outputs — the
+    fewest bytes (1.0625 per value out), ~5e-3 relative error per value (one int8 scale per
+    32 values); ``"f16"``: f16 rows (~3e-4 per value, 2 bytes; Kvasir's v2f16 rows) and bf16
+    outputs (f32's range), f32 rows instead when ``rows`` holds a value beyond f16's range;
     ``"f32"``: exact rows both ways; ``"q8_0"``: Q8_0 both ways. Raises ``WireError`` for an
     unknown value or ``"q8_0"`` with ``d_model % 32 != 0``.
     """
     if requested == "auto":
         return ("q8_0" if d_model % 32 == 0 else "f32"), "bf16"
+    if requested == "f16":
+        if rows is not None and rows.size and float(np.max(np.abs(rows))) >= F16_MAX:
+            return "f32", "bf16"
+        return "f16", "bf16"
     if requested == "f32":
         return "f32", "f32"
     if requested == "q8_0":
         if d_model % 32:
             raise WireError(f"carrier q8_0 needs d_model divisible by 32, got {d_model}", "carrier")
         return "q8_0", "q8_0"
-    raise WireError(f"carrier must be one of auto, f32, q8_0; got {requested!r}", "carrier")
+    raise WireError(f"carrier must be one of {', '.join(CARRIER_CHOICES)}; got {requested!r}", "carrier")
 
 
 def encode_rows(rows: np.ndarray, kind: str) -> bytes:
-    """Encode f32 rows ``[n, H]`` as ``kind`` ("f32", "bf16" or "q8_0"); raises ``WireError``."""
+    """Encode f32 rows ``[n, H]`` as ``kind`` ("f32", "f16", "bf16" or "q8_0"); raises
+    ``WireError`` (also for a value beyond the range of ``kind``)."""
     rows = np.ascontiguousarray(rows, dtype=np.float32)
     if kind == "f32":
         return rows.astype("<f4", copy=False).tobytes()
+    if kind == "f16":
+        with np.errstate(over="ignore"):  # overflow is reported below, naming the range
+            half = rows.astype("<f2")
+        if not np.isfinite(half).all():
+            raise WireError(f"rows hold a value beyond the f16 range (±{F16_MAX:g}) or a non-finite value")
+        return half.tobytes()
     if kind == "bf16":
         try:
             return encode_bf16(rows).astype("<u2", copy=False).tobytes()
@@ -232,7 +249,11 @@ def decode_rows(data: bytes, kind: str, d_model: int, n_rows: int, field: str = 
         return decode_f32(data, d_model, n_rows, field)
     if d_model <= 0 or n_rows < 0:
         raise WireError(f"{field}: bad shape [{n_rows}, {d_model}]", field)
-    if kind == "bf16":
+    if kind == "f16":
+        if len(data) != 2 * n_rows * d_model:
+            raise WireError(f"{field}: {len(data)} bytes is not {n_rows} f16 rows of d_model={d_model}", field)
+        arr = np.frombuffer(data, dtype="<f2").astype(np.float32).reshape(n_rows, d_model)
+    elif kind == "bf16":
         if len(data) != 2 * n_rows * d_model:
             raise WireError(f"{field}: {len(data)} bytes is not {n_rows} bf16 rows of d_model={d_model}", field)
         bits = np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16

@@ -7,13 +7,15 @@ blob in its source dtype (BF16/F16/F32; FP8 weights are decoded with their block
 F32). Groups: ``embed`` (``model.embed_tokens.weight``), ``layer.{L}`` (tensors under
 ``model.layers.{L}.`` that are not the MLP), ``head`` (``model.norm.weight`` and
 ``lm_head.weight`` when not tied), and ``tokenizer`` (the raw ``tokenizer.json`` when the
-checkpoint ships one). The blob hashes are recorded in ``MoeModel.config['tenzro_backbone']``.
+checkpoint ships one). The blob hashes are recorded in ``MoeModel.config['tenzro_backbone']``,
+with the checkpoint's chat template (text, a few KB) when it ships one.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 from holders.backbone.weights import BACKBONE_KEY  # the key the site reads
+from holders.chat import read_chat_template
 from holders.codec import dumps_safetensors
 from prepare.checkpoint import Checkpoint
 
@@ -60,8 +62,9 @@ def publish_backbone(checkpoint: str | Path, model_id: str) -> dict:
     """Store ``checkpoint``'s backbone groups in the site's blob store and record them on the
     (already published) ``MoeModel`` ``model_id``. Idempotent.
 
-    Returns the record ``{"blobs": {group: hash}, "nbytes": {group: n}, "tokenizer": hash | None}``.
-    Raises ``CheckpointError`` and ``MoeModel.DoesNotExist``.
+    Returns the record ``{"blobs": {group: hash}, "nbytes": {group: n}, "tokenizer": hash | None,
+    "chat_template": {template, special_tokens} | None}`` (``holders.chat.read_chat_template``).
+    Raises ``CheckpointError``, ``holders.chat.ChatTemplateError`` and ``MoeModel.DoesNotExist``.
     """
     from django.conf import settings
 
@@ -76,7 +79,8 @@ def publish_backbone(checkpoint: str | Path, model_id: str) -> dict:
         blobs[group], sizes[group] = store.put(data), len(data)
     tok = Path(checkpoint) / "tokenizer.json" if Path(checkpoint).is_dir() else None
     record = {"blobs": blobs, "nbytes": sizes,
-              "tokenizer": store.put(tok.read_bytes()) if tok is not None and tok.is_file() else None}
+              "tokenizer": store.put(tok.read_bytes()) if tok is not None and tok.is_file() else None,
+              "chat_template": read_chat_template(checkpoint)}
     model = MoeModel.objects.get(model_id=model_id)
     model.config = {**model.config, BACKBONE_KEY: record}
     model.save(update_fields=["config"])

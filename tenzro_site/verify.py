@@ -211,3 +211,72 @@ def verify_generation(rpc, model_id: str, reference: str | Path, carrier: str = 
             "compact_greedy_ids_equal": prompt + compact["output_ids"] == want,
             "compact_logit_cosine_min": cm["logit_cosine_min"],
             "tokens_per_s": main["tokens_per_s"], "layers": main["layers"], "ok": ok}
+
+
+def check_kill_after_steps(ref: dict[str, np.ndarray], kill_after_steps: int) -> None:
+    """Raise ``ValueError`` unless ``kill_after_steps`` is in ``1 .. new tokens − 2`` of the
+    generation reference ``ref`` (the kill must land while decode steps remain)."""
+    n_new = int(ref["greedy_ids"].shape[1] - ref["input_ids"].shape[1])
+    if not 1 <= kill_after_steps <= n_new - 2:
+        raise ValueError(f"--kill-holder-after-steps must be in 1..{n_new - 2} (the reference has {n_new} new "
+                         f"tokens), got {kill_after_steps}")
+
+
+def verify_generation_under_kill(url: str, model_id: str, reference: str | Path, kill_after_steps: int,
+                                 stop, kill, hold_s: float = 0.5) -> dict:
+    """Greedy generation of the reference prompt (f32 carriers) with one holder SIGKILLed
+    mid-decode: the churn check of ``verify_generate --kill-holder-after-steps``.
+
+    Streams ``POST {url}/v1/completions`` (SSE, ``stream_options.include_usage``); once the
+    prefill token and ``kill_after_steps`` decode tokens arrived, ``stop()`` freezes the
+    victim (SIGSTOP: the batches the running steps send it stay in flight), and after
+    ``hold_s`` seconds (below the batch deadline) ``kill()`` SIGKILLs it and returns its
+    provider id. Its in-flight batches then fail and go to the other holder of each expert
+    (failover) or to the site's fallback replica. Returns ``{killed, kill_after_steps,
+    greedy_ids_equal, output_ids, failovers (failures naming the victim), fallback (batches
+    the fallback replica ran), replans, served_after_kill (the victim among the holders of
+    the last step), ok}``; ``ok``: ids equal to ``greedy_ids``, the victim's batches were
+    served elsewhere (``failovers + fallback > 0``) and it served nothing in the last step.
+    Raises ``ValueError`` for a bad reference or ``kill_after_steps`` outside
+    ``1 .. new tokens − 2`` (the kill must land while steps remain), and ``RuntimeError``
+    when the stream ends with an error.
+    """
+    import json
+    import httpx
+
+    ref = generation_reference(reference)
+    check_kill_after_steps(ref, kill_after_steps)
+    prompt = [int(t) for t in ref["input_ids"][0]]
+    want = [int(t) for t in ref["greedy_ids"][0]][len(prompt):]
+    body = {"model": model_id, "prompt": prompt, "max_tokens": len(want), "temperature": 0, "carrier": "f32",
+            "stream": True, "stream_options": {"include_usage": True}}
+    ids: list[int] = []
+    killed, usage = None, None
+    with httpx.Client(timeout=300) as client, client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"/v1/completions answered {resp.status_code}: {resp.read().decode()[:500]}")
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                raise RuntimeError(f"generation failed after the kill: {chunk['error']['message']}")
+            if chunk.get("usage"):
+                usage = chunk
+            for c in chunk.get("choices", []):
+                ids += c["token_ids"]
+            if killed is None and len(ids) >= 1 + kill_after_steps:
+                stop()
+                time.sleep(hold_s)
+                killed = kill()
+    if usage is None or killed is None:
+        raise RuntimeError("the stream ended without its usage chunk or before the kill")
+    layers = usage["layers"]
+    failovers = sum(1 for f in layers["failures"] if f.get("provider") == killed)
+    fallback = int(layers["transports"].get("fallback", 0))
+    last = layers["holders_by_step"][-1] if layers["holders_by_step"] else []
+    equal = ids == want
+    return {"killed": killed, "kill_after_steps": kill_after_steps, "greedy_ids_equal": equal, "output_ids": ids,
+            "failovers": failovers, "fallback": fallback, "replans": layers["replans"],
+            "served_after_kill": killed in last,
+            "ok": equal and failovers + fallback > 0 and killed not in last}

@@ -15,7 +15,7 @@ from holders.ffn import ExpertWeights, expert_forward, moe_layer_forward
 from prepare.backbone import backbone_groups, group_blob
 from prepare.checkpoint import Checkpoint
 from prepare.layouts import load_expert, load_gate, spec_from_config
-from tests.conftest import DEEPSEEK, QWEN
+from tests.conftest import DEEPSEEK, MIXTRAL, QWEN, QWEN2
 
 
 def local_model(path):
@@ -40,7 +40,8 @@ def local_model(path):
     return build_backbone(c.config, w), mlp, load_file(str(path / "generation_reference.safetensors"))
 
 
-@pytest.fixture(scope="module", params=[QWEN, DEEPSEEK], ids=["qwen3_moe", "deepseek_v3"])
+@pytest.fixture(scope="module", params=[QWEN, DEEPSEEK, QWEN2, MIXTRAL],
+                ids=["qwen3_moe", "deepseek_v3", "qwen2_moe", "mixtral"])
 def model(request):
     return local_model(request.param)
 

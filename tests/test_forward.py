@@ -132,6 +132,8 @@ def test_receipt_binds_tokens_and_carrier(out_rows):
 def test_carrier_choice_and_q8_rows():
     assert wire.choose_carrier("auto", 256) == ("q8_0", "bf16")
     assert wire.choose_carrier("auto", 100) == ("f32", "bf16")
+    assert wire.choose_carrier("f16", 100) == ("f16", "bf16")
+    assert wire.choose_carrier("f16", 4, np.array([[1.0, -7e4, 0, 0]], np.float32)) == ("f32", "bf16")
     assert wire.choose_carrier("f32", 256) == ("f32", "f32")
     with pytest.raises(wire.WireError, match="divisible by 32"):
         wire.choose_carrier("q8_0", 100)
@@ -164,6 +166,19 @@ def test_part_frames_reassemble_and_refuse_bad_parts():
     with pytest.raises(wire.WireError, match="buffer"):
         small.feed(*wire.unpack_frame(frames[1]))
     assert small.buffered == 0
+
+
+def test_f16_rows_round_trip_and_range():
+    x = np.random.default_rng(1).standard_normal((3, 100)).astype(np.float32) * 50
+    data = wire.encode_rows(x, "f16")
+    assert len(data) == 3 * 100 * 2 == wire.encoded_nbytes("f16", 3, 100)
+    back = wire.decode_rows(data, "f16", 100, 3)
+    assert np.array_equal(back, x.astype(np.float16).astype(np.float32))
+    assert np.max(np.abs(back - x) / np.maximum(np.abs(x), 1e-3)) <= 2.0 ** -11
+    with pytest.raises(wire.WireError, match="f16 range"):
+        wire.encode_rows(np.array([[7e4]], np.float32), "f16")
+    with pytest.raises(wire.WireError, match="f16 rows"):
+        wire.decode_rows(data[:-2], "f16", 100, 3)
 
 
 # -- forward with in-process holders --------------------------------------------------------
@@ -247,6 +262,10 @@ def test_compact_wire_is_close_and_smaller(qwen):
     rel = np.abs(res.output - exact.output).max() / np.abs(exact.output).max()
     assert 0 < rel < 2e-2
     assert res.bytes_out < exact.bytes_out * 0.3 and res.bytes_back == exact.bytes_back // 2
+    half = qwen.run(carrier="f16")  # twice Q8_0's bytes out, a fraction of its error
+    rel_half = np.abs(half.output - exact.output).max() / np.abs(exact.output).max()
+    assert 0 < rel_half < rel / 2
+    assert half.bytes_out == exact.bytes_out // 2 and half.bytes_back == exact.bytes_back // 2
 
 
 def _faulty(fx, bad: str, mode: str):

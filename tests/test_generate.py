@@ -18,8 +18,14 @@ from tests.conftest import QWEN
 pytestmark = pytest.mark.cluster
 
 
+# each turn between t1 and t2, then t3 to open the answer
+CHAT_TEMPLATE = ("{% for m in messages %}t1 {{ m['content'] }} t2 {% endfor %}"
+                 "{% if add_generation_prompt %}t3{% endif %}")
+
+
 def checkpoint_with_tokenizer(tmp_path):
-    """The qwen fixture plus a word-level ``tokenizer.json`` (token ``t{i}`` is id ``i``)."""
+    """The qwen fixture plus a word-level ``tokenizer.json`` (token ``t{i}`` is id ``i``) and
+    a ``tokenizer_config.json`` with ``CHAT_TEMPLATE``."""
     d = tmp_path / "qwen3_moe_tiny"
     d.mkdir()
     for f in QWEN.iterdir():
@@ -27,6 +33,7 @@ def checkpoint_with_tokenizer(tmp_path):
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     return d
 
 
@@ -110,6 +117,18 @@ def test_openai_chat_streams_text(cluster):
                     break
                 content.append(json.loads(ev.data)["choices"][0]["delta"]["content"])
     assert len(content) == 4 and all(w.startswith("t") for w in "".join(content).split())
+
+
+def test_openai_chat_applies_the_checkpoint_template(cluster):
+    url, msgs = cluster["url"], [{"role": "user", "content": "t5 t6 t7"}, {"role": "assistant", "content": "t8"},
+                                 {"role": "user", "content": "t4"}]
+    params = {"model": "qwen3-moe-tiny", "max_tokens": 4, "temperature": 0, "carrier": "f32"}
+    chat = httpx.post(f"{url}/v1/chat/completions", json={**params, "messages": msgs}, timeout=120).json()
+    rendered = [1, 5, 6, 7, 2, 1, 8, 2, 1, 4, 2, 3]
+    plain = httpx.post(f"{url}/v1/completions", json={**params, "prompt": rendered}, timeout=120).json()
+    assert chat["usage"]["prompt_tokens"] == len(rendered)
+    assert chat["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+    assert chat["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
 
 
 @pytest.mark.parametrize("path,body,status,param", [

@@ -5,7 +5,7 @@ streams (keep-alive, ``Content-Length`` bodies only) answering JSON-RPC 2.0 at `
 with ``tenzro_moeExecute`` (alias ``moe/execute``) and ``moe/status`` (alias
 ``tenzro_moeExpertStatus``). Requests follow the reference's ``ExpertExecuteRequest``
 (§6.1: ``hidden_states`` base64 f32 or ``hidden_q8`` base64 Q8_0 blocks) plus our
-``request_id`` and ``output`` (``f32`` default, ``bf16``, ``q8_0``); the result mirrors the
+``request_id`` and ``output`` (``f32`` default, ``f16``, ``bf16``, ``q8_0``); the result mirrors the
 request and carries ``outputs`` (base64 in ``output`` encoding) and the signed ``receipt``.
 Bodies above ``MAX_BODY`` are refused with 413.
 
