@@ -252,7 +252,7 @@ def test_router_prefers_iroh_then_falls_back_to_the_socket_and_http(holder, sett
     from tests.conftest import signed_heartbeat
 
     agent, x = holder
-    settings.TENZRO = {**settings.TENZRO, "DATA_TRANSPORT": "iroh", "VIEW_CACHE_S": 0, "BATCH_TIMEOUT_S": 0.3}
+    settings.TENZRO = {**settings.TENZRO, "DATA_TRANSPORT": "iroh", "VIEW_CACHE_S": 0, "BATCH_TIMEOUT_S": 3.0}
     req = request(x[:4], [0, 1, 2, 3])
 
     async def go(server, _client):
