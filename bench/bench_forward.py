@@ -294,7 +294,7 @@ def run_count(n_agents: int, a, cpus: list[int], gate: Gate, experts: dict, x: n
         if "iroh" in sends:
             sends["iroh"][0].peers.update(peers)
         if hub is not None:
-            loop.run_until_complete(hub.wait_for(n_agents))
+            loop.run_until_complete(hub.wait_for_agents(n_agents))
         agent_probe = sends[transports[0]][2]  # over HTTP whatever the transport
 
         async def get_view(excluded):

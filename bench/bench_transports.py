@@ -111,7 +111,7 @@ class SocketHub:
         answer, payload, back = await fut
         return answer_to_batch(answer, payload, req, "ws", sum(map(len, frames)), back)
 
-    async def wait_for(self, n: int, timeout: float = 60.0) -> None:
+    async def wait_for_agents(self, n: int, timeout: float = 60.0) -> None:
         """Return once ``n`` agents are admitted; ``TimeoutError`` after ``timeout`` seconds."""
         async with asyncio.timeout(timeout):
             while len(self.sockets) < n:
