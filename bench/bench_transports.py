@@ -56,14 +56,18 @@ async def serve_agent(agent, ws_site: str | None, with_iroh: bool) -> dict:
 
 class SocketHub:
     """The bench router's end of the agents' sockets: a WebSocket server on 127.0.0.1 that
-    admits an agent after its signed hello and sends it execute frames (answers by id)."""
+    admits an agent after its signed hello and sends it execute frames, cut to the site's
+    ``max_message`` (1 MiB) as the consumer does (``wire.split_frames``); answers are
+    reassembled (``wire.Reassembler``) and matched by request id. Bytes counted are the
+    frames actually written and read."""
+
+    MAX_MESSAGE = 1 << 20  # TENZRO_WS_MAX_MESSAGE's default: what the welcome tells the agent
 
     def __init__(self):
         self.sockets: dict[str, object] = {}
         self.pending: dict[str, asyncio.Future] = {}
         self.server = None
         self.url = ""
-        self.joined = asyncio.Event()
 
     async def start(self) -> "SocketHub":
         from websockets.asyncio.server import serve
@@ -73,33 +77,45 @@ class SocketHub:
         return self
 
     async def _agent(self, ws) -> None:
+        from websockets.exceptions import ConnectionClosed
+
         from registry.identity import DOMAIN_HELLO, verify
         nonce = os.urandom(32)
         await ws.send(json.dumps(messages.challenge(nonce)))
         hello = json.loads(await ws.recv())
         verify(hello["provider"], DOMAIN_HELLO, nonce, hello["signature"])
-        await ws.send(json.dumps(messages.welcome(hello["provider"], 1 << 20, 3600)))
+        await ws.send(json.dumps(messages.welcome(hello["provider"], self.MAX_MESSAGE, 3600)))
         self.sockets[hello["provider"]] = ws
-        self.joined.set()
-        from websockets.exceptions import ConnectionClosed
+        parts, back = wire.Reassembler(), {}
         try:
             async for frame in ws:
-                if isinstance(frame, bytes):
+                if isinstance(frame, bytes):  # text frames are the agent's heartbeats: not measured here
                     header, payload = wire.unpack_frame(frame)
-                    fut = self.pending.pop(header.get("id"), None)
-                    if fut is not None and not fut.done():
-                        fut.set_result((header, payload, len(frame)))
+                    key = str(header.get("id"))
+                    back[key] = back.get(key, 0) + len(frame)
+                    msg = parts.feed(header, payload)
+                    if msg is not None:
+                        fut = self.pending.pop(key, None)
+                        if fut is not None and not fut.done():
+                            fut.set_result((*msg, back.pop(key)))
         except ConnectionClosed:  # the agent process ended
             pass
 
     async def send(self, provider: str, _holder, req) -> object:
         """One ``BatchRequest`` over ``provider``'s socket; its ``BatchAnswer``."""
-        frame = wire.pack_frame(messages.request_header(req), req.payload)
+        frames = wire.split_frames(messages.request_header(req), req.payload, self.MAX_MESSAGE)
         fut = asyncio.get_running_loop().create_future()
         self.pending[req.request_id] = fut
-        await self.sockets[provider].send(frame)
+        for frame in frames:
+            await self.sockets[provider].send(frame)
         answer, payload, back = await fut
-        return answer_to_batch(answer, payload, req, "ws", len(frame), back)
+        return answer_to_batch(answer, payload, req, "ws", sum(map(len, frames)), back)
+
+    async def wait_for_agents(self, n: int, timeout: float = 60.0) -> None:
+        """Return once ``n`` agents are admitted; ``TimeoutError`` after ``timeout`` seconds."""
+        async with asyncio.timeout(timeout):
+            while len(self.sockets) < n:
+                await asyncio.sleep(0.05)
 
     async def close(self) -> None:
         """Close the agents' sockets and stop serving."""
