@@ -1,7 +1,7 @@
 """Token generation with distributed experts vs the same model in one process.
 
 Usage:  .venv/bin/python bench/bench_generate.py [--batch 8] [--prompt 32] [--steps 8] [--agents 4]
-        [--models qwen3,synth] [--carrier f16] [--cpus 0-1] [--repeat 3] [--profile]
+        [--models qwen3,synth] [--carrier f16] [--cpus 0-1] [--repeat 3] [--profile] [--site]
 
 Two models: the shipped qwen3_moe fixture, and a Qwen3-30B-A3B-shaped synthetic model (2
 layers, 128 experts, top-8, H 2048, expert FFN 768, 32 query / 4 KV heads of 128, vocab
@@ -27,6 +27,16 @@ of N agents ``max(1, cores // N)``. In-process and distributed generations alter
 (``--repeat`` of each after one warm-up of each); the decode-step time is the median over
 every step of every repeat. ``cpu`` in the report is the CPU model and the SIMD path of the
 quantized kernels (``holders.kernels``).
+
+``--site`` (qwen3 only) adds a third path, the product's: a local cluster (``manage.py
+tenzro_cluster``: the site process plus ``--agents`` holder agents, replication 2, in a
+fresh ``TENZRO_VAR_DIR``; database and channel layer as this environment configures them,
+SQLite and in-memory by default) on the same CPU set, and the same prompts through JSON-RPC
+``tenzro_moeGenerate`` (backbone on the site, every MoE layer through ``holders.services.forward``:
+admission, failover, receipts, holder outcomes, settlement). Its decode step is the site's
+``timings_ms.decode`` over the decode steps of a generation (median over repeats), alternated
+with the other two paths; the report adds ``decode_step_ms.site`` and the ratios site/distributed and
+site/in-process.
 """
 from __future__ import annotations
 
@@ -157,6 +167,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class SiteCluster:
+    """``manage.py tenzro_cluster`` of the qwen3 fixture with ``agents`` agents in a fresh var dir
+    (``--site``); ``generate(prompts, steps, carrier)`` → (ms per decode step, output ids)."""
+
+    def __init__(self, agents: int, carrier: str):
+        self.var = tempfile.mkdtemp(prefix="tenzro-bench-site-")
+        env = {**os.environ, "TENZRO_VAR_DIR": self.var}
+        self.carrier = carrier
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), "tenzro_cluster", "--checkpoint",
+                                      str(QWEN), "--holders", str(agents)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                info = json.loads(line)
+                self.rpc, self.model_id = info["rpc"], info["model_id"]
+                return
+        raise SystemExit(f"tenzro_cluster did not start; logs in {self.var}/logs")
+
+    def generate(self, prompts: list[np.ndarray], steps: int) -> tuple[float, list[list[int]]]:
+        import httpx
+
+        body = {"jsonrpc": "2.0", "id": 1, "method": "tenzro_moeGenerate",
+                "params": {"model_id": self.model_id, "input_ids": [p.tolist() for p in prompts],
+                           "max_new_tokens": steps + 1, "carrier": self.carrier}}
+        r = httpx.post(self.rpc, json=body, timeout=600).json()
+        if "error" in r:
+            raise SystemExit(f"tenzro_moeGenerate failed: {r['error']}")
+        out = r["result"]["output_ids"]
+        return r["result"]["timings_ms"]["decode"] / (len(out[0]) - 1), out
+
+    def stop(self) -> None:
+        self.proc.terminate()  # the cluster stops its site and agents
+        self.proc.wait(30)
+
+
 def bench_model(name: str, a) -> dict:
     """Run one model in process and distributed; returns the report dict."""
     from threadpoolctl import threadpool_limits
@@ -173,7 +218,10 @@ def bench_model(name: str, a) -> dict:
     model = Model(name, a.pool, a.synth_vocab)
     keys = [(L, e) for L in model.layers for e in sorted(model.experts[L])]
     procs = []
+    site = None
     try:
+        if a.site and name == "qwen3":
+            site = SiteCluster(a.agents, a.carrier)
         for i in range(a.agents):
             mine = keys[i::a.agents]
             port = free_port()
@@ -227,16 +275,20 @@ def bench_model(name: str, a) -> dict:
                 per_step.append(time.perf_counter() - t0)
             return seqs, g.timings["prefill_ms"] / 1e3, per_step, handoff
 
-        locals_, dists = [], []
+        locals_, dists, sites = [], [], []
         with threadpool_limits(limits=base_threads):
             run(local_mlp)  # warm up kernels and caches
         with threadpool_limits(limits=1):  # the router's own numpy work: one thread, as the site runs it
             run(dist_mlp)  # warm up connections
+        if site is not None:
+            site.generate(prompts, a.steps)  # warm up the site's caches and agent sockets
         for _ in range(a.repeat):
             with threadpool_limits(limits=base_threads):
                 locals_.append(run(local_mlp))
             with threadpool_limits(limits=1):
                 dists.append(run(dist_mlp))
+            if site is not None:
+                sites.append(site.generate(prompts, a.steps))
         if a.profile:
             import cProfile
             import io
@@ -254,13 +306,15 @@ def bench_model(name: str, a) -> dict:
         for p, _, _ in procs:
             p.terminate()
             p.wait(10)
+        if site is not None:
+            site.stop()
     ls, handoff = locals_[-1][0], locals_[-1][3]
     lstep = float(np.median([t for r in locals_ for t in r[2]]))
     dstep = float(np.median([t for r in dists for t in r[2]]))
     lpre = float(np.median([r[1] for r in locals_]))
     dpre = float(np.median([r[1] for r in dists]))
     ptoks = a.batch * a.prompt
-    return {"model": name, "agents": a.agents, "batch": a.batch, "prompt_tokens": a.prompt,
+    r = {"model": name, "agents": a.agents, "batch": a.batch, "prompt_tokens": a.prompt,
             "decode_steps": len(dists[-1][2]), "repeat": a.repeat, "carrier": a.carrier, "cpus": a.cpus,
             "cpu": cpu_description(), "agent_blas_threads": agent_threads, "baseline_blas_threads": base_threads,
             "setup_s": round(build_s, 1),
@@ -270,6 +324,13 @@ def bench_model(name: str, a) -> dict:
             "prefill_tokens_per_s": {"in_process": round(ptoks / lpre, 2), "distributed": round(ptoks / dpre, 2)},
             "greedy_ids_equal": all([x.output for x in r[0]] == [x.output for x in ls] for r in locals_ + dists),
             "kv_handoff_bytes_per_token": round(handoff / ptoks, 1)}
+    if sites:
+        sstep = float(np.median([ms for ms, _ in sites])) / 1e3
+        r["decode_step_ms"]["site"] = round(sstep * 1e3, 2)
+        r["site_vs_distributed_ratio"] = round(sstep / dstep, 3)
+        r["site_vs_in_process_ratio"] = round(sstep / lstep, 3)
+        r["site_greedy_ids_equal"] = all(out == [x.output for x in ls] for _, out in sites)
+    return r
 
 
 def parse_cpus(text: str | None) -> list[int]:
@@ -315,6 +376,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="alternated in-process/distributed generations")
     ap.add_argument("--agent-threads", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help="also print the router's cProfile top entries")
+    ap.add_argument("--site", action="store_true",
+                    help="qwen3: also generate through a local cluster's tenzro_moeGenerate (module doc)")
     ap.add_argument("--pool", type=int, default=8, help="distinct Q4_K_M matrices of the synthetic model")
     ap.add_argument("--synth-vocab", type=int, default=8192)
     ap.add_argument("--agent", default=None, help=argparse.SUPPRESS)
@@ -333,6 +396,10 @@ def main() -> None:
               f"(cpus {r['cpus']}): ratio {r['decode_step_ratio']} (goal <= 1.25); decode tok/s "
               f"{r['decode_tokens_per_s']}; prefill tok/s {r['prefill_tokens_per_s']}; KV handoff "
               f"{r['kv_handoff_bytes_per_token']} B/token; greedy ids equal: {r['greedy_ids_equal']}", flush=True)
+        if "site" in r["decode_step_ms"]:
+            print(f"{name}: site tenzro_moeGenerate decode step {r['decode_step_ms']['site']} ms: "
+                  f"{r['site_vs_distributed_ratio']}x the distributed path, {r['site_vs_in_process_ratio']}x in "
+                  f"process; greedy ids equal: {r['site_greedy_ids_equal']}", flush=True)
         print(json.dumps(r), flush=True)
 
 
