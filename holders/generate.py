@@ -139,10 +139,12 @@ class LayerStats:
 
 
 def distributed_mlp(served: ServedModel, loop: asyncio.AbstractEventLoop, carrier: str, stats: LayerStats,
-                    gen_id: str, fallback: bool = True):
+                    gen_id: str, fallback: bool = True, outcomes: services.ForwardOutcomes | None = None):
     """The backbone's ``mlp(layer, x)`` callback for a worker thread: MoE layers by
     ``services.forward``, dense layers by ``services.dense_forward``, run on ``loop``;
-    with ``fallback`` the site's replica serves batches every remote holder failed.
+    with ``fallback`` the site's replica serves batches every remote holder failed;
+    ``outcomes``: where the forwards' holder outcomes and settlement records gather
+    (``services.ForwardOutcomes``; None: recorded per forward).
 
     Raises ``BackboneError`` for a layer that is neither, and whatever the forward raises
     (``ForwardError``, ``GateNotLoaded``)."""
@@ -150,10 +152,11 @@ def distributed_mlp(served: ServedModel, loop: asyncio.AbstractEventLoop, carrie
 
     def mlp(layer: int, x: np.ndarray) -> np.ndarray:
         if layer in served.moe_layers:
-            coro = services.forward(served.model_id, layer, x.shape[1], x, carrier=carrier, fallback=fallback)
+            coro = services.forward(served.model_id, layer, x.shape[1], x, carrier=carrier, fallback=fallback,
+                                    outcomes=outcomes)
         elif layer in served.dense_layers:
             coro = services.dense_forward(served.model_id, layer, x.shape[1], x, carrier=carrier,
-                                                 fallback=fallback)
+                                          fallback=fallback, outcomes=outcomes)
         else:
             raise BackboneError(f"layer {layer} of {served.model_id!r} has neither published experts nor dense "
                                 f"slices")
@@ -211,9 +214,15 @@ async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "au
     stats = LayerStats()
     gen_id = uuid.uuid4().hex[:12]
     loop = asyncio.get_running_loop()
+    # Holder outcomes and settlement records of every layer forward go to the DB together
+    # (every few seconds and at the end), not once per layer and step (services.ForwardOutcomes).
+    outcomes = services.ForwardOutcomes()
     gen = Generator(served.backbone, distributed_mlp(served, loop, generation_carrier(carrier), stats, gen_id,
-                                                     fallback), sampling)
-    seqs: list[Sequence] = await asyncio.to_thread(gen.run, prompts, return_logits, on_tokens)
+                                                     fallback, outcomes), sampling)
+    try:
+        seqs: list[Sequence] = await asyncio.to_thread(gen.run, prompts, return_logits, on_tokens)
+    finally:
+        outcomes.flush()
     total = (time.perf_counter() - t0) * 1e3
     new = sum(len(s.output) for s in seqs)
     decode_tokens = new - len(seqs)

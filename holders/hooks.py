@@ -3,9 +3,10 @@
 ``settlement`` sits above ``holders`` in the layers, so the router cannot call it; instead the
 settlement app registers a listener here from its ``AppConfig.ready()`` and the router
 (``holders.services``) hands every finished forward to the listeners. Listeners are async
-callables ``(ForwardRecord) -> None`` started as background tasks on the router's event
+callables ``(list[ForwardRecord]) -> None`` started as background tasks on the router's event
 loop: the forward's answer never waits on them, and a failing listener is logged, never
-raised into the forward.
+raised into the forward. A list, because a generation hands its many layer forwards over
+together (one database round per batch instead of one per layer and step).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class ForwardRecord:
     verified: list[VerifiedBatch]
 
 
-Listener = Callable[[ForwardRecord], Awaitable[None]]
+Listener = Callable[[list[ForwardRecord]], Awaitable[None]]
 _listeners: list[Listener] = []
 _running: set[asyncio.Task] = set()
 
@@ -48,20 +49,21 @@ def remove_forward_listener(fn: Listener) -> None:
         _listeners.remove(fn)
 
 
-async def _run(fn: Listener, record: ForwardRecord) -> None:
+async def _run(fn: Listener, records: list[ForwardRecord]) -> None:
     try:
-        await fn(record)
+        await fn(records)
     except Exception:  # a listener bug must never surface in (or after) the forward
-        log.exception("forward listener %r failed for forward %s", fn, record.forward_id)
+        log.exception("forward listener %r failed for forwards %s", fn, [r.forward_id for r in records])
 
 
-def emit_forward(record: ForwardRecord) -> None:
-    """Start every listener on ``record`` in the background of the running event loop."""
-    if not _listeners:
+def emit_forwards(records: list[ForwardRecord]) -> None:
+    """Start every listener on ``records`` (finished forwards, in order) in the background of
+    the running event loop; nothing when ``records`` is empty."""
+    if not _listeners or not records:
         return
     loop = asyncio.get_running_loop()
     for fn in list(_listeners):
-        task = loop.create_task(_run(fn, record))
+        task = loop.create_task(_run(fn, list(records)))
         _running.add(task)
         task.add_done_callback(_running.discard)
 

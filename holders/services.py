@@ -26,7 +26,7 @@ from holders.fallback import fallback_for
 from holders.forward import ForwardError, distributed_forward
 from holders.messages import BatchAnswer, BatchRequest, answer_to_batch
 from holders.gating import Gate
-from holders.hooks import ForwardRecord, emit_forward
+from holders.hooks import ForwardRecord, emit_forwards
 from holders.runtime import ExpertRuntime, GateNotLoaded
 from holders.scoreboard import Scoreboard
 from holders.transports import iroh
@@ -53,6 +53,15 @@ class UnknownModel(GateNotLoaded):
 _gate_cache: dict[str, Gate] = {}
 _gate_lock = threading.Lock()
 _ttl_cache: dict[tuple, tuple[float, object]] = {}
+
+
+def _fresh(key: tuple):
+    """The value ``_cached`` holds for ``key`` while it is younger than ``VIEW_CACHE_S``, else
+    None: lets a coroutine skip the thread hop to the DB thread on a hit."""
+    hit = _ttl_cache.get(key)
+    if hit is not None and time.monotonic() - hit[0] < settings.TENZRO["VIEW_CACHE_S"]:
+        return hit[1]
+    return None
 
 
 def _cached(key: tuple, fn):
@@ -157,10 +166,8 @@ async def send_iroh(provider: str, endpoint_id: str, req: BatchRequest) -> Batch
     Raises ``ConnectionError`` (no addresses advertised for that endpoint id, cannot connect,
     stream broke), ``HolderFault`` or ``AuthRefusal``.
     """
-    hit = _ttl_cache.get(("iroh_peers",))
-    if hit is not None and time.monotonic() - hit[0] < settings.TENZRO["VIEW_CACHE_S"]:
-        peers = hit[1]
-    else:
+    peers = _fresh(("iroh_peers",))
+    if peers is None:
         peers = await database_sync_to_async(_cached)(("iroh_peers",), iroh_peers)
     eid, addrs = peers.get(provider, ("", []))
     if eid != endpoint_id or not addrs:
@@ -194,21 +201,22 @@ async def send_batch(provider: str, holder, req: BatchRequest) -> BatchAnswer:
 
 async def forward(model_id: str, layer: int, d_model: int, hidden_states: np.ndarray, top_k: int | None = None,
                   allow_cold: bool = False, allow_partial: bool = False, carrier: str = "auto",
-                  fallback: bool = False) -> dict:
+                  fallback: bool = False, outcomes: "ForwardOutcomes | None" = None) -> dict:
     """``tenzro_moeForward``: the reference's result fields plus ``holders``, ``failures``,
     ``wire`` (bytes each way, per element), ``receipts`` (verified count) and ``timings_ms``.
     ``fallback``: pairs every remote holder failed run on this site from its blob store
     (``holders.fallback``; transport ``fallback``).
 
     Records each holder failure (reputation) and success (latency) through
-    ``registry.services.record_holder_outcomes``. Raises ``GateNotLoaded``, ``ValueError``
-    (input does not fit the gate, bad carrier) and ``ForwardError``.
+    ``registry.services.record_holder_outcomes``, at once or, with ``outcomes`` (a
+    generation's), batched there with the forward's settlement record. Raises
+    ``GateNotLoaded``, ``ValueError`` (input does not fit the gate, bad carrier) and ``ForwardError``.
     """
-    gate = await database_sync_to_async(load_gate)(model_id, layer)
+    gate = await _gate(model_id, layer)
     if d_model != gate.d_model:
         raise ParamError(f"d_model is {d_model} but the gate of layer {layer} has d_model {gate.d_model}", "d_model")
     async def get_view(excluded):
-        return await database_sync_to_async(live_view)(model_id, excluded)
+        return await _view(model_id, excluded)
 
     rt = _site_runtime
 
@@ -221,7 +229,8 @@ async def forward(model_id: str, layer: int, d_model: int, hidden_states: np.nda
     res = await _recorded_forward(gate=gate, model_id=model_id, layer=layer, hidden_states=hidden_states,
                                   get_view=get_view, top_k=top_k, allow_cold=allow_cold,
                                   local=local if rt is not None else None, allow_partial=allow_partial,
-                                  carrier=carrier, fallback=fallback_for(model_id, layer) if fallback else None)
+                                  carrier=carrier, fallback=fallback_for(model_id, layer) if fallback else None,
+                                  outcomes=outcomes)
     r = res.routing
     elems = int(hidden_states.shape[0]) * d_model
     return {
@@ -239,13 +248,14 @@ async def forward(model_id: str, layer: int, d_model: int, hidden_states: np.nda
 
 
 async def dense_forward(model_id: str, layer: int, d_model: int, hidden_states: np.ndarray,
-                        carrier: str = "auto", fallback: bool = False) -> dict:
+                        carrier: str = "auto", fallback: bool = False,
+                        outcomes: "ForwardOutcomes | None" = None) -> dict:
     """``tenzro_moeDenseForward``: a dense MLP layer split by intermediate slices over holders
     (``holders.dense``), recombined in slice order. ``model_id`` is the checkpoint's model;
     its slices are the experts of ``dense_model_id(model_id)``. Returns ``{model_id, layer,
     d_model, tokens, parts, batches, replans, transports, holders, failures, receipts, wire,
-    timings_ms, outputs}``. Raises ``GateNotLoaded`` when no dense slices are published for
-    the layer, ``ValueError`` and ``ForwardError``.
+    timings_ms, outputs}``. ``outcomes``: as ``forward``'s. Raises ``GateNotLoaded`` when no
+    dense slices are published for the layer, ``ValueError`` and ``ForwardError``.
     """
     dense_id = dense_model_id(model_id)
 
@@ -253,17 +263,20 @@ async def dense_forward(model_id: str, layer: int, d_model: int, hidden_states: 
         m = MoeModel.objects.filter(model_id=dense_id).first()
         return m.num_experts if m is not None and layer in m.moe_layers and m.hidden_size == d_model else None
 
-    parts = await database_sync_to_async(parts_of)()
+    parts = _fresh(("dense_parts", dense_id, layer, d_model))
+    if parts is None:
+        parts = await database_sync_to_async(_cached)(("dense_parts", dense_id, layer, d_model), parts_of)
     if parts is None:
         raise GateNotLoaded(f"no dense slices of model {model_id!r} layer {layer} with d_model {d_model} are "
                             f"published")
     async def get_view(excluded):
-        return await database_sync_to_async(live_view)(dense_id, excluded)
+        return await _view(dense_id, excluded)
 
     res = await _recorded_forward(gate=None, routing=dense_routing(int(hidden_states.shape[0]), parts),
                                   model_id=dense_id, layer=layer, hidden_states=hidden_states,
                                   get_view=get_view, carrier=carrier,
-                                  fallback=fallback_for(dense_id, layer) if fallback else None)
+                                  fallback=fallback_for(dense_id, layer) if fallback else None,
+                                  outcomes=outcomes)
     return {"model_id": model_id, "layer": layer, "d_model": d_model, "tokens": int(hidden_states.shape[0]),
             "parts": parts, "batches": res.batches, "replans": res.replans, "transports": res.transports,
             "holders": res.holders, "failures": res.failures, "receipts": len(res.receipts),
@@ -286,14 +299,77 @@ def _presence(provider: str, connected: bool) -> None:
 AgentLink.presence_listeners.append(_presence)
 
 
-async def _recorded_forward(**kwargs):
+class ForwardOutcomes:
+    """Holder outcomes (failure counts, latencies) and finished-forward records of many
+    forwards (a generation's layer forwards), handed on together: one
+    ``record_holder_outcomes`` transaction and one ``holders.hooks.emit_forwards`` (receipt
+    sampling, settlement) per ``flush`` instead of one of each per layer and decode step,
+    which competed with the decode for the site's cores and its database thread.
+
+    ``add`` flushes by itself once ``flush_s`` seconds passed since the last flush, so a long
+    generation's reputations and settlements lag by at most that; the owner calls ``flush``
+    at the end (also when the generation failed). Used on the event loop only.
+    """
+
+    def __init__(self, flush_s: float = 5.0):
+        self.flush_s = flush_s
+        self.failures: dict[str, int] = {}
+        self.latencies: dict[str, list[float]] = {}
+        self.records: list[ForwardRecord] = []
+        self._flushed_at = time.monotonic()
+
+    def add(self, failures: list[dict], latencies: dict[str, list[float]], record: ForwardRecord | None) -> None:
+        """Add one forward's ``failures`` (those with ``fault`` count), ``latencies`` (ms per
+        provider) and its ``record`` (None: the forward failed)."""
+        for f in failures:
+            if f.get("fault"):
+                self.failures[f["provider"]] = self.failures.get(f["provider"], 0) + 1
+        for p, ms in latencies.items():
+            self.latencies.setdefault(p, []).extend(ms)
+        if record is not None:
+            self.records.append(record)
+        if time.monotonic() - self._flushed_at >= self.flush_s:
+            self.flush()
+
+    def flush(self) -> None:
+        """Start recording what was added (background tasks on the running loop) and empty it."""
+        self._flushed_at = time.monotonic()
+        failures, latencies, records = self.failures, self.latencies, self.records
+        self.failures, self.latencies, self.records = {}, {}, []
+        _record_counts_later(failures, latencies)
+        emit_forwards(records)
+
+
+async def _gate(model_id: str, layer: int) -> Gate:
+    """``load_gate`` without a thread hop while its blob hash is fresh in the TTL cache."""
+    h = _fresh(("gate", model_id, layer))
+    if h is not None:
+        with _gate_lock:
+            gate = _gate_cache.get(h)
+        if gate is not None:
+            return gate
+    return await database_sync_to_async(load_gate)(model_id, layer)
+
+
+async def _view(model_id: str, excluded: frozenset) -> ShardView:
+    """``live_view``, without a thread hop while the provider rows are fresh in the TTL cache
+    (building the view from them is pure and cheap); a DB read on the site's DB thread else."""
+    infos = _fresh(("infos", model_id))
+    if infos is None:
+        return await database_sync_to_async(live_view)(model_id, excluded)
+    return ShardView.build(model_id, [p for p in infos[0] if p.provider not in excluded],
+                           policy=ReplicationPolicy(), expected=infos[1])
+
+
+async def _recorded_forward(outcomes: ForwardOutcomes | None = None, **kwargs):
     """``distributed_forward`` over ``send_batch`` with the site's deadlines and holder scoreboard
     (a request past ``BATCH_DEADLINE`` may still answer first until ``BATCH_TIMEOUT``), under a
     forward slot of ``holders.admission`` (``Busy`` when none is free in time, or when the forward
     failed only because deadlines expired while this router was saturated); each
     holder's failures and latencies are recorded afterwards, also when the forward fails.
     A successful forward gets a fresh ``forward_id`` (set on the result) and is handed to the
-    forward listeners (``holders.hooks``: receipt sampling, settlement) in the background."""
+    forward listeners (``holders.hooks``: receipt sampling, settlement) in the background.
+    With ``outcomes`` the outcomes and the record are added there instead (``ForwardOutcomes``)."""
     t = settings.TENZRO
     admission = Admission.current()
     try:
@@ -304,14 +380,21 @@ async def _recorded_forward(**kwargs):
                                             split_threshold=t["PLAN_SPLIT_THRESHOLD"], **kwargs)
     except ForwardError as exc:
         failures = exc.data.get("failures", [])
-        _record_later(failures, {})
+        if outcomes is not None:
+            outcomes.add(failures, {}, None)
+        else:
+            _record_later(failures, {})
         if exc.kind == "execution" and overloaded(failures):
             raise Busy(f"the router is saturated: {exc.message}", "capacity", max(1.0, t["BATCH_DEADLINE_S"])) \
                 from exc
         raise
-    _record_later(res.failures, res.latencies_ms)
     res.forward_id = uuid.uuid4().hex
-    emit_forward(ForwardRecord(res.forward_id, kwargs["model_id"], kwargs["layer"], res.verified))
+    record = ForwardRecord(res.forward_id, kwargs["model_id"], kwargs["layer"], res.verified)
+    if outcomes is not None:
+        outcomes.add(res.failures, res.latencies_ms, record)
+    else:
+        _record_later(res.failures, res.latencies_ms)
+        emit_forwards([record])
     return res
 
 
@@ -321,6 +404,11 @@ def _record_later(failures: list[dict], latencies: dict) -> None:
     for f in failures:
         if f.get("fault"):
             counts[f["provider"]] = counts.get(f["provider"], 0) + 1
+    _record_counts_later(counts, latencies)
+
+
+def _record_counts_later(counts: dict[str, int], latencies: dict) -> None:
+    """``record_holder_outcomes(counts, latencies)`` as a background task of the running loop."""
     if counts or latencies:
         task = asyncio.get_running_loop().create_task(database_sync_to_async(record_holder_outcomes)(counts, latencies))
         _recording.add(task)
@@ -431,7 +519,7 @@ async def _relay_execute(provider: str, p: dict) -> dict:
     return methods.execute_result(p["model_id"], p["layer"], p["expert"], tokens, p["d_model"], out)
 
 
-__all__ = ["ForwardError", "GateNotLoaded", "call_method", "dense_forward", "forward", "live_view", "load_gate",
+__all__ = ["ForwardError", "ForwardOutcomes", "GateNotLoaded", "call_method", "dense_forward", "forward", "live_view", "load_gate",
            "send_batch", "send_to_agent", "send_ws", "site_fetch", "site_runtime"]
 
 

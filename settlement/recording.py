@@ -65,20 +65,32 @@ def _ensure_timer() -> None:
         _timers[id(loop)] = loop.create_task(_sweep_forever(float(os.environ.get("TENZRO_AUDIT_INTERVAL", "30"))))
 
 
-async def on_forward(record: ForwardRecord) -> None:
-    """Record, settle and audit one finished forward (module docstring)."""
-    if not record.verified:
+def _record_and_settle(records: list[ForwardRecord]) -> list[str]:
+    """Worker thread: record every forward of ``records``, settle them when tasks run inline
+    (else queue one ``settle_forward`` task each); returns the kept sample keys."""
+    keys = [k for r in records for k in services.record_forward(r)["samples"]]
+    for r in records:
+        if inline():
+            services.settle_forward(r.forward_id)
+        else:
+            tasks.settle_forward.delay(r.forward_id)
+    return keys
+
+
+async def on_forward(records: list[ForwardRecord]) -> None:
+    """Record, settle and audit finished forwards (module docstring), all in one worker-thread
+    hop (a generation hands over many layer forwards at once)."""
+    records = [r for r in records if r.verified]
+    if not records:
         return
-    kept = await database_sync_to_async(services.record_forward, thread_sensitive=False)(record)
     if inline():
         _ensure_timer()
-        await database_sync_to_async(services.settle_forward, thread_sensitive=False)(record.forward_id)
-        for key in kept["samples"]:
+    keys = await database_sync_to_async(_record_and_settle, thread_sensitive=False)(records)
+    if inline():
+        for key in keys:
             _spawn(_audit_inline(key))
     else:
-        await asyncio.to_thread(tasks.settle_forward.delay, record.forward_id)
-        for key in kept["samples"]:
-            await asyncio.to_thread(tasks.audit_receipt.delay, key)
+        await asyncio.to_thread(lambda: [tasks.audit_receipt.delay(k) for k in keys])
 
 
 async def drain(timeout: float = 120.0) -> None:
