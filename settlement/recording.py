@@ -69,10 +69,10 @@ def _record_and_settle(records: list[ForwardRecord]) -> list[str]:
     """Worker thread: record every forward of ``records``, settle them when tasks run inline
     (else queue one ``settle_forward`` task each); returns the kept sample keys."""
     keys = [k for r in records for k in services.record_forward(r)["samples"]]
-    for r in records:
-        if inline():
-            services.settle_forward(r.forward_id)
-        else:
+    if inline():
+        services.settle_forwards([r.forward_id for r in records])
+    else:
+        for r in records:
             tasks.settle_forward.delay(r.forward_id)
     return keys
 

@@ -3,7 +3,7 @@
 - ``record_forward``: after each forward (background), keep the sampled verified batches in
   full (``settlement.audit.is_sampled`` under the router secret) and write one pending
   settlement per holder that served remote, receipt-verified batches.
-- ``settle_one`` / ``settle_forward`` / ``settle_pending``: claim a pending settlement exactly
+- ``settle_many`` / ``settle_forward(s)`` / ``settle_pending``: claim pending settlements exactly
   once (conditional update on its state, inside the transaction that credits the holder).
 - ``dispute``: re-verify a kept receipt, re-execute its carrier on a copy of the same blob
   (the site's own dispute runtime, or another live holder of that blob, never the accused),
@@ -158,51 +158,66 @@ def price(tokens: int, price_per_input_token: int, minimum_price: int, share_bps
     return gross, holder, gross - holder
 
 
-def settle_one(pk: int) -> bool:
-    """Claim and pay one pending settlement exactly once; returns whether this call paid it.
+def settle_many(pks: list[int]) -> int:
+    """Claim and pay pending settlements ``pks`` exactly once, in one transaction; returns how
+    many this call paid.
 
-    The claim is ``UPDATE … SET state='settled' WHERE id=pk AND state='pending'`` inside the
-    transaction that credits the holder (``balance += holder_amount``, reputation +1 capped at
-    ``REPUTATION_CAP`` when ``holder_amount > 0``: the only way reputation rises). A second
-    worker, a retried task or another beat finds the row settled (on PostgreSQL its update
-    waits for the first transaction and then matches no row) and pays nothing.
+    Each claim is ``UPDATE … SET state='settled' WHERE id=pk AND state='pending'`` inside the
+    transaction that credits the holders (``balance += holder_amount``, reputation +1 per paid
+    row capped at ``REPUTATION_CAP`` when ``holder_amount > 0``: the only way reputation rises).
+    The pending rows are locked first (``SELECT … FOR UPDATE`` on PostgreSQL), so a second
+    worker, a retried task or another beat waits, then finds them settled and pays nothing.
     Pricing: the holder's advertised ``price_per_input_token`` / ``minimum_price`` (signed
-    heartbeat; defaults 10 / 100), split by ``settlement_holder_share_bps``.
+    heartbeat; defaults 10 / 100), split by ``settlement_holder_share_bps``. One policy read,
+    one price read and one credit per holder for the whole list (a generation settles
+    hundreds of layer forwards at once).
     """
+    if not pks:
+        return 0
     with transaction.atomic():
-        row = Settlement.objects.filter(pk=pk, state=Settlement.State.PENDING).values(
-            "provider", "tokens").first()
-        if row is None:
-            return False
-        prices = Provider.objects.filter(provider=row["provider"]).values_list(
-            "price_per_input_token", "minimum_price").first() or (DEFAULT_PRICE_PER_INPUT_TOKEN,
-                                                                   DEFAULT_MINIMUM_PRICE)
-        gross, holder, fee = price(row["tokens"], prices[0], prices[1],
-                                   current_policy().settlement_holder_share_bps)
-        claimed = Settlement.objects.filter(pk=pk, state=Settlement.State.PENDING).update(
-            state=Settlement.State.SETTLED, gross=gross, holder_amount=holder, network_fee=fee,
-            settled_at_ms=now_ms())
-        if claimed != 1:
-            return False
-        if holder > 0:
-            Provider.objects.filter(provider=row["provider"]).update(
-                balance=F("balance") + holder,
-                reputation=Least(F("reputation") + 1, Value(REPUTATION_CAP)))
-        return True
+        rows = list(Settlement.objects.select_for_update().filter(pk__in=list(pks), state=Settlement.State.PENDING)
+                    .order_by("pk").values_list("pk", "provider", "tokens"))
+        if not rows:
+            return 0
+        share = current_policy().settlement_holder_share_bps
+        prices = {p: (ppt, mp) for p, ppt, mp in Provider.objects.filter(provider__in={r[1] for r in rows})
+                  .values_list("provider", "price_per_input_token", "minimum_price")}
+        credit: dict[str, list[int]] = {}  # provider -> [amount, paid rows with an amount]
+        paid = 0
+        for pk, provider, tokens in rows:
+            ppt, mp = prices.get(provider, (DEFAULT_PRICE_PER_INPUT_TOKEN, DEFAULT_MINIMUM_PRICE))
+            gross, holder, fee = price(tokens, ppt, mp, share)
+            claimed = Settlement.objects.filter(pk=pk, state=Settlement.State.PENDING).update(
+                state=Settlement.State.SETTLED, gross=gross, holder_amount=holder, network_fee=fee,
+                settled_at_ms=now_ms())
+            if claimed != 1:
+                continue
+            paid += 1
+            if holder > 0:
+                c = credit.setdefault(provider, [0, 0])
+                c[0] += holder
+                c[1] += 1
+        for provider, (amount, n) in credit.items():
+            Provider.objects.filter(provider=provider).update(
+                balance=F("balance") + amount, reputation=Least(F("reputation") + n, Value(REPUTATION_CAP)))
+        return paid
+
+
+def settle_forwards(forward_ids: list[str]) -> int:
+    """Settle every pending settlement of ``forward_ids`` (``settle_many``); returns how many this call paid."""
+    return settle_many(list(Settlement.objects.filter(forward_id__in=list(forward_ids),
+                                                      state=Settlement.State.PENDING).values_list("pk", flat=True)))
 
 
 def settle_forward(forward_id: str) -> int:
     """Settle every pending settlement of ``forward_id``; returns how many this call paid."""
-    pks = list(Settlement.objects.filter(forward_id=forward_id, state=Settlement.State.PENDING)
-               .values_list("pk", flat=True))
-    return sum(settle_one(pk) for pk in pks)
+    return settle_forwards([forward_id])
 
 
 def settle_pending(limit: int = 1000) -> int:
     """Sweep: settle up to ``limit`` pending settlements (oldest first); returns how many were paid."""
-    pks = list(Settlement.objects.filter(state=Settlement.State.PENDING).order_by("id")
-               .values_list("pk", flat=True)[:limit])
-    return sum(settle_one(pk) for pk in pks)
+    return settle_many(list(Settlement.objects.filter(state=Settlement.State.PENDING).order_by("id")
+                            .values_list("pk", flat=True)[:limit]))
 
 
 # ----------------------------------------------------------------------------- disputes

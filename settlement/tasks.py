@@ -1,6 +1,6 @@
 """Celery tasks of the receipts economy (thin, idempotent): settlement and automatic audits.
 
-Settling claims each pending row exactly once (``services.settle_one``), so a retried task,
+Settling claims each pending row exactly once (``services.settle_many``), so a retried task,
 two workers or two beats never pay twice. An audit of a key already disputed returns the
 stored outcome. Without ``REDIS_URL`` these run inline (eager).
 """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import numpy as np
@@ -59,6 +60,44 @@ def test_generate_greedy_matches_reference_with_logits(cluster):
     assert np.abs(logits - REF["logits"]).max() / np.abs(REF["logits"]).max() <= 1e-4
     assert r["text"] == " ".join(f"t{i}" for i in GREEDY)
     assert len(r["forward_ids"]) == 2 * 8 and r["layers"]["receipts"] > 0 and r["tokens_per_s"] > 0
+
+
+def _recorded(url: str) -> tuple[int, dict]:
+    """(batches served summed over providers, settled batches per forward id) of the site."""
+    served = sum(p["batches_served"] for p in rpc(url, "tenzro_moeListProviders", {})["result"]["providers"])
+    rows = rpc(url, "tenzro_moeListSettlements", {"model_id": "qwen3-moe-tiny", "limit": 1000})["result"]
+    per_forward: dict[str, int] = {}
+    for s in rows["settlements"]:
+        per_forward[s["forward_id"]] = per_forward.get(s["forward_id"], 0) + s["batches"]
+    return served, per_forward
+
+
+def _settled(url: str, timeout: float = 30.0) -> tuple[int, dict]:
+    """``_recorded`` once two reads 0.5 s apart agree (background recording done)."""
+    last, deadline = _recorded(url), time.time() + timeout
+    while time.time() < deadline:
+        time.sleep(0.5)
+        now = _recorded(url)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def test_generation_records_each_batch_once_in_outcomes_and_settlement(cluster):
+    # A generation gathers its layer forwards' holder outcomes and settlement records and
+    # hands them over in batches (services.ForwardOutcomes): every remote batch still counts
+    # once in the holders' batches_served and once in a settled forward, one per layer forward.
+    served0, settled0 = _settled(cluster["rpc"])
+    r = rpc(cluster["rpc"], "tenzro_moeGenerate", {"model_id": "qwen3-moe-tiny", "input_ids": PROMPT,
+                                                   "max_new_tokens": 4, "carrier": "f32"})["result"]
+    remote = r["layers"]["batches"] - r["layers"]["transports"].get("local", 0) \
+        - r["layers"]["transports"].get("fallback", 0)
+    assert r["layers"]["failures"] == [] and remote == r["layers"]["receipts"] > 0
+    served1, settled1 = _settled(cluster["rpc"])
+    new = {f: n for f, n in settled1.items() if f not in settled0}
+    assert served1 - served0 == remote
+    assert len(new) == len(r["forward_ids"]) == 2 * 4 and sum(new.values()) == remote
 
 
 def test_generate_text_prompt_and_batch(cluster):
