@@ -1,7 +1,8 @@
 """Token generation with distributed experts vs the same model in one process.
 
 Usage:  .venv/bin/python bench/bench_generate.py [--batch 8] [--prompt 32] [--steps 8] [--agents 4]
-        [--models qwen3,synth] [--carrier f16] [--cpus 0-1] [--repeat 3] [--profile] [--site]
+        [--models qwen3,synth] [--carrier f16] [--cpus 0-1] [--repeat 3] [--profile]
+        [--site [--site-transport ws|http]]
 
 Two models: the shipped qwen3_moe fixture, and a Qwen3-30B-A3B-shaped synthetic model (2
 layers, 128 experts, top-8, H 2048, expert FFN 768, 32 query / 4 KV heads of 128, vocab
@@ -36,7 +37,9 @@ SQLite and in-memory by default) on the same CPU set, and the same prompts throu
 admission, failover, receipts, holder outcomes, settlement). Its decode step is the site's
 ``timings_ms.decode`` over the decode steps of a generation (median over repeats), alternated
 with the other two paths; the report adds ``decode_step_ms.site`` and the ratios site/distributed and
-site/in-process.
+site/in-process. ``--site-transport http`` has the site reach the agents over their HTTP
+``POST /frame`` (``TENZRO_DATA_TRANSPORT=http``, agents ``--agent-http``), the transport of the
+distributed path, so the difference left is the site's own per-forward work.
 """
 from __future__ import annotations
 
@@ -169,14 +172,17 @@ def free_port() -> int:
 
 class SiteCluster:
     """``manage.py tenzro_cluster`` of the qwen3 fixture with ``agents`` agents in a fresh var dir
-    (``--site``); ``generate(prompts, steps, carrier)`` → (ms per decode step, output ids)."""
+    (``--site``), the site reaching them over ``transport`` (``ws``: agent sockets, the default;
+    ``http``: the agents' ``POST /frame`` as the bench's distributed path);
+    ``generate(prompts, steps)`` → (ms per decode step, output ids)."""
 
-    def __init__(self, agents: int, carrier: str):
+    def __init__(self, agents: int, carrier: str, transport: str = "ws"):
         self.var = tempfile.mkdtemp(prefix="tenzro-bench-site-")
-        env = {**os.environ, "TENZRO_VAR_DIR": self.var}
+        env = {**os.environ, "TENZRO_VAR_DIR": self.var, "TENZRO_DATA_TRANSPORT": transport}
         self.carrier = carrier
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), "tenzro_cluster", "--checkpoint",
-                                      str(QWEN), "--holders", str(agents)], stdout=subprocess.PIPE,
+                                      str(QWEN), "--holders", str(agents)]
+                                     + (["--agent-http"] if transport == "http" else []), stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
         for line in self.proc.stdout:
             if line.startswith("{"):
@@ -221,7 +227,7 @@ def bench_model(name: str, a) -> dict:
     site = None
     try:
         if a.site and name == "qwen3":
-            site = SiteCluster(a.agents, a.carrier)
+            site = SiteCluster(a.agents, a.carrier, a.site_transport)
         for i in range(a.agents):
             mine = keys[i::a.agents]
             port = free_port()
@@ -330,6 +336,7 @@ def bench_model(name: str, a) -> dict:
         r["site_vs_distributed_ratio"] = round(sstep / dstep, 3)
         r["site_vs_in_process_ratio"] = round(sstep / lstep, 3)
         r["site_greedy_ids_equal"] = all(out == [x.output for x in ls] for _, out in sites)
+        r["site_transport"] = a.site_transport
     return r
 
 
@@ -378,6 +385,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also print the router's cProfile top entries")
     ap.add_argument("--site", action="store_true",
                     help="qwen3: also generate through a local cluster's tenzro_moeGenerate (module doc)")
+    ap.add_argument("--site-transport", default="ws", choices=["ws", "http"],
+                    help="--site: how the site reaches its agents (TENZRO_DATA_TRANSPORT; default ws)")
     ap.add_argument("--pool", type=int, default=8, help="distinct Q4_K_M matrices of the synthetic model")
     ap.add_argument("--synth-vocab", type=int, default=8192)
     ap.add_argument("--agent", default=None, help=argparse.SUPPRESS)
