@@ -222,7 +222,7 @@ async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "au
     try:
         seqs: list[Sequence] = await asyncio.to_thread(gen.run, prompts, return_logits, on_tokens)
     finally:
-        outcomes.flush()
+        outcomes.close()
     total = (time.perf_counter() - t0) * 1e3
     new = sum(len(s.output) for s in seqs)
     decode_tokens = new - len(seqs)

@@ -307,8 +307,10 @@ class ForwardOutcomes:
     which competed with the decode for the site's cores and its database thread.
 
     ``add`` flushes by itself once ``flush_s`` seconds passed since the last flush, so a long
-    generation's reputations and settlements lag by at most that; the owner calls ``flush``
-    at the end (also when the generation failed). Used on the event loop only.
+    generation's reputations and settlements lag by at most that; the owner calls ``close``
+    at the end (also when the generation failed or was cancelled): it flushes, and any forward
+    still finishing afterwards (a cancelled generation's worker thread runs on) is handed on at
+    once. Used on the event loop only.
     """
 
     def __init__(self, flush_s: float = 5.0):
@@ -316,6 +318,7 @@ class ForwardOutcomes:
         self.failures: dict[str, int] = {}
         self.latencies: dict[str, list[float]] = {}
         self.records: list[ForwardRecord] = []
+        self.closed = False
         self._flushed_at = time.monotonic()
 
     def add(self, failures: list[dict], latencies: dict[str, list[float]], record: ForwardRecord | None) -> None:
@@ -328,7 +331,7 @@ class ForwardOutcomes:
             self.latencies.setdefault(p, []).extend(ms)
         if record is not None:
             self.records.append(record)
-        if time.monotonic() - self._flushed_at >= self.flush_s:
+        if self.closed or time.monotonic() - self._flushed_at >= self.flush_s:
             self.flush()
 
     def flush(self) -> None:
@@ -338,6 +341,11 @@ class ForwardOutcomes:
         self.failures, self.latencies, self.records = {}, {}, []
         _record_counts_later(failures, latencies)
         emit_forwards(records)
+
+    def close(self) -> None:
+        """Flush, and from now on hand every added forward on at once."""
+        self.closed = True
+        self.flush()
 
 
 async def _gate(model_id: str, layer: int) -> Gate:
