@@ -36,7 +36,8 @@ SQLite and in-memory by default) on the same CPU set, and the same prompts throu
 ``tenzro_moeGenerate`` (backbone on the site, every MoE layer through ``holders.services.forward``:
 admission, failover, receipts, holder outcomes, settlement). Its decode step is the site's
 ``timings_ms.decode`` over the decode steps of a generation (median over repeats), alternated
-with the other two paths; the report adds ``decode_step_ms.site`` and the ratios site/distributed and
+with the other two paths (after each generation the bench waits until the site process is
+idle, so its background recording does not land on the other paths); the report adds ``decode_step_ms.site`` and the ratios site/distributed and
 site/in-process. ``--site-transport http`` has the site reach the agents over their HTTP
 ``POST /frame`` (``TENZRO_DATA_TRANSPORT=http``, agents ``--agent-http``), the transport of the
 distributed path, so the difference left is the site's own per-forward work.
@@ -187,7 +188,7 @@ class SiteCluster:
         for line in self.proc.stdout:
             if line.startswith("{"):
                 info = json.loads(line)
-                self.rpc, self.model_id = info["rpc"], info["model_id"]
+                self.rpc, self.model_id, self.site_pid = info["rpc"], info["model_id"], info["site_pid"]
                 return
         raise SystemExit(f"tenzro_cluster did not start; logs in {self.var}/logs")
 
@@ -201,7 +202,28 @@ class SiteCluster:
         if "error" in r:
             raise SystemExit(f"tenzro_moeGenerate failed: {r['error']}")
         out = r["result"]["output_ids"]
+        self.quiesce()
         return r["result"]["timings_ms"]["decode"] / (len(out[0]) - 1), out
+
+    def quiesce(self, timeout: float = 30.0) -> None:
+        """Wait until the site process is idle (under 10 ms of CPU in 250 ms): its background
+        work after an answer (holder outcomes, settlement, audits) must not land on the other
+        paths' timings."""
+        tick = os.sysconf("SC_CLK_TCK")
+
+        def cpu_s() -> float:
+            with open(f"/proc/{self.site_pid}/stat") as fh:
+                f = fh.read().rsplit(")", 1)[1].split()
+            return (int(f[11]) + int(f[12])) / tick  # utime + stime
+
+        deadline = time.monotonic() + timeout
+        last = cpu_s()
+        while time.monotonic() < deadline:
+            time.sleep(0.25)
+            now = cpu_s()
+            if now - last < 0.01:
+                return
+            last = now
 
     def stop(self) -> None:
         self.proc.terminate()  # the cluster stops its site and agents
