@@ -259,7 +259,7 @@ def test_socket_batch_frame_is_answered_per_request_and_a_malformed_batch_gets_a
     answer, data = wire.unpack_frame(sent[0], wire.MESSAGE_HEADER_MAX)
     outcomes = messages.batch_answers(answer, data, reqs, "ws", 1, 1)
     assert isinstance(outcomes[-1], HolderFault) and "-32004" in str(outcomes[-1])
-    for req, ans, (fields, out) in zip(reqs, outcomes, singles):
+    for req, ans, (_, out) in zip(reqs, outcomes, singles):
         assert np.array_equal(ans.rows, wire.decode_rows(out, req.output, req.d_model, len(req.tokens)))
         verify_receipt(ans.receipt, provider=agent.provider, request_id=req.request_id, model_id=MODEL, layer=LAYER,
                        expert=req.expert, tokens=req.tokens, carrier_kind=req.carrier, carrier=req.payload,
