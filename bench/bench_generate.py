@@ -1,7 +1,7 @@
 """Token generation with distributed experts vs the same model in one process.
 
 Usage:  .venv/bin/python bench/bench_generate.py [--batch 8] [--prompt 32] [--steps 8] [--agents 4]
-        [--models qwen3,synth] [--carrier f16] [--cpus 0-1] [--repeat 3] [--profile]
+        [--models qwen3,synth] [--carrier f16] [--cpus 0-1] [--repeat 3] [--profile] [--coalesce on|off|both]
 
 Two models: the shipped qwen3_moe fixture, and a Qwen3-30B-A3B-shaped synthetic model (2
 layers, 128 experts, top-8, H 2048, expert FFN 768, 32 query / 4 KV heads of 128, vocab
@@ -227,7 +227,9 @@ def bench_model(name: str, a) -> dict:
                 per_step.append(time.perf_counter() - t0)
             return seqs, g.timings["prefill_ms"] / 1e3, per_step, handoff
 
-        locals_, dists = [], []
+        # Request coalescing (TENZRO_COALESCE, read at each send): on, off, or both alternated.
+        modes = {"on": ("1",), "off": ("0",), "both": ("0", "1")}[a.coalesce]
+        locals_, by_mode = [], {m: [] for m in modes}
         with threadpool_limits(limits=base_threads):
             run(local_mlp)  # warm up kernels and caches
         with threadpool_limits(limits=1):  # the router's own numpy work: one thread, as the site runs it
@@ -235,8 +237,11 @@ def bench_model(name: str, a) -> dict:
         for _ in range(a.repeat):
             with threadpool_limits(limits=base_threads):
                 locals_.append(run(local_mlp))
-            with threadpool_limits(limits=1):
-                dists.append(run(dist_mlp))
+            for m in modes:
+                os.environ["TENZRO_COALESCE"] = m
+                with threadpool_limits(limits=1):
+                    by_mode[m].append(run(dist_mlp))
+        dists = by_mode[modes[-1]]
         if a.profile:
             import cProfile
             import io
@@ -259,6 +264,10 @@ def bench_model(name: str, a) -> dict:
     dstep = float(np.median([t for r in dists for t in r[2]]))
     lpre = float(np.median([r[1] for r in locals_]))
     dpre = float(np.median([r[1] for r in dists]))
+    solo = {}
+    if len(by_mode) == 2:  # --coalesce both: the same distributed generation with every batch sent alone
+        sstep = float(np.median([t for r in by_mode["0"] for t in r[2]]))
+        solo = {"decode_step_ms_solo": round(sstep * 1e3, 2), "decode_step_ratio_solo": round(sstep / lstep, 3)}
     ptoks = a.batch * a.prompt
     return {"model": name, "agents": a.agents, "batch": a.batch, "prompt_tokens": a.prompt,
             "decode_steps": len(dists[-1][2]), "repeat": a.repeat, "carrier": a.carrier, "cpus": a.cpus,
@@ -268,8 +277,9 @@ def bench_model(name: str, a) -> dict:
             "decode_step_ratio": round(dstep / lstep, 3),
             "decode_tokens_per_s": {"in_process": round(a.batch / lstep, 2), "distributed": round(a.batch / dstep, 2)},
             "prefill_tokens_per_s": {"in_process": round(ptoks / lpre, 2), "distributed": round(ptoks / dpre, 2)},
-            "greedy_ids_equal": all([x.output for x in r[0]] == [x.output for x in ls] for r in locals_ + dists),
-            "kv_handoff_bytes_per_token": round(handoff / ptoks, 1)}
+            "greedy_ids_equal": all([x.output for x in r[0]] == [x.output for x in ls]
+                                    for r in locals_ + [d for runs in by_mode.values() for d in runs]),
+            "kv_handoff_bytes_per_token": round(handoff / ptoks, 1), "coalesce": a.coalesce, **solo}
 
 
 def parse_cpus(text: str | None) -> list[int]:
@@ -315,6 +325,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="alternated in-process/distributed generations")
     ap.add_argument("--agent-threads", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help="also print the router's cProfile top entries")
+    ap.add_argument("--coalesce", default="on", choices=["on", "off", "both"],
+                    help="request coalescing (TENZRO_COALESCE) of the distributed runs; both = alternate off and on")
     ap.add_argument("--pool", type=int, default=8, help="distinct Q4_K_M matrices of the synthetic model")
     ap.add_argument("--synth-vocab", type=int, default=8192)
     ap.add_argument("--agent", default=None, help=argparse.SUPPRESS)
@@ -332,7 +344,9 @@ def main() -> None:
               f"distributed {r['decode_step_ms']['distributed']} ms over {r['agents']} agents "
               f"(cpus {r['cpus']}): ratio {r['decode_step_ratio']} (goal <= 1.25); decode tok/s "
               f"{r['decode_tokens_per_s']}; prefill tok/s {r['prefill_tokens_per_s']}; KV handoff "
-              f"{r['kv_handoff_bytes_per_token']} B/token; greedy ids equal: {r['greedy_ids_equal']}", flush=True)
+              f"{r['kv_handoff_bytes_per_token']} B/token; greedy ids equal: {r['greedy_ids_equal']}"
+              + (f"; coalescing off: {r['decode_step_ms_solo']} ms, ratio {r['decode_step_ratio_solo']}"
+                 if "decode_step_ms_solo" in r else ""), flush=True)
         print(json.dumps(r), flush=True)
 
 
