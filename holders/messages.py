@@ -16,7 +16,9 @@ module says what goes in the headers and in the socket's JSON text messages:
   requests: [execute header + nbytes, ...]}``, payload = the requests' carrier bytes
   concatenated in order (``batch_frame``); the reply ``{id, ok: true, answers: [reply or
   failure header + nbytes, ...]}``, payload = the answers' output bytes concatenated
-  (``batch_reply``), one answer per request in order, each with its own receipt or error;
+  (``batch_reply``), one answer per request in order, each with its own receipt or error
+  (failure codes are JSON-RPC codes on every transport; a malformed batch as a whole gets one
+  ``ok: false`` reply); agents still take single ``execute`` frames;
 - either direction, a message above the socket's cap as part frames ``{id, part, parts}``
   (``wire.split_frames``), acted on only once reassembled.
 
