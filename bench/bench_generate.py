@@ -267,7 +267,9 @@ def bench_model(name: str, a) -> dict:
     solo = {}
     if len(by_mode) == 2:  # --coalesce both: the same distributed generation with every batch sent alone
         sstep = float(np.median([t for r in by_mode["0"] for t in r[2]]))
-        solo = {"decode_step_ms_solo": round(sstep * 1e3, 2), "decode_step_ratio_solo": round(sstep / lstep, 3)}
+        ids = [[x.output for x in r[0]] for runs in by_mode.values() for r in runs]
+        solo = {"decode_step_ms_solo": round(sstep * 1e3, 2), "decode_step_ratio_solo": round(sstep / lstep, 3),
+                "greedy_ids_equal_solo_vs_coalesced": all(i == ids[0] for i in ids)}
     ptoks = a.batch * a.prompt
     return {"model": name, "agents": a.agents, "batch": a.batch, "prompt_tokens": a.prompt,
             "decode_steps": len(dists[-1][2]), "repeat": a.repeat, "carrier": a.carrier, "cpus": a.cpus,
@@ -345,7 +347,8 @@ def main() -> None:
               f"(cpus {r['cpus']}): ratio {r['decode_step_ratio']} (goal <= 1.25); decode tok/s "
               f"{r['decode_tokens_per_s']}; prefill tok/s {r['prefill_tokens_per_s']}; KV handoff "
               f"{r['kv_handoff_bytes_per_token']} B/token; greedy ids equal: {r['greedy_ids_equal']}"
-              + (f"; coalescing off: {r['decode_step_ms_solo']} ms, ratio {r['decode_step_ratio_solo']}"
+              + (f"; coalescing off: {r['decode_step_ms_solo']} ms, ratio {r['decode_step_ratio_solo']}, "
+                 f"greedy ids equal to coalesced: {r['greedy_ids_equal_solo_vs_coalesced']}"
                  if "decode_step_ms_solo" in r else ""), flush=True)
         print(json.dumps(r), flush=True)
 
