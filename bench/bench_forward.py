@@ -3,6 +3,7 @@
 Usage:  .venv/bin/python bench/bench_forward.py [--agents 2,4] [--cpus 0-1] [--repeat 5]
         [--transport http|iroh|ws|all] [--carrier auto] [--experts 128] [--top-k 8] [--hidden 2048]
         [--ffn 768] [--tokens 512] [--agent-threads N] [--baseline-threads N] [--profile]
+        [--coalesce on|off|both]
 
 One Qwen3-30B-A3B-shaped layer (128 experts, top-8, H 2048, expert FFN 768) with synthetic
 Q8_0-valued weights (random int8 quants and f16 scales decoded with ``holders.quant``), 512
@@ -43,6 +44,11 @@ the JSON-RPC frames with base64 rows for iroh (``iroh.request_frames``/``assembl
 rest). The wrappers live in this file (agents report theirs over an extra ``bench/phases``
 RPC method on HTTP), so the timed code is the production code. ``--profile`` also prints
 the router's cProfile top entries (process CPU time) for one distributed forward per transport.
+
+Request coalescing (``--coalesce``, default ``on``; ``holders.transports.coalesce``): the
+batches a forward sends to one agent in the same loop turn go as one message (one ``batch``
+frame, one iroh stream); ``both`` also measures each transport with it off, alternated in the
+same run, as row ``<transport>/solo``.
 
 Wire bytes per routed element out and back (goals ≤ 1.07 and ≤ 2.1) and the compact
 wire's error against the in-process forward are printed per transport for the last agent count.
@@ -256,6 +262,13 @@ def start_agents(n: int, a, blob_dir: str, threads: int, ws_site: str) -> list[t
     return procs
 
 
+def variants(transports: list[str], coalesce: str) -> list[tuple[str, str, bool]]:
+    """(row name, transport, coalescing on) measured per transport for ``--coalesce`` on, off or
+    both: the row is named after the transport with coalescing on, ``<transport>/solo`` off."""
+    modes = {"on": (True,), "off": (False,), "both": (False, True)}[coalesce]
+    return [(t if on else f"{t}/solo", t, on) for t in transports for on in modes]
+
+
 def transports_of(choice: str) -> list[str]:
     """``--transport`` → the transports measured (``all`` = every one of ``bench_transports``)."""
     return list(bench_transports.TRANSPORTS) if choice == "all" else [choice]
@@ -271,6 +284,7 @@ def run_count(n_agents: int, a, cpus: list[int], gate: Gate, experts: dict, x: n
     from registry.shardmap import HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView
 
     transports = transports_of(a.transport)
+    rows = variants(transports, a.coalesce)  # (row name, transport, coalescing on)
     cores = len(cpus)
     agent_threads = a.agent_threads or max(1, cores // n_agents)
     base_threads = a.baseline_threads or cores
@@ -300,7 +314,9 @@ def run_count(n_agents: int, a, cpus: list[int], gate: Gate, experts: dict, x: n
         async def get_view(excluded):
             return view
 
-        async def dist(t):
+        async def dist(name):
+            _, t, on = next(v for v in rows if v[0] == name)
+            os.environ["TENZRO_COALESCE"] = "1" if on else "0"  # read by the transports at each send
             return await distributed_forward(gate=gate, model_id=MODEL, layer=LAYER, hidden_states=x,
                                              get_view=get_view, send=sends[t][0], carrier=a.carrier, deadline_s=120)
 
@@ -309,13 +325,13 @@ def run_count(n_agents: int, a, cpus: list[int], gate: Gate, experts: dict, x: n
 
         res = {}
         with threadpool_limits(limits=1):  # warm-up: connections, caches, first-touch of the weights
-            for t in transports:
-                res[t] = loop.run_until_complete(dist(t))
+            for name, _, _ in rows:
+                res[name] = loop.run_until_complete(dist(name))
         loop.run_until_complete(agent_phases())
         mono_t, par_t, mono_cpu, par_cpu = [], [], [], []
-        dist_t = {t: [] for t in transports}
-        router_cpu = {t: [] for t in transports}
-        agent_cpu = {t: [] for t in transports}
+        dist_t = {name: [] for name, _, _ in rows}
+        router_cpu = {name: [] for name, _, _ in rows}
+        agent_cpu = {name: [] for name, _, _ in rows}
         exact = None
         pool = ThreadPoolExecutor(cores)
         for _ in range(a.repeat):
@@ -329,18 +345,18 @@ def run_count(n_agents: int, a, cpus: list[int], gate: Gate, experts: dict, x: n
                 moe_expert_parallel(gate, experts, x, pool)
                 par_t.append(time.perf_counter() - t0)
                 par_cpu.append(time.process_time() - c0)
-            for t in transports:
+            for name, t, _ in rows:
                 router.reset()
                 with threadpool_limits(limits=1):  # the router's gate is small; a spinning BLAS pool takes agent cores
                     t0 = time.perf_counter()
-                    res[t] = loop.run_until_complete(dist(t))
-                    dist_t[t].append(time.perf_counter() - t0)
-                router_cpu[t].append(router.snapshot())
-                agent_cpu[t].append(loop.run_until_complete(agent_phases()))
-                if res[t].transports.get(t) != res[t].batches:
-                    raise SystemExit(f"{t}: not every batch went over {t}: {res[t].transports}")
+                    res[name] = loop.run_until_complete(dist(name))
+                    dist_t[name].append(time.perf_counter() - t0)
+                router_cpu[name].append(router.snapshot())
+                agent_cpu[name].append(loop.run_until_complete(agent_phases()))
+                if res[name].transports.get(t) != res[name].batches:
+                    raise SystemExit(f"{name}: not every batch went over {t}: {res[name].transports}")
         if a.profile:
-            for t in transports:
+            for t, _, _ in rows:
                 prof = cProfile.Profile(time.process_time)  # CPU, not wall: waits on other processes drop out
                 with threadpool_limits(limits=1):
                     prof.enable()
@@ -373,7 +389,7 @@ def run_count(n_agents: int, a, cpus: list[int], gate: Gate, experts: dict, x: n
         return [{k: sum(ag.get(k, 0.0) for ag in per) for k in {k for ag in per for k in ag}} for per in per_run]
 
     by_transport = {}
-    for t in transports:
+    for t, _, _ in rows:
         d, r = statistics.median(dist_t[t]), res[t]
         by_transport[t] = {
             "distributed_s": d, "time_ratio": d / m, "time_ratio_vs_expert_parallel": d / par,
@@ -433,6 +449,8 @@ def main() -> None:
     ap.add_argument("--transport", default="http", choices=[*bench_transports.TRANSPORTS, "all"],
                     help="transport(s) from the router to the same agents; all = one row each")
     ap.add_argument("--carrier", default="auto", choices=["auto", "f32", "q8_0"])
+    ap.add_argument("--coalesce", default="on", choices=["on", "off", "both"],
+                    help="request coalescing (TENZRO_COALESCE) per transport; both = a <transport>/solo row too")
     ap.add_argument("--baseline-threads", type=int, default=0, help="BLAS threads of the baseline (default: cores)")
     ap.add_argument("--agent-threads", type=int, default=0, help="BLAS threads per agent (default: cores // agents)")
     ap.add_argument("--profile", action="store_true", help="cProfile the router over one more distributed forward")
@@ -485,14 +503,14 @@ def main() -> None:
                   f"{r['in_process_s'] * 1e3:.1f} ms, expert-parallel over {r['cores']} threads "
                   f"{r['expert_parallel_s'] * 1e3:.1f} ms (medians of {a.repeat}, alternated with each transport)")
             for t, bt in r["by_transport"].items():
-                print(f"  {t:<5} distributed {bt['distributed_s'] * 1e3:.1f} ms: ratio {bt['time_ratio']:.3f} "
+                print(f"  {t:<10} distributed {bt['distributed_s'] * 1e3:.1f} ms: ratio {bt['time_ratio']:.3f} "
                       f"(goal <= 1.10), vs expert-parallel {bt['time_ratio_vs_expert_parallel']:.3f}; runs "
                       + " ".join(f"{v * 1e3:.0f}" for v in bt["distributed_runs_s"]))
             for t in r["by_transport"]:
                 print_breakdown(r, t)
         print(f"\nwire per transport, {results[-1]['agents']} agents:")
         for t, bt in results[-1]["by_transport"].items():
-            print(f"  {t:<5} bytes per routed element out {bt['bytes_per_element_out']:.4f} (goal <= 1.07), back "
+            print(f"  {t:<10} bytes per routed element out {bt['bytes_per_element_out']:.4f} (goal <= 1.07), back "
                   f"{bt['bytes_per_element_back']:.4f} (goal <= 2.1); {bt['batches']} batches, "
                   f"{bt['receipts_verified']} receipts verified; rel err vs in-process "
                   f"{bt['max_rel_err_vs_in_process']:.2e}")

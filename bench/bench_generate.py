@@ -1,7 +1,7 @@
 """Token generation with distributed experts vs the same model in one process.
 
 Usage:  .venv/bin/python bench/bench_generate.py [--batch 8] [--prompt 32] [--steps 8] [--agents 4]
-        [--models qwen3,synth] [--carrier f16] [--cpus 0-1] [--repeat 3] [--profile]
+        [--models qwen3,synth] [--carrier f16] [--cpus 0-1] [--repeat 3] [--profile] [--coalesce on|off|both]
         [--site [--site-transport ws|http]]
 
 Two models: the shipped qwen3_moe fixture, and a Qwen3-30B-A3B-shaped synthetic model (2
@@ -303,7 +303,9 @@ def bench_model(name: str, a) -> dict:
                 per_step.append(time.perf_counter() - t0)
             return seqs, g.timings["prefill_ms"] / 1e3, per_step, handoff
 
-        locals_, dists, sites = [], [], []
+        # Request coalescing (TENZRO_COALESCE, read at each send): on, off, or both alternated.
+        modes = {"on": ("1",), "off": ("0",), "both": ("0", "1")}[a.coalesce]
+        locals_, by_mode, sites = [], {m: [] for m in modes}, []
         with threadpool_limits(limits=base_threads):
             run(local_mlp)  # warm up kernels and caches
         with threadpool_limits(limits=1):  # the router's own numpy work: one thread, as the site runs it
@@ -313,10 +315,13 @@ def bench_model(name: str, a) -> dict:
         for _ in range(a.repeat):
             with threadpool_limits(limits=base_threads):
                 locals_.append(run(local_mlp))
-            with threadpool_limits(limits=1):
-                dists.append(run(dist_mlp))
+            for m in modes:
+                os.environ["TENZRO_COALESCE"] = m
+                with threadpool_limits(limits=1):
+                    by_mode[m].append(run(dist_mlp))
             if site is not None:
                 sites.append(site.generate(prompts, a.steps))
+        dists = by_mode[modes[-1]]
         if a.profile:
             import cProfile
             import io
@@ -341,6 +346,12 @@ def bench_model(name: str, a) -> dict:
     dstep = float(np.median([t for r in dists for t in r[2]]))
     lpre = float(np.median([r[1] for r in locals_]))
     dpre = float(np.median([r[1] for r in dists]))
+    solo = {}
+    if len(by_mode) == 2:  # --coalesce both: the same distributed generation with every batch sent alone
+        sstep = float(np.median([t for r in by_mode["0"] for t in r[2]]))
+        ids = [[x.output for x in r[0]] for runs in by_mode.values() for r in runs]
+        solo = {"decode_step_ms_solo": round(sstep * 1e3, 2), "decode_step_ratio_solo": round(sstep / lstep, 3),
+                "greedy_ids_equal_solo_vs_coalesced": all(i == ids[0] for i in ids)}
     ptoks = a.batch * a.prompt
     r = {"model": name, "agents": a.agents, "batch": a.batch, "prompt_tokens": a.prompt,
             "decode_steps": len(dists[-1][2]), "repeat": a.repeat, "carrier": a.carrier, "cpus": a.cpus,
@@ -350,8 +361,9 @@ def bench_model(name: str, a) -> dict:
             "decode_step_ratio": round(dstep / lstep, 3),
             "decode_tokens_per_s": {"in_process": round(a.batch / lstep, 2), "distributed": round(a.batch / dstep, 2)},
             "prefill_tokens_per_s": {"in_process": round(ptoks / lpre, 2), "distributed": round(ptoks / dpre, 2)},
-            "greedy_ids_equal": all([x.output for x in r[0]] == [x.output for x in ls] for r in locals_ + dists),
-            "kv_handoff_bytes_per_token": round(handoff / ptoks, 1)}
+            "greedy_ids_equal": all([x.output for x in r[0]] == [x.output for x in ls]
+                                    for r in locals_ + [d for runs in by_mode.values() for d in runs]),
+            "kv_handoff_bytes_per_token": round(handoff / ptoks, 1), "coalesce": a.coalesce, **solo}
     if sites:
         sstep = float(np.median([ms for ms, _ in sites])) / 1e3
         r["decode_step_ms"]["site"] = round(sstep * 1e3, 2)
@@ -409,6 +421,8 @@ def main() -> None:
                     help="qwen3: also generate through a local cluster's tenzro_moeGenerate (module doc)")
     ap.add_argument("--site-transport", default="ws", choices=["ws", "http"],
                     help="--site: how the site reaches its agents (TENZRO_DATA_TRANSPORT; default ws)")
+    ap.add_argument("--coalesce", default="on", choices=["on", "off", "both"],
+                    help="request coalescing (TENZRO_COALESCE) of the distributed runs; both = alternate off and on")
     ap.add_argument("--pool", type=int, default=8, help="distinct Q4_K_M matrices of the synthetic model")
     ap.add_argument("--synth-vocab", type=int, default=8192)
     ap.add_argument("--agent", default=None, help=argparse.SUPPRESS)
@@ -426,7 +440,10 @@ def main() -> None:
               f"distributed {r['decode_step_ms']['distributed']} ms over {r['agents']} agents "
               f"(cpus {r['cpus']}): ratio {r['decode_step_ratio']} (goal <= 1.25); decode tok/s "
               f"{r['decode_tokens_per_s']}; prefill tok/s {r['prefill_tokens_per_s']}; KV handoff "
-              f"{r['kv_handoff_bytes_per_token']} B/token; greedy ids equal: {r['greedy_ids_equal']}", flush=True)
+              f"{r['kv_handoff_bytes_per_token']} B/token; greedy ids equal: {r['greedy_ids_equal']}"
+              + (f"; coalescing off: {r['decode_step_ms_solo']} ms, ratio {r['decode_step_ratio_solo']}, "
+                 f"greedy ids equal to coalesced: {r['greedy_ids_equal_solo_vs_coalesced']}"
+                 if "decode_step_ms_solo" in r else ""), flush=True)
         if "site" in r["decode_step_ms"]:
             print(f"{name}: site tenzro_moeGenerate decode step {r['decode_step_ms']['site']} ms: "
                   f"{r['site_vs_distributed_ratio']}x the distributed path, {r['site_vs_in_process_ratio']}x in "

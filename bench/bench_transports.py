@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from holders import messages, wire
 from holders.messages import answer_to_batch
 from holders.transports import iroh
+from holders.transports.coalesce import Coalescer
 
 TRANSPORTS = ("http", "iroh", "ws")
 
@@ -66,6 +68,7 @@ class SocketHub:
     def __init__(self):
         self.sockets: dict[str, object] = {}
         self.pending: dict[str, asyncio.Future] = {}
+        self.coalescer = Coalescer()
         self.server = None
         self.url = ""
 
@@ -102,14 +105,28 @@ class SocketHub:
             pass
 
     async def send(self, provider: str, _holder, req) -> object:
-        """One ``BatchRequest`` over ``provider``'s socket; its ``BatchAnswer``."""
-        frames = wire.split_frames(messages.request_header(req), req.payload, self.MAX_MESSAGE)
+        """One ``BatchRequest`` over ``provider``'s socket; its ``BatchAnswer``. Requests to one
+        provider in the same loop turn go as one ``batch`` message, as ``services.send_ws`` does."""
+        return await self.coalescer.submit(provider, req, lambda r: self._one(provider, r),
+                                           lambda reqs: self._many(provider, reqs))
+
+    async def _exchange(self, provider: str, header: dict, payload: bytes) -> tuple[dict, bytes, int, int]:
+        frames = wire.split_frames(header, payload, self.MAX_MESSAGE)
         fut = asyncio.get_running_loop().create_future()
-        self.pending[req.request_id] = fut
+        self.pending[header["id"]] = fut
         for frame in frames:
             await self.sockets[provider].send(frame)
-        answer, payload, back = await fut
-        return answer_to_batch(answer, payload, req, "ws", sum(map(len, frames)), back)
+        answer, data, back = await fut
+        return answer, data, sum(map(len, frames)), back
+
+    async def _one(self, provider: str, req) -> object:
+        answer, payload, out, back = await self._exchange(provider, messages.request_header(req), req.payload)
+        return answer_to_batch(answer, payload, req, "ws", out, back)
+
+    async def _many(self, provider: str, reqs: list) -> list:
+        header, payload = messages.batch_frame(reqs, uuid.uuid4().hex)
+        answer, data, out, back = await self._exchange(provider, header, payload)
+        return messages.batch_answers(answer, data, reqs, "ws", out, back)
 
     async def wait_for_agents(self, n: int, timeout: float = 60.0) -> None:
         """Return once ``n`` agents are admitted; ``TimeoutError`` after ``timeout`` seconds."""

@@ -46,12 +46,24 @@ from holders.transports.http import serve_http
 from holders.blobs import MAX_BLOB_BYTES, BlobStore, fetch_blob
 from holders.repair_agent import RepairWorker
 from registry.content import BlobError
-from registry.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND, RpcError
+from registry.jsonrpc import EXECUTION_ERROR, INTERNAL_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND, RpcError
 
 log = logging.getLogger("tenzro.agent")
 
 CLOSE_AUTH = 4401
 WARM_ROWS = 64  # above the native and numba small-batch limits: the decode + BLAS path
+
+
+def _rpc_failure(exc: BaseException) -> tuple[int, str]:
+    """(JSON-RPC code, message) answering one failed request of a ``batch``."""
+    if isinstance(exc, RpcError):
+        return exc.code, exc.message
+    if isinstance(exc, ExpertNotLoaded):
+        return EXECUTION_ERROR, str(exc)
+    if isinstance(exc, (RuntimeFault, wire.WireError, KeyError, TypeError, ValueError)):
+        return INVALID_PARAMS, str(exc)
+    log.error("batch request failed", exc_info=exc)
+    return INTERNAL_ERROR, f"internal error: {type(exc).__name__}"
 
 
 class HeartbeatTooLarge(ValueError):
@@ -122,6 +134,7 @@ class HolderAgent:
             raise ValueError(f"--iroh: {iroh.UNAVAILABLE}")
         self.iroh_bind = iroh_bind
         self.iroh: iroh.IrohServer | None = None
+        self.compute_threads = compute_threads
         self._compute = ThreadPoolExecutor(max_workers=compute_threads, thread_name_prefix="compute")
         # Repair (DESIGN §8): passes on the site's offers, and on its own timer without them.
         self.repair = RepairWorker(self.site, self.provider, self.runtime, self.store,
@@ -163,7 +176,7 @@ class HolderAgent:
                   if self.http_port else None)
         if self.iroh_bind is not None:
             self.iroh = await iroh.IrohServer(iroh.endpoint_secret(self.key.encode()), self.iroh_bind,
-                                              self.execute_rpc, self.status).start()
+                                              self.execute_rpc, self.status, self.execute_many_rpc).start()
             log.info("iroh endpoint %s on %s", self.iroh.endpoint_id, ", ".join(self.iroh.addrs))
         own_repair = asyncio.create_task(self._repair_timer())
         try:
@@ -337,8 +350,11 @@ class HolderAgent:
         req_id = header.get("id")
         try:
             kind = header.get("type")
-            if kind == "execute" and self.faults.blackhole:
+            if kind in ("execute", "batch") and self.faults.blackhole:
                 return  # the drill: never answer
+            if kind == "batch":
+                await self._reply(*await self.execute_batch(header, payload))
+                return
             if kind == "execute":
                 answer, out = await self.execute_request({**header, "request_id": req_id},
                                                          header.get("carrier", "f32"), payload)
@@ -394,8 +410,8 @@ class HolderAgent:
         held = self.runtime._held.get((model_id, layer, expert))
         return (held.blob_hash, held.quant or "f32") if held is not None else ("", "unknown")
 
-    async def execute_request(self, req: dict, carrier: str, payload: bytes) -> tuple[dict, bytes]:
-        """Execute one batch and sign its receipt (socket and HTTP transports).
+    def _execute_sync(self, req: dict, carrier: str, payload: bytes) -> tuple[dict, bytes]:
+        """Execute one batch and sign its receipt, in the calling (compute) thread.
 
         ``req``: ``request_id, model_id, layer, expert, token_indices, d_model, output?,
         purpose?`` (``purpose`` other than "serve" is not metered); ``payload`` the carrier
@@ -413,25 +429,65 @@ class HolderAgent:
             raise wire.WireError(f"unsupported carrier {carrier!r}")
         if output not in wire.OUTPUTS:
             raise wire.WireError(f"unsupported output encoding {output!r}")
-
-        def run():
-            self.faults.before_batch()
-            rows = wire.decode_rows(payload, carrier, d_model, len(tokens))
-            out = self.runtime.execute(model_id, layer, expert, rows, len(tokens), d_model, metered)
-            lie = self.faults.corrupt(out) if metered else None
-            out = out if lie is None else lie
-            data = wire.encode_rows(out, output)
-            sent = out if output == "f32" else wire.decode_rows(data, output, d_model, len(tokens), "outputs")
-            blob_hash, quant = self._blob_identity(model_id, layer, expert)
-            receipt = make_receipt(self.key, request_id=req["request_id"], model_id=model_id, layer=layer,
-                                   expert=expert, tokens=tokens, carrier_kind=carrier, carrier=payload, rows=sent,
-                                   blob_hash=blob_hash, quant=quant)
-            return data, receipt
-
-        # numpy/BLAS releases the GIL: run off the event loop so heartbeats keep flowing.
-        data, receipt = await asyncio.get_running_loop().run_in_executor(self._compute, run)
+        self.faults.before_batch()
+        rows = wire.decode_rows(payload, carrier, d_model, len(tokens))
+        out = self.runtime.execute(model_id, layer, expert, rows, len(tokens), d_model, metered)
+        lie = self.faults.corrupt(out) if metered else None
+        out = out if lie is None else lie
+        data = wire.encode_rows(out, output)
+        sent = out if output == "f32" else wire.decode_rows(data, output, d_model, len(tokens), "outputs")
+        blob_hash, quant = self._blob_identity(model_id, layer, expert)
+        receipt = make_receipt(self.key, request_id=req["request_id"], model_id=model_id, layer=layer,
+                               expert=expert, tokens=tokens, carrier_kind=carrier, carrier=payload, rows=sent,
+                               blob_hash=blob_hash, quant=quant)
         return ({"rows": len(tokens), "d_model": d_model, "output": output, "token_indices": tokens,
                  "receipt": receipt}, data)
+
+    async def execute_request(self, req: dict, carrier: str, payload: bytes) -> tuple[dict, bytes]:
+        """``_execute_sync`` on the compute pool (socket and HTTP transports): numpy/BLAS
+        releases the GIL, and off the event loop heartbeats keep flowing. Same returns and errors."""
+        return await asyncio.get_running_loop().run_in_executor(self._compute, self._execute_sync, req, carrier,
+                                                                payload)
+
+    async def execute_many(self, items: list[tuple[dict, str, bytes]]) -> list:
+        """Several batches (``execute_request``'s arguments each) in one hop to the compute pool
+        per compute thread (round-robin, so several threads still run them side by side).
+        Returns one outcome per item, in order: (answer fields, output bytes) or the exception
+        it raised, so one failing request fails only itself. Under the ``blackhole`` drill it
+        never answers."""
+        if self.faults.blackhole:
+            await asyncio.Event().wait()
+
+        def run(part: list[tuple[dict, str, bytes]]) -> list:
+            out = []
+            for req, carrier, payload in part:
+                try:
+                    out.append(self._execute_sync(req, carrier, payload))
+                except Exception as exc:  # noqa: BLE001 (each request gets its own answer)
+                    out.append(exc)
+            return out
+
+        hops = max(1, min(self.compute_threads, len(items)))
+        loop = asyncio.get_running_loop()
+        done = await asyncio.gather(*(loop.run_in_executor(self._compute, run, items[i::hops]) for i in range(hops)))
+        return [done[i % hops][i // hops] for i in range(len(items))]
+
+    async def execute_batch(self, header: dict, payload: bytes) -> tuple[dict, bytes]:
+        """A coalesced ``batch`` message (``messages.split_batch``) through ``execute_many``, each
+        request answered on its own (reply with receipt, or failure with a JSON-RPC code: -32004
+        expert not held, -32602 bad request, -32603 a bug). Returns ``messages.batch_reply``'s
+        (header, payload). Raises ``wire.WireError`` when the batch itself is malformed."""
+        subs = messages.split_batch(header, payload)
+        outcomes = await self.execute_many([({**h, "request_id": h.get("id")}, h.get("carrier", "f32"), data)
+                                            for h, data in subs])
+        answers = [(messages.failure(h.get("id"), *_rpc_failure(o)), b"") if isinstance(o, BaseException)
+                   else (messages.reply(h.get("id"), **o[0]), o[1]) for (h, _), o in zip(subs, outcomes)]
+        return messages.batch_reply(header.get("id"), answers)
+
+    async def execute_many_rpc(self, items: list[tuple[dict, str, bytes]]) -> list:
+        """``execute_many`` for the iroh endpoint: failures as ``RpcError`` (as ``execute_rpc``)."""
+        return [RpcError(*_rpc_failure(o)) if isinstance(o, BaseException) else o
+                for o in await self.execute_many(items)]
 
     async def execute_rpc(self, req: dict, carrier: str, payload: bytes) -> tuple[dict, bytes]:
         """``execute_request`` for the HTTP and iroh endpoints: its errors as ``RpcError``
@@ -452,6 +508,12 @@ class HolderAgent:
 
     async def _http_frame(self, header: dict, payload: bytes) -> tuple[dict, bytes]:
         """Binary execute over HTTP (``POST /frame``): the socket's frame format, no base64."""
+        if header.get("type") == "batch":
+            try:
+                batch_header, out = await self.execute_batch(header, payload)
+            except wire.WireError as exc:
+                raise RpcError(INVALID_PARAMS, str(exc), field="requests") from exc
+            return {k: v for k, v in batch_header.items() if k not in ("id", "ok")}, out
         if header.get("type") != "execute":
             raise RpcError(METHOD_NOT_FOUND, f"unknown request type {header.get('type')!r}")
         return await self.execute_rpc({**header, "request_id": header.get("id")}, header.get("carrier", "f32"),

@@ -12,6 +12,13 @@ module says what goes in the headers and in the socket's JSON text messages:
 - the holder's reply to each: ``{id, ok: true, ...}`` (an execute answer adds ``rows``,
   ``d_model``, ``output``, ``token_indices``, ``receipt``; payload = output rows) or
   ``{id, ok: false, code, message}``;
+- ``batch`` (coalesced executes, socket and HTTP ``/frame``): header ``{type: "batch", id,
+  requests: [execute header + nbytes, ...]}``, payload = the requests' carrier bytes
+  concatenated in order (``batch_frame``); the reply ``{id, ok: true, answers: [reply or
+  failure header + nbytes, ...]}``, payload = the answers' output bytes concatenated
+  (``batch_reply``), one answer per request in order, each with its own receipt or error
+  (failure codes are JSON-RPC codes on every transport; a malformed batch as a whole gets one
+  ``ok: false`` reply); agents still take single ``execute`` frames;
 - either direction, a message above the socket's cap as part frames ``{id, part, parts}``
   (``wire.split_frames``), acted on only once reassembled.
 
@@ -209,6 +216,102 @@ def failure(req_id, code, message: str) -> dict:
     """A holder's failure reply header ``{id, ok: false, code, message}``; ``code`` is a JSON-RPC
     code (HTTP frames) or an error class name (socket)."""
     return {"id": req_id, "ok": False, "code": code, "message": message}
+
+
+def batch_frame(reqs: list[BatchRequest], batch_id: str) -> tuple[dict, bytes]:
+    """(header, payload) of one ``batch`` message carrying ``reqs`` to one holder: each
+    request's ``execute`` header with ``nbytes`` (its carrier bytes), payloads concatenated."""
+    return ({"type": "batch", "id": batch_id,
+             "requests": [{**request_header(r), "nbytes": len(r.payload)} for r in reqs]},
+            b"".join(r.payload for r in reqs))
+
+
+def split_batch(header: dict, payload: bytes) -> list[tuple[dict, bytes]]:
+    """Holder side: the (execute header, carrier bytes) of each request of a ``batch`` message.
+
+    Raises ``wire.WireError`` (field ``requests``) when ``requests`` is not a non-empty list of
+    objects with non-negative integer ``nbytes`` that add up to the payload's length, or holds
+    more than ``MAX_BATCH_REQUESTS``.
+    """
+    reqs = header.get("requests")
+    if not isinstance(reqs, list) or not reqs or len(reqs) > MAX_BATCH_REQUESTS:
+        raise wire.WireError(f"a batch's requests must be a list of 1 to {MAX_BATCH_REQUESTS} execute headers",
+                             "requests")
+    out, at = [], 0
+    for i, r in enumerate(reqs):
+        n = r.get("nbytes") if isinstance(r, dict) else None
+        if type(n) is not int or n < 0 or at + n > len(payload):
+            raise wire.WireError(f"requests[{i}].nbytes must be a non-negative integer within the payload",
+                                 "requests")
+        out.append((r, payload[at:at + n]))
+        at += n
+    if at != len(payload):
+        raise wire.WireError(f"the batch's nbytes add up to {at}, its payload has {len(payload)} bytes", "requests")
+    return out
+
+
+MAX_BATCH_REQUESTS = 256
+
+
+def batch_reply(batch_id, answers: list[tuple[dict, bytes]]) -> tuple[dict, bytes]:
+    """(header, payload) of a holder's reply to a ``batch``: ``answers`` are (reply or failure
+    header, output bytes) per request in order; each header gains ``nbytes``."""
+    return (reply(batch_id, answers=[{**h, "nbytes": len(b)} for h, b in answers]),
+            b"".join(b for _, b in answers))
+
+
+def split_batch_reply(answer: dict, payload: bytes, n: int) -> list[tuple[dict, bytes]]:
+    """Router side: the (answer header, output bytes) of each of the ``n`` requests of a batch.
+
+    Raises ``HolderFault`` when the reply is not ``n`` answers whose ``nbytes`` tile the payload;
+    ``AuthRefusal`` or ``HolderFault`` when the whole batch was refused (``ok: false``).
+    """
+    if not answer.get("ok"):
+        if answer.get("code") == AUTH_REFUSED:
+            raise AuthRefusal(str(answer.get("message")))
+        raise HolderFault(f"holder error {answer.get('code')}: {answer.get('message')}")
+    answers = answer.get("answers")
+    if not isinstance(answers, list) or len(answers) != n:
+        raise HolderFault(f"batch reply carries {len(answers) if isinstance(answers, list) else 'no'} answers "
+                          f"for {n} requests")
+    out, at = [], 0
+    for i, a in enumerate(answers):
+        k = a.get("nbytes") if isinstance(a, dict) else None
+        if type(k) is not int or k < 0 or at + k > len(payload):
+            raise HolderFault(f"batch reply answers[{i}].nbytes does not fit the payload")
+        out.append((a, payload[at:at + k]))
+        at += k
+    if at != len(payload):
+        raise HolderFault("batch reply's nbytes do not add up to its payload")
+    return out
+
+
+def batch_answers(answer: dict, payload: bytes, reqs: list[BatchRequest], transport: str,
+                  request_bytes: int, reply_bytes: int) -> list:
+    """Each request's outcome from a holder's reply to a ``batch``: its ``BatchAnswer`` or the
+    exception ``answer_to_batch`` raises for it (``HolderFault``, ``AuthRefusal``), so one
+    failed sub-request fails only itself. A reply that is malformed as a whole, or an answer
+    whose ``id`` is not its request's, is a ``HolderFault`` for the requests it cannot answer.
+    Bytes each way (``request_bytes``/``reply_bytes``: the whole messages) are shared out in
+    proportion to each request's and answer's payload.
+    """
+    try:
+        parts = split_batch_reply(answer, payload, len(reqs))
+    except (HolderFault, AuthRefusal) as exc:
+        return [exc] * len(reqs)
+    total_out = sum(len(r.payload) for r in reqs) or 1
+    total_back = sum(len(b) for _, b in parts) or 1
+    out = []
+    for req, (a, data) in zip(reqs, parts):
+        if a.get("id") != req.request_id:
+            out.append(HolderFault(f"batch answer id {a.get('id')!r} is not its request's {req.request_id!r}"))
+            continue
+        try:
+            out.append(answer_to_batch(a, data, req, transport, request_bytes * len(req.payload) // total_out,
+                                       reply_bytes * len(data) // total_back))
+        except (HolderFault, AuthRefusal) as exc:
+            out.append(exc)
+    return out
 
 
 def answer_to_batch(answer: dict, data: bytes, req: BatchRequest, transport: str, bytes_out: int,

@@ -107,11 +107,18 @@ def live_view(model_id: str, exclude: frozenset = frozenset()) -> ShardView:
 
 
 async def send_ws(provider: str, req: BatchRequest) -> BatchAnswer:
-    """One request over ``provider``'s agent socket (binary frame through the channel layer).
+    """One request over ``provider``'s agent socket (binary frame through the channel layer);
+    requests to the same provider in the same loop turn go as one ``batch`` frame
+    (``AgentLink.coalescer``), each still answered on its own.
 
     Raises ``AgentUnavailable`` (a ``ConnectionError``), ``HolderFault`` or ``AuthRefusal``.
     """
     link = await AgentLink.get()
+    return await link.coalescer.submit(provider, req, lambda r: _send_ws_one(link, provider, r),
+                                       lambda reqs: _send_ws_many(link, provider, reqs))
+
+
+async def _send_ws_one(link: AgentLink, provider: str, req: BatchRequest) -> BatchAnswer:
     header = messages.request_header(req)
     answer, payload = await link.request(provider, header, req.payload, settings.TENZRO["BATCH_TIMEOUT_S"],
                                          req_id=req.request_id)
@@ -119,6 +126,16 @@ async def send_ws(provider: str, req: BatchRequest) -> BatchAnswer:
     out = 4 + len(json.dumps(header, separators=(",", ":"))) + len(req.payload)
     back = 4 + len(json.dumps(answer, separators=(",", ":"))) + len(payload)
     return answer_to_batch(answer, payload, req, "ws", out, back)
+
+
+async def _send_ws_many(link: AgentLink, provider: str, reqs: list[BatchRequest]) -> list:
+    """Outcomes of ``reqs`` sent as one ``batch`` message (``messages.batch_answers``)."""
+    header, payload = messages.batch_frame(reqs, uuid.uuid4().hex)
+    answer, data = await link.request(provider, header, payload, settings.TENZRO["BATCH_TIMEOUT_S"],
+                                      req_id=header["id"])
+    out = 4 + len(json.dumps(header, separators=(",", ":"))) + len(payload)
+    back = 4 + len(json.dumps(answer, separators=(",", ":"))) + len(data)
+    return messages.batch_answers(answer, data, reqs, "ws", out, back)
 
 
 async def send_to_agent(model_id: str, provider: str, layer: int, expert: int, tokens: list[int],

@@ -232,3 +232,34 @@ async def test_requests_dropped_by_the_layer_fail_when_the_routers_hear_gone():
     await get_channel_layer().group_send(ROUTERS_GROUP, presence_event("ab" * 32, False))
     with pytest.raises(AgentUnavailable, match="disconnected"):
         await asyncio.wait_for(pending, 5.0)
+
+
+async def test_batches_sent_together_reach_the_agent_as_one_frame_and_resolve_each_on_its_own(monkeypatch):
+    """``services.send_ws`` from one loop turn: the consumer relays one ``batch`` frame; the
+    agent's per-request answers (one a failure) resolve each caller's request alone."""
+    import asyncio
+
+    import numpy as np
+
+    from holders import messages, services
+    from holders.messages import BatchRequest, HolderFault
+
+    monkeypatch.setenv("TENZRO_COALESCE", "1")
+    key = SigningKey.generate()
+    comm = await authed(key)
+    rows = np.arange(3 * 32, dtype=np.float32).reshape(3, 32)
+    reqs = [BatchRequest(f"req{i}", "m", 0, i, [i], "f32", wire.encode_f32(rows[i:i + 1]), "f32", 32)
+            for i in range(3)]
+    sent = [asyncio.ensure_future(services.send_ws(provider_id(key), r)) for r in reqs]
+    header, payload = wire.unpack_frame(await comm.receive_from(), wire.MESSAGE_HEADER_MAX)
+    assert header["type"] == "batch" and [r["id"] for r in header["requests"]] == ["req0", "req1", "req2"]
+    answers = [(messages.reply(h["id"], token_indices=h["token_indices"], output="f32", receipt=None), data[::-1])
+               if h["id"] != "req1" else (messages.failure(h["id"], -32004, "expert not loaded"), b"")
+               for h, data in messages.split_batch(header, payload)]
+    await comm.send_to(bytes_data=wire.pack_frame(*messages.batch_reply(header["id"], answers)))
+    got = await asyncio.gather(*sent, return_exceptions=True)
+    for i in (0, 2):  # each answer decoded from its own bytes
+        assert got[i].transport == "ws" and got[i].bytes_out > 0
+        assert np.array_equal(got[i].rows, np.frombuffer(wire.encode_f32(rows[i:i + 1])[::-1], "<f4").reshape(1, 32))
+    assert isinstance(got[1], HolderFault) and "-32004" in str(got[1])
+    await comm.disconnect()

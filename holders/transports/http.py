@@ -12,19 +12,23 @@ Bodies above ``MAX_BODY`` are refused with 413.
 Client (router side): ``HttpHolderClient.execute_frame`` sends one ``BatchRequest`` as a
 binary frame to ``POST /frame`` and returns a ``BatchAnswer``; a ``-32001`` answer is an
 ``AuthRefusal`` (not the holder's fault), any other error a ``HolderFault``, and connection
-trouble a ``ConnectionError``. Pure Python on asyncio streams; imports nothing from Django.
+trouble a ``ConnectionError``. Batches for the same endpoint sent in the same event-loop turn
+travel as one ``batch`` frame (``holders.messages.batch_frame``) in one POST; the holder answers
+each request on its own in one reply frame. Pure Python on asyncio streams; imports nothing from Django.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import uuid
 from urllib.parse import urlsplit
 from typing import Awaitable, Callable
 
 from holders import wire
 from holders import messages
 from holders.messages import BatchAnswer, BatchRequest, HolderFault, answer_to_batch
+from holders.transports.coalesce import Coalescer
 from registry.jsonrpc import (INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, PARSE_ERROR, RpcError,
                               error_response, result_response)
 
@@ -161,6 +165,7 @@ class HttpHolderClient:
     def __init__(self, timeout: float = 60.0):
         self.timeout = timeout
         self._idle: dict[tuple[str, int], list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}
+        self._coalescer: Coalescer = Coalescer()
 
     async def close(self) -> None:
         """Close pooled connections."""
@@ -174,6 +179,35 @@ class HttpHolderClient:
         ``…/rpc`` URL) over a pooled keep-alive connection. Raises ``AuthRefusal`` (code
         -32001), ``HolderFault`` (another error or a malformed answer) and ``ConnectionError``.
 
+        Requests to the same endpoint in the same loop turn go as one ``batch`` frame in one
+        POST (``coalesce.Coalescer``; each still gets its own answer or error).
+        """
+        return await self._coalescer.submit(endpoint, req, lambda r: self._one(endpoint, r),
+                                            lambda reqs: self._many(endpoint, reqs))
+
+    async def _one(self, endpoint: str, req: BatchRequest) -> BatchAnswer:
+        body = wire.pack_frame(messages.request_header(req), req.payload, wire.MESSAGE_HEADER_MAX)
+        data = await self._exchange(endpoint, body)
+        try:
+            answer, out = wire.unpack_frame(data, wire.MESSAGE_HEADER_MAX)
+        except wire.WireError as exc:
+            raise HolderFault(f"{endpoint}: {exc}") from exc
+        return answer_to_batch(answer, out, req, "http", len(body), len(data))
+
+    async def _many(self, endpoint: str, reqs: list[BatchRequest]) -> list:
+        """Outcomes of ``reqs`` sent as one ``batch`` frame (``messages.batch_answers``)."""
+        header, payload = messages.batch_frame(reqs, uuid.uuid4().hex)
+        body = wire.pack_frame(header, payload, wire.MESSAGE_HEADER_MAX)
+        data = await self._exchange(endpoint, body)
+        try:
+            answer, out = wire.unpack_frame(data, wire.MESSAGE_HEADER_MAX)
+        except wire.WireError as exc:
+            raise HolderFault(f"{endpoint}: {exc}") from exc
+        return messages.batch_answers(answer, out, reqs, "http", len(body), len(data))
+
+    async def _exchange(self, endpoint: str, body: bytes) -> bytes:
+        """POST ``body`` to the endpoint's ``/frame``; the answer body. Raises ``ConnectionError``.
+
         A lean HTTP/1.1 exchange on asyncio streams rather than httpx: with a hundred
         batches in flight, httpx's pool bookkeeping was most of the router's time.
         """
@@ -181,7 +215,6 @@ class HttpHolderClient:
         if parts.scheme != "http" or not parts.hostname:
             raise ConnectionError(f"{endpoint}: only http:// endpoints are supported")
         host, port = parts.hostname, parts.port or 80
-        body = wire.pack_frame(messages.request_header(req), req.payload, wire.MESSAGE_HEADER_MAX)
         idle = self._idle.setdefault((host, port), [])
         try:
             reader, writer = idle.pop() if idle else await asyncio.wait_for(
@@ -210,8 +243,4 @@ class HttpHolderClient:
                 idle.append((reader, writer))
             else:
                 writer.close()
-        try:
-            answer, out = wire.unpack_frame(data, wire.MESSAGE_HEADER_MAX)
-        except wire.WireError as exc:
-            raise HolderFault(f"{endpoint}: {exc}") from exc
-        return answer_to_batch(answer, out, req, "http", len(body), len(data))
+        return data

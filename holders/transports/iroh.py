@@ -15,6 +15,13 @@ every part, concatenates the rows and executes the reassembled batch once (frame
 transport detail: the rows are bit-identical to one unsplit request), then splits its answer
 the same way; the receipt rides in part 0.
 
+Coalescing: a router's batches for one holder sent in the same event-loop turn share one
+stream. Each request keeps its own JSON-RPC id and frames (parts as above) and carries
+``stream_requests: n`` in its params; the holder reads the ``n`` requests, executes them
+together (``execute_many``, one hop to its compute pool) and writes each one's answer frames
+(or its own error frame) under its id, in order. A stream without ``stream_requests`` is one
+request, as the reference sends; a stream carries at most ``MAX_PARTS`` frames either way.
+
 Bad input never takes the holder down: a frame over the cap, a stream that ends inside a
 frame, JSON that does not parse, parts that disagree, an unknown method: each is answered with
 a JSON-RPC error frame (-32700, -32600, -32601, -32602) and the stream is finished; a
@@ -41,7 +48,8 @@ import struct
 from typing import Awaitable, Callable
 
 from holders import wire
-from holders.messages import BatchAnswer, BatchRequest, HolderFault, answer_to_batch
+from holders.messages import AuthRefusal, BatchAnswer, BatchRequest, HolderFault, answer_to_batch
+from holders.transports.coalesce import Coalescer
 from registry.jsonrpc import (INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND, PARSE_ERROR,
                               RpcError, error_response, result_response)
 
@@ -58,12 +66,16 @@ log = logging.getLogger(__name__)
 ALPN = b"tenzro/moe"
 MAX_FRAME_BYTES = 4 * 1024 * 1024
 MAX_PARTS = 64  # one batch: at most 256 MiB of frames each way
+MAX_STREAM_REQUESTS = 256  # coalesced requests on one stream (its frames stay within MAX_PARTS)
 MAX_STREAMS = 512  # concurrent requests per connection (a forward sends one batch per expert)
 METHODS = ("moe/execute", "moe/status")
 DOMAIN_ENDPOINT = b"tenzro/moe/iroh-endpoint/v1"
 
 # execute(params, carrier kind, carrier bytes) -> (answer fields, output bytes); raises RpcError.
 Execute = Callable[[dict, str, bytes], Awaitable[tuple[dict, bytes]]]
+# execute_many([(params, carrier kind, carrier bytes), ...]) -> per request (answer fields, output
+# bytes) or the RpcError it failed with (a coalesced stream, executed in one hop).
+ExecuteMany = Callable[[list[tuple[dict, str, bytes]]], Awaitable[list]]
 # status() -> the moe/status result.
 Status = Callable[[], Awaitable[dict]]
 
@@ -222,7 +234,7 @@ def _carrier_of(params: dict, index: int) -> tuple[str, bytes]:
         raise RpcError(INVALID_PARAMS, f"part {index}: {exc}", field=field) from exc
 
 
-_PART_KEYS = ("model_id", "layer", "expert", "d_model", "request_id", "output", "purpose")
+_PART_KEYS = ("model_id", "layer", "expert", "d_model", "request_id", "output", "purpose", "stream_requests")
 
 
 def assemble(requests: list[dict]) -> tuple[dict, str, bytes]:
@@ -259,7 +271,7 @@ def assemble(requests: list[dict]) -> tuple[dict, str, bytes]:
         kind = k
         tokens += p["token_indices"]
         chunks.append(data)
-    params = {k: v for k, v in first.items() if k not in ("part", "hidden_q8", "hidden_states")}
+    params = {k: v for k, v in first.items() if k not in ("part", "hidden_q8", "hidden_states", "stream_requests")}
     params["token_indices"] = tokens
     return params, kind, b"".join(chunks)
 
@@ -285,14 +297,17 @@ class IrohServer:
     """A holder's iroh endpoint serving ``moe/execute`` and ``moe/status`` under ``ALPN``.
 
     ``secret``: 32-byte secret key (``endpoint_secret``); ``bind``: ``host:port``;
-    ``execute``/``status``: the holder's handlers (errors as ``RpcError``). Start with
+    ``execute``/``status``: the holder's handlers (errors as ``RpcError``); ``execute_many``:
+    the handler of a coalesced stream's requests (default: ``execute`` on each in turn). Start with
     ``await start()``, stop with ``await close()``. ``endpoint_id`` (64 hex) and ``addrs``
     (direct ``ip:port`` addresses) are what the holder advertises.
     """
 
-    def __init__(self, secret: bytes, bind: str, execute: Execute, status: Status):
+    def __init__(self, secret: bytes, bind: str, execute: Execute, status: Status,
+                 execute_many: ExecuteMany | None = None):
         self.secret, self.bind = secret, bind
         self.execute, self.status = execute, status
+        self.execute_many = execute_many
         self.endpoint = None
         self.endpoint_id = ""
         self.addrs: list[str] = []
@@ -366,14 +381,20 @@ class IrohServer:
             log.info("iroh answer not delivered: %s", _msg(exc))
 
     async def _answer(self, recv) -> list[bytes]:
-        """Read one request (all its parts) and return the answer frames; errors as an envelope."""
+        """Read one request (all its parts), or the ``stream_requests`` requests of a coalesced
+        stream, and return the answer frames; errors as an envelope."""
         rid = None
         try:
-            requests = []
+            groups: list[list[dict]] = []
+            requests: list[dict] = []
+            want_requests, frames = 1, 0
             while True:
                 body = await read_frame(recv)
                 if body is None:
                     break
+                frames += 1
+                if frames > MAX_PARTS:
+                    raise FrameError(f"the stream carries more than {MAX_PARTS} frames")
                 try:
                     msg = json.loads(body)
                 except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -388,18 +409,27 @@ class IrohServer:
                 part = msg["params"].get("part")
                 want = part.get("count") if isinstance(part, dict) else 1
                 if len(requests) >= (want if isinstance(want, int) and 1 <= want <= MAX_PARTS else 1):
-                    break  # all parts read; anything after them is ignored
-            if not requests:
+                    groups.append(requests)  # all parts of one request read
+                    requests = []
+                    if len(groups) == 1:
+                        want_requests = _stream_requests(groups[0][0]["params"])
+                    if len(groups) >= want_requests:
+                        break  # every request read; anything after them is ignored
+            if requests:
+                groups.append(requests)  # an unfinished request: assemble() names what is missing
+            if not groups:
                 raise FrameError("the stream carried no frame")
-            method = requests[0]["method"]
+            method = groups[0][0]["method"]
             if method == "moe/status":
                 return [pack(result_response(rid, await self.status()))]
             if method != "moe/execute":
                 raise RpcError(METHOD_NOT_FOUND, f"unknown method {method!r}; this endpoint serves "
                                f"{', '.join(METHODS)}", field="method")
-            params, carrier, payload = assemble(requests)
-            answer, out = await self.execute(params, carrier, payload)
-            return answer_frames(rid, params, answer, out)
+            if want_requests == 1:
+                params, carrier, payload = assemble(groups[0])
+                answer, out = await self.execute(params, carrier, payload)
+                return answer_frames(rid, params, answer, out)
+            return await self._answer_many(groups, want_requests)
         except FrameError as exc:
             await _stop(recv)  # the rest of an oversized or broken request is not read
             return [pack(error_response(rid, RpcError(exc.code, str(exc), field="frame")))]
@@ -409,6 +439,55 @@ class IrohServer:
         except Exception as exc:  # a bug must not take the endpoint down: answer -32603, keep serving
             log.exception("iroh request failed")
             return [pack(error_response(rid, RpcError(INTERNAL_ERROR, f"internal error: {type(exc).__name__}")))]
+
+    async def _answer_many(self, groups: list[list[dict]], want: int) -> list[bytes]:
+        """The answer frames of a coalesced stream: each request answered under its own id, in
+        order (its result frames, or its own error frame), executed together by ``execute_many``.
+        Raises ``RpcError`` when the stream is not ``want`` requests with distinct ids."""
+        ids = [g[0].get("id") for g in groups]
+        if len(groups) != want or len({json.dumps(i) for i in ids}) != want:
+            raise RpcError(INVALID_REQUEST, f"a stream of {want} requests carried {len(groups)} with "
+                           f"{len({json.dumps(i) for i in ids})} distinct ids", field="stream_requests")
+        assembled: list = []
+        for g in groups:
+            try:
+                if g[0].get("method") != "moe/execute":
+                    raise RpcError(INVALID_REQUEST, "every request of a coalesced stream must be moe/execute",
+                                   field="method")
+                assembled.append(assemble(g))
+            except RpcError as exc:
+                assembled.append(exc)
+        items = [a for a in assembled if not isinstance(a, RpcError)]
+        if self.execute_many is not None:
+            results = iter(await self.execute_many(items))
+        else:
+            async def one(item):
+                try:
+                    return await self.execute(*item)
+                except RpcError as exc:
+                    return exc
+            results = iter([await one(item) for item in items])
+        frames: list[bytes] = []
+        for rid, a in zip(ids, assembled):
+            outcome = a if isinstance(a, RpcError) else next(results)
+            if isinstance(outcome, RpcError):
+                frames.append(pack(error_response(rid, outcome)))
+                continue
+            try:
+                frames += answer_frames(rid, a[0], *outcome)
+            except FrameError as exc:
+                frames.append(pack(error_response(rid, RpcError(exc.code, str(exc), field="frame"))))
+        return frames
+
+
+def _stream_requests(params: dict) -> int:
+    """The ``stream_requests`` of a stream's first request (requests coalesced on the stream, 1
+    when absent); raises ``RpcError`` (-32600) outside [1, ``MAX_STREAM_REQUESTS``]."""
+    n = params.get("stream_requests", 1)
+    if type(n) is not int or not 1 <= n <= MAX_STREAM_REQUESTS:
+        raise RpcError(INVALID_REQUEST, f"stream_requests must be an integer in [1, {MAX_STREAM_REQUESTS}]",
+                       field="stream_requests")
+    return n
 
 
 async def _stop(recv) -> None:
@@ -427,9 +506,13 @@ def execute_params(req: BatchRequest) -> dict:
             "d_model": req.d_model, "output": req.output}
 
 
-def request_frames(req: BatchRequest, rid: int = 1) -> list[bytes]:
-    """The request frames of ``req`` (split by rows when over the cap). Raises ``FrameError``."""
+def request_frames(req: BatchRequest, rid: int = 1, stream_requests: int = 1) -> list[bytes]:
+    """The request frames of ``req`` (split by rows when over the cap) under JSON-RPC id ``rid``;
+    ``stream_requests`` > 1 marks it one of that many requests coalesced on a stream. Raises
+    ``FrameError``."""
     base = execute_params(req)
+    if stream_requests > 1:
+        base["stream_requests"] = stream_requests
     row = wire.encoded_nbytes(req.carrier, 1, req.d_model)
     field = "hidden_q8" if req.carrier == "q8_0" else "hidden_states"
 
@@ -456,6 +539,7 @@ class IrohHolderClient:
         self.timeout, self.bind = timeout, bind
         self._endpoint: asyncio.Future | None = None
         self._conns: dict[tuple, asyncio.Future] = {}
+        self._coalescer: Coalescer = Coalescer()
 
     async def close(self) -> None:
         """Close the connections and the client endpoint."""
@@ -550,35 +634,84 @@ class IrohHolderClient:
 
     async def execute(self, endpoint_id: str, addrs: list[str], req: BatchRequest) -> BatchAnswer:
         """One batch as ``moe/execute`` (split into frames when over the cap), answer reassembled.
+        Batches for the same endpoint in the same loop turn share one stream (``stream_requests``
+        on each, answered each under its own id; ``coalesce.Coalescer``).
 
         Raises ``ConnectionError``, ``AuthRefusal`` (-32001), ``HolderFault`` (another error,
         parts missing or out of order, wrong rows) and ``ValueError`` (a batch too large for
         ``MAX_PARTS`` frames, before anything is sent).
         """
+        key = (endpoint_id, tuple(addrs))
+        return await self._coalescer.submit(key, req, lambda r: self._one(endpoint_id, addrs, r),
+                                            lambda reqs: self._many(endpoint_id, addrs, reqs))
+
+    async def _one(self, endpoint_id: str, addrs: list[str], req: BatchRequest) -> BatchAnswer:
         try:
             frames = request_frames(req)
         except FrameError as exc:
             raise ValueError(str(exc)) from exc
         answers, back = await self.call(endpoint_id, addrs, frames)
-        first = answers[0]
-        if "result" not in first:
-            err = first.get("error") if isinstance(first.get("error"), dict) else {}
-            return answer_to_batch({"ok": False, "code": err.get("code"), "message": err.get("message")}, b"", req,
-                                   "iroh", 0, 0)
-        results = [a.get("result") for a in answers]
-        count = len(results)
-        tokens: list = []
-        chunks: list[bytes] = []
-        for i, r in enumerate(results):
-            if not isinstance(r, dict) or (count > 1 and r.get("part") != {"index": i, "count": count}):
-                raise HolderFault(f"iroh answer part {i} of {count} is missing or out of order")
-            if r.get("output") != results[0].get("output"):
-                raise HolderFault(f"iroh answer part {i} uses another output encoding")
-            tokens += r.get("token_indices") or []
+        return _decode(answers, req, sum(len(f) for f in frames), back)
+
+    async def _many(self, endpoint_id: str, addrs: list[str], reqs: list[BatchRequest]) -> list:
+        """Outcomes of ``reqs`` on one stream, in order: each its ``BatchAnswer`` or its exception.
+        Requests whose frames would take the stream past ``MAX_PARTS`` go alone."""
+        n = len(reqs)
+        frames: list[list[bytes]] = []
+        for i, r in enumerate(reqs):
             try:
-                chunks.append(wire.b64decode(r.get("outputs"), "outputs"))
-            except wire.WireError as exc:
-                raise HolderFault(str(exc)) from exc
-        answer = {"ok": True, "token_indices": tokens, "output": results[0].get("output", "f32"),
-                  "receipt": results[0].get("receipt")}
-        return answer_to_batch(answer, b"".join(chunks), req, "iroh", sum(len(f) for f in frames), back)
+                frames.append(request_frames(r, i + 1, n))
+            except FrameError:
+                frames.append([])
+        if any(not f for f in frames) or sum(map(len, frames)) > MAX_PARTS:
+            return list(await asyncio.gather(*(self._one(endpoint_id, addrs, r) for r in reqs),
+                                             return_exceptions=True))
+        answers, back = await self.call(endpoint_id, addrs, [f for fs in frames for f in fs])
+        by_id: dict = {}
+        for a in answers:
+            by_id.setdefault(json.dumps(a.get("id")), []).append(a)
+        total = sum(len(a.get("result", {}).get("outputs") or "") if isinstance(a.get("result"), dict) else 0
+                    for a in answers) or 1
+        out: list = []
+        for i, (req, fs) in enumerate(zip(reqs, frames)):
+            mine = by_id.get(json.dumps(i + 1))
+            if not mine:
+                err = answers[0].get("error") if len(answers) == 1 else None  # the stream as a whole refused
+                out.append(HolderFault(f"iroh {endpoint_id[:12]}…: no answer to request {i + 1} of the stream"
+                                       + (f" ({err.get('message')})" if isinstance(err, dict) else "")))
+                continue
+            got = sum(len(a.get("result", {}).get("outputs") or "") if isinstance(a.get("result"), dict) else 0
+                      for a in mine)
+            try:
+                out.append(_decode(mine, req, sum(map(len, fs)), back * got // total))
+            except (HolderFault, AuthRefusal) as exc:
+                out.append(exc)
+        return out
+
+
+def _decode(answers: list[dict], req: BatchRequest, bytes_out: int, bytes_back: int) -> BatchAnswer:
+    """``req``'s ``BatchAnswer`` from its answer messages (parts in order, receipt in part 0).
+    Raises ``AuthRefusal`` (-32001) or ``HolderFault`` (another error, parts missing or out of
+    order, wrong rows)."""
+    first = answers[0]
+    if "result" not in first:
+        err = first.get("error") if isinstance(first.get("error"), dict) else {}
+        return answer_to_batch({"ok": False, "code": err.get("code"), "message": err.get("message")}, b"", req,
+                               "iroh", 0, 0)
+    results = [a.get("result") for a in answers]
+    count = len(results)
+    tokens: list = []
+    chunks: list[bytes] = []
+    for i, r in enumerate(results):
+        if not isinstance(r, dict) or (count > 1 and r.get("part") != {"index": i, "count": count}):
+            raise HolderFault(f"iroh answer part {i} of {count} is missing or out of order")
+        if r.get("output") != results[0].get("output"):
+            raise HolderFault(f"iroh answer part {i} uses another output encoding")
+        tokens += r.get("token_indices") or []
+        try:
+            chunks.append(wire.b64decode(r.get("outputs"), "outputs"))
+        except wire.WireError as exc:
+            raise HolderFault(str(exc)) from exc
+    answer = {"ok": True, "token_indices": tokens, "output": results[0].get("output", "f32"),
+              "receipt": results[0].get("receipt")}
+    return answer_to_batch(answer, b"".join(chunks), req, "iroh", bytes_out, bytes_back)

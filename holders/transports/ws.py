@@ -33,6 +33,7 @@ from channels.layers import get_channel_layer
 from redis.exceptions import RedisError
 
 from holders import wire
+from holders.transports.coalesce import Coalescer
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,8 @@ class AgentLink:
         self.gone_at: dict[str, float] = {}  # provider → monotonic time its socket closed
         self._reader: asyncio.Task | None = None
         self._sends = asyncio.Semaphore(LAYER_CONCURRENCY)
+        # This loop's per-provider queues of execute requests (``holders.services.send_ws``).
+        self.coalescer = Coalescer()
 
     @classmethod
     async def get(cls) -> "AgentLink":

@@ -1,0 +1,99 @@
+"""Request coalescing for the router's transports: the batches sent to one holder in the same
+event-loop turn travel in one message.
+
+A forward starts one task per planned batch together, so their ``send`` calls reach the
+transport in the same loop iteration. ``Coalescer.submit`` queues each request under its
+destination key and flushes the queue one loop turn later (``loop.call_soon``): a queue of one
+goes out as before (``send_one``), a longer one as one message (``send_many``) whose per-request
+outcomes resolve each caller's future on its own, so one failing sub-request fails only itself
+and each caller keeps its own deadline (cancelling a caller's wait cancels only its future; the
+shared exchange is cancelled when every caller has stopped waiting).
+
+``TENZRO_COALESCE=0`` turns it off (every request alone), for before/after measurements.
+Pure asyncio; imports nothing from Django.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Awaitable, Callable, Generic, Hashable, TypeVar
+
+Req = TypeVar("Req")
+Ans = TypeVar("Ans")
+
+# send_many(requests) -> one outcome per request, in order: its answer or the exception it raises.
+SendMany = Callable[[list], Awaitable[list]]
+
+MAX_GROUP = 64  # requests per message: bounds one message's size and one holder's queue
+
+
+def enabled() -> bool:
+    """Whether coalescing is on (``TENZRO_COALESCE``, default 1; read at each call so a bench can flip it)."""
+    return os.environ.get("TENZRO_COALESCE", "1") not in ("0", "false", "no", "off")
+
+
+class Coalescer(Generic[Req, Ans]):
+    """Per-destination queues of requests flushed once per loop turn. One per event loop and
+    transport client (the queues hold that loop's futures)."""
+
+    def __init__(self):
+        self._queues: dict[Hashable, list[tuple[Req, asyncio.Future]]] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    async def submit(self, key: Hashable, req: Req, send_one: Callable[[Req], Awaitable[Ans]],
+                     send_many: SendMany) -> Ans:
+        """Send ``req`` to destination ``key``: alone via ``send_one(req)`` when coalescing is off
+        or nothing else for ``key`` arrives this turn, else with the others via
+        ``send_many(requests)``. Returns its answer or raises its own exception (whatever
+        ``send_one``/``send_many`` raise or return as its outcome)."""
+        if not enabled():
+            return await send_one(req)
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = []
+            loop.call_soon(self._flush, key, send_one, send_many)
+        queue.append((req, fut))
+        if len(queue) >= MAX_GROUP:
+            self._queues.pop(key)
+            self._start(queue, send_one, send_many)
+        return await fut
+
+    def _flush(self, key: Hashable, send_one, send_many) -> None:
+        queue = self._queues.pop(key, None)
+        if queue:
+            self._start(queue, send_one, send_many)
+
+    def _start(self, queue: list, send_one, send_many) -> None:
+        reqs = [r for r, _ in queue]
+        futs = [f for _, f in queue]
+        coro = send_one(reqs[0]) if len(reqs) == 1 else send_many(reqs)
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+
+        def settle(t: asyncio.Task) -> None:
+            self._tasks.discard(t)
+            if t.cancelled():
+                outcomes = [asyncio.CancelledError()] * len(futs)
+            elif t.exception() is not None:
+                outcomes = [t.exception()] * len(futs)
+            else:
+                outcomes = t.result() if len(futs) > 1 else [t.result()]
+            for f, out in zip(futs, outcomes):
+                if f.done():
+                    continue
+                if isinstance(out, asyncio.CancelledError):
+                    f.cancel()
+                elif isinstance(out, BaseException):
+                    f.set_exception(out)
+                else:
+                    f.set_result(out)
+
+        def abandoned(_f: asyncio.Future) -> None:
+            if not task.done() and all(f.done() for f in futs):  # every caller stopped waiting
+                task.cancel()
+
+        task.add_done_callback(settle)
+        for f in futs:
+            f.add_done_callback(abandoned)

@@ -1,0 +1,285 @@
+"""Request coalescing: batches for one holder sent in the same loop turn travel in one message
+(socket/HTTP ``batch`` frame, one iroh stream), each answered on its own.
+
+The queue itself is tested on plain coroutines; the transports against a real ``HolderAgent``
+execute path (expert FFN, signed receipts) behind its HTTP ``/frame`` endpoint, its iroh
+endpoint and its socket handler, with answers compared bit for bit to the same requests sent
+one by one (``TENZRO_COALESCE=0``).
+"""
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import uuid
+
+import numpy as np
+import pytest
+from nacl.signing import SigningKey
+from safetensors.numpy import load_file
+
+from holders import messages, wire
+from holders.agent import HolderAgent
+from holders.messages import BatchRequest, HolderFault
+from holders.receipts import verify_receipt
+from holders.transports import iroh
+from holders.transports.coalesce import Coalescer
+from holders.transports.http import HttpHolderClient, serve_http
+from prepare.checkpoint import Checkpoint
+from prepare.layouts import load_expert, spec_from_config
+from tests.conftest import QWEN
+
+MODEL, LAYER, EXPERTS = "m", 1, (3, 4, 5)
+
+
+# ---- the queue ----
+
+def test_requests_of_one_turn_go_together_and_each_gets_its_own_outcome(monkeypatch):
+    monkeypatch.setenv("TENZRO_COALESCE", "1")
+    calls = []
+
+    async def one(r):
+        calls.append([r])
+        return r * 10
+
+    async def many(rs):
+        calls.append(list(rs))
+        return [ValueError(f"bad {r}") if r == 2 else r * 10 for r in rs]
+
+    async def go():
+        c = Coalescer()
+        got = await asyncio.gather(*(c.submit("a", r, one, many) for r in (1, 2, 3)),
+                                   c.submit("b", 7, one, many), return_exceptions=True)
+        later = await c.submit("a", 4, one, many)  # a later turn: alone
+        return got, later
+
+    got, later = asyncio.run(go())
+    assert got[0] == 10 and isinstance(got[1], ValueError) and str(got[1]) == "bad 2" and got[2] == 30
+    assert got[3] == 70 and later == 40
+    assert sorted(calls) == [[1, 2, 3], [4], [7]]
+
+
+def test_coalescing_off_sends_each_alone_and_a_whole_failure_reaches_every_caller(monkeypatch):
+    async def one(r):
+        return r
+
+    async def many(rs):
+        raise ConnectionError("holder gone")
+
+    async def go():
+        c = Coalescer()
+        return await asyncio.gather(*(c.submit("a", r, one, many) for r in (1, 2)), return_exceptions=True)
+
+    monkeypatch.setenv("TENZRO_COALESCE", "0")
+    assert asyncio.run(go()) == [1, 2]
+    monkeypatch.setenv("TENZRO_COALESCE", "1")
+    assert [type(e) for e in asyncio.run(go())] == [ConnectionError, ConnectionError]
+
+
+def test_a_caller_that_stops_waiting_leaves_the_others_and_the_last_one_cancels_the_exchange(monkeypatch):
+    monkeypatch.setenv("TENZRO_COALESCE", "1")
+    state = {}
+
+    async def one(r):
+        return r
+
+    async def many(rs):
+        try:
+            await asyncio.sleep(0.2 if len(rs) == 2 else 30)
+        except asyncio.CancelledError:
+            state["cancelled"] = True
+            raise
+        return list(rs)
+
+    async def go():
+        c = Coalescer()
+        short = asyncio.wait_for(c.submit("a", 1, one, many), 0.01)
+        res = await asyncio.gather(short, c.submit("a", 2, one, many), return_exceptions=True)
+        both = [asyncio.ensure_future(c.submit("b", r, one, many)) for r in (1, 2, 3)]
+        await asyncio.sleep(0.01)
+        for f in both:
+            f.cancel()
+        await asyncio.sleep(0.01)
+        return res
+
+    res = asyncio.run(go())
+    assert isinstance(res[0], asyncio.TimeoutError) and res[1] == 2
+    assert state.get("cancelled")
+
+
+# ---- a real holder's execute path ----
+
+@pytest.fixture(scope="module")
+def holder():
+    ck = Checkpoint(QWEN)
+    spec = spec_from_config(ck.config)
+    agent = HolderAgent("http://127.0.0.1:1", SigningKey.generate(), tempfile.mkdtemp(prefix="tenzro-test-coal-"))
+    for e in EXPERTS:
+        agent.runtime.load_expert(MODEL, LAYER, e, load_expert(ck, spec, LAYER, e).to_blob("f32"))
+    x = load_file(str(QWEN / "reference.safetensors"))[f"layer{LAYER}.hidden_states"].astype(np.float32)
+    calls = []
+    real = agent.execute_many
+
+    async def counted(items):
+        calls.append(len(items))
+        return await real(items)
+
+    agent.execute_many = counted
+    return agent, x, calls
+
+
+def requests(x, carrier="q8_0", output="bf16", bad_expert=None):
+    """One request per held expert over different tokens (and one for ``bad_expert``)."""
+    out = []
+    for i, e in enumerate(EXPERTS + ((bad_expert,) if bad_expert is not None else ())):
+        tokens = list(range(i, x.shape[0], 2))
+        out.append(BatchRequest(uuid.uuid4().hex, MODEL, LAYER, e, tokens, carrier,
+                                wire.encode_rows(x[tokens], carrier), output, x.shape[1]))
+    return out
+
+
+def check(agent, reqs, answers, singles):
+    """Each answer: verified receipt, rows bit-identical to the same request sent alone."""
+    for req, ans, alone in zip(reqs, answers, singles):
+        assert np.array_equal(ans.rows, alone.rows)
+        verify_receipt(ans.receipt, provider=agent.provider, request_id=req.request_id, model_id=MODEL, layer=LAYER,
+                       expert=req.expert, tokens=req.tokens, carrier_kind=req.carrier, carrier=req.payload,
+                       rows=ans.rows)
+
+
+def fresh(reqs):
+    """The same requests under new ids (a receipt signs its request id)."""
+    return [BatchRequest(uuid.uuid4().hex, *[getattr(r, f) for f in ("model_id", "layer", "expert", "tokens",
+                                                                      "carrier", "payload", "output", "d_model")])
+            for r in reqs]
+
+
+def test_http_sends_one_frame_per_holder_and_one_bad_request_fails_alone(holder, monkeypatch):
+    agent, x, calls = holder
+    reqs = requests(x, bad_expert=9)
+
+    async def go():
+        server = await serve_http(agent._http_rpc, "127.0.0.1", 0, agent._http_frame)
+        endpoint = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/rpc"
+        client = HttpHolderClient(30)
+        try:
+            monkeypatch.setenv("TENZRO_COALESCE", "0")
+            singles = await asyncio.gather(*(client.execute_frame(endpoint, r) for r in fresh(reqs[:-1])))
+            calls.clear()
+            monkeypatch.setenv("TENZRO_COALESCE", "1")
+            got = await asyncio.gather(*(client.execute_frame(endpoint, r) for r in reqs), return_exceptions=True)
+            return singles, got
+        finally:
+            await client.close()
+            server.close()
+
+    singles, got = asyncio.run(go())
+    assert calls == [len(reqs)]  # one message, one execute_many
+    assert isinstance(got[-1], HolderFault) and "-32004" in str(got[-1])
+    assert all(a.transport == "http" and a.bytes_out > 0 and a.bytes_back > 0 for a in got[:-1])
+    check(agent, reqs, got[:-1], singles)
+
+
+@pytest.mark.skipif(not iroh.available(), reason=iroh.UNAVAILABLE or "iroh available")
+def test_iroh_sends_one_stream_per_holder_and_one_bad_request_fails_alone(holder, monkeypatch):
+    agent, x, calls = holder
+    reqs = requests(x, carrier="f32", output="f32", bad_expert=9)
+    big = requests(np.concatenate([x] * 300), carrier="f32", output="f32")  # several frames each
+
+    async def go():
+        server = await iroh.IrohServer(iroh.endpoint_secret(agent.key.encode()), "127.0.0.1:0", agent.execute_rpc,
+                                       agent.status, agent.execute_many_rpc).start()
+        client = iroh.IrohHolderClient(timeout=60, bind="127.0.0.1:0")
+        try:
+            monkeypatch.setenv("TENZRO_COALESCE", "0")
+            singles = await asyncio.gather(*(client.execute(server.endpoint_id, server.addrs, r)
+                                             for r in fresh(reqs[:-1]) + fresh(big)))
+            calls.clear()
+            monkeypatch.setenv("TENZRO_COALESCE", "1")
+            got = await asyncio.gather(*(client.execute(server.endpoint_id, server.addrs, r) for r in reqs),
+                                       return_exceptions=True)
+            got_big = await asyncio.gather(*(client.execute(server.endpoint_id, server.addrs, r) for r in big))
+            return singles, got, got_big
+        finally:
+            await client.close()
+            await server.close()
+
+    singles, got, got_big = asyncio.run(go())
+    assert calls == [len(reqs), len(big)]
+    assert isinstance(got[-1], HolderFault) and "-32004" in str(got[-1])
+    assert all(len(iroh.request_frames(r)) >= 2 for r in big)
+    check(agent, reqs[:-1], got[:-1], singles[:len(reqs) - 1])
+    check(agent, big, got_big, singles[len(reqs) - 1:])
+
+
+def test_a_stream_announcing_more_requests_than_it_carries_is_refused(holder):
+    agent, x, _ = holder
+    if not iroh.available():
+        pytest.skip(iroh.UNAVAILABLE)
+    req = requests(x, carrier="f32", output="f32")[0]
+
+    async def go():
+        from tests.test_iroh import raw_call
+        server = await iroh.IrohServer(iroh.endpoint_secret(agent.key.encode()), "127.0.0.1:0", agent.execute_rpc,
+                                       agent.status, agent.execute_many_rpc).start()
+        try:
+            short = await raw_call(server, b"".join(iroh.request_frames(req, 1, 3)))
+            bad = await raw_call(server, b"".join(iroh.request_frames(req, 1, 10_000)))
+            twice = await raw_call(server, b"".join(iroh.request_frames(req, 1, 2) * 2))
+            return short, bad, twice
+        finally:
+            await server.close()
+
+    short, bad, twice = asyncio.run(go())
+    assert short[0]["error"]["code"] == -32600 and "3 requests" in short[0]["error"]["message"]
+    assert bad[0]["error"]["code"] == -32600 and "stream_requests" in bad[0]["error"]["message"]
+    assert twice[0]["error"]["code"] == -32600 and "distinct ids" in twice[0]["error"]["message"]
+
+
+def test_socket_batch_frame_is_answered_per_request_and_a_malformed_batch_gets_an_error(holder):
+    agent, x, calls = holder
+    reqs = requests(x, bad_expert=9)
+    sent = []
+
+    class Socket:  # the agent's end of its socket: what it writes back
+        async def send(self, frame):
+            sent.append(frame)
+
+    async def go():
+        agent._ws, agent.max_message = Socket(), 1 << 20
+        singles = [await agent.execute_request({**messages.request_header(r), "request_id": r.request_id},
+                                               r.carrier, r.payload) for r in reqs[:-1]]
+        calls.clear()
+        header, payload = messages.batch_frame(reqs, "b1")
+        await agent._handle(header, payload)
+        await agent._handle({"type": "batch", "id": "b2", "requests": [{"nbytes": 5}]}, b"xy")
+        return singles
+
+    singles = asyncio.run(go())
+    assert calls == [len(reqs)]
+    answer, data = wire.unpack_frame(sent[0], wire.MESSAGE_HEADER_MAX)
+    outcomes = messages.batch_answers(answer, data, reqs, "ws", 1, 1)
+    assert isinstance(outcomes[-1], HolderFault) and "-32004" in str(outcomes[-1])
+    for req, ans, (_, out) in zip(reqs, outcomes, singles):
+        assert np.array_equal(ans.rows, wire.decode_rows(out, req.output, req.d_model, len(req.tokens)))
+        verify_receipt(ans.receipt, provider=agent.provider, request_id=req.request_id, model_id=MODEL, layer=LAYER,
+                       expert=req.expert, tokens=req.tokens, carrier_kind=req.carrier, carrier=req.payload,
+                       rows=ans.rows)
+    bad, _ = wire.unpack_frame(sent[1])
+    assert bad["id"] == "b2" and bad["ok"] is False and "nbytes" in bad["message"]
+
+
+def test_batch_reply_that_does_not_match_its_requests_faults_only_what_it_cannot_answer(holder):
+    _, x, _ = holder
+    reqs = requests(x)
+    good = (messages.reply(reqs[0].request_id, token_indices=reqs[0].tokens, output="f32"),
+            wire.encode_f32(x[reqs[0].tokens]))
+    header, payload = messages.batch_reply("b", [good, (messages.reply("other"), b""),
+                                                 (messages.failure(reqs[2].request_id, -32001, "no"), b"")])
+    out = messages.batch_answers(header, payload, reqs, "ws", 10, 10)
+    assert np.array_equal(out[0].rows, x[reqs[0].tokens])
+    assert isinstance(out[1], HolderFault) and "not its request" in str(out[1])
+    assert type(out[2]).__name__ == "AuthRefusal"
+    short = messages.batch_answers(header, payload, reqs[:2], "ws", 10, 10)
+    assert all(isinstance(o, HolderFault) and "3 answers for 2" in str(o) for o in short)
+    with pytest.raises(wire.WireError):
+        messages.split_batch({"requests": [{"nbytes": 1}]}, b"ab")
