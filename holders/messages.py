@@ -31,7 +31,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from holders import wire
-from registry.jsonrpc import AUTH_REFUSED
+from registry.jsonrpc import AUTH_REFUSED, INVALID_PARAMS, INVALID_REQUEST
 
 
 class HolderFault(Exception):
@@ -40,6 +40,16 @@ class HolderFault(Exception):
 
 class AuthRefusal(Exception):
     """A holder refused our credentials: try the next holder, but do not penalize this one."""
+
+
+class Rejected(Exception):
+    """A holder refused the request as malformed (JSON-RPC -32602/-32600): a mismatch on the
+    router's or the transport's side, which the holder reports honestly. Try the next holder,
+    but do not penalize this one (a wrong answer, receipt or shape stays a ``HolderFault``)."""
+
+
+# Answer codes that say "your request is malformed" rather than "I failed".
+REJECTION_CODES = (INVALID_PARAMS, INVALID_REQUEST)
 
 
 @dataclass
@@ -214,10 +224,13 @@ def failure(req_id, code, message: str) -> dict:
 def answer_to_batch(answer: dict, data: bytes, req: BatchRequest, transport: str, bytes_out: int,
                     bytes_back: int) -> BatchAnswer:
     """Decode a holder's reply (header + output bytes) to ``req``; raises ``AuthRefusal``
-    (code -32001), ``HolderFault`` (refusal, wrong tokens, bad rows)."""
+    (code -32001), ``Rejected`` (-32602/-32600: the request was malformed), ``HolderFault``
+    (another error, wrong tokens, bad rows)."""
     if not answer.get("ok"):
         if answer.get("code") == AUTH_REFUSED:
             raise AuthRefusal(str(answer.get("message")))
+        if answer.get("code") in REJECTION_CODES:
+            raise Rejected(f"holder rejected the request ({answer.get('code')}): {answer.get('message')}")
         raise HolderFault(f"holder error {answer.get('code')}: {answer.get('message')}")
     if answer.get("token_indices", req.tokens) != req.tokens:
         raise HolderFault("answer's token_indices differ from the request's")
