@@ -48,8 +48,10 @@ class Rejected(Exception):
     but do not penalize this one (a wrong answer, receipt or shape stays a ``HolderFault``)."""
 
 
-# Answer codes that say "your request is malformed" rather than "I failed".
+# Answer codes that say "your request is malformed" rather than "I failed": JSON-RPC codes (HTTP,
+# iroh) and the agent socket's error class names for the same refusals (``HolderAgent._handle``).
 REJECTION_CODES = (INVALID_PARAMS, INVALID_REQUEST)
+SOCKET_REJECTIONS = ("WireError", "RpcError", "bad_request")
 
 
 @dataclass

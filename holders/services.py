@@ -109,12 +109,18 @@ def live_view(model_id: str, exclude: frozenset = frozenset()) -> ShardView:
 async def send_ws(provider: str, req: BatchRequest) -> BatchAnswer:
     """One request over ``provider``'s agent socket (binary frame through the channel layer).
 
-    Raises ``AgentUnavailable`` (a ``ConnectionError``), ``HolderFault`` or ``AuthRefusal``.
+    Raises ``AgentUnavailable`` (a ``ConnectionError``), ``Rejected`` (the agent refused the
+    request as malformed), ``HolderFault`` or ``AuthRefusal``.
     """
     link = await AgentLink.get()
     header = messages.request_header(req)
-    answer, payload = await link.request(provider, header, req.payload, settings.TENZRO["BATCH_TIMEOUT_S"],
-                                         req_id=req.request_id)
+    try:
+        answer, payload = await link.request(provider, header, req.payload, settings.TENZRO["BATCH_TIMEOUT_S"],
+                                             req_id=req.request_id)
+    except AgentUnavailable as exc:
+        if exc.code in messages.SOCKET_REJECTIONS:  # the agent refused our malformed request: not its fault
+            raise messages.Rejected(str(exc)) from exc
+        raise
     # Bytes on the agent's socket: frame length prefix + JSON header + payload, each way.
     out = 4 + len(json.dumps(header, separators=(",", ":"))) + len(req.payload)
     back = 4 + len(json.dumps(answer, separators=(",", ":"))) + len(payload)
