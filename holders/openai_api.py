@@ -157,8 +157,8 @@ def _tokens_field(body: dict) -> str:
 
 
 def _sampling(served: ServedModel, body: dict) -> Sampling:
-    if _number(body, "n", 1, int, 1, 1) != 1:
-        raise ApiError(400, "n must be 1", "n")
+    if _number(body, "n", 1, int) != 1:
+        raise ApiError(400, "n must be 1: one choice per prompt (send several prompts for several completions)", "n")
     field = _tokens_field(body)
     try:
         return Sampling(max_new_tokens=_number(body, field, 16, int, 1, 65536),
