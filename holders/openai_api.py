@@ -105,8 +105,8 @@ def check_params(body: dict, chat: bool) -> None:
     for name, noop in UNSUPPORTED.items():
         v = body.get(name)
         if name in body and not any(_same(v, n) for n in noop):
-            raise ApiError(400, f"{name} is not supported by this server (give {' or '.join(json.dumps(n) for n in noop)} "
-                                f"or leave it out)", name)
+            allowed = " or ".join(json.dumps(n) for n in noop)
+            raise ApiError(400, f"{name} is not supported by this server (give {allowed} or leave it out)", name)
 
 
 def _number(body: dict, name: str, default, kind=float, lo=None, hi=None):
