@@ -522,13 +522,10 @@ class HolderAgent:
     async def _http_rpc(self, method: str, params: dict) -> dict:
         """JSON-RPC handler of the HTTP endpoint (``holders.transports.http``)."""
         if method in ("tenzro_moeExecute", "moe/execute"):
-            q8 = params.get("hidden_q8")
             try:
-                carrier = "q8_0" if q8 is not None else "f32"
-                payload = wire.b64decode(q8 if q8 is not None else params.get("hidden_states"),
-                                         "hidden_q8" if q8 is not None else "hidden_states")
+                carrier, payload = wire.carrier_in_params(params)
             except wire.WireError as exc:
-                raise RpcError(INVALID_PARAMS, str(exc), field="params") from exc
+                raise RpcError(INVALID_PARAMS, str(exc), field=exc.field) from exc
             answer, data = await self.execute_rpc(params, carrier, payload)
             return {"model_id": params["model_id"], "layer": params["layer"], "expert": params["expert"],
                     "token_indices": answer["token_indices"], "d_model": answer["d_model"],

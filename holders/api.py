@@ -225,7 +225,7 @@ class GenerateParams(serializers.Serializer):
     prompt = IdsOrTextField(required=False)
     max_new_tokens = serializers.IntegerField(min_value=1, max_value=65536, required=False, default=16)
     temperature = serializers.FloatField(min_value=0.0, max_value=100.0, required=False, default=0.0)
-    top_p = serializers.FloatField(min_value=0.0, max_value=1.0, required=False, default=1.0)
+    top_p = serializers.FloatField(required=False, default=1.0, help_text="in (0, 1]")
     top_k = serializers.IntegerField(min_value=0, required=False, default=0)
     seed = serializers.IntegerField(min_value=0, required=False, allow_null=True, default=None)
     stop = serializers.ListField(child=serializers.IntegerField(min_value=0), required=False, default=list)
@@ -284,10 +284,11 @@ async def moe_generate(p: dict) -> dict:
     from holders.generate import generate
 
     sampling = sampling_from(p)
-    prompt = p.get("input_ids", p.get("prompt"))
+    field = "input_ids" if "input_ids" in p else "prompt"
+    prompt = p[field]
     if p["handoff"]:
         from holders.disaggregate import generate_handoff
 
-        return await generate_errors(generate_handoff(p["model_id"], prompt, sampling, p["carrier"]))
+        return await generate_errors(generate_handoff(p["model_id"], prompt, sampling, p["carrier"], field))
     return await generate_errors(generate(p["model_id"], prompt, sampling, p["carrier"], p["return_logits"],
-                                                fallback=p["fallback"]))
+                                          fallback=p["fallback"], prompt_field=field))

@@ -15,7 +15,7 @@ from django.conf import settings
 
 from holders.backbone import BackboneError
 from holders.backbone.weights import BACKBONE_KEY
-from holders.generate import decode_text, encode_prompts, generation_carrier, served_model
+from holders.generate import check_size, decode_text, encode_prompts, generation_carrier, served_model
 from holders.handoff import chunk_size, sampling_to_header
 from holders.transports.ws import AgentLink, AgentUnavailable
 from registry.models import MoeModel
@@ -53,7 +53,8 @@ def pick_agents() -> tuple[str, str]:
     return pre, dec
 
 
-async def generate_handoff(model_id: str, prompt, sampling, carrier: str = "auto") -> dict:
+async def generate_handoff(model_id: str, prompt, sampling, carrier: str = "auto",
+                           prompt_field: str = "input_ids") -> dict:
     """``tenzro_moeGenerate`` with ``handoff: true``: prefill on a Prefill agent, KV cache
     moved in frames to a Decode agent, decode there. Same output fields as
     ``holders.generate.generate`` (no ``prompt_logits``) plus ``kv_handoff {bytes, kv_bytes,
@@ -65,7 +66,8 @@ async def generate_handoff(model_id: str, prompt, sampling, carrier: str = "auto
     """
     t0 = time.perf_counter()
     served = await database_sync_to_async(served_model)(model_id)
-    prompts = encode_prompts(served, prompt)
+    prompts = encode_prompts(served, prompt, prompt_field)
+    check_size(served, prompts, sampling, prompt_field)
 
     def describe() -> tuple[dict, dict, tuple[str, str]]:
         m = MoeModel.objects.get(model_id=model_id)

@@ -48,7 +48,7 @@ from holders import wire
 from holders.ffn import combine
 from holders.gating import Gate, Routing, route
 # The request/answer records live with the other messages; re-exported for the forward's callers.
-from holders.messages import AuthRefusal, BatchAnswer, BatchRequest, HolderFault, Send  # noqa: F401
+from holders.messages import AuthRefusal, BatchAnswer, BatchRequest, HolderFault, Rejected, Send  # noqa: F401
 from holders.receipts import ReceiptError, verify_receipt
 from holders.scoreboard import Scoreboard
 from registry.jsonrpc import ParamError
@@ -263,7 +263,7 @@ class LayerForward:
 
     async def attempt(self, provider: str, info, expert: int, tokens: list[int], payload: bytes) -> str:
         """One request to one holder, given up after ``attempt_timeout_s``; returns "ok", "late"
-        (another answer filled the pairs first), "refused" (auth, no penalty) or "fault"
+        (another answer filled the pairs first), "refused" (auth or a rejected request, no penalty) or "fault"
         (exclude the holder). Outcomes are recorded on the scoreboard."""
         layer, d_model = self.layer, self.d_model
         req = BatchRequest(uuid.uuid4().hex, self.model_id, layer, expert, tokens, self.carrier_kind, payload,
@@ -289,6 +289,9 @@ class LayerForward:
         except AuthRefusal as exc:
             self.failures.append({"provider": provider, "expert": expert, "error": f"auth refused: {exc}",
                                   "fault": False})
+            return "refused"
+        except Rejected as exc:  # our request was malformed: the holder is honest to refuse it
+            self.failures.append({"provider": provider, "expert": expert, "error": str(exc), "fault": False})
             return "refused"
         except asyncio.TimeoutError:
             self._timed_out(provider, expert, sent_at, f"no answer within {self.attempt_timeout_s:g} s")
@@ -350,7 +353,7 @@ class LayerForward:
                 await asyncio.to_thread(verify_receipt, ans.receipt, provider=provider, request_id=req.request_id,
                                         model_id=self.model_id, layer=self.layer, expert=expert, tokens=tokens,
                                         carrier_kind=self.carrier_kind, carrier=payload, rows=ans.rows)
-        except AuthRefusal:
+        except (AuthRefusal, Rejected):
             pass
         except (asyncio.TimeoutError, HolderFault, ReceiptError, ConnectionError, ValueError, OSError):
             sb.fault(provider)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from channels.db import database_sync_to_async
+from django.conf import settings
 
 from holders import services, wire
 from holders.backbone import Backbone, BackboneError
@@ -104,6 +105,13 @@ def served_model(model_id: str) -> ServedModel:
     return served
 
 
+def served_models() -> list[tuple[str, object]]:
+    """(model_id, created datetime) of every model published with a backbone (those
+    ``generate`` serves), by model id."""
+    return [(m.model_id, m.created) for m in MoeModel.objects.order_by("model_id").only("model_id", "created", "config")
+            if (m.config or {}).get(BACKBONE_KEY)]
+
+
 class LayerStats:
     """What the distributed layer forwards of one generation took (summed over calls; the
     holders also per step, step 0 being the prefill)."""
@@ -138,19 +146,27 @@ class LayerStats:
                 "wire": {"bytes_out": self.bytes_out, "bytes_back": self.bytes_back}}
 
 
+class GenerationCancelled(Exception):
+    """The generation's caller went away (its task was cancelled): the worker thread stops."""
+
+
 def distributed_mlp(served: ServedModel, loop: asyncio.AbstractEventLoop, carrier: str, stats: LayerStats,
-                    gen_id: str, fallback: bool = True, outcomes: services.ForwardOutcomes | None = None):
+                    gen_id: str, fallback: bool = True, outcomes: services.ForwardOutcomes | None = None,
+                    cancelled: threading.Event | None = None):
     """The backbone's ``mlp(layer, x)`` callback for a worker thread: MoE layers by
     ``services.forward``, dense layers by ``services.dense_forward``, run on ``loop``;
     with ``fallback`` the site's replica serves batches every remote holder failed;
     ``outcomes``: where the forwards' holder outcomes and settlement records gather
-    (``services.ForwardOutcomes``; None: recorded per forward).
+    (``services.ForwardOutcomes``; None: recorded per forward); ``cancelled``: once set, the
+    next layer call raises ``GenerationCancelled`` (a thread cannot be stopped from outside).
 
-    Raises ``BackboneError`` for a layer that is neither, and whatever the forward raises
-    (``ForwardError``, ``GateNotLoaded``)."""
+    Raises ``BackboneError`` for a layer that is neither, ``GenerationCancelled``, and whatever
+    the forward raises (``ForwardError``, ``GateNotLoaded``)."""
     steps: dict[int, int] = {}
 
     def mlp(layer: int, x: np.ndarray) -> np.ndarray:
+        if cancelled is not None and cancelled.is_set():
+            raise GenerationCancelled(f"generation {gen_id} cancelled: its caller went away")
         if layer in served.moe_layers:
             coro = services.forward(served.model_id, layer, x.shape[1], x, carrier=carrier, fallback=fallback,
                                     outcomes=outcomes)
@@ -169,12 +185,14 @@ def distributed_mlp(served: ServedModel, loop: asyncio.AbstractEventLoop, carrie
     return mlp
 
 
-def encode_prompts(served: ServedModel, prompt) -> list[np.ndarray]:
+def encode_prompts(served: ServedModel, prompt, field: str = "input_ids") -> list[np.ndarray]:
     """Prompts as id arrays: text (one string or a list) through the tokenizer, or ids (one
-    list or a list of lists). Raises ``BackboneError`` (field ``prompt``/``input_ids``)."""
+    list or a list of lists). Raises ``BackboneError`` naming ``field``, the parameter the
+    caller got the prompt in (``input_ids``, ``prompt``)."""
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
         if served.tokenizer is None:
-            raise BackboneError(f"model {served.model_id!r} ships no tokenizer.json: send token ids", "prompt")
+            raise BackboneError(f"{field}: model {served.model_id!r} ships no tokenizer.json, so text is not "
+                                f"accepted; send token ids", field)
         texts = [prompt] if isinstance(prompt, str) else prompt
         return [np.asarray(served.tokenizer.encode(t).ids, dtype=np.int64) for t in texts]
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -183,7 +201,52 @@ def encode_prompts(served: ServedModel, prompt) -> list[np.ndarray]:
                                                    all(isinstance(t, int) and not isinstance(t, bool) for t in p)
                                                    for p in prompt):
         return [np.asarray(p, dtype=np.int64) for p in prompt]
-    raise BackboneError("give a non-empty list of token ids, a list of such lists, or text", "input_ids")
+    raise BackboneError(f"{field} must be a non-empty list of token ids, a list of such lists, or text", field)
+
+
+MAX_STOP_IDS = 64  # stop token ids of one generation (checked per chosen token)
+
+
+def check_size(served: ServedModel, prompts: list[np.ndarray], sampling: Sampling, prompt_field: str = "input_ids",
+               tokens_field: str = "max_new_tokens") -> None:
+    """Refuse a generation before any work: more prompts than ``GEN_MAX_PROMPTS``, more prompt
+    tokens together than ``GEN_MAX_PROMPT_TOKENS``, more new tokens together (prompts ×
+    ``max_new_tokens``) than ``GEN_MAX_NEW_TOKENS`` (settings ``TENZRO_GEN_*``), an id outside
+    the vocabulary, a prompt that leaves no room in the context, more than ``MAX_STOP_IDS``
+    stop ids or one outside the vocabulary. The one place every generation entry point
+    (``tenzro_moeGenerate``, the OpenAI endpoints) checks its size.
+
+    Raises ``BackboneError`` naming ``prompt_field`` / ``tokens_field`` / ``stop``.
+    """
+    limits = settings.TENZRO
+    vocab, context = served.backbone.vocab_size, served.backbone.max_position
+    if len(prompts) > limits["GEN_MAX_PROMPTS"]:
+        raise BackboneError(f"{prompt_field}: {len(prompts)} prompts; this site takes at most "
+                            f"{limits['GEN_MAX_PROMPTS']} per request (TENZRO_GEN_MAX_PROMPTS)", prompt_field)
+    total = int(sum(p.size for p in prompts))
+    if total > limits["GEN_MAX_PROMPT_TOKENS"]:
+        raise BackboneError(f"{prompt_field}: {total} prompt tokens; this site takes at most "
+                            f"{limits['GEN_MAX_PROMPT_TOKENS']} per request (TENZRO_GEN_MAX_PROMPT_TOKENS)",
+                            prompt_field)
+    new = len(prompts) * sampling.max_new_tokens
+    if new > limits["GEN_MAX_NEW_TOKENS"]:
+        raise BackboneError(f"{tokens_field}: {len(prompts)} prompt(s) × {sampling.max_new_tokens} new tokens = "
+                            f"{new}; this site generates at most {limits['GEN_MAX_NEW_TOKENS']} per request "
+                            f"(TENZRO_GEN_MAX_NEW_TOKENS)", tokens_field)
+    for i, p in enumerate(prompts):
+        where = f"{prompt_field}[{i}]" if len(prompts) > 1 else prompt_field
+        if p.size == 0:
+            raise BackboneError(f"{where}: a prompt needs at least one token", prompt_field)
+        if p.min() < 0 or p.max() >= vocab:
+            raise BackboneError(f"{where}: token ids must be in 0..{vocab - 1}", prompt_field)
+        if p.size >= context:
+            raise BackboneError(f"{where}: the prompt has {p.size} tokens; the context holds {context} with room "
+                                f"for one new token", prompt_field)
+    if len(sampling.stop) > MAX_STOP_IDS:
+        raise BackboneError(f"stop: {len(sampling.stop)} stop ids; at most {MAX_STOP_IDS}", "stop")
+    for i, t in enumerate(sampling.stop):
+        if not 0 <= t < vocab:
+            raise BackboneError(f"stop.{i}: token id {t} is outside the vocabulary 0..{vocab - 1}", "stop")
 
 
 def decode_text(served: ServedModel, ids: list[int]) -> str | None:
@@ -192,14 +255,17 @@ def decode_text(served: ServedModel, ids: list[int]) -> str | None:
 
 
 async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "auto", return_logits: bool = False,
-                   on_tokens=None, fallback: bool = True) -> dict:
+                   on_tokens=None, fallback: bool = True, prompt_field: str = "input_ids",
+                   tokens_field: str = "max_new_tokens") -> dict:
     """``tenzro_moeGenerate``: prefill and decode ``prompt`` (see ``encode_prompts``) on the
     published backbone with distributed MLP layers.
 
     ``carrier``: of every layer forward, ``auto`` being ``GENERATION_AUTO_CARRIER``.
     ``on_tokens(list[Sequence])`` is called from the worker thread as tokens are chosen.
     ``fallback`` (default on): the site's fallback replica (``holders.fallback``) runs
-    batches that every remote holder failed.
+    batches that every remote holder failed. ``prompt_field``/``tokens_field``: the caller's
+    names of the prompt and of ``max_new_tokens``, named by size errors (``check_size``).
+    Cancelling the awaiting task stops the worker thread at its next layer.
     Returns ``{model_id, output_ids ([ids] for one prompt, [[ids], …] for several), text?,
     finish_reasons, prompt_logits? (base64 f32 [T, vocab]; one prompt only), forward_ids
     (one per distributed layer forward: generation/step/layer), layers (batches, receipts,
@@ -208,7 +274,8 @@ async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "au
     """
     t0 = time.perf_counter()
     served = await database_sync_to_async(served_model)(model_id)
-    prompts = encode_prompts(served, prompt)
+    prompts = encode_prompts(served, prompt, prompt_field)
+    check_size(served, prompts, sampling, prompt_field, tokens_field)
     if return_logits and len(prompts) != 1:
         raise BackboneError("return_logits needs exactly one prompt", "return_logits")
     stats = LayerStats()
@@ -217,10 +284,14 @@ async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "au
     # Holder outcomes and settlement records of every layer forward go to the DB together
     # (every few seconds and at the end), not once per layer and step (services.ForwardOutcomes).
     outcomes = services.ForwardOutcomes()
+    cancelled = threading.Event()
     gen = Generator(served.backbone, distributed_mlp(served, loop, generation_carrier(carrier), stats, gen_id,
-                                                     fallback, outcomes), sampling)
+                                                     fallback, outcomes, cancelled), sampling)
     try:
         seqs: list[Sequence] = await asyncio.to_thread(gen.run, prompts, return_logits, on_tokens)
+    except asyncio.CancelledError:  # the client went away (Django cancels the view): stop computing
+        cancelled.set()
+        raise
     finally:
         outcomes.close()
     total = (time.perf_counter() - t0) * 1e3

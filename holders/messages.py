@@ -38,7 +38,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from holders import wire
-from registry.jsonrpc import AUTH_REFUSED
+from registry.jsonrpc import AUTH_REFUSED, INVALID_PARAMS, INVALID_REQUEST
 
 
 class HolderFault(Exception):
@@ -47,6 +47,18 @@ class HolderFault(Exception):
 
 class AuthRefusal(Exception):
     """A holder refused our credentials: try the next holder, but do not penalize this one."""
+
+
+class Rejected(Exception):
+    """A holder refused the request as malformed (JSON-RPC -32602/-32600): a mismatch on the
+    router's or the transport's side, which the holder reports honestly. Try the next holder,
+    but do not penalize this one (a wrong answer, receipt or shape stays a ``HolderFault``)."""
+
+
+# Answer codes that say "your request is malformed" rather than "I failed": JSON-RPC codes (HTTP,
+# iroh) and the agent socket's error class names for the same refusals (``HolderAgent._handle``).
+REJECTION_CODES = (INVALID_PARAMS, INVALID_REQUEST)
+SOCKET_REJECTIONS = ("WireError", "RpcError", "bad_request")
 
 
 @dataclass
@@ -317,10 +329,13 @@ def batch_answers(answer: dict, payload: bytes, reqs: list[BatchRequest], transp
 def answer_to_batch(answer: dict, data: bytes, req: BatchRequest, transport: str, bytes_out: int,
                     bytes_back: int) -> BatchAnswer:
     """Decode a holder's reply (header + output bytes) to ``req``; raises ``AuthRefusal``
-    (code -32001), ``HolderFault`` (refusal, wrong tokens, bad rows)."""
+    (code -32001), ``Rejected`` (-32602/-32600: the request was malformed), ``HolderFault``
+    (another error, wrong tokens, bad rows)."""
     if not answer.get("ok"):
         if answer.get("code") == AUTH_REFUSED:
             raise AuthRefusal(str(answer.get("message")))
+        if answer.get("code") in REJECTION_CODES:
+            raise Rejected(f"holder rejected the request ({answer.get('code')}): {answer.get('message')}")
         raise HolderFault(f"holder error {answer.get('code')}: {answer.get('message')}")
     if answer.get("token_indices", req.tokens) != req.tokens:
         raise HolderFault("answer's token_indices differ from the request's")

@@ -8,8 +8,18 @@ ids separated by spaces, with the ids also in ``token_ids``. ``stream: true`` an
 Server-Sent Events (``data: {chunk}`` … ``data: [DONE]``). Chat applies the checkpoint's
 chat template (``holders.chat``) or, without one, the plain ``<role>: <content>`` rendering.
 Extensions: ``top_k`` and ``carrier``. ``stop`` takes token ids, or strings that are one
-token each. Errors follow OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``
-with HTTP 400/404.
+token each (at most ``MAX_STOP_IDS``, each inside the vocabulary). ``GET /v1/models`` lists the
+models this site generates with. Errors follow OpenAI's shape ``{"error": {"message", "type",
+"param", "code"}}`` with HTTP 400/404/413 (any other ``/v1/`` path: JSON 404).
+
+Parameters, like OpenAI's own server: a field it does not know is refused (400 "unrecognized
+request argument", naming it); OpenAI parameters this server cannot honour (``logprobs``,
+``top_logprobs``, ``echo``, ``best_of`` > 1, ``logit_bias``, ``suffix``, non-zero
+``presence_penalty``/``frequency_penalty``) are accepted only at their no-op value (null,
+false, 1, {} or 0) and otherwise refused (400 "... is not supported", naming it); ``user`` is
+accepted and ignored. Every check, including the generation size (``holders.generate.check_size``),
+runs before a stream starts, so a bad request gets its 4xx, never a 200 stream with an error.
+A client that disconnects cancels its generation (``holders.generate.generate``).
 """
 from __future__ import annotations
 
@@ -19,6 +29,8 @@ import time
 import uuid
 
 from channels.db import database_sync_to_async
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
@@ -28,7 +40,8 @@ from holders.backbone import BackboneError
 from holders.backbone.decode import Sampling
 from holders.chat import ChatTemplateError, plain_chat
 from holders.forward import ForwardError
-from holders.generate import NoBackbone, ServedModel, decode_text, encode_prompts, generate, served_model
+from holders.generate import (MAX_STOP_IDS, NoBackbone, ServedModel, check_size, decode_text, encode_prompts, generate,
+                              served_models, served_model)
 from holders.runtime import GateNotLoaded
 
 
@@ -50,12 +63,50 @@ class ApiError(Exception):
 
 def _body(request: HttpRequest) -> dict:
     try:
-        body = json.loads(request.body or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"request body is not JSON: {exc}") from None
+        raw = request.body or b"{}"
+    except RequestDataTooBig:
+        raise ApiError(413, f"request body is over the {settings.DATA_UPLOAD_MAX_MEMORY_SIZE}-byte limit "
+                            f"(TENZRO_MAX_BODY)") from None
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # bad UTF-8/JSON, a 4,300-digit integer, deep nesting
+        raise ApiError(400, f"request body is not JSON: {str(exc)[:200] or 'nested too deeply'}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     return body
+
+
+# Parameters each endpoint knows; ``UNSUPPORTED`` ones only at their no-op values.
+_COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream", "stream_options",
+           "stop", "seed", "user", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "top_k",
+           "carrier"}
+KNOWN = {False: _COMMON | {"prompt", "echo", "best_of", "suffix"},
+         True: _COMMON | {"messages", "top_logprobs"}}
+UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+               "logit_bias": (None, {}), "suffix": (None,), "presence_penalty": (None, 0),
+               "frequency_penalty": (None, 0)}
+
+
+def _same(v, n) -> bool:
+    """JSON value ``v`` equals ``n`` (a number equals a number, never a boolean: ``0 != false``)."""
+    if n is None or isinstance(n, bool):
+        return v is n
+    if isinstance(n, (int, float)):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v == n
+    return type(v) is type(n) and v == n
+
+
+def check_params(body: dict, chat: bool) -> None:
+    """Refuse (400, naming the parameter) a field the endpoint does not know, and an OpenAI
+    parameter this server cannot honour at a value other than its no-op one."""
+    for name in body:
+        if name not in KNOWN[chat]:
+            raise ApiError(400, f"unrecognized request argument supplied: {name}", name)
+    for name, noop in UNSUPPORTED.items():
+        v = body.get(name)
+        if name in body and not any(_same(v, n) for n in noop):
+            allowed = " or ".join(json.dumps(n) for n in noop)
+            raise ApiError(400, f"{name} is not supported by this server (give {allowed} or leave it out)", name)
 
 
 def _number(body: dict, name: str, default, kind=float, lo=None, hi=None):
@@ -65,8 +116,16 @@ def _number(body: dict, name: str, default, kind=float, lo=None, hi=None):
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
         raise ApiError(400, f"{name} must be {'an integer' if kind is int else 'a number'}", name)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise ApiError(400, f"{name} must be in [{lo}, {hi}], got {v}", name)
+        rng = f"in [{lo}, {hi}]" if lo is not None and hi is not None else f"≥ {lo}" if lo is not None else f"≤ {hi}"
+        raise ApiError(400, f"{name} must be {rng}, got {v}", name)
     return kind(v)
+
+
+def _flag(body: dict, name: str) -> bool:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise ApiError(400, f"{name} must be a boolean", name)
+    return bool(v)
 
 
 def _stop_ids(served: ServedModel, stop) -> tuple[int, ...]:
@@ -75,6 +134,8 @@ def _stop_ids(served: ServedModel, stop) -> tuple[int, ...]:
     items = [stop] if isinstance(stop, (str, int)) else stop
     if not isinstance(items, list):
         raise ApiError(400, "stop must be a string, a token id or a list of them", "stop")
+    if len(items) > MAX_STOP_IDS:
+        raise ApiError(400, f"stop: {len(items)} stops; at most {MAX_STOP_IDS}", "stop")
     ids = []
     for s in items:
         if isinstance(s, int) and not isinstance(s, bool):
@@ -90,16 +151,21 @@ def _stop_ids(served: ServedModel, stop) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _tokens_field(body: dict) -> str:
+    """The name the client gave the new-token count under (OpenAI has two)."""
+    return "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+
+
 def _sampling(served: ServedModel, body: dict) -> Sampling:
-    if _number(body, "n", 1, int, 1, 1) != 1:
-        raise ApiError(400, "n must be 1", "n")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if _number(body, "n", 1, int) != 1:
+        raise ApiError(400, "n must be 1: one choice per prompt (send several prompts for several completions)", "n")
+    field = _tokens_field(body)
     try:
-        return Sampling(max_new_tokens=_number({"max_tokens": max_tokens}, "max_tokens", 16, int, 1, 65536),
+        return Sampling(max_new_tokens=_number(body, field, 16, int, 1, 65536),
                         temperature=_number(body, "temperature", 1.0, float, 0, 2),
-                        top_p=_number(body, "top_p", 1.0, float, 0, 1), top_k=_number(body, "top_k", 0, int, 0),
+                        top_p=_number(body, "top_p", 1.0, float), top_k=_number(body, "top_k", 0, int, 0),
                         seed=_number(body, "seed", None, int, 0), stop=_stop_ids(served, body.get("stop")))
-    except BackboneError as exc:
+    except BackboneError as exc:  # top_p's range, said once (holders.backbone.decode.Sampling)
         raise ApiError(400, str(exc), exc.field) from exc
 
 
@@ -146,17 +212,26 @@ def _text_of(served: ServedModel, ids: list[int]) -> str:
 
 
 async def _run(served: ServedModel, body: dict, prompt, chat: bool):
-    """Validate, then either the whole answer (JsonResponse) or an SSE stream."""
+    """Validate everything (size included), then either the whole answer (JsonResponse) or an SSE stream."""
     sampling = _sampling(served, body)
     carrier = body.get("carrier", "auto")
     if carrier not in wire.CARRIER_CHOICES:
         raise ApiError(400, f"carrier must be one of {', '.join(wire.CARRIER_CHOICES)}", "carrier")
+    stream = _flag(body, "stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise ApiError(400, "stream_options must be an object", "stream_options")
+    include_usage = _flag(opts, "include_usage")
+    prompt_field, tokens_field = ("messages" if chat else "prompt"), _tokens_field(body)
     try:
-        prompts = encode_prompts(served, prompt)
+        prompts = encode_prompts(served, prompt, prompt_field)
+        if chat and len(prompts) != 1:
+            raise ApiError(400, "one conversation per request", "messages")
+        check_size(served, prompts, sampling, prompt_field, tokens_field)
     except BackboneError as exc:
-        raise ApiError(400, str(exc), "prompt" if not chat else "messages") from exc
-    if chat and len(prompts) != 1:
-        raise ApiError(400, "one conversation per request", "messages")
+        raise ApiError(400, str(exc), exc.field) from exc
+    ids = [p.tolist() for p in prompts]
+    fields = {"prompt_field": prompt_field, "tokens_field": tokens_field}
     cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
@@ -171,9 +246,9 @@ async def _run(served: ServedModel, body: dict, prompt, chat: bool):
             c.update(text=text, logprobs=None)
         return c
 
-    if not body.get("stream"):
+    if not stream:
         try:
-            res = await generate(served.model_id, [p.tolist() for p in prompts], sampling, carrier)
+            res = await generate(served.model_id, ids, sampling, carrier, **fields)
         except (BackboneError, ForwardError, GateNotLoaded, Busy) as exc:
             raise _generation_error(exc) from exc
         done = sum(len(o) for o in res["output_ids"])
@@ -181,11 +256,7 @@ async def _run(served: ServedModel, body: dict, prompt, chat: bool):
             choice(i, o, f) for i, (o, f) in enumerate(zip(res["output_ids"], res["finish_reasons"]))],
             "usage": {"prompt_tokens": res["prompt_tokens"], "completion_tokens": done,
                       "total_tokens": res["prompt_tokens"] + done}, "timings_ms": res["timings_ms"]})
-    opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict):
-        raise ApiError(400, "stream_options must be an object", "stream_options")
-    return StreamingHttpResponse(_stream(served, prompts, sampling, carrier, base, chat,
-                                         bool(opts.get("include_usage"))),
+    return StreamingHttpResponse(_stream(served, ids, sampling, carrier, base, chat, include_usage, fields),
                                  content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
@@ -199,12 +270,13 @@ def _generation_error(exc: Exception) -> ApiError:
     return ApiError(503, getattr(exc, "message", str(exc)), "model", "server_error")
 
 
-async def _stream(served: ServedModel, prompts, sampling: Sampling, carrier: str, base: dict, chat: bool,
-                  include_usage: bool = False):
+async def _stream(served: ServedModel, prompts: list[list[int]], sampling: Sampling, carrier: str, base: dict,
+                  chat: bool, include_usage: bool = False, fields: dict | None = None):
     """SSE chunks: each new token's text per choice as it is chosen, then (``include_usage``,
     OpenAI's ``stream_options``) one chunk with empty ``choices``, ``usage`` and the
     extensions ``layers`` (batches, failures, transports, holders by step) and
-    ``timings_ms``, then ``[DONE]``."""
+    ``timings_ms``, then ``[DONE]``. When the client goes away (the iterator is cancelled or
+    closed) the generation is cancelled too."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     sent = [0] * len(prompts)
@@ -214,8 +286,8 @@ async def _stream(served: ServedModel, prompts, sampling: Sampling, carrier: str
         snap = [(id(s), list(s.output), s.finish_reason) for s in seqs]
         loop.call_soon_threadsafe(queue.put_nowait, ("tokens", snap))
 
-    task = asyncio.ensure_future(generate(served.model_id, [p.tolist() for p in prompts], sampling, carrier,
-                                          on_tokens=on_tokens))
+    task = asyncio.ensure_future(generate(served.model_id, prompts, sampling, carrier, on_tokens=on_tokens,
+                                          **(fields or {})))
     task.add_done_callback(lambda t: queue.put_nowait(("done", None)))
     order: dict[int, int] = {}
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -228,32 +300,36 @@ async def _stream(served: ServedModel, prompts, sampling: Sampling, carrier: str
             c = {"index": i, "text": delta_text, "finish_reason": finish, "logprobs": None, "token_ids": ids}
         return f"data: {json.dumps({**base, 'object': obj, 'choices': [c]})}\n\n"
 
-    while True:
-        kind, snap = await queue.get()
-        if kind == "done":
-            break
-        for key, output, finish in snap:
-            i = order.setdefault(key, len(order))
-            new = output[sent[i]:]
-            full = _text_of(served, output)
-            delta = full[len(texts[i]):] if full.startswith(texts[i]) else full
-            texts[i] = full
-            yield chunk(i, delta, new, finish)
-            sent[i] = len(output)
-    exc = task.exception()
-    if exc is not None:
-        err = _generation_error(exc) if isinstance(exc, (BackboneError, ForwardError, GateNotLoaded, Busy)) else \
-            ApiError(500, "generation failed", None, "server_error")
-        yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.kind, 'param': err.param}})}\n\n"
-    elif include_usage:
-        res = task.result()
-        done = sum(sent)
-        usage = {"prompt_tokens": res["prompt_tokens"], "completion_tokens": done,
-                 "total_tokens": res["prompt_tokens"] + done}
-        last = {**base, "object": obj, "choices": [], "usage": usage, "layers": res["layers"],
-                "timings_ms": res["timings_ms"]}
-        yield f"data: {json.dumps(last)}\n\n"
-    yield "data: [DONE]\n\n"
+    try:
+        while True:
+            kind, snap = await queue.get()
+            if kind == "done":
+                break
+            for key, output, finish in snap:
+                i = order.setdefault(key, len(order))
+                new = output[sent[i]:]
+                full = _text_of(served, output)
+                delta = full[len(texts[i]):] if full.startswith(texts[i]) else full
+                texts[i] = full
+                yield chunk(i, delta, new, finish)
+                sent[i] = len(output)
+        exc = task.exception()
+        if exc is not None:
+            err = _generation_error(exc) if isinstance(exc, (BackboneError, ForwardError, GateNotLoaded, Busy)) else \
+                ApiError(500, "generation failed", None, "server_error")
+            yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.kind, 'param': err.param}})}\n\n"
+        elif include_usage:
+            res = task.result()
+            done = sum(sent)
+            usage = {"prompt_tokens": res["prompt_tokens"], "completion_tokens": done,
+                     "total_tokens": res["prompt_tokens"] + done}
+            last = {**base, "object": obj, "choices": [], "usage": usage, "layers": res["layers"],
+                    "timings_ms": res["timings_ms"]}
+            yield f"data: {json.dumps(last)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:  # the client went away (or the stream ended): never leave the generation computing
+        if not task.done():
+            task.cancel()
 
 
 async def _handle(request: HttpRequest, chat: bool):
@@ -265,6 +341,7 @@ async def _handle(request: HttpRequest, chat: bool):
         except Busy as exc:
             raise _generation_error(exc) from None
         body = _body(request)
+        check_params(body, chat)
         served = await _served(body)
         if chat:
             prompt = chat_prompt(served, body.get("messages"))
@@ -288,3 +365,22 @@ async def chat_completions(request: HttpRequest):
     """``POST /v1/chat/completions`` (OpenAI chat completions; the checkpoint's chat template,
     or the plain role-prefixed prompt without one: ``chat_prompt``)."""
     return await _handle(request, chat=True)
+
+
+@csrf_exempt
+async def models(request: HttpRequest):
+    """``GET /v1/models`` (OpenAI): ``{object: "list", data: [{id, object: "model", created,
+    owned_by}]}`` of the models this site generates with (published with a backbone)."""
+    if request.method != "GET":
+        return ApiError(405, "use GET").response()
+    rows = await database_sync_to_async(served_models)()
+    return JsonResponse({"object": "list", "data": [
+        {"id": model_id, "object": "model", "created": int(created.timestamp()), "owned_by": "tenzro"}
+        for model_id, created in rows]})
+
+
+@csrf_exempt
+async def not_found(request: HttpRequest, rest: str = ""):
+    """Any other ``/v1/`` path: JSON 404 in OpenAI's error shape (clients parse it)."""
+    return ApiError(404, f"unknown endpoint {request.method} {request.path}; this site serves GET /v1/models, "
+                         f"POST /v1/completions and POST /v1/chat/completions", None, "not_found_error").response()

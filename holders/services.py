@@ -111,7 +111,8 @@ async def send_ws(provider: str, req: BatchRequest) -> BatchAnswer:
     requests to the same provider in the same loop turn go as one ``batch`` frame
     (``AgentLink.coalescer``), each still answered on its own.
 
-    Raises ``AgentUnavailable`` (a ``ConnectionError``), ``HolderFault`` or ``AuthRefusal``.
+    Raises ``AgentUnavailable`` (a ``ConnectionError``), ``Rejected`` (the agent refused the
+    request as malformed), ``HolderFault`` or ``AuthRefusal``.
     """
     link = await AgentLink.get()
     return await link.coalescer.submit(provider, req, lambda r: _send_ws_one(link, provider, r),
@@ -120,8 +121,13 @@ async def send_ws(provider: str, req: BatchRequest) -> BatchAnswer:
 
 async def _send_ws_one(link: AgentLink, provider: str, req: BatchRequest) -> BatchAnswer:
     header = messages.request_header(req)
-    answer, payload = await link.request(provider, header, req.payload, settings.TENZRO["BATCH_TIMEOUT_S"],
-                                         req_id=req.request_id)
+    try:
+        answer, payload = await link.request(provider, header, req.payload, settings.TENZRO["BATCH_TIMEOUT_S"],
+                                             req_id=req.request_id)
+    except AgentUnavailable as exc:
+        if exc.code in messages.SOCKET_REJECTIONS:  # the agent refused our malformed request: not its fault
+            raise messages.Rejected(str(exc)) from exc
+        raise
     # Bytes on the agent's socket: frame length prefix + JSON header + payload, each way.
     out = 4 + len(json.dumps(header, separators=(",", ":"))) + len(req.payload)
     back = 4 + len(json.dumps(answer, separators=(",", ":"))) + len(payload)

@@ -37,6 +37,10 @@ OUTPUTS = ("f32", "f16", "bf16", "q8_0")
 BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": quant.Q8_0.type_size / quant.Q8_0.block_size}
 CARRIER_CHOICES = ("auto", "f32", "f16", "q8_0")  # values of a forward's ``carrier`` parameter
 F16_MAX = float(np.finfo(np.float16).max)  # 65504: larger magnitudes round to infinity
+# The JSON member of each carrier in base64 execute params (iroh frames, a holder's HTTP /rpc):
+# the reference's ``hidden_states`` (f32) and ``hidden_q8`` (Q8_0), and our ``hidden_f16``.
+CARRIER_FIELDS = {"f32": "hidden_states", "f16": "hidden_f16", "q8_0": "hidden_q8"}
+assert set(CARRIER_FIELDS) == set(CARRIERS)
 
 
 class WireError(ParamError):
@@ -169,6 +173,16 @@ def b64decode(text: str, field: str) -> bytes:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise WireError(f"{field} is not valid base64: {exc}", field) from exc
+
+
+def carrier_in_params(params: dict) -> tuple[str, bytes]:
+    """(carrier kind, carrier bytes) of base64 execute params holding exactly one member of
+    ``CARRIER_FIELDS``. Raises ``WireError`` naming the member (none or several given, bad base64)."""
+    given = [k for k, f in CARRIER_FIELDS.items() if params.get(f) is not None]
+    if len(given) != 1:
+        raise WireError(f"give exactly one of {', '.join(CARRIER_FIELDS.values())}", "hidden_states")
+    field = CARRIER_FIELDS[given[0]]
+    return given[0], b64decode(params[field], field)
 
 
 def b64encode(data: bytes) -> str:

@@ -16,7 +16,9 @@ One place maps the environment to backends (DESIGN §4):
   default 256; 0 = never split), ``TENZRO_API_READ_RATE`` / ``TENZRO_API_WRITE_RATE`` (DRF
   rates, default ``1200/min`` / ``300/min``), admission control (``holders.admission``):
   ``TENZRO_RPC_MAX_BATCH``, ``TENZRO_FORWARD_CONCURRENCY``, ``TENZRO_FORWARD_QUEUE``,
-  ``TENZRO_FORWARD_QUEUE_WAIT`` (seconds), ``TENZRO_FORWARD_RATE`` (per client per minute).
+  ``TENZRO_FORWARD_QUEUE_WAIT`` (seconds), ``TENZRO_FORWARD_RATE`` (per client per minute);
+  generation size (``holders.generate.check_size``): ``TENZRO_GEN_MAX_PROMPTS``,
+  ``TENZRO_GEN_MAX_PROMPT_TOKENS``, ``TENZRO_GEN_MAX_NEW_TOKENS``.
 """
 from __future__ import annotations
 
@@ -244,6 +246,12 @@ TENZRO = {
     "FORWARD_QUEUE": _env_int("TENZRO_FORWARD_QUEUE", 1024),
     "FORWARD_QUEUE_WAIT_S": float(os.environ.get("TENZRO_FORWARD_QUEUE_WAIT", "60")),
     "FORWARD_RATE_PER_MINUTE": _env_int("TENZRO_FORWARD_RATE", 3000),
+    # Size of one generation (tenzro_moeGenerate, /v1/completions, /v1/chat/completions): prompts in
+    # the batch, their tokens together, and new tokens together (prompts × max_new_tokens). The
+    # site holds every sequence's KV cache: the defaults keep a 2-core demo machine responsive.
+    "GEN_MAX_PROMPTS": _env_int("TENZRO_GEN_MAX_PROMPTS", 64),
+    "GEN_MAX_PROMPT_TOKENS": _env_int("TENZRO_GEN_MAX_PROMPT_TOKENS", 8192),
+    "GEN_MAX_NEW_TOKENS": _env_int("TENZRO_GEN_MAX_NEW_TOKENS", 8192),
     # Providers need this reputation (new ones start at 500) to vote on policy proposals.
     "GOVERNANCE_MIN_VOTER_REPUTATION": _env_int("TENZRO_GOVERNANCE_MIN_REPUTATION", 600),
     # tenzro_moePlanDispatch: split one expert's batch across warm replicas above this many tokens.

@@ -41,6 +41,8 @@ urlpatterns = [
     path("rpc", rpc_view, name="rpc"),
     path("v1/completions", openai_api.completions, name="openai-completions"),
     path("v1/chat/completions", openai_api.chat_completions, name="openai-chat-completions"),
+    path("v1/models", openai_api.models, name="openai-models"),
+    re_path(r"^v1/(?P<rest>.*)$", openai_api.not_found),  # OpenAI clients parse a JSON 404, not HTML
     path("api/v1/", include(api_v1)),
     # Expert-coverage market (Kvasir wire contract): with or without a trailing slash, no redirect.
     re_path(r"^api/auth/challenge/?$", market.challenge, name="market-challenge"),

@@ -186,3 +186,37 @@ async def test_in_memory_layer_loses_no_request_past_its_capacity():
         await comm.disconnect()
     lost = [g for g in got if g is not True]
     assert not lost, f"{len(lost)} of {n} requests lost, e.g. {lost[0]}"
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.asyncio
+async def test_an_agent_refusing_a_malformed_request_on_its_socket_is_rejected_not_faulted():
+    """The agent's socket answers a request it cannot decode with ``ok: false, code: "WireError"``:
+    ``send_ws`` raises ``Rejected`` (no reputation cost); any other failure stays an ``AgentUnavailable``."""
+    from holders import services
+    from holders.messages import BatchRequest, Rejected
+
+    key = SigningKey.generate()
+    comm = WebsocketCommunicator(application, "/ws/agent/")
+    assert (await comm.connect())[0]
+    nonce = bytes.fromhex((await comm.receive_json_from())["nonce"])
+    await comm.send_json_to({"type": "hello", "provider": provider_id(key), "signature": sign(key, DOMAIN_HELLO, nonce)})
+    assert (await comm.receive_json_from())["type"] == "welcome"
+
+    async def refuse():
+        for code in ("WireError", "ExpertNotLoaded"):
+            header, _ = wire.unpack_frame(await comm.receive_from(timeout=30))
+            await comm.send_to(bytes_data=wire.pack_frame({"id": header["id"], "ok": False, "code": code,
+                                                           "message": "hidden_states: 1 rows but 2 token indices"}))
+
+    answering = asyncio.create_task(refuse())
+    req = BatchRequest("r1", "m", 0, 0, [0, 1], "f32", wire.encode_f32(np.ones((2, 4))), "f32", 4)
+    try:
+        with pytest.raises(Rejected, match="token indices"):
+            await services.send_ws(provider_id(key), req)
+        with pytest.raises(AgentUnavailable):
+            await services.send_ws(provider_id(key), BatchRequest(**{**req.__dict__, "request_id": "r2"}))
+        await answering
+    finally:
+        answering.cancel()
+        await comm.disconnect()

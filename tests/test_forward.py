@@ -304,6 +304,24 @@ def test_failing_holder_falls_over_to_backup_with_identical_output(qwen, mode):
         assert res.timings_ms["execute"] < 1000 * 3  # one deadline, then the backups answer
 
 
+def test_a_holder_rejecting_a_malformed_request_is_not_at_fault(qwen):
+    """-32602/-32600 from the holder: the router's request was malformed (a router/transport-side
+    mismatch); the backup serves it and the honest holder keeps its score."""
+    from holders.messages import answer_to_batch
+    bad = min(qwen.by_id)
+
+    async def send(provider, info, req):
+        if provider == bad:
+            return answer_to_batch({"ok": False, "code": -32602, "message": "hidden_states: 3 rows but 2 token "
+                                                                            "indices"}, b"", req, "iroh", 0, 0)
+        return await qwen.honest(provider, info, req)
+
+    res = qwen.run(send=send)
+    assert np.array_equal(res.output, qwen.monolithic())
+    assert res.failures and all(f["provider"] == bad and f["fault"] is False for f in res.failures)
+    assert "rejected" in res.failures[0]["error"]
+
+
 def test_every_holder_of_an_expert_gone_fails_closed_naming_the_pairs(qwen):
     with pytest.raises(ForwardError) as ei:
         qwen.run(gone=(3,))

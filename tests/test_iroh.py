@@ -21,7 +21,7 @@ from safetensors.numpy import load_file
 
 from holders import wire
 from holders.agent import HolderAgent
-from holders.messages import BatchRequest, HolderFault
+from holders.messages import BatchRequest, HolderFault, Rejected, answer_to_batch
 from holders.receipts import verify_receipt
 from holders.transports import iroh
 from prepare.checkpoint import Checkpoint
@@ -106,7 +106,7 @@ def test_endpoint_id_is_stable_and_derived_from_the_provider_key(holder):
         iroh.endpoint_secret(b"short")
 
 
-@pytest.mark.parametrize("carrier,output", [("f32", "f32"), ("q8_0", "bf16")])
+@pytest.mark.parametrize("carrier,output", [(c, o) for c in wire.CARRIERS for o in wire.OUTPUTS])
 def test_execute_matches_the_socket_path_and_receipt_verifies(holder, carrier, output):
     agent, x = holder
     tokens = list(range(x.shape[0]))
@@ -293,3 +293,33 @@ def test_without_the_wheel_the_agent_refuses_iroh_with_a_clear_message(tmp_path)
                           text=True, timeout=120)
     assert done.returncode == 1
     assert "--iroh: the iroh package cannot be imported" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_answer_codes_that_reject_the_request_are_not_holder_faults():
+    """A holder refusing a malformed request (-32602/-32600) is honest (``Rejected``); any other
+    error, or a wrong answer, is a ``HolderFault``."""
+    x = np.ones((2, 256), np.float32)
+    req = request(x, [0, 1])
+    for code in (-32602, -32600):
+        with pytest.raises(Rejected, match="1536 bytes"):
+            answer_to_batch({"ok": False, "code": code, "message": "1536 bytes"}, b"", req, "iroh", 0, 0)
+    with pytest.raises(HolderFault):
+        answer_to_batch({"ok": False, "code": -32004, "message": "not loaded"}, b"", req, "iroh", 0, 0)
+    with pytest.raises(HolderFault):  # three rows for two tokens: the holder's answer is wrong
+        answer_to_batch({"ok": True, "token_indices": [0, 1], "output": "f32"}, wire.encode_f32(np.ones((3, 256))),
+                        req, "iroh", 0, 0)
+
+
+def test_a_split_f16_batch_reassembles(holder):
+    """f16 rows over the frame cap: split by rows, each part in ``hidden_f16``, executed once."""
+    agent, x = holder
+    big = np.tile(x, (-(-9000 // x.shape[0]), 1))[:9000]
+    req = request(big, list(range(9000)), "f16", "bf16")
+    frames = iroh.request_frames(req)
+    assert len(frames) >= 2 and all(b'"hidden_f16"' in f for f in frames)
+
+    async def go(server, client):
+        return await client.execute(server.endpoint_id, server.addrs, req)
+
+    ans = serve(agent, go)
+    assert ans.rows.shape == (9000, 256)

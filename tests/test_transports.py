@@ -68,6 +68,14 @@ def test_forward_over_agent_iroh_endpoints_and_direct_execute(tmp_path):
         assert r["transports"]["iroh"] == r["batches"] and r["transports"]["ws"] == 0
         assert r["receipts"] == r["batches"] and not r["failures"]
         assert max_rel_err(wire.decode_f32(wire.b64decode(r["outputs"], "outputs"), 256), want) <= 1e-5
+        # Every carrier crosses iroh (f16 rows used to be decoded as f32 and blamed on the holders);
+        # a generation ("auto" = f16) runs on the holders, none of it on the site's fallback.
+        for carrier in ("f16", "q8_0", "auto"):
+            r = rpc(info["rpc"], "tenzro_moeForward", {**params, "carrier": carrier})["result"]
+            assert r["transports"]["iroh"] == r["batches"] and not r["failures"], (carrier, r["failures"])
+        g = rpc(info["rpc"], "tenzro_moeGenerate", {"model_id": "qwen3-moe-tiny", "input_ids": [1, 2, 3],
+                                                    "max_new_tokens": 3, "fallback": False})["result"]["layers"]
+        assert g["transports"].get("iroh", 0) == g["batches"] > 0 and not g["failures"], g
 
         # Every agent advertises its endpoint id (derived from its key) and a loopback address.
         providers = rpc(info["rpc"], "tenzro_moeListProviders", {})["result"]["providers"]

@@ -4,7 +4,8 @@ Protocol (reference §11.1, DESIGN §6): ALPN ``tenzro/moe``; one JSON-RPC 2.0 r
 bidirectional stream; frames ``u32 LE length ‖ UTF-8 JSON`` of at most ``MAX_FRAME_BYTES``
 (4 MiB) in each direction, and each side finishes its send half. Methods ``moe/execute``
 (the reference's ``ExpertExecuteRequest``: ``hidden_states`` base64 f32 or ``hidden_q8``
-base64 Q8_0 blocks, plus our ``request_id`` and ``output``; the result carries ``outputs`` in
+base64 Q8_0 blocks, or our ``hidden_f16`` base64 IEEE half rows (``wire.CARRIER_FIELDS``, the one
+map of carriers to members), plus our ``request_id`` and ``output``; the result carries ``outputs`` in
 the ``output`` encoding and the signed ``receipt``, as on ``POST /rpc``) and ``moe/status``.
 
 A batch whose request or answer does not fit one frame is split by rows into ``count``
@@ -223,15 +224,10 @@ def split_rows(n_rows: int, build: Callable[[int, int, dict | None, str], tuple[
 
 def _carrier_of(params: dict, index: int) -> tuple[str, bytes]:
     """(carrier kind, bytes) of one execute part; raises ``RpcError`` (-32602) naming the field."""
-    q8, f32 = params.get("hidden_q8"), params.get("hidden_states")
-    if (q8 is None) == (f32 is None):
-        raise RpcError(INVALID_PARAMS, f"part {index}: give exactly one of hidden_states or hidden_q8",
-                       field="hidden_states")
-    field = "hidden_q8" if q8 is not None else "hidden_states"
     try:
-        return ("q8_0" if q8 is not None else "f32"), wire.b64decode(q8 if q8 is not None else f32, field)
+        return wire.carrier_in_params(params)
     except wire.WireError as exc:
-        raise RpcError(INVALID_PARAMS, f"part {index}: {exc}", field=field) from exc
+        raise RpcError(INVALID_PARAMS, f"part {index}: {exc}", field=exc.field or "hidden_states") from exc
 
 
 _PART_KEYS = ("model_id", "layer", "expert", "d_model", "request_id", "output", "purpose", "stream_requests")
@@ -271,7 +267,8 @@ def assemble(requests: list[dict]) -> tuple[dict, str, bytes]:
         kind = k
         tokens += p["token_indices"]
         chunks.append(data)
-    params = {k: v for k, v in first.items() if k not in ("part", "hidden_q8", "hidden_states", "stream_requests")}
+    params = {k: v for k, v in first.items()
+              if k not in ("part", "stream_requests") and k not in wire.CARRIER_FIELDS.values()}
     params["token_indices"] = tokens
     return params, kind, b"".join(chunks)
 
@@ -500,8 +497,8 @@ async def _stop(recv) -> None:
 # ---- router side ----------------------------------------------------------------------------
 
 def execute_params(req: BatchRequest) -> dict:
-    """The ``moe/execute`` params of a router's batch (carrier base64 as ``hidden_states`` or
-    ``hidden_q8``), without ``hidden_*`` and ``token_indices`` (added per frame)."""
+    """The ``moe/execute`` params of a router's batch without its carrier member
+    (``wire.CARRIER_FIELDS``) and ``token_indices`` (both added per frame)."""
     return {"request_id": req.request_id, "model_id": req.model_id, "layer": req.layer, "expert": req.expert,
             "d_model": req.d_model, "output": req.output}
 
@@ -514,7 +511,7 @@ def request_frames(req: BatchRequest, rid: int = 1, stream_requests: int = 1) ->
     if stream_requests > 1:
         base["stream_requests"] = stream_requests
     row = wire.encoded_nbytes(req.carrier, 1, req.d_model)
-    field = "hidden_q8" if req.carrier == "q8_0" else "hidden_states"
+    field = wire.CARRIER_FIELDS[req.carrier]
 
     def build(lo: int, hi: int, part: dict | None, slot: str) -> tuple[dict, bytes]:
         params = {**base, "token_indices": req.tokens[lo:hi], field: slot}
