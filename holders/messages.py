@@ -276,11 +276,13 @@ def split_batch_reply(answer: dict, payload: bytes, n: int) -> list[tuple[dict, 
     """Router side: the (answer header, output bytes) of each of the ``n`` requests of a batch.
 
     Raises ``HolderFault`` when the reply is not ``n`` answers whose ``nbytes`` tile the payload;
-    ``AuthRefusal`` or ``HolderFault`` when the whole batch was refused (``ok: false``).
+    ``AuthRefusal``, ``Rejected`` or ``HolderFault`` when the whole batch was refused (``ok: false``).
     """
     if not answer.get("ok"):
         if answer.get("code") == AUTH_REFUSED:
             raise AuthRefusal(str(answer.get("message")))
+        if answer.get("code") in REJECTION_CODES:
+            raise Rejected(f"holder rejected the batch ({answer.get('code')}): {answer.get('message')}")
         raise HolderFault(f"holder error {answer.get('code')}: {answer.get('message')}")
     answers = answer.get("answers")
     if not isinstance(answers, list) or len(answers) != n:
@@ -301,7 +303,7 @@ def split_batch_reply(answer: dict, payload: bytes, n: int) -> list[tuple[dict, 
 def batch_answers(answer: dict, payload: bytes, reqs: list[BatchRequest], transport: str,
                   request_bytes: int, reply_bytes: int) -> list:
     """Each request's outcome from a holder's reply to a ``batch``: its ``BatchAnswer`` or the
-    exception ``answer_to_batch`` raises for it (``HolderFault``, ``AuthRefusal``), so one
+    exception ``answer_to_batch`` raises for it (``HolderFault``, ``AuthRefusal``, ``Rejected``), so one
     failed sub-request fails only itself. A reply that is malformed as a whole, or an answer
     whose ``id`` is not its request's, is a ``HolderFault`` for the requests it cannot answer.
     Bytes each way (``request_bytes``/``reply_bytes``: the whole messages) are shared out in
@@ -309,7 +311,7 @@ def batch_answers(answer: dict, payload: bytes, reqs: list[BatchRequest], transp
     """
     try:
         parts = split_batch_reply(answer, payload, len(reqs))
-    except (HolderFault, AuthRefusal) as exc:
+    except (HolderFault, AuthRefusal, Rejected) as exc:
         return [exc] * len(reqs)
     total_out = sum(len(r.payload) for r in reqs) or 1
     total_back = sum(len(b) for _, b in parts) or 1
@@ -321,7 +323,7 @@ def batch_answers(answer: dict, payload: bytes, reqs: list[BatchRequest], transp
         try:
             out.append(answer_to_batch(a, data, req, transport, request_bytes * len(req.payload) // total_out,
                                        reply_bytes * len(data) // total_back))
-        except (HolderFault, AuthRefusal) as exc:
+        except (HolderFault, AuthRefusal, Rejected) as exc:
             out.append(exc)
     return out
 

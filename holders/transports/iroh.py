@@ -49,7 +49,7 @@ import struct
 from typing import Awaitable, Callable
 
 from holders import wire
-from holders.messages import AuthRefusal, BatchAnswer, BatchRequest, HolderFault, answer_to_batch
+from holders.messages import AuthRefusal, BatchAnswer, BatchRequest, HolderFault, Rejected, answer_to_batch
 from holders.transports.coalesce import Coalescer
 from registry.jsonrpc import (INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND, PARSE_ERROR,
                               RpcError, error_response, result_response)
@@ -681,15 +681,15 @@ class IrohHolderClient:
                       for a in mine)
             try:
                 out.append(_decode(mine, req, sum(map(len, fs)), back * got // total))
-            except (HolderFault, AuthRefusal) as exc:
+            except (HolderFault, AuthRefusal, Rejected) as exc:
                 out.append(exc)
         return out
 
 
 def _decode(answers: list[dict], req: BatchRequest, bytes_out: int, bytes_back: int) -> BatchAnswer:
     """``req``'s ``BatchAnswer`` from its answer messages (parts in order, receipt in part 0).
-    Raises ``AuthRefusal`` (-32001) or ``HolderFault`` (another error, parts missing or out of
-    order, wrong rows)."""
+    Raises ``AuthRefusal`` (-32001), ``Rejected`` (-32602/-32600) or ``HolderFault`` (another
+    error, parts missing or out of order, wrong rows)."""
     first = answers[0]
     if "result" not in first:
         err = first.get("error") if isinstance(first.get("error"), dict) else {}
