@@ -283,3 +283,19 @@ def test_batch_reply_that_does_not_match_its_requests_faults_only_what_it_cannot
     assert all(isinstance(o, HolderFault) and "3 answers for 2" in str(o) for o in short)
     with pytest.raises(wire.WireError):
         messages.split_batch({"requests": [{"nbytes": 1}]}, b"ab")
+
+
+def test_a_holder_refusing_one_request_or_the_whole_batch_as_malformed_is_not_blamed(holder):
+    """-32602/-32600 from the holder means our request was malformed: ``Rejected`` for that
+    request alone (or for every request when the whole batch was refused), never a fault."""
+    _, x, _ = holder
+    reqs = requests(x)
+    good = (messages.reply(reqs[0].request_id, token_indices=reqs[0].tokens, output="f32"),
+            wire.encode_f32(x[reqs[0].tokens]))
+    header, payload = messages.batch_reply("b", [good, (messages.failure(reqs[1].request_id, -32602, "bad"), b""),
+                                                 (messages.failure(reqs[2].request_id, -32004, "gone"), b"")])
+    out = messages.batch_answers(header, payload, reqs, "ws", 10, 10)
+    assert np.array_equal(out[0].rows, x[reqs[0].tokens])
+    assert isinstance(out[1], messages.Rejected) and isinstance(out[2], HolderFault)
+    whole = messages.batch_answers(messages.failure("b", -32600, "not a batch"), b"", reqs, "ws", 10, 10)
+    assert all(isinstance(o, messages.Rejected) for o in whole)
