@@ -480,7 +480,8 @@ class HolderAgent:
 
     async def execute_rpc(self, req: dict, carrier: str, payload: bytes) -> tuple[dict, bytes]:
         """``execute_request`` for the HTTP and iroh endpoints: its errors as ``RpcError``
-        (-32004 the expert is not held here, -32602 anything wrong with the request). Under the
+        (-32004 the expert is not held here, -32602 anything wrong with the request, ``data.field``
+        naming the parameter at fault, else "params"). Under the
         ``blackhole`` drill it never answers."""
         if self.faults.blackhole:
             await asyncio.Event().wait()
@@ -489,7 +490,7 @@ class HolderAgent:
         except ExpertNotLoaded as exc:
             raise RpcError(EXECUTION_ERROR, str(exc), field="expert") from exc
         except (RuntimeFault, wire.WireError, KeyError, TypeError, ValueError) as exc:
-            raise RpcError(INVALID_PARAMS, str(exc), field="params") from exc
+            raise RpcError(INVALID_PARAMS, str(exc), field=getattr(exc, "field", None) or "params") from exc
 
     async def status(self) -> dict:
         """``moe/status``: this provider's id and its runtime's status."""
@@ -511,7 +512,7 @@ class HolderAgent:
                 payload = wire.b64decode(q8 if q8 is not None else params.get("hidden_states"),
                                          "hidden_q8" if q8 is not None else "hidden_states")
             except wire.WireError as exc:
-                raise RpcError(INVALID_PARAMS, str(exc), field="params") from exc
+                raise RpcError(INVALID_PARAMS, str(exc), field=exc.field or "hidden_states") from exc
             answer, data = await self.execute_rpc(params, carrier, payload)
             return {"model_id": params["model_id"], "layer": params["layer"], "expert": params["expert"],
                     "token_indices": answer["token_indices"], "d_model": answer["d_model"],

@@ -120,3 +120,11 @@ def test_an_integer_of_100000_digits_is_a_parse_error_not_a_500(client):
                         + "9" * 100_000 + "}}")
     assert status == 200 and body["error"]["code"] == -32700 and body["error"]["data"]["field"] == "body"
     assert "digits" in body["error"]["message"]
+
+
+def test_a_non_finite_id_is_refused_not_echoed(client):
+    for raw, code in (('{"jsonrpc": "2.0", "id": NaN, "method": "tenzro_moeShardMap", "params": {}}', -32700),
+                      ('{"jsonrpc": "2.0", "id": Infinity, "method": "tenzro_moeShardMap", "params": {}}', -32700),
+                      ('{"jsonrpc": "2.0", "id": 1e400, "method": "tenzro_moeShardMap", "params": {}}', -32600)):
+        status, body = call(client, raw)
+        assert status == 200 and body["error"]["code"] == code and body["id"] is None, raw
