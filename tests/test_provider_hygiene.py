@@ -171,3 +171,20 @@ def test_healthz_is_degraded_when_a_broker_has_no_worker_on_the_sites_queue(clie
     assert any(f"no Celery worker consumes the task queue {queue!r}" in p for p in body["problems"])
     settings.CELERY_TASK_ALWAYS_EAGER = True
     assert "celery_workers" not in client.get("/healthz").json()  # no broker (tasks run inline): not asked
+
+
+def test_healthz_names_published_models_no_live_provider_holds():
+    """A model placed on agents that are gone (a finished demo's, issue item 24) is listed under
+    ``unserved_models`` with a sentence saying why, not as a bare under-replication count."""
+    from django.test import Client
+
+    MoeModel.objects.create(model_id="gone-q4-k-m", family="qwen3_moe", num_experts=2, top_k=1, hidden_size=8,
+                            expert_d_ff=4, moe_layers=[0])
+    MoeModel.objects.create(model_id="m", family="qwen3_moe", num_experts=2, top_k=1, hidden_size=8,
+                            expert_d_ff=4, moe_layers=[0])
+    agent(1, [holding("m", 0, 0), holding("m", 0, 1)], batches_served=1)
+    agent(2, [holding("m", 0, 0), holding("m", 0, 1)], batches_served=1)
+    body = Client().get("/healthz").json()
+    assert body["status"] == "degraded" and body["under_replicated"] == {}
+    assert body["unserved_models"] == ["gone-q4-k-m"]
+    assert any("gone-q4-k-m" in p and "no live holder" in p for p in body["problems"])
