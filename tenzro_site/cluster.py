@@ -29,7 +29,7 @@ from holders.transports import iroh
 from registry.identity import load_or_create_key, provider_id
 from prepare.checkpoint import Checkpoint, CheckpointError
 from prepare.backbone import publish_backbone
-from prepare.services import publish_checkpoint, publish_dense
+from prepare.services import default_model_id, publish_checkpoint, publish_dense
 from registry.models import Provider
 from registry.services import reset_sessions
 from registry.selectors import shard_view
@@ -96,6 +96,16 @@ class LocalCluster:
         self.quants = quants or [None] * len(self.checkpoints)
         if len(self.quants) != len(self.checkpoints) or len(self.model_id_overrides) != len(self.checkpoints):
             raise ClusterError("give one model id and one quant plan per checkpoint")
+        seen: dict[str, Path] = {}
+        for ckpt, mid in zip(self.checkpoints, self.model_id_overrides):
+            mid = mid or default_model_id(ckpt)
+            if mid in seen:  # the second publish would overwrite the first under the same id
+                if seen[mid].resolve() == ckpt.resolve():
+                    raise ClusterError(f"--checkpoint {ckpt} is given twice (model id {mid!r}); give it once, or "
+                                       "each its own --model-id")
+                raise ClusterError(f"--model-id: {seen[mid]} and {ckpt} would both publish as {mid!r}; give each "
+                                   "its own --model-id")
+            seen[mid] = ckpt
         self.holders = holders
         self.agent_faults = dict(agent_faults or {})
         bad = [i for i in self.agent_faults if not 0 <= i < holders]
