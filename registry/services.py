@@ -116,16 +116,21 @@ def provider_hygiene() -> dict:
 
 
 class PlacementError(ValueError):
-    """A model cannot be placed (unknown model, no published blobs, no live agents)."""
+    """A model cannot be placed: ``field`` "model_id" for a bad parameter (unknown model, no
+    published blobs), None for the cluster's state (no live agents)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 def placement_inputs(model_id: str) -> tuple[list[tuple[int, int, str]], list[str]]:
     """(published (layer, expert, blob_uri) rows, live connected provider ids) for ``model_id``."""
     if not MoeModel.objects.filter(model_id=model_id).exists():
-        raise PlacementError(f"model {model_id!r} is not published on this site")
+        raise PlacementError(f"model {model_id!r} is not published on this site", "model_id")
     blobs = [(b.layer, b.expert, b.blob_uri) for b in ExpertBlob.objects.filter(model_id=model_id)]
     if not blobs:
-        raise PlacementError(f"model {model_id!r} has no published expert blobs")
+        raise PlacementError(f"model {model_id!r} has no published expert blobs", "model_id")
     providers = list(live_providers().values_list("provider", flat=True))
     if not providers:
         raise PlacementError("no live holder agents are connected")
