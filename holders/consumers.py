@@ -10,9 +10,11 @@ control (``heartbeat`` → ``heartbeat_ack`` or ``error``; a heartbeat refused f
 socket's cap travels as part frames (``wire.split_frames``, reassembled on arrival).
 
 One live session per key (``registry.services.agent_connected``): a second hello for a key
-whose session is live is refused with 4409 and ``retry_for_s`` (when the old session would
-count as dead); a hello after the old session stopped heartbeating replaces it, and the old
-socket, if still open, is closed with 4410.
+whose session is live (heartbeating, and its consumer answers an ``agent.ping`` within
+``SESSION_PING_S``) is refused with 4409 and ``retry_for_s`` (when the old session would count
+as dead); a hello after the old session stopped heartbeating, or whose consumer is gone (the
+site restarted after a crash), replaces it, and the old socket, if still open, is closed
+with 4410.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ log = logging.getLogger(__name__)
 CLOSE_AUTH = 4401
 CLOSE_KEY_IN_USE = 4409  # another live session holds this key
 CLOSE_SUPERSEDED = 4410  # a stale session replaced by a newer one of the same key
-CLOSE_REFUSED = 4422  # a heartbeat field from the agent's configuration (name, pricing...) is invalid
+CLOSE_REFUSED = 4422
+SESSION_PING_S = 2.0  # how long a live-looking session of the same key has to answer a ping  # a heartbeat field from the agent's configuration (name, pricing...) is invalid
 # Heartbeat fields set by the agent's configuration, not by its state: refusing one is permanent.
 PERMANENT_FIELDS = frozenset({"name", "http_endpoint", "iroh_endpoint_id", "iroh_addrs", "body.roles",
                               "price_per_input_token", "minimum_price"})
@@ -133,8 +136,16 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await self.close(code=CLOSE_AUTH)
             return
         self._hello_timer.cancel()
+        connect = database_sync_to_async(registry_services.agent_connected)
         try:
-            dead = await database_sync_to_async(registry_services.agent_connected)(msg["provider"], self.channel_name)
+            try:
+                dead = await connect(msg["provider"], self.channel_name)
+            except registry_services.KeyInUse as exc:
+                # Sessions whose consumer does not answer belong to a site process that is gone.
+                silent = await self._silent(exc.channels)
+                if len(silent) < len(exc.channels):
+                    raise
+                dead = await connect(msg["provider"], self.channel_name, silent)
         except registry_services.KeyInUse as exc:
             log.warning("agent hello refused: %s; this second session is closed with %d (retry for %d s)",
                         exc, CLOSE_KEY_IN_USE, exc.retry_for_s)
@@ -151,6 +162,25 @@ class AgentConsumer(AsyncWebsocketConsumer):
         await self.channel_layer.group_send(ROUTERS_GROUP, presence_event(self.provider, True))
         await self.send(text_data=json.dumps(messages.welcome(self.provider, settings.TENZRO["WS_MAX_MESSAGE"],
                                                               settings.TENZRO["HEARTBEAT_INTERVAL_S"])))
+
+    async def _silent(self, channels: list[str]) -> set[str]:
+        """The ``channels`` whose consumer does not answer an ``agent.ping`` within
+        ``SESSION_PING_S`` (an answering one is alive in some site process)."""
+        reply = await self.channel_layer.new_channel("ping.")
+        for channel in channels:
+            await self.channel_layer.send(channel, {"type": "agent.ping", "reply_to": reply, "channel": channel})
+        answered: set[str] = set()
+        deadline = self.loop.time() + SESSION_PING_S
+        while len(answered) < len(channels) and (left := deadline - self.loop.time()) > 0:
+            try:
+                answered.add((await asyncio.wait_for(self.channel_layer.receive(reply), left))["channel"])
+            except asyncio.TimeoutError:
+                break
+        return set(channels) - answered
+
+    async def agent_ping(self, event):
+        """Channel-layer event: a new session of this key asks whether this one is alive."""
+        await self.channel_layer.send(event["reply_to"], {"type": "agent.pong", "channel": event["channel"]})
 
     async def agent_superseded(self, event):
         """Channel-layer event: a newer session of this key replaced this stale one."""

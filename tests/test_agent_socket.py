@@ -30,10 +30,10 @@ async def open_socket():
     return comm, bytes.fromhex(challenge["nonce"])
 
 
-async def authed(key):
+async def authed(key, timeout: float = 1):
     comm, nonce = await open_socket()
     await comm.send_json_to({"type": "hello", "provider": provider_id(key), "signature": sign(key, DOMAIN_HELLO, nonce)})
-    welcome = await comm.receive_json_from()
+    welcome = await comm.receive_json_from(timeout)
     assert welcome["type"] == "welcome"
     return comm
 
@@ -115,7 +115,7 @@ async def test_a_second_live_session_of_a_key_is_refused_with_4409():
     first = await authed(key)
     second, nonce = await open_socket()  # the same key started twice by mistake
     await second.send_json_to({"type": "hello", "provider": provider_id(key), "signature": sign(key, DOMAIN_HELLO, nonce)})
-    err = await second.receive_json_from()
+    err = await second.receive_json_from(5)  # the first session answers the ping: it is alive
     assert err["type"] == "error" and err["code"] == 4409 and "already connected" in err["message"]
     assert 0 < err["retry_for_s"] <= 46  # until the first session would count as dead (3 x 15 s)
     assert (await second.receive_output())["code"] == 4409
@@ -143,6 +143,22 @@ async def test_a_stale_session_is_replaced_and_its_socket_closed():
     await second.send_json_to(signed_heartbeat(key))
     assert (await second.receive_json_from())["type"] == "heartbeat_ack"
     await second.disconnect()
+
+
+async def test_a_session_whose_site_process_is_gone_is_replaced_at_once():
+    """A site killed without closing its sockets leaves sessions that look live (fresh heartbeat)
+    but whose consumer no longer answers: the reconnecting agent is not made to wait them out."""
+    from registry import services
+
+    key = SigningKey.generate()
+    await database_sync_to_async(services.agent_connected)(provider_id(key), "specific.gone!chan")
+    await database_sync_to_async(Provider.objects.update)(last_heartbeat=timezone.now())
+    t0 = time.monotonic()
+    comm = await authed(key, timeout=10)  # after the ping's 2 s, not the heartbeat window
+    assert time.monotonic() - t0 < 8  # the heartbeat window is 45 s
+    channels = await database_sync_to_async(lambda: list(AgentSession.objects.values_list("channel_name", flat=True)))()
+    assert channels != ["specific.gone!chan"] and len(channels) == 1
+    await comm.disconnect()
 
 
 async def test_a_heartbeat_refused_for_its_configuration_closes_with_4422():
