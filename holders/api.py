@@ -196,7 +196,8 @@ async def place_model(p: dict) -> dict:
     try:
         return await services.place_model(p["model_id"], p["replication"])
     except PlacementError as exc:  # -32602 for a model that cannot be placed, -32000 for no live agents
-        raise RpcError(INVALID_PARAMS if exc.field else PLANNING_ERROR, str(exc), field=exc.field or "model_id") from exc
+        code = INVALID_PARAMS if exc.field else PLANNING_ERROR
+        raise RpcError(code, str(exc), field=exc.field or "model_id") from exc
 
 
 

@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 CLOSE_AUTH = 4401
 CLOSE_KEY_IN_USE = 4409  # another live session holds this key
 CLOSE_SUPERSEDED = 4410  # a stale session replaced by a newer one of the same key
-CLOSE_REFUSED = 4422
-SESSION_PING_S = 2.0  # how long a live-looking session of the same key has to answer a ping  # a heartbeat field from the agent's configuration (name, pricing...) is invalid
+CLOSE_REFUSED = 4422  # a heartbeat field from the agent's configuration (name, pricing...) is invalid
+SESSION_PING_S = 2.0  # how long a live-looking session of the same key has to answer a ping
 # Heartbeat fields set by the agent's configuration, not by its state: refusing one is permanent.
 PERMANENT_FIELDS = frozenset({"name", "http_endpoint", "iroh_endpoint_id", "iroh_addrs", "body.roles",
                               "price_per_input_token", "minimum_price"})

@@ -94,7 +94,8 @@ def create_job(source: str, model_id: str, layers: list[int] | None = None, expe
     existing = MoeModel.objects.filter(model_id=model_id).first()
     if existing is not None and not replace:
         shape = _shape(spec)
-        changed = [f"{k} {getattr(existing, k)} -> {shape[k]}" for k in SHAPE_FIELDS if getattr(existing, k) != shape[k]]
+        changed = [f"{k} {getattr(existing, k)} -> {shape[k]}" for k in SHAPE_FIELDS
+                   if getattr(existing, k) != shape[k]]
         if changed:  # another model under this id: republishing would mix two checkpoints' experts
             raise JobParamError("model_id", f"model {model_id!r} is already published from {existing.source} "
                                             f"with another shape ({', '.join(changed)}); choose another model id, or "
