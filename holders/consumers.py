@@ -24,6 +24,7 @@ import logging
 import secrets
 
 from channels.db import database_sync_to_async
+from channels.exceptions import ChannelFull
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
@@ -168,7 +169,10 @@ class AgentConsumer(AsyncWebsocketConsumer):
         ``SESSION_PING_S`` (an answering one is alive in some site process)."""
         reply = await self.channel_layer.new_channel("ping.")
         for channel in channels:
-            await self.channel_layer.send(channel, {"type": "agent.ping", "reply_to": reply, "channel": channel})
+            try:
+                await self.channel_layer.send(channel, {"type": "agent.ping", "reply_to": reply, "channel": channel})
+            except ChannelFull:  # nobody drains it: no answer will come
+                pass
         answered: set[str] = set()
         deadline = self.loop.time() + SESSION_PING_S
         while len(answered) < len(channels) and (left := deadline - self.loop.time()) > 0:
