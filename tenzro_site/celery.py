@@ -9,7 +9,8 @@ app = Celery("tenzro_site")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
 
-WORKERS_CACHE_S = 10  # /healthz asks the broker at most this often
+WORKERS_CACHE_S = 10  # /healthz asks the broker at most this often while a worker answers
+NO_WORKERS_CACHE_S = 2  # ... and this often while none does (one that just started shows soon)
 
 
 def queue_workers(timeout: float = 1.0) -> int:
@@ -26,12 +27,13 @@ def queue_workers(timeout: float = 1.0) -> int:
 
 
 def cached_queue_workers() -> int:
-    """``queue_workers`` cached for ``WORKERS_CACHE_S`` seconds (per queue) in Django's cache."""
+    """``queue_workers`` cached (per queue) in Django's cache for ``WORKERS_CACHE_S`` seconds,
+    ``NO_WORKERS_CACHE_S`` when the answer is 0."""
     from django.core.cache import cache
 
     key = f"tenzro:celery-workers:{app.conf.task_default_queue}"
     n = cache.get(key)
     if n is None:
         n = queue_workers()
-        cache.set(key, n, WORKERS_CACHE_S)
+        cache.set(key, n, WORKERS_CACHE_S if n else NO_WORKERS_CACHE_S)
     return n

@@ -13,8 +13,9 @@ def healthz(request):
     """``GET /healthz``: 200 while the site answers and its database is reachable, with
     ``{"ok": true, **registry.selectors.health()}``: ``status`` "ok" or "degraded" (holders
     failing, experts under-replicated, and with a broker configured no Celery worker on the
-    task queue: ``celery_workers``, asked at most every 10 s; ``problems`` says which). 503 ``{"ok": false, "status":
-    "down", "error"}`` when the database cannot be read."""
+    task queue: ``celery_workers``, asked at most every 10 s, 2 s while none answers;
+    ``problems`` says which). 503 ``{"ok": false, "status": "down", "error"}`` when the database
+    cannot be read."""
     try:
         body = selectors.health()
     except DatabaseError as exc:

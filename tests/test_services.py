@@ -25,7 +25,10 @@ def test_forward_over_redis_channel_layer_and_postgres(tmp_path):
             # Services mode: the cluster runs a Celery worker (and one beat), so a queued prepare
             # job completes and /healthz counts the worker.
             assert len(info["celery_pids"]) == 2
-            health = httpx.get(f"{info['url']}/healthz", timeout=30).json()
+            deadline = time.time() + 30  # the site caches "no worker" (asked during start-up) for 2 s
+            while (health := httpx.get(f"{info['url']}/healthz", timeout=30).json())["celery_workers"] < 1 \
+                    and time.time() < deadline:
+                time.sleep(0.5)
             assert health["celery_workers"] >= 1, health
             job = rpc(info["rpc"], "tenzro_moePrepareExperts", {"model_id": "svc-job", "checkpoint": str(QWEN),
                                                                "layer": 0, "experts": [0, 1]},
