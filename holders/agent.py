@@ -71,7 +71,22 @@ class HeartbeatTooLarge(ValueError):
 
 
 class AuthRefused(RuntimeError):
-    """The site refused this agent's identity (close code 4401); retrying will not help."""
+    """The site refused this agent's identity (close code 4401), or its configuration (4422:
+    a heartbeat field such as ``name`` or a price), or its key stayed in use by another live
+    session (4409) past the site's ``retry_for_s``; retrying will not help."""
+
+
+class KeyInUse(AuthRefused):
+    """Another live agent session holds this key (close code 4409); ``retry_for_s``: the
+    site's seconds until that session would count as dead if its heartbeats stopped."""
+
+    def __init__(self, message: str, retry_for_s: int):
+        super().__init__(message)
+        self.retry_for_s = retry_for_s
+
+
+CLOSE_KEY_IN_USE = 4409
+CLOSE_REFUSED = 4422
 
 
 def ws_url(site: str) -> str:
@@ -126,6 +141,7 @@ class HolderAgent:
         self._ws = None
         self._send_lock = asyncio.Lock()
         self._last_ts = 0
+        self._site_error: str | None = None  # the site's last error message (named in a 4422 refusal)
         self.max_message = 1 << 20  # the site's frame cap, updated from its welcome
         self.http_port = http_port
         self.http_host = http_host
@@ -201,7 +217,13 @@ class HolderAgent:
                     log.exception("own repair pass failed")
 
     async def _run_socket(self) -> None:
+        """Connect and serve until stopped, reconnecting with backoff. A 4409 refusal (the key
+        is in use by another live session) is retried only until the site's ``retry_for_s``
+        has passed since the first refusal: that covers a reconnect after a network drop the
+        site has not noticed (the old session stops heartbeating and is then replaced), not
+        a second agent started with the same key."""
         backoff = 1.0
+        in_use_until: float | None = None
         while not self._stop.is_set():
             try:
                 async with connect(self.url, max_size=None, ping_interval=20, ping_timeout=60,
@@ -209,9 +231,20 @@ class HolderAgent:
                     self._ws = ws
                     backoff = 1.0
                     await self._session(ws)
+            except KeyInUse as exc:
+                now = time.monotonic()
+                if in_use_until is None:
+                    in_use_until = now + min(exc.retry_for_s, 300)
+                if now >= in_use_until:
+                    raise
+                log.warning("%s; retrying until %.0f s from now (a stale session of ours may still be open)",
+                            exc, in_use_until - now)
             except ConnectionClosed as exc:
-                if exc.rcvd is not None and exc.rcvd.code == CLOSE_AUTH:
+                code = exc.rcvd.code if exc.rcvd is not None else None
+                if code == CLOSE_AUTH:
                     raise AuthRefused(f"site refused this agent's identity: {exc.rcvd.reason or 'code 4401'}") from exc
+                if code == CLOSE_REFUSED:
+                    raise AuthRefused(f"site refused this agent: {self._site_error or exc.rcvd.reason}") from exc
                 log.warning("socket closed: %s", exc)
             except (OSError, InvalidStatus, asyncio.TimeoutError) as exc:
                 log.warning("cannot reach %s: %s", self.url, exc)
@@ -232,6 +265,12 @@ class HolderAgent:
         nonce = bytes.fromhex(challenge["nonce"])
         await ws.send(json.dumps(messages.hello(self.provider, sign(self.key, DOMAIN_HELLO, nonce))))
         welcome = json.loads(await ws.recv())
+        if welcome.get("type") == "error" and welcome.get("code") == CLOSE_KEY_IN_USE:
+            retry_for = welcome.get("retry_for_s")
+            raise KeyInUse(f"site refused this agent: {welcome.get('message')}",
+                           retry_for if isinstance(retry_for, int) and retry_for > 0 else 60)
+        if welcome.get("type") == "error" and welcome.get("code") == CLOSE_AUTH:
+            raise AuthRefused(f"site refused this agent's identity: {welcome.get('message')}")
         if welcome.get("type") != "welcome":
             raise ConnectionError(f"site refused hello: {welcome.get('message', welcome)}")
         if isinstance(welcome.get("max_message"), int) and welcome["max_message"] > 0:
@@ -261,6 +300,7 @@ class HolderAgent:
     def _control(self, text: str) -> None:
         msg = json.loads(text)
         if msg.get("type") == "error":
+            self._site_error = msg.get("message")
             log.warning("site says: %s", msg.get("message"))
 
     def heartbeat_message(self) -> dict:
@@ -339,11 +379,16 @@ class HolderAgent:
             return []
 
     async def _reply(self, header: dict, payload: bytes = b"") -> None:
-        """Send one answer, in part frames when it is above the site's cap (``wire.split_frames``)."""
+        """Send one answer, in part frames when it is above the site's cap (``wire.split_frames``);
+        dropped with one log line when the socket has closed meanwhile."""
         frames = wire.split_frames(header, payload, self.max_message)
         async with self._send_lock:
+            ws = self._ws
+            if ws is None:  # the socket closed while this request ran: nobody to answer
+                log.info("answer %r dropped: the site's socket is closed", header.get("id"))
+                return
             for frame in frames:
-                await self._ws.send(frame)
+                await ws.send(frame)
 
     async def _handle(self, header: dict, payload: bytes) -> None:
         """Answer one (reassembled) request from the site; every request gets a reply."""
@@ -491,7 +536,8 @@ class HolderAgent:
 
     async def execute_rpc(self, req: dict, carrier: str, payload: bytes) -> tuple[dict, bytes]:
         """``execute_request`` for the HTTP and iroh endpoints: its errors as ``RpcError``
-        (-32004 the expert is not held here, -32602 anything wrong with the request). Under the
+        (-32004 the expert is not held here, -32602 anything wrong with the request, ``data.field``
+        naming the parameter at fault, else "params"). Under the
         ``blackhole`` drill it never answers."""
         if self.faults.blackhole:
             await asyncio.Event().wait()
@@ -500,7 +546,7 @@ class HolderAgent:
         except ExpertNotLoaded as exc:
             raise RpcError(EXECUTION_ERROR, str(exc), field="expert") from exc
         except (RuntimeFault, wire.WireError, KeyError, TypeError, ValueError) as exc:
-            raise RpcError(INVALID_PARAMS, str(exc), field="params") from exc
+            raise RpcError(INVALID_PARAMS, str(exc), field=getattr(exc, "field", None) or "params") from exc
 
     async def status(self) -> dict:
         """``moe/status``: this provider's id and its runtime's status."""
@@ -525,7 +571,7 @@ class HolderAgent:
             try:
                 carrier, payload = wire.carrier_in_params(params)
             except wire.WireError as exc:
-                raise RpcError(INVALID_PARAMS, str(exc), field=exc.field) from exc
+                raise RpcError(INVALID_PARAMS, str(exc), field=exc.field or "hidden_states") from exc
             answer, data = await self.execute_rpc(params, carrier, payload)
             return {"model_id": params["model_id"], "layer": params["layer"], "expert": params["expert"],
                     "token_indices": answer["token_indices"], "d_model": answer["d_model"],

@@ -68,8 +68,8 @@ async def _forward_errors(p: dict, call) -> dict:
         return await call
     except services.UnknownModel as exc:
         raise RpcError(INVALID_PARAMS, str(exc), {"model_id": p["model_id"]}, field="model_id") from exc
-    except services.GateNotLoaded as exc:
-        raise RpcError(EXECUTION_ERROR, str(exc), {"model_id": p["model_id"], "layer": p["layer"]},
+    except services.GateNotLoaded as exc:  # the model is published, this layer is not one of its MoE layers
+        raise RpcError(INVALID_PARAMS, str(exc), {"model_id": p["model_id"], "layer": p["layer"]},
                        field="layer") from exc
     except ForwardError as exc:
         code = PLANNING_ERROR if exc.kind == "planning" else EXECUTION_ERROR
@@ -195,8 +195,9 @@ async def place_model(p: dict) -> dict:
     """Have live agents pull a published model's experts, each on its top providers by rendezvous hashing."""
     try:
         return await services.place_model(p["model_id"], p["replication"])
-    except PlacementError as exc:
-        raise RpcError(PLANNING_ERROR, str(exc), field="model_id") from exc
+    except PlacementError as exc:  # -32602 for a model that cannot be placed, -32000 for no live agents
+        code = INVALID_PARAMS if exc.field else PLANNING_ERROR
+        raise RpcError(code, str(exc), field=exc.field or "model_id") from exc
 
 
 

@@ -4,9 +4,17 @@ Handshake: the site sends ``{"type": "challenge", "nonce": hex}``; the agent ans
 ``{"type": "hello", "provider": hex64, "signature": hex}`` signed over the nonce bytes
 under ``identity.DOMAIN_HELLO``. A bad signature, a malformed hello, or no hello within
 ``AGENT_HELLO_TIMEOUT_S`` closes the socket with code 4401. Then: JSON text frames for
-control (``heartbeat`` → ``heartbeat_ack`` or ``error``) and binary frames
+control (``heartbeat`` → ``heartbeat_ack`` or ``error``; a heartbeat refused for a configuration field, one of
+``PERMANENT_FIELDS``, also closes with 4422) and binary frames
 (``wire.pack_frame``) for requests to the agent and its answers; either above the
 socket's cap travels as part frames (``wire.split_frames``, reassembled on arrival).
+
+One live session per key (``registry.services.agent_connected``): a second hello for a key
+whose session is live (heartbeating, and its consumer answers an ``agent.ping`` within
+``SESSION_PING_S``) is refused with 4409 and ``retry_for_s`` (when the old session would count
+as dead); a hello after the old session stopped heartbeating, or whose consumer is gone (the
+site restarted after a crash), replaces it, and the old socket, if still open, is closed
+with 4410.
 """
 from __future__ import annotations
 
@@ -16,6 +24,7 @@ import logging
 import secrets
 
 from channels.db import database_sync_to_async
+from channels.exceptions import ChannelFull
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
@@ -28,6 +37,13 @@ from registry.heartbeat import HeartbeatError
 log = logging.getLogger(__name__)
 
 CLOSE_AUTH = 4401
+CLOSE_KEY_IN_USE = 4409  # another live session holds this key
+CLOSE_SUPERSEDED = 4410  # a stale session replaced by a newer one of the same key
+CLOSE_REFUSED = 4422  # a heartbeat field from the agent's configuration (name, pricing...) is invalid
+SESSION_PING_S = 2.0  # how long a live-looking session of the same key has to answer a ping
+# Heartbeat fields set by the agent's configuration, not by its state: refusing one is permanent.
+PERMANENT_FIELDS = frozenset({"name", "http_endpoint", "iroh_endpoint_id", "iroh_addrs", "body.roles",
+                              "price_per_input_token", "minimum_price"})
 
 
 class AgentConsumer(AsyncWebsocketConsumer):
@@ -120,20 +136,69 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await self.send(text_data=json.dumps(messages.socket_error(str(exc), code=CLOSE_AUTH)))
             await self.close(code=CLOSE_AUTH)
             return
-        self.provider = msg["provider"]
         self._hello_timer.cancel()
+        connect = database_sync_to_async(registry_services.agent_connected)
+        try:
+            try:
+                dead = await connect(msg["provider"], self.channel_name)
+            except registry_services.KeyInUse as exc:
+                # Sessions whose consumer does not answer belong to a site process that is gone.
+                silent = await self._silent(exc.channels)
+                if len(silent) < len(exc.channels):
+                    raise
+                dead = await connect(msg["provider"], self.channel_name, silent)
+        except registry_services.KeyInUse as exc:
+            log.warning("agent hello refused: %s; this second session is closed with %d (retry for %d s)",
+                        exc, CLOSE_KEY_IN_USE, exc.retry_for_s)
+            await self.send(text_data=json.dumps({**messages.socket_error(str(exc), code=CLOSE_KEY_IN_USE),
+                                                  "retry_for_s": exc.retry_for_s}))
+            await self.close(code=CLOSE_KEY_IN_USE, reason="key already connected")
+            return
+        for channel in dead:  # the same key's earlier socket stopped heartbeating: close it if still open
+            log.warning("agent %s reconnected; closing its stale session %s", msg["provider"][:16], channel)
+            await self.channel_layer.send(channel, {"type": "agent.superseded"})
+        self.provider = msg["provider"]
         register_local(self.provider, self)
         await self.channel_layer.group_add(agent_group(self.provider), self.channel_name)
-        await database_sync_to_async(registry_services.agent_connected)(self.provider, self.channel_name)
         await self.channel_layer.group_send(ROUTERS_GROUP, presence_event(self.provider, True))
         await self.send(text_data=json.dumps(messages.welcome(self.provider, settings.TENZRO["WS_MAX_MESSAGE"],
                                                               settings.TENZRO["HEARTBEAT_INTERVAL_S"])))
+
+    async def _silent(self, channels: list[str]) -> set[str]:
+        """The ``channels`` whose consumer does not answer an ``agent.ping`` within
+        ``SESSION_PING_S`` (an answering one is alive in some site process)."""
+        reply = await self.channel_layer.new_channel("ping.")
+        for channel in channels:
+            try:
+                await self.channel_layer.send(channel, {"type": "agent.ping", "reply_to": reply, "channel": channel})
+            except ChannelFull:  # nobody drains it: no answer will come
+                pass
+        answered: set[str] = set()
+        deadline = self.loop.time() + SESSION_PING_S
+        while len(answered) < len(channels) and (left := deadline - self.loop.time()) > 0:
+            try:
+                answered.add((await asyncio.wait_for(self.channel_layer.receive(reply), left))["channel"])
+            except asyncio.TimeoutError:
+                break
+        return set(channels) - answered
+
+    async def agent_ping(self, event):
+        """Channel-layer event: a new session of this key asks whether this one is alive."""
+        await self.channel_layer.send(event["reply_to"], {"type": "agent.pong", "channel": event["channel"]})
+
+    async def agent_superseded(self, event):
+        """Channel-layer event: a newer session of this key replaced this stale one."""
+        await self.close(code=CLOSE_SUPERSEDED, reason="superseded by a newer session of this key")
 
     async def _heartbeat(self, msg):
         try:
             await database_sync_to_async(registry_services.ingest_heartbeat)(msg, self.provider)
         except (HeartbeatError, SignatureError) as exc:
-            await self._send_error(str(exc), field=getattr(exc, "field", "signature"), ref="heartbeat")
+            field = getattr(exc, "field", "signature")
+            await self._send_error(str(exc), field=field, ref="heartbeat")
+            if field in PERMANENT_FIELDS:  # the agent's configuration: resending will not help
+                log.warning("agent %s refused: %s", self.provider[:16], exc)
+                await self.close(code=CLOSE_REFUSED, reason=field)
             return
         await self.send(text_data=json.dumps(messages.HEARTBEAT_ACK))
 

@@ -35,6 +35,8 @@ class PrepareParams(serializers.Serializer):
     include_gate = serializers.BooleanField(required=False, default=True)
     experts = serializers.ListField(child=serializers.IntegerField(min_value=0), required=False, allow_empty=False)
     quant = AnyJson(required=False, allow_null=True, default=None)
+    replace = serializers.BooleanField(required=False, default=False,
+                                       help_text="republish a model id already published with another shape")
 
 
 def _start(job: PrepareJob) -> None:
@@ -51,7 +53,8 @@ def prepare_experts(p: dict) -> dict:
         layers = sorted(set((layers or []) + [p["layer"]]))
     try:
         job = jobs.create_job(p["checkpoint"], p["model_id"], layers=layers, experts=p.get("experts"),
-                              include_gate=p["include_gate"], quant=p["quant"], revision=p["revision"] or None)
+                              include_gate=p["include_gate"], quant=p["quant"], revision=p["revision"] or None,
+                              replace=p["replace"])
     except jobs.JobParamError as exc:
         raise RpcError(INVALID_PARAMS, str(exc), {"field": exc.field}) from exc
     _start(job)

@@ -34,6 +34,8 @@ from registry.models import ExpertBlob, GateBlob
 from prepare.quantplan import QuantPlanError, blob_quant_tag, parse_quant_plan, quantize_expert
 from prepare.remote import open_checkpoint
 from registry.models import MoeModel
+from registry.jsonrpc import ParamError
+from registry.model_ids import validate_model_id
 
 _EXPERT_ERRORS = (ValueError, CheckpointError, BlobError, OSError)
 
@@ -56,20 +58,48 @@ def _open(source: str, revision: str | None):
         raise JobParamError("checkpoint", f"{source}: {exc}") from None
 
 
+SHAPE_FIELDS = ("family", "num_experts", "top_k", "n_shared_experts", "hidden_size", "expert_d_ff")
+
+
+def _shape(spec: MoeSpec) -> dict:
+    """``spec``'s shape as ``MoeModel`` stores it (``SHAPE_FIELDS``)."""
+    return {"family": spec.family, "num_experts": spec.num_experts, "top_k": spec.top_k,
+            "n_shared_experts": spec.n_shared_experts, "hidden_size": spec.hidden_size,
+            "expert_d_ff": spec.moe_intermediate_size}
+
+
 def create_job(source: str, model_id: str, layers: list[int] | None = None, experts: list[int] | None = None,
-               include_gate: bool = True, quant=None, revision: str | None = None) -> PrepareJob:
+               include_gate: bool = True, quant=None, revision: str | None = None,
+               replace: bool = False) -> PrepareJob:
     """Validate the parameters against the checkpoint and save a pending ``PrepareJob``.
 
     ``layers`` None = every MoE layer; ``experts`` None = every slot (shared included);
     ``quant`` a preset name, a per-projection object (or its JSON text), or None (dense).
-    Raises ``JobParamError`` naming the field (checkpoint unreadable or unsupported, a dense
+    A model id already published with another shape (family, sizes, expert counts) is refused
+    unless ``replace``; the same shape from another source (a moved checkout) is accepted.
+    Raises ``JobParamError`` naming the field (a model id outside ``registry.model_ids``' rule
+    or published with another shape,
+    checkpoint unreadable or unsupported, a dense
     or out-of-range layer, an expert out of range, an unknown quant plan) and saves nothing.
     """
+    try:
+        validate_model_id(model_id)
+    except ParamError as exc:
+        raise JobParamError("model_id", str(exc)) from None
     try:
         plan = parse_quant_plan(quant)
     except QuantPlanError as exc:
         raise JobParamError("quant", str(exc)) from None
     ckpt, spec = _open(str(source), revision)
+    existing = MoeModel.objects.filter(model_id=model_id).first()
+    if existing is not None and not replace:
+        shape = _shape(spec)
+        changed = [f"{k} {getattr(existing, k)} -> {shape[k]}" for k in SHAPE_FIELDS
+                   if getattr(existing, k) != shape[k]]
+        if changed:  # another model under this id: republishing would mix two checkpoints' experts
+            raise JobParamError("model_id", f"model {model_id!r} is already published from {existing.source} "
+                                            f"with another shape ({', '.join(changed)}); choose another model id, or "
+                                            "replace it (prepare_experts --replace, RPC replace: true)")
     layers = spec.moe_layers() if layers is None else list(layers)
     if not layers:
         raise JobParamError("layers", "no layers given")
@@ -109,11 +139,10 @@ def cancel_job(job_id) -> PrepareJob:
 
 def _register_model(job: PrepareJob, spec: MoeSpec, config: dict) -> None:
     existing = MoeModel.objects.filter(model_id=job.model_id).first()
-    layers = sorted(set(existing.moe_layers if existing and existing.family == spec.family else []) | set(job.layers))
+    same = existing is not None and all(getattr(existing, k) == v for k, v in _shape(spec).items())
+    layers = sorted(set(existing.moe_layers if same else []) | set(job.layers))  # a replaced model starts over
     MoeModel.objects.update_or_create(model_id=job.model_id, defaults={
-        "family": spec.family, "num_experts": spec.num_experts, "top_k": spec.top_k,
-        "n_shared_experts": spec.n_shared_experts, "hidden_size": spec.hidden_size,
-        "expert_d_ff": spec.moe_intermediate_size, "moe_layers": layers, "config": config, "source": job.source})
+        **_shape(spec), "moe_layers": layers, "config": config, "source": job.source})
 
 
 def _refresh_counters(job: PrepareJob, **fields) -> None:

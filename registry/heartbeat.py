@@ -46,6 +46,9 @@ from registry.models import Holding, Provider, new_holdings_version
 from registry.shardmap import RESIDENCIES, ROLES
 
 
+MAX_NAME = 200  # characters of a provider's display name
+
+
 class HeartbeatError(ValueError):
     """A heartbeat was refused; ``field`` names the offending part."""
 
@@ -250,7 +253,7 @@ def ingest(message: dict, expected_provider: str | None = None, now_ms: int | No
     if not isinstance(body.get("moe_gpu", False), bool):
         raise HeartbeatError("moe_gpu must be a boolean", "body.moe_gpu")
     fields = {
-        "name": _str(body, "name", 200),
+        "name": _str(body, "name", MAX_NAME),
         "http_endpoint": _str(body, "http_endpoint"),
         "iroh_endpoint_id": _str(body, "iroh_endpoint_id", 200),
         "iroh_addrs": _socket_addrs(body, "iroh_addrs"),

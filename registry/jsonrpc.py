@@ -11,6 +11,8 @@ Pure Python; imports nothing from Django.
 """
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
 PARSE_ERROR = -32700
@@ -89,3 +91,24 @@ def error_response(req_id: Any, err: RpcError) -> dict:
 def request(method: str, params: dict, req_id: Any = 1) -> dict:
     """A JSON-RPC 2.0 request object."""
     return {"jsonrpc": "2.0", "id": req_id, "method": method, "params": params}
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON (non-finite numbers are refused)")
+
+
+def loads(body: str | bytes) -> Any:
+    """``json.loads`` for request bodies: the non-standard ``NaN``/``Infinity`` literals are
+    refused (``ValueError``, answered -32700), since echoing them would make the response
+    invalid JSON. Also raises ``ValueError`` (bad UTF-8 or JSON) and ``RecursionError``."""
+    return json.loads(body, parse_constant=_no_constant)
+
+
+def valid_id(req_id: Any) -> bool:
+    """Whether ``req_id`` is a JSON-RPC id this side echoes: a string, a finite number (not a
+    bool; ``1e400`` parses to infinity) or null."""
+    if req_id is None or isinstance(req_id, str):
+        return True
+    if isinstance(req_id, bool) or not isinstance(req_id, (int, float)):
+        return False
+    return not isinstance(req_id, float) or math.isfinite(req_id)

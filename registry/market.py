@@ -32,6 +32,8 @@ from nacl.signing import VerifyKey
 
 from registry import governance, selectors
 from registry.models import Holding, MarketChallenge, MarketClaim, MarketModel, MarketWorker
+from registry.jsonrpc import ParamError
+from registry.model_ids import validate_model_id
 
 LIVE_S = 120
 CHALLENGE_TTL_S = 300
@@ -348,7 +350,11 @@ def volunteer(wallet: str, body: dict) -> dict:
 def add_model(model_id: str, n_embd: int, n_layer: int, n_expert: int, expert_layers: list[int],
               name: str = "") -> dict:
     """List (or update) a catalog model on the market. Raises ``ValueError(field, message)``
-    for an expert layer outside ``[0, n_layer)``."""
+    for an expert layer outside ``[0, n_layer)`` or a ``model_id`` outside ``registry.model_ids``' rule."""
+    try:
+        validate_model_id(model_id, hub=True)
+    except ParamError as exc:
+        raise ValueError("model_id", str(exc)) from None
     layers = sorted(set(expert_layers))
     bad = [x for x in layers if not 0 <= x < n_layer]
     if bad:

@@ -210,16 +210,27 @@ def health() -> dict:
     """The ``/healthz`` body: ``status`` "ok" or "degraded", ``providers`` and ``live_providers``
     counts, ``failing_holders`` (live provider ids whose latest batch failed, ``is_failing``),
     ``under_replicated`` (``{model_id: slots below the policy's min_replication}`` over published
-    models, models at target omitted) and ``problems`` (one sentence per finding)."""
+    models some live provider holds, models at target omitted), ``unserved_models`` (published
+    models no live provider holds any expert of: e.g. ones a finished ``make demo`` placed on
+    its agents, now offline; still degraded: a request for them fails) and ``problems`` (one
+    sentence per finding)."""
     live = list(live_providers())
     failing = sorted(p.provider for p in live if is_failing(p))
-    under = {}
+    under, unserved = {}, []
     for model_id in MoeModel.objects.order_by("model_id").values_list("model_id", flat=True):
-        n = len(shard_view(model_id).under_replicated())
+        view = shard_view(model_id)
+        if not view.covered_experts():
+            unserved.append(model_id)
+            continue
+        n = len(view.under_replicated())
         if n:
             under[model_id] = n
     problems = [f"{len(failing)} live holder(s) failing their latest batches"] if failing else []
     problems += [f"{m}: {n} expert slot(s) below min_replication" for m, n in under.items()]
+    if unserved:
+        problems.append(f"{len(unserved)} published model(s) with no live holder: {', '.join(unserved[:5])}"
+                        f"{' ...' if len(unserved) > 5 else ''}: requests for them fail (their holders are offline, "
+                        "e.g. a finished demo's agents, or they were never placed: tenzro_moePlaceModel)")
     return {"status": "degraded" if problems else "ok", "providers": Provider.objects.count(),
             "live_providers": len(live), "failing_holders": failing, "under_replicated": under,
-            "problems": problems}
+            "unserved_models": unserved, "problems": problems}

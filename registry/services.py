@@ -22,12 +22,47 @@ def ingest_heartbeat(message: dict, expected_provider: str | None = None) -> Pro
     return heartbeat.ingest(message, expected_provider)
 
 
+class KeyInUse(Exception):
+    """Another live session holds this provider's key: ``channels`` (their channel names);
+    ``retry_for_s``: seconds after which they count as dead if their heartbeats stop (a
+    reconnect after a network drop)."""
+
+    def __init__(self, message: str, retry_for_s: int, channels: list[str]):
+        super().__init__(message)
+        self.retry_for_s = retry_for_s
+        self.channels = channels
+
+
 @transaction.atomic
-def agent_connected(provider: str, channel_name: str) -> None:
-    """Record that ``provider``'s agent socket is open on ``channel_name``."""
-    Provider.objects.get_or_create(provider=provider)
+def agent_connected(provider: str, channel_name: str, dead: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    """Record that ``provider``'s agent socket is open on ``channel_name``.
+
+    One live session per key: a session is live while the provider's last heartbeat or the
+    session's opening is within ``MISSED_HEARTBEATS`` heartbeat intervals (``live_cutoff``),
+    unless the caller found it ``dead`` (its consumer did not answer a ping: the site process
+    that held it is gone). Raises ``KeyInUse`` when another live session exists (nothing
+    written). Sessions that are not live (an agent reconnecting after a network drop the site
+    has not noticed yet, a site restarted after a crash) are dropped; returns their channel
+    names so the caller can close their sockets.
+    """
+    provider_row, _ = Provider.objects.select_for_update().get_or_create(provider=provider)
+    others = list(AgentSession.objects.filter(provider_id=provider).exclude(channel_name=channel_name))
+    cutoff = live_cutoff()
+    beat = provider_row.last_heartbeat
+    live = [s for s in others if s.channel_name not in dead
+            and (s.opened >= cutoff or (beat is not None and beat >= cutoff))]
+    if live:
+        newest = max([s.opened for s in live] + ([beat] if beat is not None else []))
+        window = settings.TENZRO["HEARTBEAT_INTERVAL_S"] * settings.TENZRO["MISSED_HEARTBEATS"]
+        retry_for = max(1, int(window - (timezone.now() - newest).total_seconds()) + 1)
+        raise KeyInUse(f"key {provider[:16]}... is already connected (session opened "
+                       f"{live[0].opened.isoformat(timespec='seconds')}); one live session per key", retry_for,
+                       [s.channel_name for s in live])
+    dead = [s.channel_name for s in others]
+    AgentSession.objects.filter(channel_name__in=dead).delete()
     AgentSession.objects.get_or_create(channel_name=channel_name, defaults={"provider_id": provider})
     Provider.objects.filter(provider=provider).update(connected=True, agent_channel=channel_name)
+    return dead
 
 
 @transaction.atomic
@@ -87,16 +122,21 @@ def provider_hygiene() -> dict:
 
 
 class PlacementError(ValueError):
-    """A model cannot be placed (unknown model, no published blobs, no live agents)."""
+    """A model cannot be placed: ``field`` "model_id" for a bad parameter (unknown model, no
+    published blobs), None for the cluster's state (no live agents)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 def placement_inputs(model_id: str) -> tuple[list[tuple[int, int, str]], list[str]]:
     """(published (layer, expert, blob_uri) rows, live connected provider ids) for ``model_id``."""
     if not MoeModel.objects.filter(model_id=model_id).exists():
-        raise PlacementError(f"model {model_id!r} is not published on this site")
+        raise PlacementError(f"model {model_id!r} is not published on this site", "model_id")
     blobs = [(b.layer, b.expert, b.blob_uri) for b in ExpertBlob.objects.filter(model_id=model_id)]
     if not blobs:
-        raise PlacementError(f"model {model_id!r} has no published expert blobs")
+        raise PlacementError(f"model {model_id!r} has no published expert blobs", "model_id")
     providers = list(live_providers().values_list("provider", flat=True))
     if not providers:
         raise PlacementError("no live holder agents are connected")

@@ -1,4 +1,5 @@
-"""A local cluster on one machine: the site (daphne) plus N holder agents, with models placed.
+"""A local cluster on one machine: the site (daphne) plus N holder agents, with models placed;
+in services mode (``REDIS_URL``) also one Celery worker on the site's task queue and one beat.
 
 Used by ``tenzro_cluster``, ``verify_forward`` and ``tenzro_demo``, and by end-to-end tests.
 It owns what it starts: ``stop()`` terminates every process, and it also runs at exit. It
@@ -28,11 +29,12 @@ from holders.transports import iroh
 from registry.identity import load_or_create_key, provider_id
 from prepare.checkpoint import Checkpoint, CheckpointError
 from prepare.backbone import publish_backbone
-from prepare.services import publish_checkpoint, publish_dense
+from prepare.services import default_model_id, publish_checkpoint, publish_dense
 from registry.models import Provider
 from registry.services import reset_sessions
 from registry.selectors import shard_view
 from registry.operator import operator_token
+from tenzro_site.celery import queue_workers
 
 
 LISTEN_BACKLOG = 1024  # pending TCP connections the site's socket queues (Twisted's default is 50)
@@ -94,6 +96,16 @@ class LocalCluster:
         self.quants = quants or [None] * len(self.checkpoints)
         if len(self.quants) != len(self.checkpoints) or len(self.model_id_overrides) != len(self.checkpoints):
             raise ClusterError("give one model id and one quant plan per checkpoint")
+        seen: dict[str, Path] = {}
+        for ckpt, mid in zip(self.checkpoints, self.model_id_overrides):
+            mid = mid or default_model_id(ckpt)
+            if mid in seen:  # the second publish would overwrite the first under the same id
+                if seen[mid].resolve() == ckpt.resolve():
+                    raise ClusterError(f"--checkpoint {ckpt} is given twice (model id {mid!r}); give it once, or "
+                                       "each its own --model-id")
+                raise ClusterError(f"--model-id: {seen[mid]} and {ckpt} would both publish as {mid!r}; give each "
+                                   "its own --model-id")
+            seen[mid] = ckpt
         self.holders = holders
         self.agent_faults = dict(agent_faults or {})
         bad = [i for i in self.agent_faults if not 0 <= i < holders]
@@ -116,6 +128,7 @@ class LocalCluster:
         self.log_dir = settings.VAR_DIR / "logs"
         self.site: subprocess.Popen | None = None
         self.agents: list[tuple[str, subprocess.Popen]] = []
+        self.celery: list[subprocess.Popen] = []  # worker and beat, in services mode (REDIS_URL)
         self.model_ids: list[str] = []
         self.dense_ids: list[str] = []
         self.dense_parts = dense_parts
@@ -159,6 +172,8 @@ class LocalCluster:
                                          "-e", f"tcp:port={self.port}:interface=127.0.0.1:backlog={LISTEN_BACKLOG}",
                                          "--websocket_timeout", "-1"], env)
         self._wait(lambda: self._healthy(), timeout, "the site did not answer /healthz")
+        if settings.REDIS_URL:  # services mode: queued tasks need a worker, the periodic sweeps one beat
+            self._start_celery(env)
         self.say(f"site up at {self.url}; starting {self.holders} holder agents ...")
         ids = [provider_id(load_or_create_key(settings.VAR_DIR / "keys" / f"agent-{i}.key"))
                for i in range(self.holders)]
@@ -187,11 +202,25 @@ class LocalCluster:
             self._wait(lambda mid=mid, want=want: shard_view(mid).covers(min_replication=want), timeout,
                        f"{mid} did not reach replication {want} on every expert")
             self.say(f"{mid}: every expert held by {want} agents")
+        if self.celery:
+            self._wait(lambda: queue_workers() > 0, timeout,
+                       f"the Celery worker did not consume queue {settings.CELERY_TASK_DEFAULT_QUEUE!r}")
+            self.say(f"Celery worker and beat up on queue {settings.CELERY_TASK_DEFAULT_QUEUE!r}")
         return self
+
+    def _start_celery(self, env: dict) -> None:
+        """One worker on this site's task queue and exactly one beat (the periodic sweeps and
+        repair passes; its schedule lives in the database, its pid file in the var dir we lock)."""
+        celery = [sys.executable, "-m", "celery", "-A", "tenzro_site"]
+        self.celery.append(self._spawn("celery-worker", celery + [
+            "worker", "--concurrency", "2", "--without-gossip", "--without-mingle", "-l", "info",
+            "-n", f"tenzro-{os.getpid()}@%h"], env))
+        self.celery.append(self._spawn("celery-beat", celery + [
+            "beat", "-l", "info", "--pidfile", str(settings.VAR_DIR / "celerybeat.pid")], env))
 
     def stop(self) -> None:
         """Terminate agents then the site (SIGTERM, then SIGKILL after 5 s). Safe to call twice."""
-        procs = [p for _, p in self.agents] + ([self.site] if self.site else [])
+        procs = [p for _, p in self.agents] + self.celery + ([self.site] if self.site else [])
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -202,7 +231,7 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        self.agents, self.site = [], None
+        self.agents, self.celery, self.site = [], [], None
         if self._lock is not None:
             self._lock.close()  # releases the flock
             self._lock = None
@@ -213,7 +242,8 @@ class LocalCluster:
                 "model_ids": self.model_ids, "operator_token": operator_token(),
                 "agents": [{"provider": pid, "pid": p.pid, "fault": self.agent_faults.get(i)}
                            for i, (pid, p) in enumerate(self.agents)],
-                "site_pid": self.site.pid if self.site else None, "logs": str(self.log_dir)}
+                "site_pid": self.site.pid if self.site else None,
+                "celery_pids": [p.pid for p in self.celery], "logs": str(self.log_dir)}
 
     # -- helpers ---------------------------------------------------------------------------
     def rpc(self, method: str, params: dict, operator: bool = False, timeout: float = 120.0) -> dict:
@@ -275,6 +305,9 @@ class LocalCluster:
             for pid, p in self.agents:
                 if p.poll() is not None:
                     raise ClusterError(f"agent {pid[:12]}… exited with code {p.returncode}; see {self.log_dir}")
+            for p in self.celery:
+                if p.poll() is not None:
+                    raise ClusterError(f"the Celery {p.args[5]} exited with code {p.returncode}; see {self.log_dir}")
             if cond():
                 return
             time.sleep(0.2)

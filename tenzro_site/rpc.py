@@ -12,7 +12,6 @@ and a ``data`` object that names the field. Batches and notifications follow the
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from importlib import import_module
 from typing import Any
@@ -25,6 +24,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from holders.admission import check_forward_rate, over_rate
+from registry import jsonrpc
 from registry.jsonrpc import (AUTH_REFUSED, BUSY, INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND,
                               PARSE_ERROR, RpcError, error_response, result_response)
 from registry.operator import is_operator
@@ -84,8 +84,8 @@ async def handle_one(obj: Any, authorization: str | None, client: str | None = N
     if not isinstance(obj, dict):
         return _error(None, RpcError(INVALID_REQUEST, "a request must be a JSON object", {"field": "request"}))
     req_id = obj.get("id")
-    if req_id is not None and (isinstance(req_id, bool) or not isinstance(req_id, (str, int, float))):
-        return _error(None, RpcError(INVALID_REQUEST, "id must be a string, a number or null", {"field": "id"}))
+    if not jsonrpc.valid_id(req_id):
+        return _error(None, RpcError(INVALID_REQUEST, "id must be a string, a finite number or null", {"field": "id"}))
     try:
         name, params = _envelope(obj)
     except RpcError as err:
@@ -147,7 +147,7 @@ async def rpc_view(request: HttpRequest) -> HttpResponse:
             INVALID_REQUEST, f"request body is over the {settings.DATA_UPLOAD_MAX_MEMORY_SIZE}-byte limit",
             {"field": "body", "limit": settings.DATA_UPLOAD_MAX_MEMORY_SIZE})), status=413)
     try:
-        payload = json.loads(body)
+        payload = jsonrpc.loads(body)
     except ValueError as exc:  # bad UTF-8 or JSON, or an integer over Python's 4,300-digit limit
         return JsonResponse(_error(None, RpcError(PARSE_ERROR, f"parse error: {str(exc)[:300]}", {"field": "body"})))
     except RecursionError:

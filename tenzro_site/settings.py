@@ -18,7 +18,8 @@ One place maps the environment to backends (DESIGN §4):
   ``TENZRO_RPC_MAX_BATCH``, ``TENZRO_FORWARD_CONCURRENCY``, ``TENZRO_FORWARD_QUEUE``,
   ``TENZRO_FORWARD_QUEUE_WAIT`` (seconds), ``TENZRO_FORWARD_RATE`` (per client per minute);
   generation size (``holders.generate.check_size``): ``TENZRO_GEN_MAX_PROMPTS``,
-  ``TENZRO_GEN_MAX_PROMPT_TOKENS``, ``TENZRO_GEN_MAX_NEW_TOKENS``.
+  ``TENZRO_GEN_MAX_PROMPT_TOKENS``, ``TENZRO_GEN_MAX_NEW_TOKENS``; ``TENZRO_CELERY_QUEUE`` (the
+  Celery task queue, default ``celery``).
 """
 from __future__ import annotations
 
@@ -169,6 +170,9 @@ else:
 CELERY_BROKER_URL = REDIS_URL or "memory://"
 CELERY_RESULT_BACKEND = REDIS_URL or "cache+memory://"
 CELERY_TASK_ALWAYS_EAGER = not bool(REDIS_URL)
+# The queue this site sends to and its workers consume: sites sharing one Redis database keep
+# their tasks apart (each task touches its own site's database).
+CELERY_TASK_DEFAULT_QUEUE = os.environ.get("TENZRO_CELERY_QUEUE", "").strip() or "celery"
 CELERY_TASK_EAGER_PROPAGATES = True
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"

@@ -1,20 +1,30 @@
 """Site health check (the console pages live in ``tenzro_site.console``)."""
 from __future__ import annotations
 
+from django.conf import settings
 from django.db import DatabaseError
 from django.http import JsonResponse
 
 from registry import selectors
+from tenzro_site.celery import cached_queue_workers
 
 
 def healthz(request):
     """``GET /healthz``: 200 while the site answers and its database is reachable, with
     ``{"ok": true, **registry.selectors.health()}``: ``status`` "ok" or "degraded" (holders
-    failing, experts under-replicated; ``problems`` says which). 503 ``{"ok": false, "status":
-    "down", "error"}`` when the database cannot be read."""
+    failing, experts under-replicated, and with a broker configured no Celery worker on the
+    task queue: ``celery_workers``, asked at most every 10 s, 2 s while none answers;
+    ``problems`` says which). 503 ``{"ok": false, "status": "down", "error"}`` when the database
+    cannot be read."""
     try:
         body = selectors.health()
     except DatabaseError as exc:
         return JsonResponse({"ok": False, "status": "down", "error": f"database unreachable: {type(exc).__name__}"},
                             status=503)
+    if not settings.CELERY_TASK_ALWAYS_EAGER:  # a broker is configured: someone must consume its queue
+        body["celery_workers"] = cached_queue_workers()
+        if not body["celery_workers"]:
+            body["problems"].append(f"no Celery worker consumes the task queue {settings.CELERY_TASK_DEFAULT_QUEUE!r}: "
+                                    "prepare jobs, settlements and sweeps are not running")
+            body["status"] = "degraded"
     return JsonResponse({"ok": True, **body})

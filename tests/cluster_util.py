@@ -26,7 +26,7 @@ def env_for(tmp: Path, database_url: str | None = None, redis_url: str | None = 
                 "DATABASE_URL": database_url or f"sqlite:///{tmp / 'db.sqlite3'}"})
     if redis_url:
         env["REDIS_URL"] = redis_url
-        env["TENZRO_CHANNEL_PREFIX"] = f"t{uuid.uuid4().hex[:8]}"
+        env["TENZRO_CHANNEL_PREFIX"] = env["TENZRO_CELERY_QUEUE"] = f"t{uuid.uuid4().hex[:8]}"
     return env
 
 

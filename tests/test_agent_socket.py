@@ -3,16 +3,18 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import timedelta
 
 import pytest
 from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from channels.testing import WebsocketCommunicator
+from django.utils import timezone
 from nacl.signing import SigningKey
 
 from holders import wire
 from registry.identity import DOMAIN_HELLO, provider_id, sign
-from registry.models import Holding, Provider
+from registry.models import AgentSession, Holding, Provider
 from tenzro_site.asgi import application
 from tests.conftest import holding, signed_heartbeat, with_repeated_key
 
@@ -28,10 +30,10 @@ async def open_socket():
     return comm, bytes.fromhex(challenge["nonce"])
 
 
-async def authed(key):
+async def authed(key, timeout: float = 1):
     comm, nonce = await open_socket()
     await comm.send_json_to({"type": "hello", "provider": provider_id(key), "signature": sign(key, DOMAIN_HELLO, nonce)})
-    welcome = await comm.receive_json_from()
+    welcome = await comm.receive_json_from(timeout)
     assert welcome["type"] == "welcome"
     return comm
 
@@ -108,16 +110,65 @@ async def test_requests_are_relayed_and_answers_matched_by_id():
     await comm.disconnect()
 
 
-async def test_closing_a_duplicate_socket_keeps_the_provider_connected():
+async def test_a_second_live_session_of_a_key_is_refused_with_4409():
     key = SigningKey.generate()
     first = await authed(key)
-    second = await authed(key)  # the same key started twice by mistake
-    await second.disconnect()
-    p = await database_sync_to_async(Provider.objects.get)(provider=provider_id(key))
-    assert p.connected
+    second, nonce = await open_socket()  # the same key started twice by mistake
+    await second.send_json_to({"type": "hello", "provider": provider_id(key), "signature": sign(key, DOMAIN_HELLO, nonce)})
+    err = await second.receive_json_from(5)  # the first session answers the ping: it is alive
+    assert err["type"] == "error" and err["code"] == 4409 and "already connected" in err["message"]
+    assert 0 < err["retry_for_s"] <= 46  # until the first session would count as dead (3 x 15 s)
+    assert (await second.receive_output())["code"] == 4409
+    sessions = await database_sync_to_async(lambda: list(AgentSession.objects.values_list("provider_id", flat=True)))()
+    assert sessions == [provider_id(key)]  # the refused socket never got a session
+    await first.send_json_to(signed_heartbeat(key))  # the first one still serves
+    assert (await first.receive_json_from())["type"] == "heartbeat_ack"
     await first.disconnect()
     p = await database_sync_to_async(Provider.objects.get)(provider=provider_id(key))
     assert not p.connected
+
+
+async def test_a_stale_session_is_replaced_and_its_socket_closed():
+    """A reconnect after a network drop the site has not noticed: the old session stopped
+    heartbeating (and opened long ago), so the new hello replaces it."""
+    key = SigningKey.generate()
+    first = await authed(key)
+    long_ago = timezone.now() - timedelta(minutes=5)
+    await database_sync_to_async(lambda: (AgentSession.objects.update(opened=long_ago),
+                                          Provider.objects.update(last_heartbeat=long_ago)))()
+    second = await authed(key)
+    assert (await first.receive_output())["code"] == 4410  # superseded
+    channels = await database_sync_to_async(lambda: AgentSession.objects.count())()
+    assert channels == 1
+    await second.send_json_to(signed_heartbeat(key))
+    assert (await second.receive_json_from())["type"] == "heartbeat_ack"
+    await second.disconnect()
+
+
+async def test_a_session_whose_site_process_is_gone_is_replaced_at_once():
+    """A site killed without closing its sockets leaves sessions that look live (fresh heartbeat)
+    but whose consumer no longer answers: the reconnecting agent is not made to wait them out."""
+    from registry import services
+
+    key = SigningKey.generate()
+    await database_sync_to_async(services.agent_connected)(provider_id(key), "specific.gone!chan")
+    await database_sync_to_async(Provider.objects.update)(last_heartbeat=timezone.now())
+    t0 = time.monotonic()
+    comm = await authed(key, timeout=10)  # after the ping's 2 s, not the heartbeat window
+    assert time.monotonic() - t0 < 8  # the heartbeat window is 45 s
+    channels = await database_sync_to_async(lambda: list(AgentSession.objects.values_list("channel_name", flat=True)))()
+    assert channels != ["specific.gone!chan"] and len(channels) == 1
+    await comm.disconnect()
+
+
+async def test_a_heartbeat_refused_for_its_configuration_closes_with_4422():
+    key = SigningKey.generate()
+    comm = await authed(key)
+    bad = signed_heartbeat(key, name="x" * 5000)
+    await comm.send_json_to(bad)
+    err = await comm.receive_json_from()
+    assert err["type"] == "error" and err["field"] == "name"
+    assert (await comm.receive_output())["code"] == 4422
 
 
 async def test_hostile_json_gets_an_error_not_a_dropped_socket():
@@ -188,10 +239,14 @@ async def test_a_closed_socket_fails_pending_requests_at_once_and_tells_the_rout
     heard: list[tuple[str, bool]] = []
     AgentLink.presence_listeners.append(lambda p, up: heard.append((p, up)))
     try:
-        first = await authed(key)
-        second = await authed(key)  # the same key twice: closing one socket is not "gone"
+        stale = await authed(key)
+        long_ago = timezone.now() - timedelta(minutes=5)
+        await database_sync_to_async(lambda: (AgentSession.objects.update(opened=long_ago),
+                                              Provider.objects.update(last_heartbeat=long_ago)))()
+        first = await authed(key)  # a reconnect replacing a stale session: closing the old one is not "gone"
         link = await AgentLink.get()
-        await second.disconnect()
+        assert (await stale.receive_output())["code"] == 4410
+        await stale.disconnect()
         await asyncio.sleep(0.1)
         assert (pid, False) not in heard
         # A request the agent never answers, pending when its last socket closes: it fails at

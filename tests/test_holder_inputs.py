@@ -125,3 +125,32 @@ def test_http_frame_carries_a_whole_batch_with_a_long_token_list(agent):
     ans = asyncio.run(go())
     assert ans.rows.shape == (n, H)
     assert np.array_equal(ans.rows, agent.runtime.execute(MODEL, 0, 0, x, n, H, False))
+
+
+def test_http_rpc_names_the_field_at_fault_and_refuses_a_non_finite_id(agent):
+    async def go():
+        port = free_port()
+        server = await serve_http(agent._http_rpc, "127.0.0.1", port, agent._http_frame)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        rows = wire.rows_to_b64(np.zeros((1, H), np.float32))
+        base = {"model_id": MODEL, "layer": 0, "expert": 0, "token_indices": [0], "d_model": H, "hidden_states": rows}
+        try:
+            out = []
+            for raw in (json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tenzro_moeExecute", "params": base}),
+                        json.dumps({"jsonrpc": "2.0", "id": 2, "method": "tenzro_moeExecute",
+                                    "params": {**base, "request_id": "r", "hidden_states": "!!"}}),
+                        '{"jsonrpc": "2.0", "id": NaN, "method": "moe/status", "params": {}}',
+                        '{"jsonrpc": "2.0", "id": 1e400, "method": "moe/status", "params": {}}'):
+                _status, body = await _post(reader, writer, "/rpc", raw.encode())
+                json.loads(body, parse_constant=lambda c: pytest.fail(f"{c} in a response"))
+                out.append(json.loads(body))
+            return out
+        finally:
+            writer.close()
+            server.close()
+
+    no_request_id, bad_b64, nan_id, inf_id = asyncio.run(go())
+    assert no_request_id["error"]["code"] == -32602 and no_request_id["error"]["data"]["field"] == "request_id"
+    assert bad_b64["error"]["data"]["field"] == "hidden_states"
+    assert nan_id["error"]["code"] == -32700 and nan_id["id"] is None
+    assert inf_id["error"]["code"] == -32600 and inf_id["error"]["data"]["field"] == "id"

@@ -12,7 +12,7 @@ from nacl.signing import SigningKey
 
 from registry import market
 from registry.heartbeat import ingest
-from registry.models import MarketChallenge, MarketClaim, MarketWorker, Provider
+from registry.models import MarketChallenge, MarketClaim, MarketModel, MarketWorker, Provider
 from registry.operator import operator_token
 from tests.conftest import holding, signed_heartbeat
 
@@ -209,3 +209,16 @@ def test_market_add_model_rpc(client):
     assert r["error"]["data"]["field"] == "expert_layers"
     r = client.post("/rpc", data=json.dumps(req), content_type="application/json", **auth).json()
     assert r["result"]["model_id"] == "m2" and r["result"]["created"] is True
+    bad = {**req, "params": {**req["params"], "model_id": "a/b c"}}
+    r = client.post("/rpc", data=json.dumps(bad), content_type="application/json", **auth).json()
+    assert r["error"]["code"] == -32602 and r["error"]["data"]["field"] == "model_id"
+
+
+@pytest.mark.parametrize("model_id", ["", "a/b c", "a/b/c", "x" * 201, "-lead"])
+def test_market_add_model_command_refuses_a_bad_model_id(model_id):
+    from django.core.management import CommandError, call_command
+
+    with pytest.raises(CommandError, match="--model-id"):
+        call_command("market_add_model", "--model-id", model_id, "--n-embd", "8", "--n-layer", "2",
+                     "--n-expert", "4", "--expert-layers", "1")
+    assert not MarketModel.objects.exists()

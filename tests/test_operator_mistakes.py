@@ -13,9 +13,10 @@ from holders import wire
 
 from registry.models import AgentSession, Provider
 from registry.services import agent_connected, reset_sessions
+from tenzro_site.cluster import ClusterError, LocalCluster
 from tenzro_site.verify import max_rel_err
 from tests.cluster_util import ROOT, env_for, rpc, running_cluster
-from tests.conftest import QWEN
+from tests.conftest import DEEPSEEK, QWEN
 
 
 def _second_cluster(env: dict, *args: str) -> subprocess.CompletedProcess:
@@ -31,6 +32,14 @@ def test_reset_sessions_touches_only_the_named_providers():
     assert Provider.objects.get(provider="b" * 64).connected
     assert not Provider.objects.get(provider="a" * 64).connected
     assert list(AgentSession.objects.values_list("channel_name", flat=True)) == ["chan-b"]
+
+
+def test_a_checkpoint_or_model_id_given_twice_is_refused_before_anything_starts(tmp_path):
+    with pytest.raises(ClusterError, match=r"--checkpoint .*qwen3_moe_tiny is given twice \(model id 'qwen3-moe-tiny'\)"):
+        LocalCluster([QWEN, QWEN], holders=1)
+    with pytest.raises(ClusterError, match="--model-id: .* would both publish as 'same'"):
+        LocalCluster([QWEN, DEEPSEEK], holders=1, model_ids=["same", "same"])
+    LocalCluster([QWEN, QWEN], holders=1, model_ids=[None, "qwen-again"])  # two ids: allowed
 
 
 @pytest.mark.cluster

@@ -20,11 +20,11 @@ from registry.content import BlobError
 from prepare.checkpoint import Checkpoint
 from holders.codec import loads_safetensors
 from prepare.models import PrepareJob
-from registry.models import ExpertBlob, GateBlob
+from registry.models import ExpertBlob, GateBlob, MoeModel
 from registry.operator import operator_token
 from tests.ckpt_util import make_checkpoint
 from tests.cluster_util import ROOT, env_for
-from tests.conftest import DEEPSEEK
+from tests.conftest import DEEPSEEK, MIXTRAL, QWEN
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -59,6 +59,7 @@ def test_rpc_prepares_quantized_experts_and_reports_status(client):
 @pytest.mark.parametrize("params,field", [
     ({"layer": 0}, "layers"), ({"experts": [17]}, "experts"), ({"quant": "q3_k"}, "quant"),
     ({"quant": {"gate": "q5_k"}}, "quant"), ({"checkpoint": "/no/such/dir"}, "checkpoint"),
+    ({"model_id": "a/b c"}, "model_id"), ({"model_id": "x" * 201}, "model_id"),
 ])
 def test_rpc_bad_params_name_the_field_and_create_nothing(client, params, field):
     base = {"model_id": "bad", "checkpoint": str(DEEPSEEK), "layer": 1}
@@ -160,6 +161,21 @@ def test_sigkill_mid_job_then_resume_gives_identical_blob_uris(tmp_path):
     assert _uris(resumed) == _uris(json.loads(fresh.stdout.strip().splitlines()[-1]))
 
 
+def test_republishing_a_model_id_with_another_shape_needs_replace():
+    first = jobs.run_job(jobs.create_job(str(MIXTRAL), "same-id", layers=[0], experts=[0]).job_id)
+    assert first.state == PrepareJob.State.COMPLETED
+    with pytest.raises(jobs.JobParamError, match="already published from .*mixtral_tiny.*hidden_size") as exc:
+        jobs.create_job(str(QWEN), "same-id", layers=[0], experts=[0])
+    assert exc.value.field == "model_id"
+    assert MoeModel.objects.get(model_id="same-id").family == "mixtral"
+    # The same checkpoint again is fine (idempotent publish), and replace republishes.
+    jobs.create_job(str(MIXTRAL), "same-id", layers=[0], experts=[1])
+    done = jobs.run_job(jobs.create_job(str(QWEN), "same-id", layers=[0], experts=[0], replace=True).job_id)
+    assert done.state == PrepareJob.State.COMPLETED
+    model = MoeModel.objects.get(model_id="same-id")
+    assert model.family == "qwen3_moe" and model.moe_layers == [0]
+
+
 def test_prepare_experts_command_errors_name_the_flag(tmp_path):
     env = env_for(tmp_path)
     assert _manage(env, "migrate", "-v", "0").returncode == 0
@@ -172,6 +188,18 @@ def test_prepare_experts_command_errors_name_the_flag(tmp_path):
         res = _manage(env, "prepare_experts", "--resume", job_id)
         assert res.returncode != 0 and "--resume" in res.stderr and says in res.stderr, res.stderr
         assert "Traceback" not in res.stderr
+    done = _manage(env, "prepare_experts", "--checkpoint", str(MIXTRAL), "--model-id", "mx", "--layers", "0",
+                   "--experts", "0", "--json", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    job_id = json.loads(done.stdout.strip().splitlines()[-1])["job_id"]
+    for args, flag in ((["--model-id", "other"], "--model-id"), (["--checkpoint", str(QWEN)], "--checkpoint")):
+        res = _manage(env, "prepare_experts", "--resume", job_id, *args)
+        assert res.returncode != 0 and flag in res.stderr and "does not match" in res.stderr, res.stderr
+    other = _manage(env, "prepare_experts", "--checkpoint", str(QWEN), "--model-id", "mx", "--layers", "0",
+                    "--experts", "0")
+    assert other.returncode != 0 and "--model-id" in other.stderr and "--replace" in other.stderr, other.stderr
+    assert _manage(env, "prepare_experts", "--checkpoint", str(QWEN), "--model-id", "mx", "--layers", "0",
+                   "--experts", "0", "--replace", "--no-progress").returncode == 0
 
 
 def test_blob_range_requests(client):

@@ -143,3 +143,48 @@ def test_a_running_site_expires_a_throwaway_key_on_its_own(tmp_path):
         states = listed()
         assert throwaway not in states
         assert set(states) == {a["provider"] for a in info["agents"]}  # the agents, live, are kept
+
+
+def test_healthz_is_degraded_when_a_broker_has_no_worker_on_the_sites_queue(client, settings):
+    """Services mode without a worker (issue: prepare jobs stayed pending while /healthz said ok):
+    the real Redis broker is asked, and no worker consumes this site's fresh queue."""
+    import uuid
+
+    from django.core.cache import cache
+
+    from tenzro_site.celery import app
+    from tests.conftest import REDIS_URL, SERVICES_UP
+
+    if not SERVICES_UP:
+        pytest.skip("needs Redis")
+    queue = f"q{uuid.uuid4().hex[:8]}"
+    settings.CELERY_TASK_ALWAYS_EAGER, settings.CELERY_TASK_DEFAULT_QUEUE = False, queue
+    old = app.conf.broker_url, app.conf.task_default_queue
+    app.conf.broker_url, app.conf.task_default_queue = REDIS_URL, queue
+    cache.clear()
+    try:
+        body = client.get("/healthz").json()
+    finally:
+        app.conf.broker_url, app.conf.task_default_queue = old
+        cache.clear()
+    assert body["status"] == "degraded" and body["celery_workers"] == 0
+    assert any(f"no Celery worker consumes the task queue {queue!r}" in p for p in body["problems"])
+    settings.CELERY_TASK_ALWAYS_EAGER = True
+    assert "celery_workers" not in client.get("/healthz").json()  # no broker (tasks run inline): not asked
+
+
+def test_healthz_names_published_models_no_live_provider_holds():
+    """A model placed on agents that are gone (a finished demo's, issue item 24) is listed under
+    ``unserved_models`` with a sentence saying why, not as a bare under-replication count."""
+    from django.test import Client
+
+    MoeModel.objects.create(model_id="gone-q4-k-m", family="qwen3_moe", num_experts=2, top_k=1, hidden_size=8,
+                            expert_d_ff=4, moe_layers=[0])
+    MoeModel.objects.create(model_id="m", family="qwen3_moe", num_experts=2, top_k=1, hidden_size=8,
+                            expert_d_ff=4, moe_layers=[0])
+    agent(1, [holding("m", 0, 0), holding("m", 0, 1)], batches_served=1)
+    agent(2, [holding("m", 0, 0), holding("m", 0, 1)], batches_served=1)
+    body = Client().get("/healthz").json()
+    assert body["status"] == "degraded" and body["under_replicated"] == {}
+    assert body["unserved_models"] == ["gone-q4-k-m"]
+    assert any("gone-q4-k-m" in p and "no live holder" in p for p in body["problems"])

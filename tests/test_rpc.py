@@ -62,7 +62,7 @@ def test_operator_methods_need_the_token(client):
     assert err["code"] == -32001
     err = call(client, req("tenzro_moePlaceModel", {"model_id": "m"}),
                HTTP_AUTHORIZATION=f"Bearer {operator_token()}")[1]["error"]
-    assert err["code"] == -32000 and "not published" in err["message"]
+    assert err["code"] == -32602 and err["data"]["field"] == "model_id" and "not published" in err["message"]
 
 
 def test_forward_to_an_expert_nobody_holds_is_a_clear_error(client):
@@ -79,8 +79,9 @@ def test_forward_to_an_expert_nobody_holds_is_a_clear_error(client):
     err = call(client, req("tenzro_moeForward", {**params, "d_model": 128,
                                                  "hidden_states": wire.b64encode(wire.encode_f32(x[:, :128]))}))[1]["error"]
     assert err["code"] == -32602 and err["data"]["field"] == "d_model"
-    err = call(client, req("tenzro_moeForward", {**params, "layer": 7}))[1]["error"]
-    assert err["code"] == -32004 and "no gate" in err["message"]
+    for layer in (7, 10**30):  # not an MoE layer of the published model: a bad param naming the layer
+        err = call(client, req("tenzro_moeForward", {**params, "layer": layer}))[1]["error"]
+        assert err["code"] == -32602 and err["data"]["field"] == "layer" and "its MoE layers are" in err["message"]
     bad = np.full((2, 256), np.nan, dtype=np.float32)
     err = call(client, req("tenzro_moeForward", {**params, "hidden_states": wire.b64encode(wire.encode_f32(bad))}))[1]["error"]
     assert err["code"] == -32602 and "non-finite" in err["message"]
@@ -105,7 +106,7 @@ def test_json_types_are_strict(client):
 def test_bearer_scheme_is_case_insensitive(client):
     err = call(client, req("tenzro_moePlaceModel", {"model_id": "m"}),
                HTTP_AUTHORIZATION=f"bearer {operator_token()}")[1]["error"]
-    assert err["code"] == -32000  # past the credential check: the model is unknown
+    assert err["code"] == -32602  # past the credential check: the model is unknown
 
 
 def test_unknown_model_names_the_model_id(client):
@@ -120,3 +121,11 @@ def test_an_integer_of_100000_digits_is_a_parse_error_not_a_500(client):
                         + "9" * 100_000 + "}}")
     assert status == 200 and body["error"]["code"] == -32700 and body["error"]["data"]["field"] == "body"
     assert "digits" in body["error"]["message"]
+
+
+def test_a_non_finite_id_is_refused_not_echoed(client):
+    for raw, code in (('{"jsonrpc": "2.0", "id": NaN, "method": "tenzro_moeShardMap", "params": {}}', -32700),
+                      ('{"jsonrpc": "2.0", "id": Infinity, "method": "tenzro_moeShardMap", "params": {}}', -32700),
+                      ('{"jsonrpc": "2.0", "id": 1e400, "method": "tenzro_moeShardMap", "params": {}}', -32600)):
+        status, body = call(client, raw)
+        assert status == 200 and body["error"]["code"] == code and body["id"] is None, raw

@@ -5,11 +5,12 @@ import subprocess
 import sys
 import time
 
+import httpx
 import psycopg
 import pytest
 from celery import Celery
 
-from tests.cluster_util import ROOT, env_for, fresh_postgres_db, running_cluster
+from tests.cluster_util import ROOT, env_for, fresh_postgres_db, pid_alive, rpc, running_cluster
 from tests.conftest import PG_URL, QWEN, REDIS_URL, needs_services
 from tests.test_cluster import forward_matches_reference
 
@@ -21,6 +22,23 @@ def test_forward_over_redis_channel_layer_and_postgres(tmp_path):
         env = env_for(tmp_path, database_url=db_url, redis_url=REDIS_URL)
         with running_cluster(tmp_path, [QWEN], holders=3, env=env) as (info, _):
             assert forward_matches_reference(info, "qwen3-moe-tiny", QWEN, 0) <= 1e-5
+            # Services mode: the cluster runs a Celery worker (and one beat), so a queued prepare
+            # job completes and /healthz counts the worker.
+            assert len(info["celery_pids"]) == 2
+            deadline = time.time() + 30  # the site caches "no worker" (asked during start-up) for 2 s
+            while (health := httpx.get(f"{info['url']}/healthz", timeout=30).json())["celery_workers"] < 1 \
+                    and time.time() < deadline:
+                time.sleep(0.5)
+            assert health["celery_workers"] >= 1, health
+            job = rpc(info["rpc"], "tenzro_moePrepareExperts", {"model_id": "svc-job", "checkpoint": str(QWEN),
+                                                               "layer": 0, "experts": [0, 1]},
+                      token=info["operator_token"])["result"]
+            deadline, state = time.time() + 120, None
+            while time.time() < deadline and state != "completed":
+                time.sleep(0.5)
+                state = rpc(info["rpc"], "tenzro_moePrepareStatus", {"job_id": job["job_id"]})["result"]["state"]
+            assert state == "completed"
+        assert not any(pid_alive(pid) for pid in info["celery_pids"])  # stopped with everything else
         with psycopg.connect(db_url) as conn:
             n_holdings = conn.execute("SELECT count(*) FROM registry_holding").fetchone()[0]
             n_providers = conn.execute("SELECT count(*) FROM registry_provider").fetchone()[0]

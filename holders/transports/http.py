@@ -29,6 +29,7 @@ from holders import wire
 from holders import messages
 from holders.messages import BatchAnswer, BatchRequest, HolderFault, answer_to_batch
 from holders.transports.coalesce import Coalescer
+from registry import jsonrpc
 from registry.jsonrpc import (INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, PARSE_ERROR, RpcError,
                               error_response, result_response)
 
@@ -69,12 +70,15 @@ async def _respond(writer: asyncio.StreamWriter, status: int, body: dict | bytes
 
 async def _rpc(handler: Handler, body: bytes) -> dict:
     try:
-        msg = json.loads(body)
+        msg = jsonrpc.loads(body)
     except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, an integer over 4,300 digits, deep nesting
         return error_response(None, RpcError(PARSE_ERROR, f"parse error: {str(exc)[:300]}", field="body"))
     if not isinstance(msg, dict) or not isinstance(msg.get("method"), str):
         return error_response(None, RpcError(INVALID_REQUEST, "expected a JSON-RPC 2.0 request", field="method"))
     rid, params = msg.get("id"), msg.get("params") or {}
+    if not jsonrpc.valid_id(rid):
+        return error_response(None, RpcError(INVALID_REQUEST, "id must be a string, a finite number or null",
+                                             field="id"))
     if not isinstance(params, dict):
         return error_response(rid, RpcError(INVALID_PARAMS, "params must be an object", field="params"))
     try:

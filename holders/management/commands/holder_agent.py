@@ -5,16 +5,21 @@ import asyncio
 import logging
 import os
 import signal
+from pathlib import Path
 
 from django.conf import settings
 from threadpoolctl import threadpool_limits
 from django.core.management.base import BaseCommand, CommandError
 
 from holders import compute
-from holders.agent import AuthRefused, HolderAgent, ws_url
+from holders.agent import AuthRefused, HolderAgent, KeyInUse, ws_url
 from holders.faults import parse_fault
 from holders.transports import iroh
+from registry.heartbeat import MAX_NAME
 from registry.identity import load_or_create_key, provider_id
+
+
+IROH_BIND_DEFAULT = "127.0.0.1:0"
 
 
 class Command(BaseCommand):
@@ -44,7 +49,7 @@ class Command(BaseCommand):
         parser.add_argument("--iroh", action="store_true",
                             help="also serve moe/execute and moe/status over iroh QUIC (ALPN tenzro/moe) and advertise "
                                  "the endpoint id (derived from --key) and its direct addresses")
-        parser.add_argument("--iroh-bind", default="127.0.0.1:0", metavar="HOST:PORT",
+        parser.add_argument("--iroh-bind", default=IROH_BIND_DEFAULT, metavar="HOST:PORT",
                             help="address the iroh endpoint binds (default 127.0.0.1:0, a free port; relays are off, "
                                  "so routers dial the addresses this binds)")
         parser.add_argument("--blas-threads", type=int, default=1,
@@ -69,10 +74,21 @@ class Command(BaseCommand):
             interval = settings.TENZRO["HEARTBEAT_INTERVAL_S"]
         if interval <= 0:
             raise CommandError("--heartbeat-interval must be positive")
+        if len(opts["name"]) > MAX_NAME or "\x00" in opts["name"]:  # the site refuses longer ones in every heartbeat
+            raise CommandError(f"--name must be at most {MAX_NAME} characters without NUL, "
+                               f"got {len(opts['name'])} characters")
+        if opts["iroh_bind"] != IROH_BIND_DEFAULT and not opts["iroh"]:
+            raise CommandError("--iroh-bind needs --iroh (without it no iroh endpoint is served)")
+        key_path = Path(opts["key"]) if opts["key"] else settings.VAR_DIR / "agent.key"
+        if opts["key"] and not key_path.parent.is_dir():  # a mistyped path must not mint a new identity
+            raise CommandError(f"--key: directory {key_path.parent} does not exist")
+        existed = key_path.exists()
         try:
-            key = load_or_create_key(opts["key"] or settings.VAR_DIR / "agent.key")
+            key = load_or_create_key(key_path)
         except (ValueError, OSError) as exc:
             raise CommandError(f"--key: {exc}") from exc
+        if not existed:
+            self.stderr.write(f"created a new key at {key_path}: provider id {provider_id(key)}")
         if opts["budget"] is not None and opts["budget"] <= 0:
             raise CommandError("--budget must be a positive number of bytes")
         if opts["blas_threads"] < 1:
@@ -125,6 +141,9 @@ class Command(BaseCommand):
 
         try:
             asyncio.run(main())
+        except KeyInUse as exc:
+            raise CommandError(f"--key {key_path}: {exc} (another agent runs with this key; give each agent "
+                               f"its own --key)") from exc
         except AuthRefused as exc:
             raise CommandError(str(exc)) from exc
         except OSError as exc:  # --http-port / --iroh-bind cannot be bound

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import uuid
+from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
 from tqdm import tqdm
 
 from prepare import jobs
 from prepare.models import PrepareJob
+from prepare.remote import is_url
 
 
 def _int_list(text: str | None, flag: str) -> list[int] | None:
@@ -34,6 +36,15 @@ def _int_list(text: str | None, flag: str) -> list[int] | None:
     return out
 
 
+def _same_source(given: str, source: str) -> bool:
+    """Whether ``--checkpoint`` names a job's ``source`` (the same URL, or the same directory)."""
+    if given == source:
+        return True
+    if is_url(given) or is_url(source):
+        return given.rstrip("/") == source.rstrip("/")
+    return Path(given).resolve() == Path(source).resolve()
+
+
 class Command(BaseCommand):
     help = ("Extract (and quantize) a checkpoint's experts and gates into content-addressed blobs, "
             "showing a progress bar. Resumable: --resume JOB_ID skips what a crashed run finished.")
@@ -47,7 +58,10 @@ class Command(BaseCommand):
                             help='preset (q4_k_m, q8_0, q4_k, q6_k) or JSON {"gate":..,"up":..,"down":..}')
         parser.add_argument("--revision", default=None, help="branch, tag or commit (Hub URLs)")
         parser.add_argument("--no-gate", action="store_true", help="do not publish the gate blobs")
-        parser.add_argument("--resume", default=None, metavar="JOB_ID", help="resume an unfinished job")
+        parser.add_argument("--resume", default=None, metavar="JOB_ID",
+                            help="resume an unfinished job (--checkpoint / --model-id, if given, must match it)")
+        parser.add_argument("--replace", action="store_true",
+                            help="republish a model id already published with another shape (family, sizes)")
         parser.add_argument("--json", action="store_true", help="print the final status as one JSON line")
         parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -62,6 +76,12 @@ class Command(BaseCommand):
                 job = PrepareJob.objects.get(job_id=job_id)
             except PrepareJob.DoesNotExist:
                 raise CommandError(f"--resume: no preparation job {o['resume']!r}") from None
+            if o["model_id"] and o["model_id"] != job.model_id:
+                raise CommandError(f"--model-id {o['model_id']!r} does not match job {job.job_id}'s "
+                                   f"{job.model_id!r}; drop it or start a new job")
+            if o["checkpoint"] and not _same_source(o["checkpoint"], job.source):
+                raise CommandError(f"--checkpoint {o['checkpoint']!r} does not match job {job.job_id}'s "
+                                   f"{job.source!r}; drop it or start a new job")
         else:
             if not o["checkpoint"]:
                 raise CommandError("--checkpoint is required (or --resume JOB_ID)")
@@ -70,7 +90,7 @@ class Command(BaseCommand):
             try:
                 job = jobs.create_job(o["checkpoint"], o["model_id"], layers=_int_list(o["layers"], "--layers"),
                                       experts=_int_list(o["experts"], "--experts"), include_gate=not o["no_gate"],
-                                      quant=o["quant"], revision=o["revision"])
+                                      quant=o["quant"], revision=o["revision"], replace=o["replace"])
             except jobs.JobParamError as exc:
                 raise CommandError(f"--{exc.field.replace('_', '-')}: {exc}") from None
         self.stderr.write(f"job {job.job_id}: {job.total_experts} experts of {job.model_id}, layers {job.layers}, "
