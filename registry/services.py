@@ -156,12 +156,16 @@ def record_holder_outcomes(failures: dict[str, int], latencies_ms: dict[str, lis
 
     now = timezone.now()
     with transaction.atomic():
-        for provider, n in failures.items():
+        # Lock every row first, in provider order: concurrent recorders and settlements (which
+        # credit in the same order) then queue instead of deadlocking on PostgreSQL.
+        list(Provider.objects.select_for_update().filter(provider__in=sorted({*failures, *latencies_ms}))
+             .order_by("provider").values_list("pk", flat=True))
+        for provider, n in sorted(failures.items()):
             Provider.objects.filter(provider=provider).update(reputation=Greatest(F("reputation") - FAILURE_PENALTY * n,
                                                                                    Value(0)),
                                                               batch_failures=F("batch_failures") + n,
                                                               last_failure=now)
-        for p in Provider.objects.select_for_update().filter(provider__in=list(latencies_ms)):
+        for p in Provider.objects.filter(provider__in=list(latencies_ms)).order_by("provider"):
             lat = p.latency_ms_ewma
             for ms in latencies_ms[p.provider]:
                 lat = ms if lat == 0 else (1 - LATENCY_EWMA_ALPHA) * lat + LATENCY_EWMA_ALPHA * ms

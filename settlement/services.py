@@ -76,7 +76,7 @@ def router_secret() -> bytes:
     path = settings.VAR_DIR / "router_secret"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.{secrets.token_hex(6)}.tmp")  # unique per thread too
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(secrets.token_hex(32))
@@ -197,7 +197,7 @@ def settle_many(pks: list[int]) -> int:
                 c = credit.setdefault(provider, [0, 0])
                 c[0] += holder
                 c[1] += 1
-        for provider, (amount, n) in credit.items():
+        for provider, (amount, n) in sorted(credit.items()):  # provider order: no deadlock with other writers
             Provider.objects.filter(provider=provider).update(
                 balance=F("balance") + amount, reputation=Least(F("reputation") + n, Value(REPUTATION_CAP)))
         return paid
