@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ from holders import compute, kernels  # noqa: E402
 from holders.compute.cpu import dequantize_parallel  # noqa: E402
 from holders.ffn import ExpertWeights, expert_forward  # noqa: E402
 from holders.quant import QuantizedMatrix, quantize  # noqa: E402
+from machine import cpu_model  # noqa: E402  (this directory is sys.path[0] when run as a script)
 
 PRESETS = {"q8_0": ("q8_0", "q8_0", "q8_0"), "q4_k_m": ("q4_k", "q4_k", "q6_k")}
 
@@ -52,15 +52,6 @@ def numpy_pipeline(wg: np.ndarray, wu: np.ndarray, wd: np.ndarray, x: np.ndarray
     return (g / (np.float32(1) + np.exp(-g)) * u) @ wd.T
 
 
-def cpu_model() -> str:
-    """CPU model name from /proc/cpuinfo (Linux), else ``platform.processor()``."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def llc_bytes() -> int:

@@ -82,6 +82,7 @@ from holders.ffn import ExpertWeights, combine, expert_forward, moe_layer_forwar
 from holders.gating import Gate, route  # noqa: E402
 
 import bench_transports  # noqa: E402  (this directory is sys.path[0] when run as a script)
+from machine import cpu_model, parse_cpus  # noqa: E402
 
 MODEL = "bench-qwen3-30b-a3b-layer"
 LAYER = 0
@@ -213,15 +214,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def parse_cpus(text: str | None) -> list[int]:
-    """``"0-3,6"`` → [0, 1, 2, 3, 6]; None → this process's affinity."""
-    if not text:
-        return sorted(os.sched_getaffinity(0))
-    out = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    return sorted(set(out))
 
 
 async def probe(endpoint: str, method: str) -> dict:
@@ -424,16 +416,6 @@ def print_breakdown(r: dict, t: str) -> None:
     print(f"    agents  {t + ' server, loop, rest':<28} {a_rest * 1e3:8.1f}")
 
 
-def cpu_model() -> str:
-    """CPU model name from /proc/cpuinfo (Linux), else ``platform.processor()``."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or "unknown"
 
 
 def main() -> None:

@@ -61,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 
 from holders import quant  # noqa: E402
 from holders.ffn import ExpertWeights, moe_layer_forward  # noqa: E402
+from machine import cpu_model, parse_cpus  # noqa: E402  (this directory is sys.path[0] when run as a script)
 from holders.gating import Gate  # noqa: E402
 
 QWEN = ROOT / "tests" / "fixtures" / "qwen3_moe_tiny"
@@ -374,32 +375,13 @@ def bench_model(name: str, a) -> dict:
     return r
 
 
-def parse_cpus(text: str | None) -> list[int]:
-    """``"0-3,6"`` → [0, 1, 2, 3, 6]; None → this process's affinity."""
-    if not text:
-        return sorted(os.sched_getaffinity(0))
-    out = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    return sorted(set(out))
 
 
 def cpu_description() -> str:
     """CPU model (``/proc/cpuinfo``) and the SIMD path of the quantized kernels."""
-    import platform
-
-    name = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     from holders import kernels
 
-    return f"{name}; quantized kernels: {kernels.isa() or 'numba (no native extension)'}"
+    return f"{cpu_model()}; quantized kernels: {kernels.isa() or 'numba (no native extension)'}"
 
 
 def main() -> None:
