@@ -31,7 +31,6 @@ from safetensors.numpy import load_file
 from holders import wire
 from holders.ffn import expert_forward
 from holders.gating import route
-from holders.transports import iroh
 from prepare.checkpoint import Checkpoint
 from prepare.layouts import load_expert, load_gate, spec_from_config
 from tests.cluster_util import ROOT, env_for, rpc, running_cluster
@@ -79,8 +78,6 @@ TRANSPORTS = {"ws": (), "iroh": ("--agent-iroh",)}
 
 @pytest.mark.parametrize("transport", sorted(TRANSPORTS))
 def test_chaos_scenes(tmp_path, transport):
-    if transport == "iroh" and not iroh.available():
-        pytest.skip(iroh.UNAVAILABLE)
     env = env_for(tmp_path)
     env.update({"TENZRO_BATCH_DEADLINE": str(DEADLINE_S), "TENZRO_VIEW_CACHE": "0", "TENZRO_DATA_TRANSPORT": transport})
     x = load_file(str(QWEN / "reference.safetensors"))[f"layer{LAYER}.hidden_states"].astype(np.float32)

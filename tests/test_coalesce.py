@@ -179,7 +179,6 @@ def test_http_sends_one_frame_per_holder_and_one_bad_request_fails_alone(holder,
     check(agent, reqs, got[:-1], singles)
 
 
-@pytest.mark.skipif(not iroh.available(), reason=iroh.UNAVAILABLE or "iroh available")
 def test_iroh_sends_one_stream_per_holder_and_one_bad_request_fails_alone(holder, monkeypatch):
     agent, x, calls = holder
     reqs = requests(x, carrier="f32", output="f32", bad_expert=9)
@@ -213,8 +212,6 @@ def test_iroh_sends_one_stream_per_holder_and_one_bad_request_fails_alone(holder
 
 def test_a_stream_announcing_more_requests_than_it_carries_is_refused(holder):
     agent, x, _ = holder
-    if not iroh.available():
-        pytest.skip(iroh.UNAVAILABLE)
     req = requests(x, carrier="f32", output="f32")[0]
 
     async def go():

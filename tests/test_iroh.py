@@ -28,15 +28,12 @@ from prepare.checkpoint import Checkpoint
 from prepare.layouts import load_expert, spec_from_config
 from tests.conftest import QWEN
 
-needs_iroh = pytest.mark.skipif(not iroh.available(), reason=iroh.UNAVAILABLE or "iroh available")
 
 MODEL, LAYER, EXPERT = "m", 1, 3
 
 
 @pytest.fixture(scope="module")
 def holder():
-    if not iroh.available():
-        pytest.skip(iroh.UNAVAILABLE)
     ck = Checkpoint(QWEN)
     agent = HolderAgent("http://127.0.0.1:1", SigningKey.generate(), tempfile.mkdtemp(prefix="tenzro-test-iroh-"))
     agent.runtime.load_expert(MODEL, LAYER, EXPERT, load_expert(ck, spec_from_config(ck.config), LAYER, EXPERT)
@@ -198,7 +195,6 @@ def test_bad_input_gets_an_error_and_the_holder_stays_up(holder):
     assert ans.rows.shape == (4, 256) and ans.transport == "iroh"  # still serving after all of it
 
 
-@needs_iroh
 def test_unreachable_endpoint_is_a_connection_error():
     async def go():
         client = iroh.IrohHolderClient(timeout=3, bind="127.0.0.1:0")

@@ -14,7 +14,7 @@ from registry import services, tasks
 from registry.heartbeat import ingest
 from registry.identity import provider_id
 from registry.models import Holding, MoeModel, Provider
-from tests.conftest import holding, signed_heartbeat
+from tests.conftest import holding, needs_services, signed_heartbeat
 
 pytestmark = pytest.mark.django_db
 
@@ -145,6 +145,7 @@ def test_a_running_site_expires_a_throwaway_key_on_its_own(tmp_path):
         assert set(states) == {a["provider"] for a in info["agents"]}  # the agents, live, are kept
 
 
+@needs_services
 def test_healthz_is_degraded_when_a_broker_has_no_worker_on_the_sites_queue(client, settings):
     """Services mode without a worker (issue: prepare jobs stayed pending while /healthz said ok):
     the real Redis broker is asked, and no worker consumes this site's fresh queue."""
@@ -153,10 +154,7 @@ def test_healthz_is_degraded_when_a_broker_has_no_worker_on_the_sites_queue(clie
     from django.core.cache import cache
 
     from tenzro_site.celery import app
-    from tests.conftest import REDIS_URL, SERVICES_UP
-
-    if not SERVICES_UP:
-        pytest.skip("needs Redis")
+    from tests.conftest import REDIS_URL
     queue = f"q{uuid.uuid4().hex[:8]}"
     settings.CELERY_TASK_ALWAYS_EAGER, settings.CELERY_TASK_DEFAULT_QUEUE = False, queue
     old = app.conf.broker_url, app.conf.task_default_queue

@@ -55,7 +55,6 @@ def test_forward_over_agent_http_endpoints_and_direct_execute(tmp_path):
         assert rpc(endpoint, "nope", {})["error"]["code"] == -32601
 
 
-@pytest.mark.skipif(not iroh.available(), reason=iroh.UNAVAILABLE or "iroh available")
 def test_forward_over_agent_iroh_endpoints_and_direct_execute(tmp_path):
     env = env_for(tmp_path)
     env["TENZRO_DATA_TRANSPORT"] = "iroh"
