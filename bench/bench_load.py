@@ -28,9 +28,7 @@ import argparse
 import json
 import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from contextlib import ExitStack
@@ -44,7 +42,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tenzro_site.settings")
 
 from safetensors.numpy import load_file  # noqa: E402
 
-from tests.cluster_util import env_for, fresh_postgres_db, rpc, running_cluster  # noqa: E402
+from tests.cluster_util import blackhole_agent, env_for, fresh_postgres_db, running_cluster  # noqa: E402
 from tests.conftest import PG_URL, QWEN, REDIS_URL, SERVICES_UP  # noqa: E402
 from tests.load_util import fire, forward_body, summary  # noqa: E402
 
@@ -90,33 +88,11 @@ def blackhole_scene(info: dict, tmp: Path, env: dict, tokens: int, deadline_s: f
         outcomes, _ = fire(info["rpc"], [[body]], timeout=300)
         return round(time.perf_counter() - t, 3), outcomes[0]
 
-    agents = {a["provider"] for a in info["agents"]}
     before = [timed()[0] for _ in range(5)]
-    hole = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), "holder_agent", "--site", info["url"],
-                             "--key", str(tmp / "blackhole.key"), "--blob-dir", str(tmp / "blackhole-blobs"),
-                             "--name", "blackhole", "--heartbeat-interval", "5", "--fault", "blackhole"],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / "blackhole.stderr", "wb"))
-    try:
-        t_end = time.time() + 60
-        while True:  # joined once the live view lists it on every expert of the layer
-            shard = rpc(info["rpc"], "tenzro_moeShardMap", {"model_id": MODEL})["result"]
-            holes = {p for p in shard["providers"] if p not in agents}
-            rows = [h for h in shard["holders"] if h["layer"] == LAYER]
-            if holes and all(any(p["provider"] in holes for p in h["holders"]) for h in rows):
-                break
-            if time.time() > t_end or hole.poll() is not None:
-                raise RuntimeError("the black hole never appeared on every expert: "
-                                   + (tmp / "blackhole.stderr").read_text()[-2000:])
-            time.sleep(0.2)
+    with blackhole_agent(info, tmp, env, MODEL, LAYER) as hole:
         time.sleep(1.1)  # past the router's view cache
         outcomes = [timed() for _ in range(6)]
-    finally:
-        hole.send_signal(signal.SIGINT)
-        try:
-            hole.wait(20)
-        except subprocess.TimeoutExpired:
-            hole.kill()
-            hole.wait()
+    holes = {hole}
     first, after = outcomes[0][0], [s for s, _ in outcomes[1:]]
     kinds = [o.kind for _, o in outcomes]
     # batches the black hole was sent and let run past the deadline, per forward

@@ -89,3 +89,37 @@ def fresh_postgres_db(admin_url: str):
     finally:
         with psycopg.connect(admin_url, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextmanager
+def blackhole_agent(info: dict, tmp: Path, env: dict, model_id: str, layer: int, timeout: float = 60.0):
+    """A ``holder_agent --fault blackhole`` process joining the cluster ``info`` (``env``: the
+    cluster's; its key, blob dir and stderr under ``tmp``). Yields the black hole's provider id
+    once the shard map lists it on every expert of ``layer`` at committed_tps 1,000,000; stops it
+    with SIGINT on exit. Raises ``RuntimeError`` (with its stderr) when it never gets there."""
+    known = {a["provider"] for a in info["agents"]}
+    err = tmp / "blackhole.stderr"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), "holder_agent", "--site", info["url"],
+                             "--key", str(tmp / "blackhole.key"), "--blob-dir", str(tmp / "blackhole-blobs"),
+                             "--name", "blackhole", "--heartbeat-interval", "5", "--fault", "blackhole"],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(err, "wb"))
+    try:
+        deadline = time.time() + timeout
+        while True:
+            shard = rpc(info["rpc"], "tenzro_moeShardMap", {"model_id": model_id})["result"]
+            holes = {p for p in shard["providers"] if p not in known}
+            rows = [h for h in shard["holders"] if h["layer"] == layer]
+            if holes and all(any(p["provider"] in holes and p["committed_tps"] == 1_000_000 for p in h["holders"])
+                             for h in rows):
+                yield holes.pop()
+                return
+            if time.time() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"the black hole never appeared on every expert: {err.read_text()[-2000:]}")
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -18,8 +18,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +31,7 @@ from holders.ffn import expert_forward
 from holders.gating import route
 from prepare.checkpoint import Checkpoint
 from prepare.layouts import load_expert, load_gate, spec_from_config
-from tests.cluster_util import ROOT, env_for, rpc, running_cluster
+from tests.cluster_util import blackhole_agent, env_for, rpc, running_cluster
 from tests.conftest import QWEN, REDIS_URL, needs_services
 
 pytestmark = pytest.mark.cluster
@@ -198,24 +196,7 @@ def test_chaos_black_hole_and_disconnect(tmp_path):
             assert np.array_equal(outputs(forward(info, x), d), base)
 
         # 1. A black hole joins: every expert Warm at committed_tps 1e6, never answers.
-        bh = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), "holder_agent", "--site", info["url"],
-                               "--key", str(tmp_path / "blackhole.key"), "--blob-dir", str(tmp_path / "bh-blobs"),
-                               "--name", "blackhole", "--heartbeat-interval", "5", "--fault", "blackhole"],
-                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                              stderr=open(tmp_path / "blackhole.stderr", "wb"))
-        try:
-            def bh_everywhere():
-                shard = rpc(info["rpc"], "tenzro_moeShardMap", {"model_id": MODEL})["result"]
-                rows = [h for h in shard["holders"] if h["layer"] == LAYER]
-                bhs = {p for p in shard["providers"] if p not in agents}
-                return bhs and all(any(p["provider"] in bhs and p["committed_tps"] == 1_000_000
-                                       for p in h["holders"]) for h in rows), bhs
-
-            deadline = time.time() + 60
-            while not bh_everywhere()[0]:
-                assert time.time() < deadline and bh.poll() is None, (tmp_path / "blackhole.stderr").read_text()
-                time.sleep(0.5)
-            bad = bh_everywhere()[1].pop()
+        with blackhole_agent(info, tmp_path, env, MODEL, LAYER) as bad:
             first = forward(info, x)
             assert np.array_equal(outputs(first, d), base)
             assert all(f["provider"] == bad and "deadline" in f["error"] for f in first["result"]["failures"])
@@ -223,13 +204,6 @@ def test_chaos_black_hole_and_disconnect(tmp_path):
                 resp = forward(info, x)
                 assert np.array_equal(outputs(resp, d), base)
                 assert not resp["result"]["failures"] and bad not in resp["result"]["holders"], resp["result"]
-        finally:
-            bh.send_signal(signal.SIGINT)
-            try:
-                bh.wait(20)
-            except subprocess.TimeoutExpired:
-                bh.kill()
-                bh.wait()
         time.sleep(1.0)
 
         # 2. A holder killed just before a forward: the router's cached view (1 s) still lists it,
