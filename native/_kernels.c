@@ -9,7 +9,8 @@
  * them; every float operation after them is the same IEEE operation in the same order on every path
  * (built with -ffp-contract=off: no FMA contraction), so the portable, AVX2 and AVX-512-VNNI paths are
  * bit-identical. The AVX2 path uses maddubs/madd (ggml's trick for signed x signed: |w| times
- * sign(x, w)); the VNNI path uses vpdpbusd (Q8_0) and vpdpwssd (K-quants).
+ * sign(x, w)); the VNNI path uses 512-bit vpdpbusd on (w ^ 0x80) x x minus 128 * sum(x) (Q8_0) and
+ * vpdpwssd (K-quants).
  *
  * Q8_0 float order: block b's term (float)sumi_b * (d_w,b * d_x,b) is added to lane b % 8 of eight
  * accumulators; the lanes are summed as ((a0+a1)+(a2+a3))+((a4+a5)+(a6+a7)).
@@ -29,7 +30,7 @@
 #define TK_X86 1
 #include <immintrin.h>
 #define TARGET_AVX2 __attribute__((target("avx2")))
-#define TARGET_VNNI __attribute__((target("avx2,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define TARGET_VNNI __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 #else
 #define TK_X86 0
 #endif
@@ -149,14 +150,15 @@ static inline void q8_0_block_scalar(const uint8_t *wb, const int8_t *qx, const 
 
 /* ---------------------------------------------------------------- portable path */
 
-static float dot_q8_0_portable(const uint8_t *w, const int8_t *qx, const float *dx, const int16_t *bs, int cols) {
-    (void)bs;
+static float dot_q8_0_portable(const uint8_t *w, const int8_t *qx, const float *dx, const void *aux, int cols) {
+    (void)aux;
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int b = 0; b < cols / 32; b++) q8_0_block_scalar(w + 34 * b, qx + 32 * b, dx, b, acc);
     return reduce8(acc);
 }
 
-static float dot_q4_k_portable(const uint8_t *w, const int8_t *qx, const float *dx, const int16_t *bs, int cols) {
+static float dot_q4_k_portable(const uint8_t *w, const int8_t *qx, const float *dx, const void *aux, int cols) {
+    const int16_t *bs = (const int16_t *)aux;
     float acc = 0.f;
     for (int b = 0; b < cols / 256; b++) {
         const uint8_t *blk = w + 144 * b, *qs = blk + 16;
@@ -179,8 +181,8 @@ static float dot_q4_k_portable(const uint8_t *w, const int8_t *qx, const float *
     return acc;
 }
 
-static float dot_q6_k_portable(const uint8_t *w, const int8_t *qx, const float *dx, const int16_t *bs, int cols) {
-    (void)bs;
+static float dot_q6_k_portable(const uint8_t *w, const int8_t *qx, const float *dx, const void *aux, int cols) {
+    (void)aux;
     float acc = 0.f;
     for (int b = 0; b < cols / 256; b++) {
         const uint8_t *blk = w + 210 * b;
@@ -202,6 +204,21 @@ static float dot_q6_k_portable(const uint8_t *w, const int8_t *qx, const float *
         acc = acc + (f16(blk + 208) * dx[b]) * (float)sumi;
     }
     return acc;
+}
+
+static const int SIGMA[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+
+/* dx and 128 * (sum of the block's quants) of one Q8_0 activation row in the VNNI kernel's order:
+ * whole groups of eight blocks permuted by SIGMA, the remaining blocks as they are. */
+static void q8_0_vnni_prepare(const int8_t *qx, const float *dx, int cols, float *dxp, int32_t *bias) {
+    int nb = cols / 32;
+    for (int b = 0; b < nb; b++) {
+        int src = b < (nb & ~7) ? (b & ~7) + SIGMA[b & 7] : b;
+        int32_t s = 0;
+        for (int j = 0; j < 32; j++) s += qx[32 * src + j];
+        dxp[b] = dx[src];
+        bias[b] = 128 * s;
+    }
 }
 
 /* ---------------------------------------------------------------- x86 SIMD paths */
@@ -255,18 +272,69 @@ TARGET_AVX2 static inline __m256i blocksum_avx2(__m256i wq, __m256i xq) {
     return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
 
-TARGET_VNNI static inline __m256i blocksum_vnni(__m256i wq, __m256i xq) {
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
-}
-
-TARGET_AVX2 static float dot_q8_0_avx2(const uint8_t *w, const int8_t *qx, const float *dx, const int16_t *bs, int cols) {
-    (void)bs;
+TARGET_AVX2 static float dot_q8_0_avx2(const uint8_t *w, const int8_t *qx, const float *dx, const void *aux, int cols) {
+    (void)aux;
     DOT_Q8_0_BODY(blocksum_avx2)
 }
 
-TARGET_VNNI static float dot_q8_0_vnni(const uint8_t *w, const int8_t *qx, const float *dx, const int16_t *bs, int cols) {
-    (void)bs;
-    DOT_Q8_0_BODY(blocksum_vnni)
+/* VNNI Q8_0, two blocks per 512-bit register. vpdpbusd wants one unsigned operand: w ^ 0x80 is
+ * w + 128 as u8, so the block sum is dpbusd(w ^ 0x80, x) - 128 * sum(x_b); the 128 * sum(x_b) come
+ * precomputed per activation row (q8_0_vnni_prepare, the aux array). The eight int32 partials of
+ * each block are summed by a transpose-add (unpack 32, unpack 64, 128-bit lane shuffle), which
+ * leaves the blocks of every group of eight in the order SIGMA = 0,2,4,6,1,3,5,7; the scales
+ * (gathered at that order), dx and the aux sums (prepared in that order) follow it, and so do the
+ * eight accumulator lanes until the end. Every block's term and every accumulator add is the
+ * scalar path's, so the result is bit-identical to it. */
+/* Four 512-bit registers of per-dword partials (two blocks each, 2k and 2k+1) -> one register whose
+ * 128-bit lanes hold the partial sums of blocks [0,2,4,6], [0,2,4,6], [1,3,5,7], [1,3,5,7]. */
+TARGET_VNNI static inline __m512i q8_0_fold4(const __m512i p[4]) {
+    __m512i q0 = _mm512_add_epi32(_mm512_unpacklo_epi32(p[0], p[1]), _mm512_unpackhi_epi32(p[0], p[1]));
+    __m512i q1 = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2], p[3]), _mm512_unpackhi_epi32(p[2], p[3]));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(q0, q1), _mm512_unpackhi_epi64(q0, q1));
+}
+
+TARGET_VNNI static inline __m512i q8_0_pair_vnni(const uint8_t *wb, const int8_t *xq) {
+    __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(wb + 2))),
+                                    _mm256_loadu_si256((const __m256i *)(wb + 36)), 1);
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(wq, _mm512_set1_epi8((char)0x80)),
+                               _mm512_loadu_si512((const void *)xq));
+}
+
+TARGET_VNNI static float dot_q8_0_vnni(const uint8_t *w, const int8_t *qx, const float *dxp, const void *aux, int cols) {
+    const int32_t *bias = (const int32_t *)aux;
+    const int nb = cols / 32;
+    const __m512i gidx16 = _mm512_setr_epi32(0, 68, 136, 204, 34, 102, 170, 238,
+                                             272, 340, 408, 476, 306, 374, 442, 510); /* 34 * SIGMA, +8 */
+    const __m256i gidx8 = _mm512_castsi512_si256(gidx16);
+    __m256 acc = _mm256_setzero_ps();
+    int b = 0;
+    for (; b + 16 <= nb; b += 16) {
+        __m512i p[8];
+        for (int k = 0; k < 8; k++) p[k] = q8_0_pair_vnni(w + 34 * (b + 2 * k), qx + 32 * (b + 2 * k));
+        __m512i r0 = q8_0_fold4(p), r1 = q8_0_fold4(p + 4);
+        __m512i s = _mm512_add_epi32(_mm512_shuffle_i32x4(r0, r1, 0x88), _mm512_shuffle_i32x4(r0, r1, 0xDD));
+        s = _mm512_sub_epi32(s, _mm512_loadu_si512((const void *)(bias + b)));
+        __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(gidx16, (const void *)(w + 34 * b), 1)));
+        __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_loadu_ps(dxp + b)));
+        acc = _mm256_add_ps(acc, _mm512_castps512_ps256(t));
+        acc = _mm256_add_ps(acc, _mm512_extractf32x8_ps(t, 1));
+    }
+    if (b + 8 <= nb) {
+        __m512i p[4];
+        for (int k = 0; k < 4; k++) p[k] = q8_0_pair_vnni(w + 34 * (b + 2 * k), qx + 32 * (b + 2 * k));
+        __m512i r = q8_0_fold4(p);
+        r = _mm512_add_epi32(r, _mm512_shuffle_i32x4(r, r, 0xB1));
+        __m256i s = _mm512_castsi512_si256(_mm512_shuffle_i32x4(r, r, 0x08));
+        s = _mm256_sub_epi32(s, _mm256_loadu_si256((const __m256i *)(bias + b)));
+        __m256 dw = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_i32gather_epi32((const int *)(w + 34 * b), gidx8, 1)));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_loadu_ps(dxp + b))));
+        b += 8;
+    }
+    float perm[8], a8[8];
+    _mm256_storeu_ps(perm, acc);
+    for (int i = 0; i < 8; i++) a8[SIGMA[i]] = perm[i];
+    for (; b < nb; b++) q8_0_block_scalar(w + 34 * b, qx + 32 * b, dxp, b, a8); /* dxp is dx past the groups */
+    return reduce8(a8);
 }
 
 /* Scale-weighted sum of maddubs pairs: MADD_SCALED(acc, p16, scale16). */
@@ -302,7 +370,8 @@ TARGET_VNNI static float dot_q8_0_vnni(const uint8_t *w, const int8_t *qx, const
     }                                                                                     \
     return acc;
 
-TARGET_AVX2 static float dot_q4_k_avx2(const uint8_t *w, const int8_t *qx, const float *dx, const int16_t *bs, int cols) {
+TARGET_AVX2 static float dot_q4_k_avx2(const uint8_t *w, const int8_t *qx, const float *dx, const void *aux, int cols) {
+    const int16_t *bs = (const int16_t *)aux;
     DOT_Q4_K_BODY(MADD_SCALED_AVX2)
 }
 
@@ -321,7 +390,8 @@ static inline void q4k_unpack_scales(const uint8_t *sc12, uint32_t u[4]) {
  * split into low and high nibbles); the activations arrive in the matching order (qx permuted
  * once per row by q4k_vnni_order: 32-value groups 0,2,1,3 of every 128), the per-group scales spread over int16 lanes with a byte shuffle, and the mins term
  * comes from the Q8_K pair sums with one madd. Integer sums identical to the scalar path. */
-TARGET_VNNI static float dot_q4_k_vnni(const uint8_t *w, const int8_t *qx, const float *dx, const int16_t *bs, int cols) {
+TARGET_VNNI static float dot_q4_k_vnni(const uint8_t *w, const int8_t *qx, const float *dx, const void *aux, int cols) {
+    const int16_t *bs = (const int16_t *)aux;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512i idx[4]; /* [2*pp + nibble]: int16 lane L <- scale byte 4*pp + nibble + 2*(L/16), high byte 0 */
     for (int k = 0; k < 4; k++) {
@@ -398,12 +468,14 @@ TARGET_VNNI static float dot_q4_k_vnni(const uint8_t *w, const int8_t *qx, const
     }                                                                                     \
     return acc;
 
-TARGET_AVX2 static float dot_q6_k_avx2(const uint8_t *w, const int8_t *qx, const float *dx, const int16_t *bs, int cols) {
+TARGET_AVX2 static float dot_q6_k_avx2(const uint8_t *w, const int8_t *qx, const float *dx, const void *aux, int cols) {
+    const int16_t *bs = (const int16_t *)aux;
     DOT_Q6_K_BODY(MADD_SCALED_AVX2)
 }
 
 /* VNNI, 512-bit: quants of 64 consecutive values per register, per-16 scales by an int16 permute. */
-TARGET_VNNI static float dot_q6_k_vnni(const uint8_t *w, const int8_t *qx, const float *dx, const int16_t *bs, int cols) {
+TARGET_VNNI static float dot_q6_k_vnni(const uint8_t *w, const int8_t *qx, const float *dx, const void *aux, int cols) {
+    const int16_t *bs = (const int16_t *)aux;
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     const __m512i shl = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), shr = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
     __m512i idx[4];
@@ -444,7 +516,7 @@ TARGET_VNNI static float dot_q6_k_vnni(const uint8_t *w, const int8_t *qx, const
 
 /* ---------------------------------------------------------------- dispatch */
 
-typedef float (*dot_fn)(const uint8_t *, const int8_t *, const float *, const int16_t *, int);
+typedef float (*dot_fn)(const uint8_t *, const int8_t *, const float *, const void *, int);
 
 static int isa_supported(int isa) {
     if (isa == ISA_PORTABLE) return 1;
@@ -454,6 +526,7 @@ static int isa_supported(int isa) {
     if (isa == ISA_AVX512VNNI)
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avx512f") &&
                __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+               __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("f16c") &&
                __builtin_cpu_supports("avx512vnni");
 #endif
     return 0;
@@ -499,12 +572,20 @@ static int matmul(int qt, int isa, const uint8_t *W, int rows, int cols, const f
     size_t rb = (size_t)nb * QBYTES[qt];
     int8_t *qx = malloc((size_t)n * cols);
     float *dx = malloc(sizeof(float) * (size_t)n * (cols / 32));
+    /* per row: Q8_K group sums (int16, cols / 16) or the VNNI Q8_0 block sums (int32, cols / 32) */
     int16_t *bs = malloc(sizeof(int16_t) * ((size_t)n * (cols / 16) + 1));
-    if (!qx || !dx || !bs) { free(qx); free(dx); free(bs); return -1; }
+    float *dxq = malloc(sizeof(float) * ((size_t)nb + 1));
+    if (!qx || !dx || !bs || !dxq) { free(qx); free(dx); free(bs); free(dxq); return -1; }
     for (int i = 0; i < n; i++) {
-        if (qt == 0) quantize_q8_0(x + (size_t)i * cols, cols, qx + (size_t)i * cols, dx + (size_t)i * nb);
-        else quantize_q8_k(x + (size_t)i * cols, cols, qx + (size_t)i * cols, dx + (size_t)i * nb, bs + (size_t)i * nb * 16);
-        if (qt == 1 && isa == ISA_AVX512VNNI) q4k_vnni_order(qx + (size_t)i * cols, cols);
+        int8_t *qi = qx + (size_t)i * cols;
+        float *di = dx + (size_t)i * nb;
+        if (qt == 0) quantize_q8_0(x + (size_t)i * cols, cols, qi, di);
+        else quantize_q8_k(x + (size_t)i * cols, cols, qi, di, bs + (size_t)i * (cols / 16));
+        if (qt == 1 && isa == ISA_AVX512VNNI) q4k_vnni_order(qi, cols);
+        if (qt == 0 && isa == ISA_AVX512VNNI) {
+            q8_0_vnni_prepare(qi, di, cols, dxq, (int32_t *)(bs + (size_t)i * (cols / 16)));
+            memcpy(di, dxq, sizeof(float) * nb);
+        }
     }
     dot_fn dot = pick(qt, isa);
     int ntasks = (rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
@@ -516,9 +597,9 @@ static int matmul(int qt, int isa, const uint8_t *W, int rows, int cols, const f
         for (int r = t * ROWS_PER_TASK; r < r1; r++)
             for (int i = 0; i < n; i++)
                 y[(size_t)i * rows + r] = dot(W + (size_t)r * rb, qx + (size_t)i * cols, dx + (size_t)i * nb,
-                                              bs + (size_t)i * nb * 16, cols);
+                                              bs + (size_t)i * (cols / 16), cols);
     }
-    free(qx); free(dx); free(bs);
+    free(qx); free(dx); free(bs); free(dxq);
     return 0;
 }
 

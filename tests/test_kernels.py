@@ -149,7 +149,7 @@ def _random_blocks(q, rows, cols, rng):
     return QuantizedMatrix(q, (rows, cols), b)
 
 
-@pytest.mark.parametrize("q,cols", [("q8_0", 32 * 13), ("q4_k", 768), ("q6_k", 512)])
+@pytest.mark.parametrize("q,cols", [("q8_0", 32 * 13), ("q8_0", 32 * 61), ("q4_k", 768), ("q6_k", 512)])
 def test_random_blocks_bit_identical_across_paths_threads_and_batches(q, cols):
     rng = np.random.default_rng(5)
     m = _random_blocks(q, 37, cols, rng)
