@@ -430,6 +430,76 @@ TARGET_VNNI static float dot_q4_k_vnni(const uint8_t *w, const int8_t *qx, const
     return acc;
 }
 
+/* Four rows' 512-bit int32 partials -> their four sums, row order (transpose-add, exact). */
+TARGET_VNNI static inline __m128i hsum4_rows(__m512i a, __m512i b, __m512i c, __m512i d) {
+    __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+    __m512i t = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+    __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(t), _mm512_extracti64x4_epi64(t, 1));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+/* dot_q4_k_vnni on four consecutive rows (row stride rb bytes) at once: the activation loads, the
+ * Q4_K scale unpacking (one 128-bit lane per row) and the block sums' reduction are shared, and
+ * each row's float accumulator is one lane of a vector. Per row, the same integer sums and the same
+ * float operations in the same order as the one-row kernels. */
+TARGET_VNNI static void dot4_q4_k_vnni(const uint8_t *w, size_t rb, const int8_t *qx, const float *dx,
+                                       const void *aux, int cols, float *out) {
+    const int16_t *bs = (const int16_t *)aux;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512i idx[4]; /* as dot_q4_k_vnni */
+    for (int k = 0; k < 4; k++) {
+        int8_t t[64];
+        for (int l = 0; l < 64; l++) t[l] = (l & 1) ? (int8_t)0x80 : (int8_t)(4 * (k >> 1) + (k & 1) + 2 * (l / 32));
+        idx[k] = _mm512_loadu_si512((const void *)t);
+    }
+    /* q4k_unpack_scales on the dwords [d|dmin, s0, s1, s2] of every lane: u = (A >> sh & mask) | ((B >> 6 & m2) << 4)
+     * with A = [s0, s2, s1, s2], B = [., s0, ., s1] */
+    const __m512i sh = _mm512_set4_epi32(4, 0, 0, 0), mask = _mm512_set4_epi32(0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f);
+    const __m512i m2 = _mm512_set4_epi32(0x03030303, 0, 0x03030303, 0), dsel = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m256i deint = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    __m128 acc = _mm_setzero_ps();
+    for (int b = 0; b < cols / 256; b++) {
+        const uint8_t *b0 = w + 144 * b;
+        const int8_t *q8 = qx + 256 * b;
+        __m512i hd = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)b0));
+        hd = _mm512_inserti32x4(hd, _mm_loadu_si128((const __m128i *)(b0 + rb)), 1);
+        hd = _mm512_inserti32x4(hd, _mm_loadu_si128((const __m128i *)(b0 + 2 * rb)), 2);
+        hd = _mm512_inserti32x4(hd, _mm_loadu_si128((const __m128i *)(b0 + 3 * rb)), 3);
+        __m512i A = _mm512_shuffle_epi32(hd, (_MM_PERM_ENUM)0xED), B = _mm512_shuffle_epi32(hd, (_MM_PERM_ENUM)0xA5);
+        __m512i u = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi32(A, sh), mask),
+                                    _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(B, 6), m2), 4));
+        __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(bs + 16 * b)),
+                                       _mm_loadu_si128((const __m128i *)(bs + 16 * b + 8)));
+        __m512i mp = _mm512_madd_epi16(_mm512_unpackhi_epi8(u, _mm512_setzero_si512()), _mm512_broadcast_i32x4(pairs));
+        mp = _mm512_add_epi32(mp, _mm512_shuffle_epi32(mp, (_MM_PERM_ENUM)0x4E));
+        mp = _mm512_add_epi32(mp, _mm512_shuffle_epi32(mp, (_MM_PERM_ENUM)0xB1));
+        __m128i mins = _mm512_castsi512_si128(_mm512_permutexvar_epi32(dsel, mp));
+        __m512i x[4];
+        for (int k = 0; k < 4; k++) x[k] = _mm512_loadu_si512((const void *)(q8 + 64 * k));
+        __m512i vacc[4];
+        const __m512i sc[4] = {_mm512_shuffle_i32x4(u, u, 0x00), _mm512_shuffle_i32x4(u, u, 0x55),
+                               _mm512_shuffle_i32x4(u, u, 0xAA), _mm512_shuffle_i32x4(u, u, 0xFF)};
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *qs = b0 + r * rb + 16;
+            vacc[r] = _mm512_setzero_si512();
+            for (int pp = 0; pp < 2; pp++) {
+                __m512i q = _mm512_loadu_si512((const void *)(qs + 64 * pp));
+                __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+                vacc[r] = _mm512_dpwssd_epi32(vacc[r], _mm512_maddubs_epi16(lo, x[2 * pp]), _mm512_shuffle_epi8(sc[r], idx[2 * pp]));
+                vacc[r] = _mm512_dpwssd_epi32(vacc[r], _mm512_maddubs_epi16(hi, x[2 * pp + 1]),
+                                              _mm512_shuffle_epi8(sc[r], idx[2 * pp + 1]));
+            }
+        }
+        __m128i sumi = hsum4_rows(vacc[0], vacc[1], vacc[2], vacc[3]);
+        __m256 dm = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi32(dsel, hd))), deint);
+        __m128 dxv = _mm_set1_ps(dx[b]);
+        acc = _mm_add_ps(acc, _mm_mul_ps(_mm_mul_ps(_mm256_castps256_ps128(dm), dxv), _mm_cvtepi32_ps(sumi)));
+        acc = _mm_sub_ps(acc, _mm_mul_ps(_mm_mul_ps(_mm256_extractf128_ps(dm, 1), dxv), _mm_cvtepi32_ps(mins)));
+    }
+    _mm_storeu_ps(out, acc);
+}
+
 /* Q6_K: quants taken unsigned (0..63) for maddubs; the -32 offset comes back through the Q8_K
  * group sums: sum sc*(q-32)*x = sum sc*q*x - 32 * sum_g sc_g*bsums_g. */
 #define DOT_Q6_K_BODY(MADD_SCALED)                                                         \
@@ -543,6 +613,18 @@ static dot_fn pick(int qtype, int isa) {
     return portable[qtype];
 }
 
+/* Four rows at once (row stride in bytes; out[0..3]), where a path has it; NULL otherwise. */
+typedef void (*dot4_fn)(const uint8_t *, size_t, const int8_t *, const float *, const void *, int, float *);
+
+static dot4_fn pick4(int qtype, int isa) {
+#if TK_X86
+    static const dot4_fn vnni[3] = {NULL, dot4_q4_k_vnni, NULL};
+    if (isa == ISA_AVX512VNNI) return vnni[qtype];
+#endif
+    (void)qtype; (void)isa;
+    return NULL;
+}
+
 static const int QK[3] = {32, 256, 256}, QBYTES[3] = {34, 144, 210};
 
 static int qtype_index(const char *q) {
@@ -588,16 +670,28 @@ static int matmul(int qt, int isa, const uint8_t *W, int rows, int cols, const f
         }
     }
     dot_fn dot = pick(qt, isa);
+    dot4_fn dot4 = pick4(qt, isa);
     int ntasks = (rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > ntasks) nthreads = ntasks;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int t = 0; t < ntasks; t++) {
         int r1 = (t + 1) * ROWS_PER_TASK < rows ? (t + 1) * ROWS_PER_TASK : rows;
-        for (int r = t * ROWS_PER_TASK; r < r1; r++)
-            for (int i = 0; i < n; i++)
-                y[(size_t)i * rows + r] = dot(W + (size_t)r * rb, qx + (size_t)i * cols, dx + (size_t)i * nb,
-                                              bs + (size_t)i * (cols / 16), cols);
+        for (int r = t * ROWS_PER_TASK; r < r1;) {
+            if (dot4 && r + 4 <= r1) {
+                for (int i = 0; i < n; i++) {
+                    float o[4];
+                    dot4(W + (size_t)r * rb, rb, qx + (size_t)i * cols, dx + (size_t)i * nb, bs + (size_t)i * (cols / 16), cols, o);
+                    memcpy(y + (size_t)i * rows + r, o, sizeof o);
+                }
+                r += 4;
+            } else {
+                for (int i = 0; i < n; i++)
+                    y[(size_t)i * rows + r] = dot(W + (size_t)r * rb, qx + (size_t)i * cols, dx + (size_t)i * nb,
+                                                  bs + (size_t)i * (cols / 16), cols);
+                r++;
+            }
+        }
     }
     free(qx); free(dx); free(bs); free(dxq);
     return 0;
