@@ -582,6 +582,55 @@ TARGET_VNNI static float dot_q6_k_vnni(const uint8_t *w, const int8_t *qx, const
     }
     return acc;
 }
+/* dot_q6_k_vnni on four consecutive rows (row stride rb bytes), sharing the activation loads and
+ * the block sums' reduction; each row's float accumulator is one vector lane (bit-identical). */
+TARGET_VNNI static void dot4_q6_k_vnni(const uint8_t *w, size_t rb, const int8_t *qx, const float *dx,
+                                       const void *aux, int cols, float *out) {
+    const int16_t *bs = (const int16_t *)aux;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i shl = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), shr = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
+    __m512i idx[4]; /* as dot_q6_k_vnni */
+    for (int k = 0; k < 4; k++) {
+        int16_t t[32];
+        for (int l = 0; l < 32; l++) t[l] = (int16_t)(4 * (k & 1) + 8 * (k >> 1) + l / 8);
+        idx[k] = _mm512_loadu_si512((const void *)t);
+    }
+    const __m128i rows = _mm_setr_epi32(0, (int)rb, (int)(2 * rb), (int)(3 * rb));
+    __m128 acc = _mm_setzero_ps();
+    for (int b = 0; b < cols / 256; b++) {
+        const uint8_t *b0 = w + 210 * b;
+        const int8_t *q8 = qx + 256 * b;
+        __m512i x[4];
+        for (int k = 0; k < 4; k++) x[k] = _mm512_loadu_si512((const void *)(q8 + 64 * k));
+        __m256i bsv = _mm256_loadu_si256((const __m256i *)(bs + 16 * b));
+        __m512i vacc[4];
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *blk = b0 + r * rb;
+            __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+            __m512i scales = _mm512_castsi256_si512(sc16);
+            __m256i off = _mm256_madd_epi16(sc16, bsv);
+            vacc[r] = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5)));
+            for (int h = 0; h < 2; h++) {
+                __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * h));
+                __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                __m512i hh = _mm512_inserti64x4(_mm512_castsi256_si512(hb), hb, 1);
+                __m512i q01 = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi64(hh, shl), m30));
+                __m512i q23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi64(l, 4), m4),
+                                              _mm512_and_si512(_mm512_srlv_epi64(hh, shr), m30));
+                vacc[r] = _mm512_dpwssd_epi32(vacc[r], _mm512_maddubs_epi16(q01, x[2 * h]),
+                                              _mm512_permutexvar_epi16(idx[2 * h], scales));
+                vacc[r] = _mm512_dpwssd_epi32(vacc[r], _mm512_maddubs_epi16(q23, x[2 * h + 1]),
+                                              _mm512_permutexvar_epi16(idx[2 * h + 1], scales));
+            }
+        }
+        __m128i sumi = hsum4_rows(vacc[0], vacc[1], vacc[2], vacc[3]);
+        /* d of every row: the dword at 206 (two scale bytes, then d) stays inside the block */
+        __m128i dh = _mm_srli_epi32(_mm_i32gather_epi32((const int *)(b0 + 206), rows, 1), 16);
+        __m128 d = _mm_cvtph_ps(_mm_cvtepi32_epi16(dh));
+        acc = _mm_add_ps(acc, _mm_mul_ps(_mm_mul_ps(d, _mm_set1_ps(dx[b])), _mm_cvtepi32_ps(sumi)));
+    }
+    _mm_storeu_ps(out, acc);
+}
 #endif /* TK_X86 */
 
 /* ---------------------------------------------------------------- dispatch */
@@ -618,7 +667,7 @@ typedef void (*dot4_fn)(const uint8_t *, size_t, const int8_t *, const float *, 
 
 static dot4_fn pick4(int qtype, int isa) {
 #if TK_X86
-    static const dot4_fn vnni[3] = {NULL, dot4_q4_k_vnni, NULL};
+    static const dot4_fn vnni[3] = {NULL, dot4_q4_k_vnni, dot4_q6_k_vnni};
     if (isa == ISA_AVX512VNNI) return vnni[qtype];
 #endif
     (void)qtype; (void)isa;
