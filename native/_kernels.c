@@ -285,6 +285,67 @@ TARGET_AVX2 static float dot_q8_0_avx2(const uint8_t *w, const int8_t *qx, const
  * (gathered at that order), dx and the aux sums (prepared in that order) follow it, and so do the
  * eight accumulator lanes until the end. Every block's term and every accumulator add is the
  * scalar path's, so the result is bit-identical to it. */
+/* quantize_q8_0 and quantize_q8_k in 512-bit registers for the VNNI path: the same float operations
+ * per value (x * id, roundf as trunc + (|frac| >= 0.5 ? sign : 0), both exact; iscale * x + 2^23 * 1.5),
+ * the same scalar scale arithmetic, max by exact max, so the same bytes and scales. A block with a
+ * non-finite value gets a NaN scale (its quants do not matter then: every term it meets is NaN). */
+TARGET_VNNI static void quantize_q8_0_avx512(const float *x, int cols, int8_t *q, float *d) {
+    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+    for (int b = 0; b < cols / 32; b++) {
+        __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
+        int bad = _mm512_fpclass_ps_mask(x0, 0x99) | _mm512_fpclass_ps_mask(x1, 0x99);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        float db = amax / 127.f, id = db != 0.f ? 1.f / db : 0.f;
+        if (bad) { db = NAN; id = 0.f; }
+        d[b] = db;
+        __m512 idv = _mm512_set1_ps(id);
+        for (int h = 0; h < 2; h++) {
+            __m512 v = _mm512_mul_ps(h ? x1 : x0, idv);
+            __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, t)), half, _CMP_GE_OQ);
+            __m512 r = _mm512_mask_add_ps(t, up, t, _mm512_or_ps(one, _mm512_and_ps(v, _mm512_set1_ps(-0.0f))));
+            _mm_storeu_si128((__m128i *)(q + 32 * b + 16 * h), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(r)));
+        }
+    }
+}
+
+TARGET_VNNI static void quantize_q8_k_avx512(const float *x, int cols, int8_t *q, float *d, int16_t *bsums) {
+    for (int b = 0; b < cols / 256; b++) {
+        const float *xb = x + 256 * b;
+        int8_t *qb = q + 256 * b;
+        __m512 m = _mm512_setzero_ps();
+        int bad = 0;
+        for (int k = 0; k < 16; k++) {
+            __m512 v = _mm512_loadu_ps(xb + 16 * k);
+            bad |= _mm512_fpclass_ps_mask(v, 0x99);
+            m = _mm512_max_ps(m, _mm512_abs_ps(v));
+        }
+        float amax = _mm512_reduce_max_ps(m);
+        if (amax == 0.f || bad) {
+            d[b] = bad ? NAN : 0.f;
+            memset(qb, 0, 256);
+            for (int g = 0; g < 16; g++) bsums[16 * b + g] = 0;
+            continue;
+        }
+        float mx = 0.f; /* the first value of largest magnitude, as the scalar scan keeps it */
+        __m512 av = _mm512_set1_ps(amax);
+        for (int k = 0; k < 16; k++) {
+            __mmask16 e = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(xb + 16 * k)), av, _CMP_EQ_OQ);
+            if (e) { mx = xb[16 * k + __builtin_ctz(e)]; break; }
+        }
+        float iscale = -127.f / mx;
+        __m512 isv = _mm512_set1_ps(iscale), magic = _mm512_set1_ps(12582912.f);
+        for (int k = 0; k < 16; k++) {
+            __m512i i = _mm512_castps_si512(_mm512_add_ps(_mm512_mul_ps(isv, _mm512_loadu_ps(xb + 16 * k)), magic));
+            i = _mm512_sub_epi32(_mm512_and_si512(i, _mm512_set1_epi32(0x007fffff)), _mm512_set1_epi32(0x00400000));
+            i = _mm512_min_epi32(i, _mm512_set1_epi32(127));
+            _mm_storeu_si128((__m128i *)(qb + 16 * k), _mm512_cvtepi32_epi8(i));
+            bsums[16 * b + k] = (int16_t)_mm512_reduce_add_epi32(i);
+        }
+        d[b] = 1.f / iscale;
+    }
+}
+
 /* Four 512-bit registers of per-dword partials (two blocks each, 2k and 2k+1) -> one register whose
  * 128-bit lanes hold the partial sums of blocks [0,2,4,6], [0,2,4,6], [1,3,5,7], [1,3,5,7]. */
 TARGET_VNNI static inline __m512i q8_0_fold4(const __m512i p[4]) {
@@ -710,6 +771,12 @@ static int matmul(int qt, int isa, const uint8_t *W, int rows, int cols, const f
     for (int i = 0; i < n; i++) {
         int8_t *qi = qx + (size_t)i * cols;
         float *di = dx + (size_t)i * nb;
+#if TK_X86
+        if (isa == ISA_AVX512VNNI) {
+            if (qt == 0) quantize_q8_0_avx512(x + (size_t)i * cols, cols, qi, di);
+            else quantize_q8_k_avx512(x + (size_t)i * cols, cols, qi, di, bs + (size_t)i * (cols / 16));
+        } else
+#endif
         if (qt == 0) quantize_q8_0(x + (size_t)i * cols, cols, qi, di);
         else quantize_q8_k(x + (size_t)i * cols, cols, qi, di, bs + (size_t)i * (cols / 16));
         if (qt == 1 && isa == ISA_AVX512VNNI) q4k_vnni_order(qi, cols);

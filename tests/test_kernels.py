@@ -163,6 +163,28 @@ def test_random_blocks_bit_identical_across_paths_threads_and_batches(q, cols):
         np.testing.assert_array_equal(one[0].view(np.uint32), ref[3].view(np.uint32))
 
 
+@pytest.mark.parametrize("q", ["q8_0", "q4_k", "q6_k"])
+def test_activation_rounding_ties_and_signed_largest_magnitude(q):
+    """Activation rows whose quantization hits exact halves (Q8_0 rounds them away from zero, Q8_K to
+    even) and whose largest magnitude appears with both signs: every path quantizes them as the
+    model does."""
+    cols = 512
+    halves = (np.arange(cols) % 64 - 32 + 0.5).astype(np.float32)  # k + 0.5, |.| <= 31.5
+    x = np.zeros((4, cols), np.float32)
+    x[0] = halves
+    x[0, ::32] = 127.0  # Q8_0: d = 1 in every block, so x * id are the halves themselves
+    x[1] = halves
+    x[1, 5], x[1, 9] = -127.0, 127.0  # Q8_K: mx = -127 first, iscale = 1
+    x[1, 261], x[1, 300] = 127.0, -127.0  # second block: mx = +127 first, iscale = -1
+    x[2] = -x[1]
+    x[3] = halves * np.float32(1e-3)
+    m = _random_blocks(q, 9, cols, np.random.default_rng(2))
+    ref = model_matmul(x, m)
+    for isa in kernels.supported_isas():
+        y = kernels.matmul_xt(x, m, threads=1, isa=isa)
+        np.testing.assert_array_equal(y.view(np.uint32), ref.view(np.uint32), err_msg=isa)
+
+
 @pytest.mark.parametrize("isa", ["portable", "avx2", "avx512vnni"])
 def test_forced_path_via_environment(isa):
     code = ("import numpy as np; from holders import kernels; from holders.quant import QuantizedMatrix;"
