@@ -354,11 +354,10 @@ TARGET_VNNI static inline __m512i q8_0_fold4(const __m512i p[4]) {
     return _mm512_add_epi32(_mm512_unpacklo_epi64(q0, q1), _mm512_unpackhi_epi64(q0, q1));
 }
 
-TARGET_VNNI static inline __m512i q8_0_pair_vnni(const uint8_t *wb, const int8_t *xq) {
+TARGET_VNNI static inline __m512i q8_0_pair_vnni(const uint8_t *wb, __m512i xq) {
     __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(wb + 2))),
                                     _mm256_loadu_si256((const __m256i *)(wb + 36)), 1);
-    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(wq, _mm512_set1_epi8((char)0x80)),
-                               _mm512_loadu_si512((const void *)xq));
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(wq, _mm512_set1_epi8((char)0x80)), xq);
 }
 
 TARGET_VNNI static float dot_q8_0_vnni(const uint8_t *w, const int8_t *qx, const float *dxp, const void *aux, int cols) {
@@ -371,7 +370,7 @@ TARGET_VNNI static float dot_q8_0_vnni(const uint8_t *w, const int8_t *qx, const
     int b = 0;
     for (; b + 16 <= nb; b += 16) {
         __m512i p[8];
-        for (int k = 0; k < 8; k++) p[k] = q8_0_pair_vnni(w + 34 * (b + 2 * k), qx + 32 * (b + 2 * k));
+        for (int k = 0; k < 8; k++) p[k] = q8_0_pair_vnni(w + 34 * (b + 2 * k), _mm512_loadu_si512((const void *)(qx + 32 * (b + 2 * k))));
         __m512i r0 = q8_0_fold4(p), r1 = q8_0_fold4(p + 4);
         __m512i s = _mm512_add_epi32(_mm512_shuffle_i32x4(r0, r1, 0x88), _mm512_shuffle_i32x4(r0, r1, 0xDD));
         s = _mm512_sub_epi32(s, _mm512_loadu_si512((const void *)(bias + b)));
@@ -382,7 +381,7 @@ TARGET_VNNI static float dot_q8_0_vnni(const uint8_t *w, const int8_t *qx, const
     }
     if (b + 8 <= nb) {
         __m512i p[4];
-        for (int k = 0; k < 4; k++) p[k] = q8_0_pair_vnni(w + 34 * (b + 2 * k), qx + 32 * (b + 2 * k));
+        for (int k = 0; k < 4; k++) p[k] = q8_0_pair_vnni(w + 34 * (b + 2 * k), _mm512_loadu_si512((const void *)(qx + 32 * (b + 2 * k))));
         __m512i r = q8_0_fold4(p);
         r = _mm512_add_epi32(r, _mm512_shuffle_i32x4(r, r, 0xB1));
         __m256i s = _mm512_castsi512_si256(_mm512_shuffle_i32x4(r, r, 0x08));
@@ -396,6 +395,62 @@ TARGET_VNNI static float dot_q8_0_vnni(const uint8_t *w, const int8_t *qx, const
     for (int i = 0; i < 8; i++) a8[SIGMA[i]] = perm[i];
     for (; b < nb; b++) q8_0_block_scalar(w + 34 * b, qx + 32 * b, dxp, b, a8); /* dxp is dx past the groups */
     return reduce8(a8);
+}
+
+/* dot_q8_0_vnni on four consecutive rows (row stride rb bytes): the activation loads are shared and
+ * the four rows stream side by side (four prefetch streams instead of one); per row the same terms
+ * in the same order (bit-identical). */
+TARGET_VNNI static void dot4_q8_0_vnni(const uint8_t *w, size_t rb, const int8_t *qx, const float *dxp,
+                                       const void *aux, int cols, float *out) {
+    const int32_t *bias = (const int32_t *)aux;
+    const int nb = cols / 32;
+    const __m512i gidx16 = _mm512_setr_epi32(0, 68, 136, 204, 34, 102, 170, 238,
+                                             272, 340, 408, 476, 306, 374, 442, 510);
+    const __m256i gidx8 = _mm512_castsi512_si256(gidx16);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int b = 0;
+    for (; b + 16 <= nb; b += 16) {
+        __m512i x[8];
+        for (int k = 0; k < 8; k++) x[k] = _mm512_loadu_si512((const void *)(qx + 32 * (b + 2 * k)));
+        const __m512i bv = _mm512_loadu_si512((const void *)(bias + b));
+        const __m512 dxv = _mm512_loadu_ps(dxp + b);
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *wr = w + r * rb + 34 * b;
+            __m512i p[8];
+            for (int k = 0; k < 8; k++) p[k] = q8_0_pair_vnni(wr + 68 * k, x[k]);
+            __m512i r0 = q8_0_fold4(p), r1 = q8_0_fold4(p + 4);
+            __m512i sv = _mm512_add_epi32(_mm512_shuffle_i32x4(r0, r1, 0x88), _mm512_shuffle_i32x4(r0, r1, 0xDD));
+            sv = _mm512_sub_epi32(sv, bv);
+            __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(gidx16, (const void *)wr, 1)));
+            __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(sv), _mm512_mul_ps(dw, dxv));
+            acc[r] = _mm256_add_ps(acc[r], _mm512_castps512_ps256(t));
+            acc[r] = _mm256_add_ps(acc[r], _mm512_extractf32x8_ps(t, 1));
+        }
+    }
+    if (b + 8 <= nb) {
+        __m512i x[4];
+        for (int k = 0; k < 4; k++) x[k] = _mm512_loadu_si512((const void *)(qx + 32 * (b + 2 * k)));
+        const __m256i bv = _mm256_loadu_si256((const __m256i *)(bias + b));
+        const __m256 dxv = _mm256_loadu_ps(dxp + b);
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *wr = w + r * rb + 34 * b;
+            __m512i p[4];
+            for (int k = 0; k < 4; k++) p[k] = q8_0_pair_vnni(wr + 68 * k, x[k]);
+            __m512i f = q8_0_fold4(p);
+            f = _mm512_add_epi32(f, _mm512_shuffle_i32x4(f, f, 0xB1));
+            __m256i sv = _mm256_sub_epi32(_mm512_castsi512_si256(_mm512_shuffle_i32x4(f, f, 0x08)), bv);
+            __m256 dw = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_i32gather_epi32((const int *)wr, gidx8, 1)));
+            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(sv), _mm256_mul_ps(dw, dxv)));
+        }
+        b += 8;
+    }
+    for (int r = 0; r < 4; r++) {
+        float perm[8], a8[8];
+        _mm256_storeu_ps(perm, acc[r]);
+        for (int i = 0; i < 8; i++) a8[SIGMA[i]] = perm[i];
+        for (int bb = b; bb < nb; bb++) q8_0_block_scalar(w + r * rb + 34 * bb, qx + 32 * bb, dxp, bb, a8);
+        out[r] = reduce8(a8);
+    }
 }
 
 /* Scale-weighted sum of maddubs pairs: MADD_SCALED(acc, p16, scale16). */
@@ -728,7 +783,7 @@ typedef void (*dot4_fn)(const uint8_t *, size_t, const int8_t *, const float *, 
 
 static dot4_fn pick4(int qtype, int isa) {
 #if TK_X86
-    static const dot4_fn vnni[3] = {NULL, dot4_q4_k_vnni, dot4_q6_k_vnni};
+    static const dot4_fn vnni[3] = {dot4_q8_0_vnni, dot4_q4_k_vnni, dot4_q6_k_vnni};
     if (isa == ISA_AVX512VNNI) return vnni[qtype];
 #endif
     (void)qtype; (void)isa;
