@@ -242,39 +242,50 @@ static void q8_0_vnni_prepare(const int8_t *qx, const float *dx, int cols, float
         out = _mm_cvtsi128_si32(s_);                                                      \
     } while (0)
 
-/* Body of the Q8_0 row dot: BLOCKSUM(wq, xq) gives the 8 int32 partial sums of one block. */
-#define DOT_Q8_0_BODY(BLOCKSUM)                                                            \
-    int nb = cols / 32, b = 0;                                                            \
-    __m256 acc = _mm256_setzero_ps();                                                     \
-    for (; b + 8 <= nb; b += 8) {                                                         \
-        __m256i p[8];                                                                     \
-        for (int k = 0; k < 8; k++) {                                                     \
-            const uint8_t *wb = w + 34 * (b + k);                                         \
-            __m256i wq = _mm256_loadu_si256((const __m256i *)(wb + 2));                   \
-            __m256i xq = _mm256_loadu_si256((const __m256i *)(qx + 32 * (b + k)));        \
-            p[k] = BLOCKSUM(wq, xq);                                                      \
-        }                                                                                 \
-        __m256i s;                                                                        \
-        HSUM8x8(p, s);                                                                    \
-        const uint8_t *wb = w + 34 * b;                                                   \
-        __m256 dw = _mm256_set_ps(f16(wb + 238), f16(wb + 204), f16(wb + 170), f16(wb + 136), \
-                                  f16(wb + 102), f16(wb + 68), f16(wb + 34), f16(wb));     \
-        __m256 d = _mm256_mul_ps(dw, _mm256_loadu_ps(dx + b));                            \
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(s), d));                \
-    }                                                                                     \
-    float a8[8];                                                                          \
-    _mm256_storeu_ps(a8, acc);                                                            \
-    for (; b < nb; b++) q8_0_block_scalar(w + 34 * b, qx + 32 * b, dx, b, a8);           \
-    return reduce8(a8);
-
 TARGET_AVX2 static inline __m256i blocksum_avx2(__m256i wq, __m256i xq) {
     __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
     return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
 
+/* The terms of eight Q8_0 blocks of one row (block k in lane k): (float)sumi * (d_w * d_x). */
+TARGET_AVX2 static inline __m256 q8_0_terms8_avx2(const uint8_t *wb, const int8_t *xb, __m256 dxv) {
+    __m256i p[8], s;
+    for (int k = 0; k < 8; k++)
+        p[k] = blocksum_avx2(_mm256_loadu_si256((const __m256i *)(wb + 34 * k + 2)),
+                             _mm256_loadu_si256((const __m256i *)(xb + 32 * k)));
+    HSUM8x8(p, s);
+    __m256 dw = _mm256_set_ps(f16(wb + 238), f16(wb + 204), f16(wb + 170), f16(wb + 136),
+                              f16(wb + 102), f16(wb + 68), f16(wb + 34), f16(wb));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dxv));
+}
+
 TARGET_AVX2 static float dot_q8_0_avx2(const uint8_t *w, const int8_t *qx, const float *dx, const void *aux, int cols) {
     (void)aux;
-    DOT_Q8_0_BODY(blocksum_avx2)
+    int nb = cols / 32, b = 0;
+    __m256 acc = _mm256_setzero_ps();
+    for (; b + 8 <= nb; b += 8) acc = _mm256_add_ps(acc, q8_0_terms8_avx2(w + 34 * b, qx + 32 * b, _mm256_loadu_ps(dx + b)));
+    float a8[8];
+    _mm256_storeu_ps(a8, acc);
+    for (; b < nb; b++) q8_0_block_scalar(w + 34 * b, qx + 32 * b, dx, b, a8);
+    return reduce8(a8);
+}
+
+/* dot_q8_0_avx2 on four consecutive rows (row stride rb bytes), side by side (bit-identical per row). */
+TARGET_AVX2 static void dot4_q8_0_avx2(const uint8_t *w, size_t rb, const int8_t *qx, const float *dx,
+                                       const void *aux, int cols, float *out) {
+    (void)aux;
+    int nb = cols / 32, b = 0;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (; b + 8 <= nb; b += 8) {
+        __m256 dxv = _mm256_loadu_ps(dx + b);
+        for (int r = 0; r < 4; r++) acc[r] = _mm256_add_ps(acc[r], q8_0_terms8_avx2(w + r * rb + 34 * b, qx + 32 * b, dxv));
+    }
+    for (int r = 0; r < 4; r++) {
+        float a8[8];
+        _mm256_storeu_ps(a8, acc[r]);
+        for (int bb = b; bb < nb; bb++) q8_0_block_scalar(w + r * rb + 34 * bb, qx + 32 * bb, dx, bb, a8);
+        out[r] = reduce8(a8);
+    }
 }
 
 /* VNNI Q8_0, two blocks per 512-bit register. vpdpbusd wants one unsigned operand: w ^ 0x80 is
@@ -453,42 +464,58 @@ TARGET_VNNI static void dot4_q8_0_vnni(const uint8_t *w, size_t rb, const int8_t
     }
 }
 
-/* Scale-weighted sum of maddubs pairs: MADD_SCALED(acc, p16, scale16). */
-#define MADD_SCALED_AVX2(acc, p16, s16) _mm256_add_epi32(acc, _mm256_madd_epi16(p16, s16))
-#define MADD_SCALED_VNNI(acc, p16, s16) _mm256_dpwssd_epi32(acc, p16, s16)
-
-#define DOT_Q4_K_BODY(MADD_SCALED)                                                         \
-    const __m256i m4 = _mm256_set1_epi8(0x0F);                                            \
-    float acc = 0.f;                                                                      \
-    for (int b = 0; b < cols / 256; b++) {                                                \
-        const uint8_t *blk = w + 144 * b, *qs = blk + 16;                                 \
-        const int8_t *q8 = qx + 256 * b;                                                  \
-        const int16_t *bsb = bs + 16 * b;                                                 \
-        __m256i vacc = _mm256_setzero_si256();                                            \
-        int32_t mins = 0;                                                                 \
-        for (int p = 0; p < 4; p++) {                                                     \
-            int sc0, mn0, sc1, mn1;                                                       \
-            q4k_scale_min(blk + 4, 2 * p, &sc0, &mn0);                                    \
-            q4k_scale_min(blk + 4, 2 * p + 1, &sc1, &mn1);                                \
-            mins += mn0 * (bsb[4 * p] + bsb[4 * p + 1]) + mn1 * (bsb[4 * p + 2] + bsb[4 * p + 3]); \
-            __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));                \
-            __m256i lo = _mm256_and_si256(q, m4);                                         \
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);                   \
-            __m256i x0 = _mm256_loadu_si256((const __m256i *)(q8 + 64 * p));              \
-            __m256i x1 = _mm256_loadu_si256((const __m256i *)(q8 + 64 * p + 32));         \
-            vacc = MADD_SCALED(vacc, _mm256_maddubs_epi16(lo, x0), _mm256_set1_epi16((short)sc0)); \
-            vacc = MADD_SCALED(vacc, _mm256_maddubs_epi16(hi, x1), _mm256_set1_epi16((short)sc1)); \
-        }                                                                                 \
-        int32_t sumi;                                                                     \
-        HSUM_EPI32(vacc, sumi);                                                           \
-        acc = acc + (f16(blk) * dx[b]) * (float)sumi;                                     \
-        acc = acc - (f16(blk + 2) * dx[b]) * (float)mins;                                 \
-    }                                                                                     \
-    return acc;
+/* One Q4_K super-block of one row: sumi = sum_j sc_j * (q_j . x_j), mins = sum_j mn_j * (x_j group sums). */
+TARGET_AVX2 static inline void q4_k_sums_avx2(const uint8_t *blk, const int8_t *q8, const int16_t *bsb,
+                                               int32_t *sumi, int32_t *mins) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const uint8_t *qs = blk + 16;
+    __m256i vacc = _mm256_setzero_si256();
+    int32_t mn = 0;
+    for (int p = 0; p < 4; p++) {
+        int sc0, mn0, sc1, mn1;
+        q4k_scale_min(blk + 4, 2 * p, &sc0, &mn0);
+        q4k_scale_min(blk + 4, 2 * p + 1, &sc1, &mn1);
+        mn += mn0 * (bsb[4 * p] + bsb[4 * p + 1]) + mn1 * (bsb[4 * p + 2] + bsb[4 * p + 3]);
+        __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+        __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)(q8 + 64 * p));
+        __m256i x1 = _mm256_loadu_si256((const __m256i *)(q8 + 64 * p + 32));
+        vacc = _mm256_add_epi32(vacc, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_set1_epi16((short)sc0)));
+        vacc = _mm256_add_epi32(vacc, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), _mm256_set1_epi16((short)sc1)));
+    }
+    HSUM_EPI32(vacc, *sumi);
+    *mins = mn;
+}
 
 TARGET_AVX2 static float dot_q4_k_avx2(const uint8_t *w, const int8_t *qx, const float *dx, const void *aux, int cols) {
     const int16_t *bs = (const int16_t *)aux;
-    DOT_Q4_K_BODY(MADD_SCALED_AVX2)
+    float acc = 0.f;
+    for (int b = 0; b < cols / 256; b++) {
+        const uint8_t *blk = w + 144 * b;
+        int32_t sumi, mins;
+        q4_k_sums_avx2(blk, qx + 256 * b, bs + 16 * b, &sumi, &mins);
+        acc = acc + (f16(blk) * dx[b]) * (float)sumi;
+        acc = acc - (f16(blk + 2) * dx[b]) * (float)mins;
+    }
+    return acc;
+}
+
+/* dot_q4_k_avx2 on four consecutive rows side by side, the float accumulators as vector lanes. */
+TARGET_AVX2 static void dot4_q4_k_avx2(const uint8_t *w, size_t rb, const int8_t *qx, const float *dx,
+                                       const void *aux, int cols, float *out) {
+    const int16_t *bs = (const int16_t *)aux;
+    __m128 acc = _mm_setzero_ps();
+    for (int b = 0; b < cols / 256; b++) {
+        const uint8_t *b0 = w + 144 * b;
+        int32_t sumi[4], mins[4];
+        for (int r = 0; r < 4; r++) q4_k_sums_avx2(b0 + r * rb, qx + 256 * b, bs + 16 * b, sumi + r, mins + r);
+        __m128 d = _mm_setr_ps(f16(b0), f16(b0 + rb), f16(b0 + 2 * rb), f16(b0 + 3 * rb));
+        __m128 dm = _mm_setr_ps(f16(b0 + 2), f16(b0 + rb + 2), f16(b0 + 2 * rb + 2), f16(b0 + 3 * rb + 2));
+        __m128 dxv = _mm_set1_ps(dx[b]);
+        acc = _mm_add_ps(acc, _mm_mul_ps(_mm_mul_ps(d, dxv), _mm_cvtepi32_ps(_mm_loadu_si128((const __m128i *)sumi))));
+        acc = _mm_sub_ps(acc, _mm_mul_ps(_mm_mul_ps(dm, dxv), _mm_cvtepi32_ps(_mm_loadu_si128((const __m128i *)mins))));
+    }
+    _mm_storeu_ps(out, acc);
 }
 
 /* Q4_K's 12 scale bytes -> u[0..1] the 8 six-bit scales, u[2..3] the 8 six-bit mins, one byte each
@@ -618,45 +645,58 @@ TARGET_VNNI static void dot4_q4_k_vnni(const uint8_t *w, size_t rb, const int8_t
 
 /* Q6_K: quants taken unsigned (0..63) for maddubs; the -32 offset comes back through the Q8_K
  * group sums: sum sc*(q-32)*x = sum sc*q*x - 32 * sum_g sc_g*bsums_g. */
-#define DOT_Q6_K_BODY(MADD_SCALED)                                                         \
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);              \
-    float acc = 0.f;                                                                      \
-    for (int b = 0; b < cols / 256; b++) {                                                \
-        const uint8_t *blk = w + 210 * b;                                                 \
-        const int8_t *sc = (const int8_t *)(blk + 192), *q8 = qx + 256 * b;               \
-        const int16_t *bsb = bs + 16 * b;                                                 \
-        __m256i vacc = _mm256_setzero_si256();                                            \
-        int32_t off = 0;                                                                  \
-        for (int g = 0; g < 16; g++) off += sc[g] * bsb[g];                               \
-        for (int h = 0; h < 2; h++) {                                                     \
-            const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;                    \
-            const int8_t *x = q8 + 128 * h;                                               \
-            __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);                          \
-            __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));                   \
-            __m256i hb = _mm256_loadu_si256((const __m256i *)qh);                          \
-            __m256i q[4];                                                                 \
-            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30)); \
-            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30)); \
-            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m30)); \
-            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),        \
-                                   _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));      \
-            for (int k = 0; k < 4; k++) {                                                 \
-                __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 32 * k));           \
-                __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * k + 1]),     \
-                                               _mm_set1_epi16(sc[8 * h + 2 * k]));        \
-                vacc = MADD_SCALED(vacc, _mm256_maddubs_epi16(q[k], xv), s16);            \
-            }                                                                             \
-        }                                                                                 \
-        int32_t sumi;                                                                     \
-        HSUM_EPI32(vacc, sumi);                                                           \
-        sumi -= 32 * off;                                                                 \
-        acc = acc + (f16(blk + 208) * dx[b]) * (float)sumi;                               \
-    }                                                                                     \
-    return acc;
+/* One Q6_K super-block of one row: its integer sum, offset included. */
+TARGET_AVX2 static inline int32_t q6_k_sum_avx2(const uint8_t *blk, const int8_t *q8, const int16_t *bsb) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const int8_t *sc = (const int8_t *)(blk + 192);
+    __m256i vacc = _mm256_setzero_si256();
+    int32_t off = 0;
+    for (int g = 0; g < 16; g++) off += sc[g] * bsb[g];
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
+        const int8_t *x = q8 + 128 * h;
+        __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+        __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+        __m256i hb = _mm256_loadu_si256((const __m256i *)qh);
+        __m256i q[4];
+        q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
+        q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
+        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m30));
+        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
+        for (int k = 0; k < 4; k++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 32 * k));
+            __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * k + 1]), _mm_set1_epi16(sc[8 * h + 2 * k]));
+            vacc = _mm256_add_epi32(vacc, _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], xv), s16));
+        }
+    }
+    int32_t sumi;
+    HSUM_EPI32(vacc, sumi);
+    return sumi - 32 * off;
+}
 
 TARGET_AVX2 static float dot_q6_k_avx2(const uint8_t *w, const int8_t *qx, const float *dx, const void *aux, int cols) {
     const int16_t *bs = (const int16_t *)aux;
-    DOT_Q6_K_BODY(MADD_SCALED_AVX2)
+    float acc = 0.f;
+    for (int b = 0; b < cols / 256; b++) {
+        const uint8_t *blk = w + 210 * b;
+        acc = acc + (f16(blk + 208) * dx[b]) * (float)q6_k_sum_avx2(blk, qx + 256 * b, bs + 16 * b);
+    }
+    return acc;
+}
+
+/* dot_q6_k_avx2 on four consecutive rows side by side, the float accumulators as vector lanes. */
+TARGET_AVX2 static void dot4_q6_k_avx2(const uint8_t *w, size_t rb, const int8_t *qx, const float *dx,
+                                       const void *aux, int cols, float *out) {
+    const int16_t *bs = (const int16_t *)aux;
+    __m128 acc = _mm_setzero_ps();
+    for (int b = 0; b < cols / 256; b++) {
+        const uint8_t *b0 = w + 210 * b;
+        int32_t sumi[4];
+        for (int r = 0; r < 4; r++) sumi[r] = q6_k_sum_avx2(b0 + r * rb, qx + 256 * b, bs + 16 * b);
+        __m128 d = _mm_setr_ps(f16(b0 + 208), f16(b0 + rb + 208), f16(b0 + 2 * rb + 208), f16(b0 + 3 * rb + 208));
+        acc = _mm_add_ps(acc, _mm_mul_ps(_mm_mul_ps(d, _mm_set1_ps(dx[b])), _mm_cvtepi32_ps(_mm_loadu_si128((const __m128i *)sumi))));
+    }
+    _mm_storeu_ps(out, acc);
 }
 
 /* VNNI, 512-bit: quants of 64 consecutive values per register, per-16 scales by an int16 permute. */
@@ -783,8 +823,10 @@ typedef void (*dot4_fn)(const uint8_t *, size_t, const int8_t *, const float *, 
 
 static dot4_fn pick4(int qtype, int isa) {
 #if TK_X86
+    static const dot4_fn avx2[3] = {dot4_q8_0_avx2, dot4_q4_k_avx2, dot4_q6_k_avx2};
     static const dot4_fn vnni[3] = {dot4_q8_0_vnni, dot4_q4_k_vnni, dot4_q6_k_vnni};
     if (isa == ISA_AVX512VNNI) return vnni[qtype];
+    if (isa == ISA_AVX2) return avx2[qtype];
 #endif
     (void)qtype; (void)isa;
     return NULL;
