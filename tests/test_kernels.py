@@ -236,3 +236,17 @@ def test_cpu_backend_switches_to_decode_and_blas_above_native_batch():
     np.testing.assert_array_equal(b.matmul_xt(small, m), kernels.matmul_xt(small, m))
     big = np.random.default_rng(4).standard_normal((5, 256), dtype=np.float32)
     np.testing.assert_array_equal(b.matmul_xt(big, m), big @ m.dequantize().T)
+
+
+def test_native_batch_default_follows_the_simd_path(monkeypatch):
+    from holders.compute.cpu import NATIVE_BATCH_BY_ISA
+    monkeypatch.delenv("TENZRO_QUANT_NATIVE_BATCH", raising=False)
+    before = kernels.isa()
+    try:
+        for isa in kernels.supported_isas():
+            kernels.set_isa(isa)
+            assert CpuBackend().native_batch == NATIVE_BATCH_BY_ISA[isa]
+        monkeypatch.setenv("TENZRO_QUANT_NATIVE_BATCH", "7")
+        assert CpuBackend().native_batch == 7
+    finally:
+        kernels.set_isa(before)

@@ -2,8 +2,9 @@
 
 - Dense float32: one BLAS GEMM (``x @ w.T``, numpy's OpenBLAS), bit-identical to the
   plain numpy pipeline.
-- Quantized (Q8_0 / Q4_K / Q6_K), batches up to ``native_batch`` rows (default 32, measured in
-  ``bench/bench_expert.py --switch``) when the native extension is built (``holders.kernels``):
+- Quantized (Q8_0 / Q4_K / Q6_K), batches up to ``native_batch`` rows (default 64 on the AVX-512
+  VNNI path, 32 otherwise, measured in ``bench/bench_expert.py --switch``) when the native
+  extension is built (``holders.kernels``):
   activation rows quantized to 8 bits and integer dot products (AVX-512 VNNI / AVX2 / portable,
   chosen at run time, bit-identical to each other), OpenMP threads over output rows.
 - Quantized, small batches (``n <= small_batch``) without the native extension: numba kernels,
@@ -34,8 +35,16 @@ from holders.quant import Q4_K, Q6_K, Q8_0, QUANT_TYPES, QuantizedMatrix
 
 # Batch rows up to which the numba kernel beats decode + GEMM (bench_expert.py).
 SMALL_BATCH = int(os.environ.get("TENZRO_QUANT_SMALL_BATCH", "8"))
-# Batch rows up to which the native integer kernel beats decode + GEMM (bench_expert.py --switch).
-NATIVE_BATCH = int(os.environ.get("TENZRO_QUANT_NATIVE_BATCH", "32"))
+# Batch rows up to which the native integer kernel beats decode + GEMM, per SIMD path
+# (bench_expert.py --switch, one thread, Xeon with AVX-512 VNNI: crossover 64-96 rows on the VNNI
+# path, 32-48 with avx2 forced); TENZRO_QUANT_NATIVE_BATCH overrides.
+NATIVE_BATCH_BY_ISA = {"avx512vnni": 64, "avx2": 32, "portable": 32}
+
+
+def native_batch_default() -> int:
+    """``TENZRO_QUANT_NATIVE_BATCH`` if set, else the measured crossover of the SIMD path in use."""
+    v = os.environ.get("TENZRO_QUANT_NATIVE_BATCH")
+    return int(v) if v else NATIVE_BATCH_BY_ISA.get(kernels.isa() or "portable", 32)
 
 
 # Every IEEE half bit pattern → float32 (exact): one L2-resident lookup instead of bit fiddling.
@@ -246,10 +255,10 @@ class CpuBackend:
     tag = "cpu"
     gpu = False
 
-    def __init__(self, small_batch: int = SMALL_BATCH, native: bool = True, native_batch: int = NATIVE_BATCH):
+    def __init__(self, small_batch: int = SMALL_BATCH, native: bool = True, native_batch: int | None = None):
         self.small_batch = small_batch
         self.native = native and kernels.available()
-        self.native_batch = native_batch
+        self.native_batch = native_batch if native_batch is not None else native_batch_default()
 
     def matmul_xt(self, x: np.ndarray, w) -> np.ndarray:
         """``x`` f32 ``[n, in]``, ``w`` f32 ndarray or ``QuantizedMatrix`` ``[out, in]`` → f32 ``[n, out]``."""
