@@ -15,6 +15,11 @@
  * Q8_0 float order: block b's term (float)sumi_b * (d_w,b * d_x,b) is added to lane b % 8 of eight
  * accumulators; the lanes are summed as ((a0+a1)+(a2+a3))+((a4+a5)+(a6+a7)).
  * K-quant float order: per super-block s, acc += d_s*(float)sumi_s (Q4_K then acc -= dmin_s*(float)mins_s).
+ *
+ * The SIMD paths take four output rows at a time (dot4_*): the activation loads are shared, the four
+ * rows' weights stream side by side (four hardware-prefetch streams; one stream stalls at every 4 KiB
+ * page when the weights come from L3 or memory), and the four rows' float accumulators are lanes of
+ * one vector, each lane doing exactly the one-row float operations above.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
