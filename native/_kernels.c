@@ -17,9 +17,9 @@
  * K-quant float order: per super-block s, acc += d_s*(float)sumi_s (Q4_K then acc -= dmin_s*(float)mins_s).
  *
  * The SIMD paths take four output rows at a time (dot4_*): the activation loads are shared, the four
- * rows' weights stream side by side (four hardware-prefetch streams; one stream stalls at every 4 KiB
- * page when the weights come from L3 or memory), and the four rows' float accumulators are lanes of
- * one vector, each lane doing exactly the one-row float operations above.
+ * rows' weights stream side by side (measured faster when the weights come from L3 or memory, likely
+ * through more hardware-prefetch streams; software prefetch measured no gain), and the four rows'
+ * float accumulators are lanes of one vector, each lane doing exactly the one-row float operations above.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
