@@ -72,9 +72,35 @@ def sketch_signs(input_hash: bytes, d_model: int, p: int = SKETCH_PROJECTIONS) -
     return (bits.astype(np.float64) * 2.0 - 1.0).reshape(p, d_model)
 
 
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def _sums(rows, signs, proj, abssum):
+    """``proj`` f64 ``[n, p]`` ← rows @ signs.T and ``abssum`` f64 ``[n]`` ← Σ|row|, in one pass
+    (reassociated, so vectorized: the sketch is compared within a tolerance, never bit-exact).
+    Returns False when a row holds NaN or ±Inf."""
+    n, h = rows.shape
+    p = signs.shape[0]
+    finite = True
+    for r in range(n):
+        s = 0.0
+        bad = 0.0
+        for j in range(h):
+            v = np.float64(rows[r, j])
+            s += abs(v)
+            bad += v - v  # 0 for finite v, NaN for NaN or ±Inf
+        abssum[r] = s
+        if bad != 0.0:  # NaN compares unequal to everything, 0.0 included
+            finite = False
+        for q in range(p):
+            acc = 0.0
+            for j in range(h):
+                acc += np.float64(rows[r, j]) * signs[q, j]
+            proj[r, q] = acc
+    return finite
+
+
 def sketch(rows: np.ndarray, input_hash: bytes) -> np.ndarray:
     """Projections float64 ``[n, p]`` of rows f32 ``[n, H]`` onto the signs of ``input_hash``."""
-    return np.ascontiguousarray(rows, dtype=np.float64) @ sketch_signs(input_hash, rows.shape[1]).T
+    return _digest(rows, input_hash, TOP_K)[2]
 
 
 @njit(cache=True, nogil=True)
@@ -82,26 +108,60 @@ def _top_k_scan(rows, k, out):
     """``out`` int64 ``[n, k]`` ← per row of finite f32 ``rows`` the indices of the k largest
     |values|, descending, ties to the lower index: one pass per row keeping a sorted list of
     k; a value enters only when strictly larger than the list's last (an equal one has a
-    higher index, so it loses the tie) and moves ahead of strictly smaller ones only."""
+    higher index, so it loses the tie) and moves ahead of strictly smaller ones only. Once
+    the list is full, a span of 16 values none of which beats the list's last is skipped
+    after one branch-free (vectorized) compare."""
     n, h = rows.shape
     mags = np.empty(k, np.float32)
     for r in range(n):
         filled = 0
-        for j in range(h):
-            m = abs(rows[r, j])
+        j0 = 0
+        while j0 < h:
+            j1 = min(j0 + 16, h)
             if filled == k:
-                if not m > mags[k - 1]:
+                floor = mags[k - 1]
+                beats = 0
+                for j in range(j0, j1):
+                    beats |= abs(rows[r, j]) > floor
+                if not beats:
+                    j0 = j1
                     continue
-                p = k - 1
-            else:
-                p = filled
-                filled += 1
-            while p > 0 and mags[p - 1] < m:
-                mags[p] = mags[p - 1]
-                out[r, p] = out[r, p - 1]
-                p -= 1
-            mags[p] = m
-            out[r, p] = j
+            for j in range(j0, j1):
+                m = abs(rows[r, j])
+                if filled == k:
+                    if not m > mags[k - 1]:
+                        continue
+                    p = k - 1
+                else:
+                    p = filled
+                    filled += 1
+                while p > 0 and mags[p - 1] < m:
+                    mags[p] = mags[p - 1]
+                    out[r, p] = out[r, p - 1]
+                    p -= 1
+                mags[p] = m
+                out[r, p] = j
+            j0 = j1
+
+
+def _digest(rows: np.ndarray, input_hash: bytes, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What a receipt needs of rows f32 ``[n, H]``, in one compiled pass per quantity: (top-k
+    indices uint32 ``[n, k']``, their values float32, sketch projections float64 ``[n, p]``,
+    Σ|row| float64 ``[n]``), ``k' = min(k, H)``. Rows holding NaN or ±Inf take numpy's
+    partition for the top-k (its NaN ordering)."""
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    n, h = rows.shape
+    proj = np.empty((n, SKETCH_PROJECTIONS), np.float64)
+    abssum = np.empty(n, np.float64)
+    finite = _sums(rows, sketch_signs(input_hash, h), proj, abssum)
+    kk = min(k, h)
+    if n == 0 or kk == 0 or not finite:
+        idx, val = _top_features_partition(rows, kk)
+    else:
+        pos = np.empty((n, kk), dtype=np.int64)
+        _top_k_scan(rows, kk, pos)
+        idx, val = pos.astype(np.uint32), np.take_along_axis(rows, pos, axis=1)
+    return idx, val, proj, abssum
 
 
 def top_features(rows: np.ndarray, k: int = TOP_K) -> tuple[np.ndarray, np.ndarray]:
@@ -152,13 +212,17 @@ def commitment_bytes(tokens: list[int], rows: np.ndarray, projections: np.ndarra
     Raises ``ReceiptError`` when the shapes disagree with the token count.
     """
     rows = np.ascontiguousarray(rows, dtype=np.float32)
+    if rows.ndim != 2 or rows.shape[0] != len(tokens) or rows.shape[1] == 0:
+        raise ReceiptError(f"output rows have shape {rows.shape}; expected [{len(tokens)}, d_model]")
+    return _pack_commitment(tokens, *top_features(rows, k), projections)
+
+
+def _pack_commitment(tokens: list[int], idx: np.ndarray, val: np.ndarray, projections: np.ndarray) -> bytes:
+    """Canonical commitment bytes from the top features (uint32 / float32 ``[n, k]``) and projections."""
     n = len(tokens)
-    if rows.ndim != 2 or rows.shape[0] != n or rows.shape[1] == 0:
-        raise ReceiptError(f"output rows have shape {rows.shape}; expected [{n}, d_model]")
     projections = np.ascontiguousarray(projections, dtype="<f8")
     if projections.ndim != 2 or projections.shape[0] != n:
         raise ReceiptError(f"sketch has shape {projections.shape}; expected [{n}, p]")
-    idx, val = top_features(rows, k)
     kk, p = idx.shape[1], projections.shape[1]
     rec = np.zeros(n, dtype=[("t", "<u4"), ("f", [("i", "<u4"), ("v", "<f4")], (kk,)), ("s", "<f8", (p,))])
     rec["t"] = np.asarray(tokens, dtype=np.uint32)
@@ -185,8 +249,11 @@ def make_receipt(key: SigningKey, *, request_id: str, model_id: str, layer: int,
     (hashes hex, ``sketch`` base64 of f64 LE ``[n, p]``).
     """
     ih = carrier_hash(carrier_kind, carrier)
-    proj = sketch(rows, ih)
-    commit = hashlib.sha256(commitment_bytes(tokens, rows, proj)).hexdigest()
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    if rows.ndim != 2 or rows.shape[0] != len(tokens) or rows.shape[1] == 0:
+        raise ReceiptError(f"output rows have shape {rows.shape}; expected [{len(tokens)}, d_model]")
+    idx, val, proj, _ = _digest(rows, ih, TOP_K)
+    commit = hashlib.sha256(_pack_commitment(tokens, idx, val, proj)).hexdigest()
     provider = provider_id(key)
     body = _body(request_id=request_id, model_id=model_id, layer=layer, expert=expert, tokens=tokens,
                  input_hash=ih.hex(), commitment=commit, d_model=rows.shape[1], blob_hash=blob_hash,
@@ -235,11 +302,13 @@ def verify_receipt(receipt: dict | None, *, provider: str, request_id: str, mode
     theirs = np.frombuffer(raw, dtype="<f8").reshape(n, SKETCH_PROJECTIONS)
     if rows.shape[0] != n:
         raise ReceiptError(f"{rows.shape[0]} output rows for {n} tokens")
-    ours = sketch(rows, ih)
-    tol = SKETCH_RTOL * np.abs(rows).sum(axis=1, dtype=np.float64, keepdims=True) + 1e-30
+    if rows.shape[1] == 0:
+        raise ReceiptError(f"output rows have shape {rows.shape}; expected [{n}, d_model]")
+    idx, val, ours, abssum = _digest(rows, ih, TOP_K)
+    tol = SKETCH_RTOL * abssum[:, None] + 1e-30
     if not np.isfinite(theirs).all() or (np.abs(theirs - ours) > tol).any():
         raise ReceiptError("output rows do not match the receipt's sketch")
-    if hashlib.sha256(commitment_bytes(tokens, rows, theirs)).hexdigest() != receipt["commitment"]:
+    if hashlib.sha256(_pack_commitment(tokens, idx, val, theirs)).hexdigest() != receipt["commitment"]:
         raise ReceiptError("output rows do not match the receipt's commitment")
     body = _body(request_id=request_id, model_id=model_id, layer=layer, expert=expert, tokens=tokens,
                  input_hash=ih.hex(), commitment=receipt["commitment"], d_model=rows.shape[1],
