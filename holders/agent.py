@@ -405,6 +405,10 @@ class HolderAgent:
             kind = header.get("type")
             if kind in ("execute", "batch") and self.faults.blackhole:
                 return  # the drill: never answer
+            if kind == "batch" and header.get("stream"):
+                async for part in self.stream_batch(header, payload):
+                    await self._reply(*part)
+                return
             if kind == "batch":
                 await self._reply(*await self.execute_batch(header, payload))
                 return
@@ -550,12 +554,14 @@ class HolderAgent:
 
     async def stream_batch(self, header: dict, payload: bytes):
         """A coalesced ``batch`` answered request by request as each finishes: an async iterator
-        of (reply or failure header, output bytes), the headers carrying the sub-request ids.
-        Raises ``wire.WireError`` (before yielding anything) when the batch is malformed."""
+        of ``messages.batch_part`` (header, output bytes), ``more: false`` on the last. Raises
+        ``wire.WireError`` (before yielding anything) when the batch is malformed."""
         subs = messages.split_batch(header, payload)
+        left = len(subs)
         async for i, outcome in self.execute_stream([({**h, "request_id": h.get("id")}, h.get("carrier", "f32"),
                                                       data) for h, data in subs]):
-            yield _answer(subs[i][0], outcome)
+            left -= 1
+            yield messages.batch_part(header.get("id"), _answer(subs[i][0], outcome), more=left > 0)
 
     async def execute_many_rpc(self, items: list[tuple[dict, str, bytes]]) -> list:
         """``execute_many`` for the iroh endpoint: failures as ``RpcError`` (as ``execute_rpc``)."""

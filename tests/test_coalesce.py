@@ -343,6 +343,45 @@ def test_socket_batch_frame_is_answered_per_request_and_a_malformed_batch_gets_a
     assert bad["id"] == "b2" and bad["ok"] is False and "nbytes" in bad["message"]
 
 
+def test_socket_streamed_batch_is_answered_one_message_per_request(holder):
+    """The agent's socket answers a ``stream: true`` batch with one ``batch_part`` per request,
+    ``more`` on all but the last; read back with ``StreamedBatch`` each equals the request sent
+    alone and its receipt verifies; a malformed streamed batch gets one error reply."""
+    agent, x, _ = holder
+    reqs = requests(x, bad_expert=9)
+    sent = []
+
+    class Socket:  # the agent's end of its socket: what it writes back
+        async def send(self, frame):
+            sent.append(frame)
+
+    async def go():
+        agent._ws, agent.max_message = Socket(), 1 << 20
+        singles = [await agent.execute_request({**messages.request_header(r), "request_id": r.request_id},
+                                               r.carrier, r.payload) for r in reqs[:-1]]
+        header, payload = messages.batch_frame(reqs, "b1")
+        await agent._handle({**header, "stream": True}, payload)
+        await agent._handle({"type": "batch", "id": "b2", "stream": True, "requests": [{"nbytes": 5}]}, b"xy")
+        return singles
+
+    singles = asyncio.run(go())
+    parts = [wire.unpack_frame(f, wire.MESSAGE_HEADER_MAX) for f in sent[:len(reqs)]]
+    assert [h["id"] for h, _ in parts] == ["b1"] * len(reqs)
+    assert [h["more"] for h, _ in parts] == [True] * (len(reqs) - 1) + [False]
+    stream = messages.StreamedBatch(reqs, "ws", 1)
+    for h, data in parts:
+        stream.part(h, data, 1)
+    outcomes = stream.finish()
+    assert isinstance(outcomes[-1], HolderFault) and "-32004" in str(outcomes[-1])
+    for req, ans, (_, out) in zip(reqs, outcomes, singles):
+        assert np.array_equal(ans.rows, wire.decode_rows(out, req.output, req.d_model, len(req.tokens)))
+        verify_receipt(ans.receipt, provider=agent.provider, request_id=req.request_id, model_id=MODEL, layer=LAYER,
+                       expert=req.expert, tokens=req.tokens, carrier_kind=req.carrier, carrier=req.payload,
+                       rows=ans.rows)
+    bad, _ = wire.unpack_frame(sent[len(reqs)])
+    assert bad["id"] == "b2" and bad["ok"] is False and "more" not in bad and "nbytes" in bad["message"]
+
+
 def test_batch_reply_that_does_not_match_its_requests_faults_only_what_it_cannot_answer(holder):
     _, x, _ = holder
     reqs = requests(x)

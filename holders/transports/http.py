@@ -258,25 +258,14 @@ class HttpHolderClient:
         streaming do). A request the stream never answered is a ``HolderFault``."""
         header, payload = messages.batch_frame(reqs, uuid.uuid4().hex)
         body = wire.pack_frame({**header, "stream": True}, payload, wire.MESSAGE_HEADER_MAX)
-        index = {r.request_id: i for i, r in enumerate(reqs)}
-        outcomes: list = [None] * len(reqs)
-        total_out = sum(len(r.payload) for r in reqs) or 1
+        stream = messages.StreamedBatch(reqs, "http", len(body))
 
         def on_frame(data: bytes) -> None:
             try:
                 answer, out = wire.unpack_frame(data, wire.MESSAGE_HEADER_MAX)
             except wire.WireError as exc:
                 raise HolderFault(f"{endpoint}: {exc}") from exc
-            i = index.get(answer.get("id"))
-            if i is None or outcomes[i] is not None:
-                raise HolderFault(f"{endpoint}: streamed answer for unknown or repeated request {answer.get('id')!r}")
-            req = reqs[i]
-            try:
-                outcomes[i] = answer_to_batch(answer, out, req, "http", len(body) * len(req.payload) // total_out,
-                                              len(data) + len(b"%x" % len(data)) + 4)  # the chunk's size line and CRLFs
-            except (HolderFault, messages.AuthRefusal, messages.Rejected) as exc:
-                outcomes[i] = exc
-            deliver(i, outcomes[i])
+            deliver(*stream.part(answer, out, len(data) + len(b"%x" % len(data)) + 4))  # + chunk size line, CRLFs
 
         whole = await self._exchange(endpoint, body, on_frame)
         if whole is not None:  # answered as one batch reply
@@ -285,8 +274,7 @@ class HttpHolderClient:
             except wire.WireError as exc:
                 raise HolderFault(f"{endpoint}: {exc}") from exc
             return messages.batch_answers(answer, out, reqs, "http", len(body), len(whole))
-        return [o if o is not None else HolderFault(f"{endpoint}: the streamed batch ended without answering "
-                                                    f"request {r.request_id}") for r, o in zip(reqs, outcomes)]
+        return stream.finish()
 
     async def _exchange(self, endpoint: str, body: bytes,
                         on_frame: Callable[[bytes], None] | None = None) -> bytes | None:
