@@ -100,7 +100,10 @@ def _sums(rows, signs, proj, abssum):
 
 def sketch(rows: np.ndarray, input_hash: bytes) -> np.ndarray:
     """Projections float64 ``[n, p]`` of rows f32 ``[n, H]`` onto the signs of ``input_hash``."""
-    return _digest(rows, input_hash, TOP_K)[2]
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    proj = np.empty((rows.shape[0], SKETCH_PROJECTIONS), np.float64)
+    _sums(rows, sketch_signs(input_hash, rows.shape[1]), proj, np.empty(rows.shape[0], np.float64))
+    return proj
 
 
 @njit(cache=True, nogil=True)
@@ -183,26 +186,14 @@ def top_features(rows: np.ndarray, k: int = TOP_K) -> tuple[np.ndarray, np.ndarr
 
 
 def _top_features_partition(rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """``top_features`` for any f32 rows (NaN included) by a full per-row partition, O(H) per row:
-    ``np.partition`` finds the k-th magnitude; everything above it plus the lowest-index ties
-    at it are kept, then the k are ordered."""
+    """``top_features`` for any f32 rows, NaN and ±Inf included, by a full stable sort per row:
+    NaN first (numpy's sort puts NaN above every magnitude), then |value| descending, ties to
+    the lower index. O(H log H) per row; only rows that are not all finite come here."""
     n, h = rows.shape
     if n == 0 or k == 0:
         return np.zeros((n, k), np.uint32), np.zeros((n, k), np.float32)
     mag = np.abs(rows)
-    kth = np.partition(mag, h - k, axis=1)[:, h - k:h - k + 1]  # the k-th largest magnitude per row
-    above = mag > kth
-    ties = mag == kth
-    need = k - np.count_nonzero(above, axis=1)
-    keep = above | ties
-    crowded = np.nonzero(np.count_nonzero(ties, axis=1) > need)[0]  # rare: more equal magnitudes than slots left
-    if crowded.size:
-        t = ties[crowded]
-        keep[crowded] = above[crowded] | (t & (np.cumsum(t, axis=1) <= need[crowded, None]))
-    idx = np.nonzero(keep)[1].reshape(n, k)  # ascending index within each row
-    # Order the k by magnitude descending; the stable sort keeps lower indices first on ties.
-    order = np.argsort(-np.take_along_axis(mag, idx, axis=1), axis=1, kind="stable")
-    idx = np.take_along_axis(idx, order, axis=1)
+    idx = np.lexsort((-mag, ~np.isnan(mag)), axis=-1)[:, :k]  # last key is the primary; lexsort is stable
     return idx.astype(np.uint32), np.take_along_axis(rows, idx, axis=1)
 
 
