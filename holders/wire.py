@@ -249,10 +249,19 @@ def encode_rows(rows: np.ndarray, kind: str) -> bytes:
     if kind == "q8_0":
         if rows.shape[-1] % quant.Q8_0.block_size:
             raise WireError(f"q8_0 rows need d_model divisible by 32, got {rows.shape[-1]}")
-        try:
-            return quant.Q8_0.quantize(rows).tobytes()
-        except ValueError as exc:
-            raise WireError(str(exc)) from exc
+        blocks = rows.reshape(-1, 32)
+        d = np.empty(blocks.shape[0], dtype=np.float32)
+        if not _q8_0_scales(blocks, d):
+            raise WireError("cannot encode non-finite values as q8_0")
+        with np.errstate(over="ignore"):  # overflow is reported below, as quant.quantize words it
+            h = d.astype("<f2")
+        if not np.isfinite(h).all():
+            raise WireError("q8_0 quantization: the fp16 block scale d overflows (input magnitude too large "
+                            "for q8_0; ggml would reject the block)")
+        out = np.empty((blocks.shape[0], 34), dtype=np.uint8)
+        out[:, :2] = h.view(np.uint8).reshape(-1, 2)
+        _q8_0_narrow(blocks, d, out)
+        return out.tobytes()
     raise WireError(f"unknown row encoding {kind!r}")
 
 
@@ -325,6 +334,40 @@ def _bf16_widen(h, out):
         bad |= (v & np.uint32(0x7F80)) == np.uint32(0x7F80)
         out[i] = v << np.uint32(16)
     return not bad
+
+
+@njit(cache=True, nogil=True)
+def _q8_0_scales(blocks, d):
+    """``d`` float32 ``[m]`` ← per block of 32 the Q8_0 scale ``amax / 127`` (ggml
+    ``quantize_row_q8_0_ref``, f32 arithmetic); returns False when a value is NaN or ±Inf."""
+    bad = False
+    for b in range(blocks.shape[0]):
+        amax = np.float32(0.0)
+        for j in range(32):
+            v = abs(blocks[b, j])
+            bad |= not (v - v == 0.0)
+            if v > amax:
+                amax = v
+        d[b] = amax / np.float32(127.0)
+    return not bad
+
+
+@njit(cache=True, nogil=True)
+def _q8_0_narrow(blocks, d, out):
+    """``out[:, 2:]`` ← the int8 quants of f32 ``blocks`` ``[m, 32]`` with scales ``d``: ``roundf(x *
+    (1/d))`` (half away from zero; 0 where d is 0, or subnormal so x/d is not finite), as ggml's
+    ``quantize_row_q8_0_ref`` and ``quant.Q8_0.quantize`` (byte-identical)."""
+    for b in range(blocks.shape[0]):
+        idv = np.float32(1.0) / d[b] if d[b] != 0 else np.float32(0.0)
+        for j in range(32):
+            v = blocks[b, j] * idv
+            if not (v - v == 0.0):
+                v = np.float32(0.0)
+            r = np.float32(np.rint(v))
+            if abs(v - r) == np.float32(0.5):
+                r = v + (np.float32(0.5) if v > 0 else np.float32(-0.5))
+            q = np.int32(r)
+            out[b, 2 + j] = np.uint8(q & 0xFF)
 
 
 @njit(cache=True, nogil=True)
