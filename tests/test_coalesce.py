@@ -310,7 +310,12 @@ def test_a_stream_announcing_more_requests_than_it_carries_is_refused(holder):
     assert twice[0]["error"]["code"] == -32600 and "distinct ids" in twice[0]["error"]["message"]
 
 
-def test_socket_batch_frame_is_answered_per_request_and_a_malformed_batch_gets_an_error(holder):
+@pytest.mark.parametrize("stream", [False, True])
+def test_socket_batch_frame_is_answered_per_request_and_a_malformed_batch_gets_an_error(holder, stream):
+    """The agent's socket answers a ``batch`` with one reply carrying every answer, or, asked to
+    ``stream``, with one ``batch_part`` per request (``more`` on all but the last, read back with
+    ``StreamedBatch``); either way each answer equals the request sent alone and its receipt
+    verifies, a request for an expert not held fails alone, and a malformed batch gets one error."""
     agent, x, calls = holder
     reqs = requests(x, bad_expert=9)
     sent = []
@@ -325,60 +330,30 @@ def test_socket_batch_frame_is_answered_per_request_and_a_malformed_batch_gets_a
                                                r.carrier, r.payload) for r in reqs[:-1]]
         calls.clear()
         header, payload = messages.batch_frame(reqs, "b1")
-        await agent._handle(header, payload)
-        await agent._handle({"type": "batch", "id": "b2", "requests": [{"nbytes": 5}]}, b"xy")
+        await agent._handle({**header, "stream": stream}, payload)
+        await agent._handle({"type": "batch", "id": "b2", "stream": stream, "requests": [{"nbytes": 5}]}, b"xy")
         return singles
 
     singles = asyncio.run(go())
-    assert calls == [len(reqs)]
-    answer, data = wire.unpack_frame(sent[0], wire.MESSAGE_HEADER_MAX)
-    outcomes = messages.batch_answers(answer, data, reqs, "ws", 1, 1)
+    if stream:
+        parts = [wire.unpack_frame(f, wire.MESSAGE_HEADER_MAX) for f in sent[:len(reqs)]]
+        assert [h["id"] for h, _ in parts] == ["b1"] * len(reqs)
+        assert [h["more"] for h, _ in parts] == [True] * (len(reqs) - 1) + [False]
+        streamed = messages.StreamedBatch(reqs, "ws", 1)
+        for h, data in parts:
+            streamed.part(h, data, 1)
+        outcomes = streamed.finish()
+    else:
+        assert calls == [len(reqs)]
+        answer, data = wire.unpack_frame(sent[0], wire.MESSAGE_HEADER_MAX)
+        outcomes = messages.batch_answers(answer, data, reqs, "ws", 1, 1)
     assert isinstance(outcomes[-1], HolderFault) and "-32004" in str(outcomes[-1])
     for req, ans, (_, out) in zip(reqs, outcomes, singles):
         assert np.array_equal(ans.rows, wire.decode_rows(out, req.output, req.d_model, len(req.tokens)))
         verify_receipt(ans.receipt, provider=agent.provider, request_id=req.request_id, model_id=MODEL, layer=LAYER,
                        expert=req.expert, tokens=req.tokens, carrier_kind=req.carrier, carrier=req.payload,
                        rows=ans.rows)
-    bad, _ = wire.unpack_frame(sent[1])
-    assert bad["id"] == "b2" and bad["ok"] is False and "nbytes" in bad["message"]
-
-
-def test_socket_streamed_batch_is_answered_one_message_per_request(holder):
-    """The agent's socket answers a ``stream: true`` batch with one ``batch_part`` per request,
-    ``more`` on all but the last; read back with ``StreamedBatch`` each equals the request sent
-    alone and its receipt verifies; a malformed streamed batch gets one error reply."""
-    agent, x, _ = holder
-    reqs = requests(x, bad_expert=9)
-    sent = []
-
-    class Socket:  # the agent's end of its socket: what it writes back
-        async def send(self, frame):
-            sent.append(frame)
-
-    async def go():
-        agent._ws, agent.max_message = Socket(), 1 << 20
-        singles = [await agent.execute_request({**messages.request_header(r), "request_id": r.request_id},
-                                               r.carrier, r.payload) for r in reqs[:-1]]
-        header, payload = messages.batch_frame(reqs, "b1")
-        await agent._handle({**header, "stream": True}, payload)
-        await agent._handle({"type": "batch", "id": "b2", "stream": True, "requests": [{"nbytes": 5}]}, b"xy")
-        return singles
-
-    singles = asyncio.run(go())
-    parts = [wire.unpack_frame(f, wire.MESSAGE_HEADER_MAX) for f in sent[:len(reqs)]]
-    assert [h["id"] for h, _ in parts] == ["b1"] * len(reqs)
-    assert [h["more"] for h, _ in parts] == [True] * (len(reqs) - 1) + [False]
-    stream = messages.StreamedBatch(reqs, "ws", 1)
-    for h, data in parts:
-        stream.part(h, data, 1)
-    outcomes = stream.finish()
-    assert isinstance(outcomes[-1], HolderFault) and "-32004" in str(outcomes[-1])
-    for req, ans, (_, out) in zip(reqs, outcomes, singles):
-        assert np.array_equal(ans.rows, wire.decode_rows(out, req.output, req.d_model, len(req.tokens)))
-        verify_receipt(ans.receipt, provider=agent.provider, request_id=req.request_id, model_id=MODEL, layer=LAYER,
-                       expert=req.expert, tokens=req.tokens, carrier_kind=req.carrier, carrier=req.payload,
-                       rows=ans.rows)
-    bad, _ = wire.unpack_frame(sent[len(reqs)])
+    bad, _ = wire.unpack_frame(sent[-1])
     assert bad["id"] == "b2" and bad["ok"] is False and "more" not in bad and "nbytes" in bad["message"]
 
 
