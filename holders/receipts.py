@@ -61,15 +61,32 @@ def carrier_hash(kind: str, payload: bytes) -> bytes:
     tag = CARRIER_TAGS.get(kind)
     if tag is None:
         raise ReceiptError(f"unknown carrier kind {kind!r}")
-    return hashlib.sha256(CARRIER_DOMAIN + bytes([tag]) + payload).digest()
+    h = hashlib.sha256(CARRIER_DOMAIN + bytes([tag]))
+    h.update(payload)  # not concatenated: no copy of the carrier
+    return h.digest()
+
+
+def _sign_bits(input_hash: bytes, d_model: int, p: int = SKETCH_PROJECTIONS) -> np.ndarray:
+    """The SHAKE-256 bytes uint8 ``[ceil(p·d_model / 8)]`` whose bits (little-endian within each
+    byte) are the sketch signs, projection-major: bit 1 → +1, bit 0 → −1."""
+    return np.frombuffer(hashlib.shake_256(SKETCH_DOMAIN + input_hash).digest((p * d_model + 7) // 8), dtype=np.uint8)
 
 
 def sketch_signs(input_hash: bytes, d_model: int, p: int = SKETCH_PROJECTIONS) -> np.ndarray:
     """The ±1 projection matrix float64 ``[p, d_model]`` expanded from ``input_hash`` with SHAKE-256."""
-    n = p * d_model
-    bits = np.unpackbits(np.frombuffer(hashlib.shake_256(SKETCH_DOMAIN + input_hash).digest((n + 7) // 8),
-                                       dtype=np.uint8), bitorder="little")[:n]
+    bits = np.unpackbits(_sign_bits(input_hash, d_model, p), bitorder="little")[:p * d_model]
     return (bits.astype(np.float64) * 2.0 - 1.0).reshape(p, d_model)
+
+
+@njit(cache=True, nogil=True)
+def _expand_signs(bits, p, h):
+    """``sketch_signs`` from ``_sign_bits`` inside compiled code: float64 ``[p, h]``."""
+    signs = np.empty((p, h), np.float64)
+    for q in range(p):
+        for j in range(h):
+            b = q * h + j
+            signs[q, j] = 1.0 if (bits[b >> 3] >> (b & 7)) & 1 else -1.0
+    return signs
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
@@ -107,9 +124,9 @@ def sketch(rows: np.ndarray, input_hash: bytes) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
-def _top_k_scan(rows, k, out):
-    """``out`` int64 ``[n, k]`` ← per row of finite f32 ``rows`` the indices of the k largest
-    |values|, descending, ties to the lower index: one pass per row keeping a sorted list of
+def _top_k_scan(rows, k, out, values):
+    """``out`` uint32 ``[n, k]`` ← per row of finite f32 ``rows`` the indices of the k largest
+    |values|, descending, ties to the lower index, and ``values`` f32 ``[n, k]`` ← those values: one pass per row keeping a sorted list of
     k; a value enters only when strictly larger than the list's last (an equal one has a
     higher index, so it loses the tie) and moves ahead of strictly smaller ones only. Once
     the list is full, a span of 16 values none of which beats the list's last is skipped
@@ -145,25 +162,36 @@ def _top_k_scan(rows, k, out):
                 mags[p] = m
                 out[r, p] = j
             j0 = j1
+        for p in range(k):
+            values[r, p] = rows[r, out[r, p]]
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def _digest_rows(rows, bits, idx, values, proj, abssum):
+    """Everything a receipt needs of rows f32 ``[n, H]`` in one compiled call: ``proj`` and
+    ``abssum`` (``_sums`` over the signs expanded from ``bits``), then, when every row is
+    finite, the top ``idx.shape[1]`` features into ``idx``/``values`` (``_top_k_scan``).
+    Returns whether every row was finite (if not, ``idx``/``values`` are not written)."""
+    finite = _sums(rows, _expand_signs(bits, proj.shape[1], rows.shape[1]), proj, abssum)
+    if finite and idx.shape[1] > 0:
+        _top_k_scan(rows, idx.shape[1], idx, values)
+    return finite
 
 
 def _digest(rows: np.ndarray, input_hash: bytes, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """What a receipt needs of rows f32 ``[n, H]``, in one compiled pass per quantity: (top-k
-    indices uint32 ``[n, k']``, their values float32, sketch projections float64 ``[n, p]``,
-    Σ|row| float64 ``[n]``), ``k' = min(k, H)``. Rows holding NaN or ±Inf take numpy's
-    partition for the top-k (its NaN ordering)."""
+    """What a receipt needs of rows f32 ``[n, H]``, in one compiled call (``_digest_rows``):
+    (top-k indices uint32 ``[n, k']``, their values float32, sketch projections float64
+    ``[n, p]``, Σ|row| float64 ``[n]``), ``k' = min(k, H)``. Rows holding NaN or ±Inf take
+    ``_top_features_partition`` for the top-k (NaN first, as numpy orders it)."""
     rows = np.ascontiguousarray(rows, dtype=np.float32)
     n, h = rows.shape
+    kk = min(k, h)
+    idx = np.empty((n, kk), np.uint32)
+    val = np.empty((n, kk), np.float32)
     proj = np.empty((n, SKETCH_PROJECTIONS), np.float64)
     abssum = np.empty(n, np.float64)
-    finite = _sums(rows, sketch_signs(input_hash, h), proj, abssum)
-    kk = min(k, h)
-    if n == 0 or kk == 0 or not finite:
+    if not _digest_rows(rows, _sign_bits(input_hash, h), idx, val, proj, abssum):
         idx, val = _top_features_partition(rows, kk)
-    else:
-        pos = np.empty((n, kk), dtype=np.int64)
-        _top_k_scan(rows, kk, pos)
-        idx, val = pos.astype(np.uint32), np.take_along_axis(rows, pos, axis=1)
     return idx, val, proj, abssum
 
 
@@ -180,9 +208,10 @@ def top_features(rows: np.ndarray, k: int = TOP_K) -> tuple[np.ndarray, np.ndarr
     k = min(k, h)
     if n == 0 or k == 0 or np.isnan(rows).any():
         return _top_features_partition(rows, k)
-    idx = np.empty((n, k), dtype=np.int64)
-    _top_k_scan(rows, k, idx)
-    return idx.astype(np.uint32), np.take_along_axis(rows, idx, axis=1)
+    idx = np.empty((n, k), dtype=np.uint32)
+    val = np.empty((n, k), dtype=np.float32)
+    _top_k_scan(rows, k, idx, val)
+    return idx, val
 
 
 def _top_features_partition(rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

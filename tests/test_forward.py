@@ -562,3 +562,14 @@ def test_split_batches_are_not_dealt_to_a_holder_that_failed_recently(qwen):
     # Split batches may differ from the monolithic forward in the last bits (README), not from each other.
     assert np.array_equal(second.output, first.output)
     assert np.allclose(second.output, qwen.monolithic(), rtol=1e-5, atol=1e-6)
+
+
+def test_split_threshold_zero_never_splits_and_a_negative_one_is_refused(qwen):
+    """``TENZRO_PLAN_SPLIT_THRESHOLD=0`` (the README's "never split", for bit-exactness) plans one
+    batch per expert and equals the monolithic forward bit for bit; a negative value is a
+    ``ValueError`` naming it, not a planning failure mid-forward."""
+    res = qwen.run(split_threshold=0)
+    assert res.batches == len({e for e in res.routing.expert_ids.ravel().tolist()})
+    assert np.array_equal(res.output, qwen.monolithic())
+    with pytest.raises(ValueError, match="split_threshold"):
+        qwen.run(split_threshold=-1)
