@@ -98,9 +98,10 @@ class SocketHub:
                     back[key] = back.get(key, 0) + len(frame)
                     msg = parts.feed(header, payload)
                     if msg is not None:
-                        fut = self.pending.pop(key, None)
+                        more = msg[0].get("more")  # a streamed batch: more answers to come
+                        fut = self.pending.get(key) if more else self.pending.pop(key, None)
                         if fut is not None and not fut.done():
-                            fut.set_result((*msg, back.pop(key)))
+                            fut.set_result({"header": msg[0], "payload": msg[1], "back": back.pop(key)})
         except ConnectionClosed:  # the agent process ended
             pass
 
@@ -108,25 +109,33 @@ class SocketHub:
         """One ``BatchRequest`` over ``provider``'s socket; its ``BatchAnswer``. Requests to one
         provider in the same loop turn go as one ``batch`` message, as ``services.send_ws`` does."""
         return await self.coalescer.submit(provider, req, lambda r: self._one(provider, r),
-                                           lambda reqs: self._many(provider, reqs))
+                                           lambda reqs, deliver: self._many(provider, reqs, deliver), streaming=True)
 
-    async def _exchange(self, provider: str, header: dict, payload: bytes) -> tuple[dict, bytes, int, int]:
+    async def _exchange(self, provider: str, header: dict, payload: bytes, on_part=None) -> tuple[dict, bytes, int, int]:
+        from holders.transports.ws import AnswerStream
         frames = wire.split_frames(header, payload, self.MAX_MESSAGE)
-        fut = asyncio.get_running_loop().create_future()
+        fut = asyncio.get_running_loop().create_future() if on_part is None else AnswerStream(on_part)
         self.pending[header["id"]] = fut
         for frame in frames:
             await self.sockets[provider].send(frame)
-        answer, data, back = await fut
-        return answer, data, sum(map(len, frames)), back
+        msg = await (fut if on_part is None else fut.final)
+        return msg["header"], msg["payload"], sum(map(len, frames)), msg["back"]
 
     async def _one(self, provider: str, req) -> object:
         answer, payload, out, back = await self._exchange(provider, messages.request_header(req), req.payload)
         return answer_to_batch(answer, payload, req, "ws", out, back)
 
-    async def _many(self, provider: str, reqs: list) -> list:
+    async def _many(self, provider: str, reqs: list, deliver) -> list:
+        """A streamed batch, as ``services.send_ws`` sends it (``messages.StreamedBatch``)."""
         header, payload = messages.batch_frame(reqs, uuid.uuid4().hex)
-        answer, data, out, back = await self._exchange(provider, header, payload)
-        return messages.batch_answers(answer, data, reqs, "ws", out, back)
+        header["stream"] = True
+        stream = messages.StreamedBatch(reqs, "ws", 4 + len(json.dumps(header, separators=(",", ":"))) + len(payload))
+        answer, data, out, back = await self._exchange(
+            provider, header, payload, lambda m: deliver(*stream.part(m["header"], m["payload"], m["back"])))
+        if "more" not in answer:
+            return messages.batch_answers(answer, data, reqs, "ws", out, back)
+        stream.part(answer, data, back)
+        return stream.finish()
 
     async def wait_for_agents(self, n: int, timeout: float = 60.0) -> None:
         """Return once ``n`` agents are admitted; ``TimeoutError`` after ``timeout`` seconds."""

@@ -66,6 +66,19 @@ def _rpc_failure(exc: BaseException) -> tuple[int, str]:
     return INTERNAL_ERROR, f"internal error: {type(exc).__name__}"
 
 
+def _row_count(req: dict) -> int:
+    """Token rows of an execute request (0 when ``token_indices`` is not a list: it fails alone later)."""
+    tokens = req.get("token_indices")
+    return len(tokens) if isinstance(tokens, list) else 0
+
+
+def _answer(header: dict, outcome) -> tuple[dict, bytes]:
+    """One request's (reply or failure header, output bytes) from its ``execute_stream`` outcome."""
+    if isinstance(outcome, BaseException):
+        return messages.failure(header.get("id"), *_rpc_failure(outcome)), b""
+    return messages.reply(header.get("id"), **outcome[0]), outcome[1]
+
+
 class HeartbeatTooLarge(ValueError):
     """The holdings do not fit the site's message cap even in the coarsest compact form."""
 
@@ -188,7 +201,8 @@ class HolderAgent:
         Raises ``AuthRefused`` when the site closes with 4401.
         """
         self._loop = asyncio.get_running_loop()
-        server = (await serve_http(self._http_rpc, self.http_host, self.http_port, self._http_frame)
+        server = (await serve_http(self._http_rpc, self.http_host, self.http_port, self._http_frame,
+                                        self._http_stream)
                   if self.http_port else None)
         if self.iroh_bind is not None:
             self.iroh = await iroh.IrohServer(iroh.endpoint_secret(self.key.encode()), self.iroh_bind,
@@ -397,6 +411,10 @@ class HolderAgent:
             kind = header.get("type")
             if kind in ("execute", "batch") and self.faults.blackhole:
                 return  # the drill: never answer
+            if kind == "batch" and header.get("stream"):
+                async for part in self.stream_batch(header, payload):
+                    await self._reply(*part)
+                return
             if kind == "batch":
                 await self._reply(*await self.execute_batch(header, payload))
                 return
@@ -494,28 +512,44 @@ class HolderAgent:
         return await asyncio.get_running_loop().run_in_executor(self._compute, self._execute_sync, req, carrier,
                                                                 payload)
 
-    async def execute_many(self, items: list[tuple[dict, str, bytes]]) -> list:
+    async def execute_stream(self, items: list[tuple[dict, str, bytes]]):
         """Several batches (``execute_request``'s arguments each) in one hop to the compute pool
-        per compute thread (round-robin, so several threads still run them side by side).
-        Returns one outcome per item, in order: (answer fields, output bytes) or the exception
-        it raised, so one failing request fails only itself. Under the ``blackhole`` drill it
-        never answers."""
+        per compute thread (round-robin, so several threads still run them side by side); an
+        async iterator of (index, outcome) in the order they finish, the outcome being (answer
+        fields, output bytes) or the exception it raised, so one failing request fails only
+        itself and each answer can leave before the next batch is done. Under the
+        ``blackhole`` drill it never answers."""
         if self.faults.blackhole:
             await asyncio.Event().wait()
-
-        def run(part: list[tuple[dict, str, bytes]]) -> list:
-            out = []
-            for req, carrier, payload in part:
-                try:
-                    out.append(self._execute_sync(req, carrier, payload))
-                except Exception as exc:  # noqa: BLE001 (each request gets its own answer)
-                    out.append(exc)
-            return out
-
-        hops = max(1, min(self.compute_threads, len(items)))
         loop = asyncio.get_running_loop()
-        done = await asyncio.gather(*(loop.run_in_executor(self._compute, run, items[i::hops]) for i in range(hops)))
-        return [done[i % hops][i // hops] for i in range(len(items))]
+        done: asyncio.Queue = asyncio.Queue()
+
+        def run(indices: list[int]) -> None:
+            for i in indices:
+                try:
+                    outcome = self._execute_sync(*items[i])
+                except Exception as exc:  # noqa: BLE001 (each request gets its own answer)
+                    outcome = exc
+                try:
+                    loop.call_soon_threadsafe(done.put_nowait, (i, outcome))
+                except RuntimeError:  # the loop closed (agent stopping): nobody waits for it
+                    return
+
+        # Largest batches first: the last to finish is a small one, whose answer the router
+        # checks quickly, so less of the forward waits on one core after the rest are done.
+        order = sorted(range(len(items)), key=lambda i: -_row_count(items[i][0]))
+        hops = max(1, min(self.compute_threads, len(items)))
+        for h in range(hops):
+            loop.run_in_executor(self._compute, run, order[h::hops])
+        for _ in range(len(items)):
+            yield await done.get()
+
+    async def execute_many(self, items: list[tuple[dict, str, bytes]]) -> list:
+        """``execute_stream``'s outcomes collected in the order of ``items``."""
+        out: list = [None] * len(items)
+        async for i, outcome in self.execute_stream(items):
+            out[i] = outcome
+        return out
 
     async def execute_batch(self, header: dict, payload: bytes) -> tuple[dict, bytes]:
         """A coalesced ``batch`` message (``messages.split_batch``) through ``execute_many``, each
@@ -525,9 +559,18 @@ class HolderAgent:
         subs = messages.split_batch(header, payload)
         outcomes = await self.execute_many([({**h, "request_id": h.get("id")}, h.get("carrier", "f32"), data)
                                             for h, data in subs])
-        answers = [(messages.failure(h.get("id"), *_rpc_failure(o)), b"") if isinstance(o, BaseException)
-                   else (messages.reply(h.get("id"), **o[0]), o[1]) for (h, _), o in zip(subs, outcomes)]
-        return messages.batch_reply(header.get("id"), answers)
+        return messages.batch_reply(header.get("id"), [_answer(h, o) for (h, _), o in zip(subs, outcomes)])
+
+    async def stream_batch(self, header: dict, payload: bytes):
+        """A coalesced ``batch`` answered request by request as each finishes: an async iterator
+        of ``messages.batch_part`` (header, output bytes), ``more: false`` on the last. Raises
+        ``wire.WireError`` (before yielding anything) when the batch is malformed."""
+        subs = messages.split_batch(header, payload)
+        left = len(subs)
+        async for i, outcome in self.execute_stream([({**h, "request_id": h.get("id")}, h.get("carrier", "f32"),
+                                                      data) for h, data in subs]):
+            left -= 1
+            yield messages.batch_part(header.get("id"), _answer(subs[i][0], outcome), more=left > 0)
 
     async def execute_many_rpc(self, items: list[tuple[dict, str, bytes]]) -> list:
         """``execute_many`` for the iroh endpoint: failures as ``RpcError`` (as ``execute_rpc``)."""
@@ -564,6 +607,10 @@ class HolderAgent:
             raise RpcError(METHOD_NOT_FOUND, f"unknown request type {header.get('type')!r}")
         return await self.execute_rpc({**header, "request_id": header.get("id")}, header.get("carrier", "f32"),
                                       payload)
+
+    def _http_stream(self, header: dict, payload: bytes):
+        """Streamed binary batch over HTTP (``POST /frame`` with ``stream: true``): ``stream_batch``."""
+        return self.stream_batch(header, payload)
 
     async def _http_rpc(self, method: str, params: dict) -> dict:
         """JSON-RPC handler of the HTTP endpoint (``holders.transports.http``)."""

@@ -215,16 +215,17 @@ class AgentConsumer(AsyncWebsocketConsumer):
         if whole is None:
             return  # more parts to come
         header, payload = whole
-        reply_to = self.pending.pop(str(header.get("id")), None)
+        key = str(header.get("id"))  # a streamed batch's answers keep it pending until the last
+        reply_to = self.pending.get(key) if header.get("more") else self.pending.pop(key, None)
         if reply_to is None:
             await self._send_error(f"answer for unknown request id {header.get('id')!r}")
             return
         await self._reply(reply_to, {"type": "agent.reply", "id": header["id"], "header": header, "payload": payload})
 
     async def _reply(self, reply_to: str | asyncio.Future, msg: dict) -> None:
-        """Hand an answer to the waiting router: its future, or its reply channel. A full reply
-        channel drops the answer (logged); the router's request then times out."""
-        if isinstance(reply_to, asyncio.Future):
+        """Hand an answer to the waiting router: its future (or ``ws.AnswerStream``), or its reply
+        channel. A full reply channel drops the answer (logged); the router's request then times out."""
+        if not isinstance(reply_to, str):
             if not reply_to.done():
                 reply_to.set_result(msg)
             return

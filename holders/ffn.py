@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
+from numba import njit
 
 from holders.activations import silu
 from holders.compute import matmul_xt
@@ -350,9 +351,23 @@ def combine(routing: Routing, expert_outputs: Mapping[int, tuple[np.ndarray, np.
         miss_e = ids[miss_t, miss_s]
         missing = {int(e): np.sort(miss_t[miss_e == e]).astype(np.int64) for e in np.unique(miss_e)}
         raise MissingExpertRows(missing)
-    for j in range(s):
-        out += weights[:, j, None] * all_rows[gather[:, j]]
+    _weighted_sum(out, np.ascontiguousarray(weights, dtype=np.float32), gather, all_rows)
     return out
+
+
+@njit(cache=True, nogil=True)
+def _weighted_sum(out, weights, gather, rows):
+    """``out[t] += weights[t, j] * rows[gather[t, j]]`` for j = 0, 1, … in order: each product
+    rounded to float32, then added (no fused multiply-add: the bits of numpy's
+    ``out += weights[:, j, None] * rows[gather[:, j]]``), one token row at a time in cache."""
+    t, s = gather.shape
+    h = out.shape[1]
+    for i in range(t):
+        for j in range(s):
+            w = weights[i, j]
+            r = gather[i, j]
+            for c in range(h):
+                out[i, c] += w * rows[r, c]
 
 
 def moe_layer_forward(gate: Gate, experts: Callable[[int], ExpertWeights] | Mapping[int, ExpertWeights],

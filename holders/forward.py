@@ -52,7 +52,7 @@ from holders.messages import AuthRefusal, BatchAnswer, BatchRequest, HolderFault
 from holders.receipts import ReceiptError, verify_receipt
 from holders.scoreboard import Scoreboard
 from registry.jsonrpc import ParamError
-from registry.planner import DispatchPlan, PlanningError, TokenRouting, plan_dispatch
+from registry.planner import DispatchPlan, plan_expert_batches
 from registry.shardmap import ShardView
 
 MAX_REPLANS = 2
@@ -104,15 +104,6 @@ class ForwardResult:
     timings_ms: dict = field(default_factory=dict)
     verified: list[VerifiedBatch] = field(default_factory=list)
     forward_id: str = ""
-
-
-def token_routings(pairs: dict[int, list[int]], layer: int) -> list[TokenRouting]:
-    """Planner input from outstanding pairs ``{expert: [tokens]}``, grouped by token ascending."""
-    by_token: dict[int, list[int]] = {}
-    for e in sorted(pairs):
-        for t in pairs[e]:
-            by_token.setdefault(int(t), []).append(int(e))
-    return [TokenRouting(t, tuple((layer, e) for e in by_token[t])) for t in sorted(by_token)]
 
 
 def renormalized(routing: Routing, missing: dict[int, set[int]]) -> Routing:
@@ -206,7 +197,11 @@ class LayerForward:
         self.hidden_states, self.get_view, self.send = hidden_states, get_view, send
         self.top_k, self.allow_cold, self.allow_partial = top_k, allow_cold, allow_partial
         self.carrier, self.deadline_s = carrier, deadline_s
-        self.split_threshold, self.readahead, self.verify = split_threshold, readahead, verify
+        if split_threshold is not None and (type(split_threshold) is not int or split_threshold < 0):
+            raise ValueError(f"split_threshold must be a non-negative integer or None, got {split_threshold!r}")
+        # 0 (TENZRO_PLAN_SPLIT_THRESHOLD=0) never splits, as tenzro_moePlanDispatch reads it.
+        self.split_threshold = split_threshold or None
+        self.readahead, self.verify = readahead, verify
         self.local, self.routing = local, routing
         self.on_verified_batch = on_verified_batch
         self.excluded: set[str] = set()
@@ -418,13 +413,13 @@ class LayerForward:
         """Plan the outstanding pairs ``{expert: [tokens]}`` over the live view without the
         excluded providers. Raises ``ForwardError("planning")`` when the planner cannot."""
         view = await self.get_view(frozenset(self.excluded))
-        try:
-            return plan_dispatch(view, token_routings(todo, self.layer), allow_cold=self.allow_cold,
-                                 split_threshold=self.split_threshold,
-                                 order=self.scoreboard.order if self.scoreboard is not None else None,
-                                 avoid=self.scoreboard.failed_recently if self.scoreboard is not None else None)
-        except PlanningError as exc:
-            raise ForwardError("planning", str(exc)) from exc
+        # The pairs are already grouped by expert with ascending tokens: the planner's batch step
+        # directly, without plan_dispatch's per-token regrouping and validation.
+        batches, unplanned, _ = plan_expert_batches(
+            view, {(self.layer, e): toks for e, toks in todo.items()}, allow_cold=self.allow_cold,
+            split_threshold=self.split_threshold, order=self.scoreboard.order if self.scoreboard is not None else None,
+            avoid=self.scoreboard.failed_recently if self.scoreboard is not None else None)
+        return DispatchPlan(view.model_id, batches, [], unplanned)
 
     async def execute(self) -> None:
         """Rounds of local execution, planning and batches until every pair is filled, nothing
@@ -539,7 +534,8 @@ async def distributed_forward(**kwargs) -> ForwardResult:
     hedged probes); None keeps the view's order. ``attempt_timeout_s`` (default 3 ×
     ``deadline_s``): how long a request past its deadline may still answer first.
 
-    Raises ``ValueError`` for bad input (from ``route``, ``wire.choose_carrier``) and
+    Raises ``ValueError`` for bad input (from ``route``, ``wire.choose_carrier``; a negative
+    ``split_threshold``: 0 or None never splits) and
     ``ForwardError`` with ``data["missing"] = [{layer, expert, tokens}]`` when pairs stay
     unserved and ``allow_partial`` is false, or the shared expert is missing.
     """

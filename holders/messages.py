@@ -19,6 +19,11 @@ module says what goes in the headers and in the socket's JSON text messages:
   (``batch_reply``), one answer per request in order, each with its own receipt or error
   (failure codes are JSON-RPC codes on every transport; a malformed batch as a whole gets one
   ``ok: false`` reply); agents still take single ``execute`` frames;
+- a ``batch`` with ``stream: true`` is answered request by request as each finishes: one
+  ``{id, ok: true, answers: [one answer + nbytes], more}`` message each (``batch_part``,
+  payload = that answer's output bytes, ``id`` the batch's), ``more: false`` on the last; the
+  router verifies the first receipts while the holder still computes the rest (HTTP carries the
+  messages as the chunks of one chunked body). A holder that ignores ``stream`` answers whole;
 - either direction, a message above the socket's cap as part frames ``{id, part, parts}``
   (``wire.split_frames``), acted on only once reassembled.
 
@@ -270,6 +275,51 @@ def batch_reply(batch_id, answers: list[tuple[dict, bytes]]) -> tuple[dict, byte
     header, output bytes) per request in order; each header gains ``nbytes``."""
     return (reply(batch_id, answers=[{**h, "nbytes": len(b)} for h, b in answers]),
             b"".join(b for _, b in answers))
+
+
+def batch_part(batch_id, answer: tuple[dict, bytes], more: bool) -> tuple[dict, bytes]:
+    """(header, payload) of one streamed answer of a ``stream: true`` batch: ``answer`` is that
+    request's (reply or failure header, output bytes); ``more`` is False on the batch's last."""
+    header, data = answer
+    return reply(batch_id, answers=[{**header, "nbytes": len(data)}], more=bool(more)), data
+
+
+class StreamedBatch:
+    """Router side of one streamed ``batch``: turns each ``batch_part`` message into its
+    request's outcome. ``reqs`` are the batch's requests; ``request_bytes`` the whole request
+    message's size (shared out by payload, as ``batch_answers`` does)."""
+
+    def __init__(self, reqs: list[BatchRequest], transport: str, request_bytes: int):
+        self.reqs, self.transport, self.request_bytes = reqs, transport, request_bytes
+        self.index = {r.request_id: i for i, r in enumerate(reqs)}
+        self.outcomes: list = [None] * len(reqs)
+        self._total_out = sum(len(r.payload) for r in reqs) or 1
+
+    def part(self, header: dict, payload: bytes, reply_bytes: int) -> tuple[int, object]:
+        """(request index, outcome: ``BatchAnswer`` or the ``HolderFault``/``AuthRefusal``/
+        ``Rejected`` it failed with) of one streamed answer message of ``reply_bytes`` bytes.
+        Raises ``HolderFault`` for a message that is not one answer to a request of this batch
+        still unanswered (the stream is then untrustworthy as a whole)."""
+        answers = header.get("answers")
+        a = answers[0] if isinstance(answers, list) and len(answers) == 1 else None
+        i = self.index.get(a.get("id")) if isinstance(a, dict) else None
+        if i is None or self.outcomes[i] is not None:
+            raise HolderFault("a streamed batch answer is not one answer to an open request of the batch")
+        if a.get("nbytes") != len(payload):
+            raise HolderFault(f"streamed answer nbytes {a.get('nbytes')!r} for {len(payload)} payload bytes")
+        req = self.reqs[i]
+        try:
+            out = answer_to_batch(a, payload, req, self.transport,
+                                  self.request_bytes * len(req.payload) // self._total_out, reply_bytes)
+        except (HolderFault, AuthRefusal, Rejected) as exc:
+            out = exc
+        self.outcomes[i] = out
+        return i, out
+
+    def finish(self) -> list:
+        """Every outcome, a request the stream never answered as a ``HolderFault``."""
+        return [o if o is not None else HolderFault(f"the streamed batch ended without answering request "
+                                                    f"{r.request_id}") for r, o in zip(self.reqs, self.outcomes)]
 
 
 def split_batch_reply(answer: dict, payload: bytes, n: int) -> list[tuple[dict, bytes]]:

@@ -61,47 +61,138 @@ def carrier_hash(kind: str, payload: bytes) -> bytes:
     tag = CARRIER_TAGS.get(kind)
     if tag is None:
         raise ReceiptError(f"unknown carrier kind {kind!r}")
-    return hashlib.sha256(CARRIER_DOMAIN + bytes([tag]) + payload).digest()
+    h = hashlib.sha256(CARRIER_DOMAIN + bytes([tag]))
+    h.update(payload)  # not concatenated: no copy of the carrier
+    return h.digest()
+
+
+def _sign_bits(input_hash: bytes, d_model: int, p: int = SKETCH_PROJECTIONS) -> np.ndarray:
+    """The SHAKE-256 bytes uint8 ``[ceil(p·d_model / 8)]`` whose bits (little-endian within each
+    byte) are the sketch signs, projection-major: bit 1 → +1, bit 0 → −1."""
+    return np.frombuffer(hashlib.shake_256(SKETCH_DOMAIN + input_hash).digest((p * d_model + 7) // 8), dtype=np.uint8)
 
 
 def sketch_signs(input_hash: bytes, d_model: int, p: int = SKETCH_PROJECTIONS) -> np.ndarray:
     """The ±1 projection matrix float64 ``[p, d_model]`` expanded from ``input_hash`` with SHAKE-256."""
-    n = p * d_model
-    bits = np.unpackbits(np.frombuffer(hashlib.shake_256(SKETCH_DOMAIN + input_hash).digest((n + 7) // 8),
-                                       dtype=np.uint8), bitorder="little")[:n]
+    bits = np.unpackbits(_sign_bits(input_hash, d_model, p), bitorder="little")[:p * d_model]
     return (bits.astype(np.float64) * 2.0 - 1.0).reshape(p, d_model)
+
+
+@njit(cache=True, nogil=True)
+def _expand_signs(bits, p, h):
+    """``sketch_signs`` from ``_sign_bits`` inside compiled code: float64 ``[p, h]``."""
+    signs = np.empty((p, h), np.float64)
+    for q in range(p):
+        for j in range(h):
+            b = q * h + j
+            signs[q, j] = 1.0 if (bits[b >> 3] >> (b & 7)) & 1 else -1.0
+    return signs
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def _sums(rows, signs, proj, abssum):
+    """``proj`` f64 ``[n, p]`` ← rows @ signs.T and ``abssum`` f64 ``[n]`` ← Σ|row|, in one pass
+    (reassociated, so vectorized: the sketch is compared within a tolerance, never bit-exact).
+    Returns False when a row holds NaN or ±Inf."""
+    n, h = rows.shape
+    p = signs.shape[0]
+    finite = True
+    for r in range(n):
+        s = 0.0
+        bad = 0.0
+        for j in range(h):
+            v = np.float64(rows[r, j])
+            s += abs(v)
+            bad += v - v  # 0 for finite v, NaN for NaN or ±Inf
+        abssum[r] = s
+        if bad != 0.0:  # NaN compares unequal to everything, 0.0 included
+            finite = False
+        for q in range(p):
+            acc = 0.0
+            for j in range(h):
+                acc += np.float64(rows[r, j]) * signs[q, j]
+            proj[r, q] = acc
+    return finite
 
 
 def sketch(rows: np.ndarray, input_hash: bytes) -> np.ndarray:
     """Projections float64 ``[n, p]`` of rows f32 ``[n, H]`` onto the signs of ``input_hash``."""
-    return np.ascontiguousarray(rows, dtype=np.float64) @ sketch_signs(input_hash, rows.shape[1]).T
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    proj = np.empty((rows.shape[0], SKETCH_PROJECTIONS), np.float64)
+    _sums(rows, sketch_signs(input_hash, rows.shape[1]), proj, np.empty(rows.shape[0], np.float64))
+    return proj
 
 
 @njit(cache=True, nogil=True)
-def _top_k_scan(rows, k, out):
-    """``out`` int64 ``[n, k]`` ← per row of finite f32 ``rows`` the indices of the k largest
-    |values|, descending, ties to the lower index: one pass per row keeping a sorted list of
+def _top_k_scan(rows, k, out, values):
+    """``out`` uint32 ``[n, k]`` ← per row of finite f32 ``rows`` the indices of the k largest
+    |values|, descending, ties to the lower index, and ``values`` f32 ``[n, k]`` ← those values: one pass per row keeping a sorted list of
     k; a value enters only when strictly larger than the list's last (an equal one has a
-    higher index, so it loses the tie) and moves ahead of strictly smaller ones only."""
+    higher index, so it loses the tie) and moves ahead of strictly smaller ones only. Once
+    the list is full, a span of 16 values none of which beats the list's last is skipped
+    after one branch-free (vectorized) compare."""
     n, h = rows.shape
     mags = np.empty(k, np.float32)
     for r in range(n):
         filled = 0
-        for j in range(h):
-            m = abs(rows[r, j])
+        j0 = 0
+        while j0 < h:
+            j1 = min(j0 + 16, h)
             if filled == k:
-                if not m > mags[k - 1]:
+                floor = mags[k - 1]
+                beats = 0
+                for j in range(j0, j1):
+                    beats |= abs(rows[r, j]) > floor
+                if not beats:
+                    j0 = j1
                     continue
-                p = k - 1
-            else:
-                p = filled
-                filled += 1
-            while p > 0 and mags[p - 1] < m:
-                mags[p] = mags[p - 1]
-                out[r, p] = out[r, p - 1]
-                p -= 1
-            mags[p] = m
-            out[r, p] = j
+            for j in range(j0, j1):
+                m = abs(rows[r, j])
+                if filled == k:
+                    if not m > mags[k - 1]:
+                        continue
+                    p = k - 1
+                else:
+                    p = filled
+                    filled += 1
+                while p > 0 and mags[p - 1] < m:
+                    mags[p] = mags[p - 1]
+                    out[r, p] = out[r, p - 1]
+                    p -= 1
+                mags[p] = m
+                out[r, p] = j
+            j0 = j1
+        for p in range(k):
+            values[r, p] = rows[r, out[r, p]]
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def _digest_rows(rows, bits, idx, values, proj, abssum):
+    """Everything a receipt needs of rows f32 ``[n, H]`` in one compiled call: ``proj`` and
+    ``abssum`` (``_sums`` over the signs expanded from ``bits``), then, when every row is
+    finite, the top ``idx.shape[1]`` features into ``idx``/``values`` (``_top_k_scan``).
+    Returns whether every row was finite (if not, ``idx``/``values`` are not written)."""
+    finite = _sums(rows, _expand_signs(bits, proj.shape[1], rows.shape[1]), proj, abssum)
+    if finite and idx.shape[1] > 0:
+        _top_k_scan(rows, idx.shape[1], idx, values)
+    return finite
+
+
+def _digest(rows: np.ndarray, input_hash: bytes, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What a receipt needs of rows f32 ``[n, H]``, in one compiled call (``_digest_rows``):
+    (top-k indices uint32 ``[n, k']``, their values float32, sketch projections float64
+    ``[n, p]``, Σ|row| float64 ``[n]``), ``k' = min(k, H)``. Rows holding NaN or ±Inf take
+    ``_top_features_partition`` for the top-k (NaN first, as numpy orders it)."""
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    n, h = rows.shape
+    kk = min(k, h)
+    idx = np.empty((n, kk), np.uint32)
+    val = np.empty((n, kk), np.float32)
+    proj = np.empty((n, SKETCH_PROJECTIONS), np.float64)
+    abssum = np.empty(n, np.float64)
+    if not _digest_rows(rows, _sign_bits(input_hash, h), idx, val, proj, abssum):
+        idx, val = _top_features_partition(rows, kk)
+    return idx, val, proj, abssum
 
 
 def top_features(rows: np.ndarray, k: int = TOP_K) -> tuple[np.ndarray, np.ndarray]:
@@ -117,32 +208,21 @@ def top_features(rows: np.ndarray, k: int = TOP_K) -> tuple[np.ndarray, np.ndarr
     k = min(k, h)
     if n == 0 or k == 0 or np.isnan(rows).any():
         return _top_features_partition(rows, k)
-    idx = np.empty((n, k), dtype=np.int64)
-    _top_k_scan(rows, k, idx)
-    return idx.astype(np.uint32), np.take_along_axis(rows, idx, axis=1)
+    idx = np.empty((n, k), dtype=np.uint32)
+    val = np.empty((n, k), dtype=np.float32)
+    _top_k_scan(rows, k, idx, val)
+    return idx, val
 
 
 def _top_features_partition(rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """``top_features`` for any f32 rows (NaN included) by a full per-row partition, O(H) per row:
-    ``np.partition`` finds the k-th magnitude; everything above it plus the lowest-index ties
-    at it are kept, then the k are ordered."""
+    """``top_features`` for any f32 rows, NaN and ±Inf included, by a full stable sort per row:
+    NaN first (numpy's sort puts NaN above every magnitude), then |value| descending, ties to
+    the lower index. O(H log H) per row; only rows that are not all finite come here."""
     n, h = rows.shape
     if n == 0 or k == 0:
         return np.zeros((n, k), np.uint32), np.zeros((n, k), np.float32)
     mag = np.abs(rows)
-    kth = np.partition(mag, h - k, axis=1)[:, h - k:h - k + 1]  # the k-th largest magnitude per row
-    above = mag > kth
-    ties = mag == kth
-    need = k - np.count_nonzero(above, axis=1)
-    keep = above | ties
-    crowded = np.nonzero(np.count_nonzero(ties, axis=1) > need)[0]  # rare: more equal magnitudes than slots left
-    if crowded.size:
-        t = ties[crowded]
-        keep[crowded] = above[crowded] | (t & (np.cumsum(t, axis=1) <= need[crowded, None]))
-    idx = np.nonzero(keep)[1].reshape(n, k)  # ascending index within each row
-    # Order the k by magnitude descending; the stable sort keeps lower indices first on ties.
-    order = np.argsort(-np.take_along_axis(mag, idx, axis=1), axis=1, kind="stable")
-    idx = np.take_along_axis(idx, order, axis=1)
+    idx = np.lexsort((-mag, ~np.isnan(mag)), axis=-1)[:, :k]  # last key is the primary; lexsort is stable
     return idx.astype(np.uint32), np.take_along_axis(rows, idx, axis=1)
 
 
@@ -152,13 +232,17 @@ def commitment_bytes(tokens: list[int], rows: np.ndarray, projections: np.ndarra
     Raises ``ReceiptError`` when the shapes disagree with the token count.
     """
     rows = np.ascontiguousarray(rows, dtype=np.float32)
+    if rows.ndim != 2 or rows.shape[0] != len(tokens) or rows.shape[1] == 0:
+        raise ReceiptError(f"output rows have shape {rows.shape}; expected [{len(tokens)}, d_model]")
+    return _pack_commitment(tokens, *top_features(rows, k), projections)
+
+
+def _pack_commitment(tokens: list[int], idx: np.ndarray, val: np.ndarray, projections: np.ndarray) -> bytes:
+    """Canonical commitment bytes from the top features (uint32 / float32 ``[n, k]``) and projections."""
     n = len(tokens)
-    if rows.ndim != 2 or rows.shape[0] != n or rows.shape[1] == 0:
-        raise ReceiptError(f"output rows have shape {rows.shape}; expected [{n}, d_model]")
     projections = np.ascontiguousarray(projections, dtype="<f8")
     if projections.ndim != 2 or projections.shape[0] != n:
         raise ReceiptError(f"sketch has shape {projections.shape}; expected [{n}, p]")
-    idx, val = top_features(rows, k)
     kk, p = idx.shape[1], projections.shape[1]
     rec = np.zeros(n, dtype=[("t", "<u4"), ("f", [("i", "<u4"), ("v", "<f4")], (kk,)), ("s", "<f8", (p,))])
     rec["t"] = np.asarray(tokens, dtype=np.uint32)
@@ -185,8 +269,11 @@ def make_receipt(key: SigningKey, *, request_id: str, model_id: str, layer: int,
     (hashes hex, ``sketch`` base64 of f64 LE ``[n, p]``).
     """
     ih = carrier_hash(carrier_kind, carrier)
-    proj = sketch(rows, ih)
-    commit = hashlib.sha256(commitment_bytes(tokens, rows, proj)).hexdigest()
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    if rows.ndim != 2 or rows.shape[0] != len(tokens) or rows.shape[1] == 0:
+        raise ReceiptError(f"output rows have shape {rows.shape}; expected [{len(tokens)}, d_model]")
+    idx, val, proj, _ = _digest(rows, ih, TOP_K)
+    commit = hashlib.sha256(_pack_commitment(tokens, idx, val, proj)).hexdigest()
     provider = provider_id(key)
     body = _body(request_id=request_id, model_id=model_id, layer=layer, expert=expert, tokens=tokens,
                  input_hash=ih.hex(), commitment=commit, d_model=rows.shape[1], blob_hash=blob_hash,
@@ -235,11 +322,13 @@ def verify_receipt(receipt: dict | None, *, provider: str, request_id: str, mode
     theirs = np.frombuffer(raw, dtype="<f8").reshape(n, SKETCH_PROJECTIONS)
     if rows.shape[0] != n:
         raise ReceiptError(f"{rows.shape[0]} output rows for {n} tokens")
-    ours = sketch(rows, ih)
-    tol = SKETCH_RTOL * np.abs(rows).sum(axis=1, dtype=np.float64, keepdims=True) + 1e-30
+    if rows.shape[1] == 0:
+        raise ReceiptError(f"output rows have shape {rows.shape}; expected [{n}, d_model]")
+    idx, val, ours, abssum = _digest(rows, ih, TOP_K)
+    tol = SKETCH_RTOL * abssum[:, None] + 1e-30
     if not np.isfinite(theirs).all() or (np.abs(theirs - ours) > tol).any():
         raise ReceiptError("output rows do not match the receipt's sketch")
-    if hashlib.sha256(commitment_bytes(tokens, rows, theirs)).hexdigest() != receipt["commitment"]:
+    if hashlib.sha256(_pack_commitment(tokens, idx, val, theirs)).hexdigest() != receipt["commitment"]:
         raise ReceiptError("output rows do not match the receipt's commitment")
     body = _body(request_id=request_id, model_id=model_id, layer=layer, expert=expert, tokens=tokens,
                  input_hash=ih.hex(), commitment=receipt["commitment"], d_model=rows.shape[1],

@@ -116,7 +116,8 @@ async def send_ws(provider: str, req: BatchRequest) -> BatchAnswer:
     """
     link = await AgentLink.get()
     return await link.coalescer.submit(provider, req, lambda r: _send_ws_one(link, provider, r),
-                                       lambda reqs: _send_ws_many(link, provider, reqs))
+                                       lambda reqs, deliver: _send_ws_many(link, provider, reqs, deliver),
+                                       streaming=True)
 
 
 async def _send_ws_one(link: AgentLink, provider: str, req: BatchRequest) -> BatchAnswer:
@@ -134,14 +135,26 @@ async def _send_ws_one(link: AgentLink, provider: str, req: BatchRequest) -> Bat
     return answer_to_batch(answer, payload, req, "ws", out, back)
 
 
-async def _send_ws_many(link: AgentLink, provider: str, reqs: list[BatchRequest]) -> list:
-    """Outcomes of ``reqs`` sent as one ``batch`` message (``messages.batch_answers``)."""
+async def _send_ws_many(link: AgentLink, provider: str, reqs: list[BatchRequest], deliver) -> list:
+    """Outcomes of ``reqs`` sent as one streamed ``batch`` message: each answer goes to
+    ``deliver(index, outcome)`` as it arrives (``messages.StreamedBatch``); an agent that
+    answers the batch whole is read with ``messages.batch_answers``."""
     header, payload = messages.batch_frame(reqs, uuid.uuid4().hex)
-    answer, data = await link.request(provider, header, payload, settings.TENZRO["BATCH_TIMEOUT_S"],
-                                      req_id=header["id"])
+    header["stream"] = True
     out = 4 + len(json.dumps(header, separators=(",", ":"))) + len(payload)
+    stream = messages.StreamedBatch(reqs, "ws", out)
+
+    def on_part(msg: dict) -> None:
+        head, data = msg.get("header") or {}, msg.get("payload") or b""
+        deliver(*stream.part(head, data, 4 + len(json.dumps(head, separators=(",", ":"))) + len(data)))
+
+    answer, data = await link.request(provider, header, payload, settings.TENZRO["BATCH_TIMEOUT_S"],
+                                      req_id=header["id"], on_part=on_part)
     back = 4 + len(json.dumps(answer, separators=(",", ":"))) + len(data)
-    return messages.batch_answers(answer, data, reqs, "ws", out, back)
+    if "more" not in answer:  # answered whole
+        return messages.batch_answers(answer, data, reqs, "ws", out, back)
+    stream.part(answer, data, back)  # the last answer: its caller is resolved from finish()
+    return stream.finish()
 
 
 async def send_to_agent(model_id: str, provider: str, layer: int, expert: int, tokens: list[int],

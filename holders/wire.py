@@ -22,9 +22,9 @@ import json
 import struct
 
 import numpy as np
+from numba import njit
 
 from holders import quant
-from holders.codec import encode_bf16
 from registry.jsonrpc import ParamError
 
 FRAME_HEADER_MAX = 64 * 1024
@@ -239,17 +239,29 @@ def encode_rows(rows: np.ndarray, kind: str) -> bytes:
             raise WireError(f"rows hold a value beyond the f16 range (±{F16_MAX:g}) or a non-finite value")
         return half.tobytes()
     if kind == "bf16":
-        try:
-            return encode_bf16(rows).astype("<u2", copy=False).tobytes()
-        except ValueError as exc:
-            raise WireError(str(exc)) from exc
+        out = np.empty(rows.shape, dtype="<u2")
+        status = _bf16_round(rows.reshape(-1).view(np.uint32), out.reshape(-1))
+        if status == 1:
+            raise WireError("cannot encode non-finite values as bf16")
+        if status == 2:
+            raise WireError("value beyond the bf16 range (rounds to infinity)")
+        return out.tobytes()
     if kind == "q8_0":
         if rows.shape[-1] % quant.Q8_0.block_size:
             raise WireError(f"q8_0 rows need d_model divisible by 32, got {rows.shape[-1]}")
-        try:
-            return quant.Q8_0.quantize(rows).tobytes()
-        except ValueError as exc:
-            raise WireError(str(exc)) from exc
+        blocks = rows.reshape(-1, 32)
+        d = np.empty(blocks.shape[0], dtype=np.float32)
+        if not _q8_0_scales(blocks, d):
+            raise WireError("cannot encode non-finite values as q8_0")
+        with np.errstate(over="ignore"):  # overflow is reported below, as quant.quantize words it
+            h = d.astype("<f2")
+        if not np.isfinite(h).all():
+            raise WireError("q8_0 quantization: the fp16 block scale d overflows (input magnitude too large "
+                            "for q8_0; ggml would reject the block)")
+        out = np.empty((blocks.shape[0], 34), dtype=np.uint8)
+        out[:, :2] = h.view(np.uint8).reshape(-1, 2)
+        _q8_0_narrow(blocks, d, out)
+        return out.tobytes()
     raise WireError(f"unknown row encoding {kind!r}")
 
 
@@ -270,8 +282,10 @@ def decode_rows(data: bytes, kind: str, d_model: int, n_rows: int, field: str = 
     elif kind == "bf16":
         if len(data) != 2 * n_rows * d_model:
             raise WireError(f"{field}: {len(data)} bytes is not {n_rows} bf16 rows of d_model={d_model}", field)
-        bits = np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16
-        arr = bits.view(np.float32).reshape(n_rows, d_model)
+        arr = np.empty((n_rows, d_model), dtype=np.float32)
+        if not _bf16_widen(np.frombuffer(data, dtype="<u2"), arr.reshape(-1).view(np.uint32)):
+            raise WireError(f"{field} holds non-finite values (NaN or Inf)", field)
+        return arr
     elif kind == "q8_0":
         if d_model % quant.Q8_0.block_size:
             raise WireError(f"{field}: q8_0 rows need d_model divisible by 32, got {d_model}", field)
@@ -279,12 +293,97 @@ def decode_rows(data: bytes, kind: str, d_model: int, n_rows: int, field: str = 
         if len(data) != want:
             raise WireError(f"{field}: {len(data)} bytes of q8_0 blocks; {n_rows} rows of d_model={d_model} "
                             f"take {want}", field)
-        arr = quant.Q8_0.dequantize(np.frombuffer(data, dtype=np.uint8), (n_rows, d_model))
+        arr = np.empty((n_rows, d_model), dtype=np.float32)
+        if not _q8_0_widen(np.frombuffer(data, dtype=np.uint8), _F16_TABLE, arr.reshape(-1)):
+            raise WireError(f"{field} holds non-finite values (NaN or Inf)", field)
+        return arr
     else:
         raise WireError(f"{field}: unknown row encoding {kind!r}", field)
     if not np.isfinite(arr).all():
         raise WireError(f"{field} holds non-finite values (NaN or Inf)", field)
     return arr
+
+
+# Every IEEE half bit pattern → float32 (exact), for the Q8_0 block scales.
+_F16_TABLE = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+@njit(cache=True, nogil=True)
+def _bf16_round(u, out):
+    """``out`` uint16 ``[m]`` ← float32 bit patterns ``u`` uint32 ``[m]`` rounded to bf16 (nearest,
+    ties to even: ``codec.encode_bf16``'s arithmetic). Returns 0, or 1 when a value is NaN/Inf,
+    else 2 when one rounds past the bf16 range (flags OR-ed, so the loop vectorizes)."""
+    nonfinite = 0
+    overflow = 0
+    for i in range(u.shape[0]):
+        b = u[i]
+        nonfinite |= (b & np.uint32(0x7F800000)) == np.uint32(0x7F800000)
+        r = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+        overflow |= (r & np.uint32(0x7F80)) == np.uint32(0x7F80)
+        out[i] = np.uint16(r)
+    return 1 if nonfinite else (2 if overflow else 0)
+
+
+@njit(cache=True, nogil=True)
+def _bf16_widen(h, out):
+    """``out`` uint32 (float32 bits) ``[m]`` ← bf16 ``h`` uint16 ``[m]`` shifted up 16 bits (exact);
+    returns False when a value is NaN or ±Inf."""
+    bad = 0
+    for i in range(h.shape[0]):
+        v = np.uint32(h[i])
+        bad |= (v & np.uint32(0x7F80)) == np.uint32(0x7F80)
+        out[i] = v << np.uint32(16)
+    return not bad
+
+
+@njit(cache=True, nogil=True)
+def _q8_0_scales(blocks, d):
+    """``d`` float32 ``[m]`` ← per block of 32 the Q8_0 scale ``amax / 127`` (ggml
+    ``quantize_row_q8_0_ref``, f32 arithmetic); returns False when a value is NaN or ±Inf."""
+    bad = False
+    for b in range(blocks.shape[0]):
+        amax = np.float32(0.0)
+        for j in range(32):
+            v = abs(blocks[b, j])
+            bad |= not (v - v == 0.0)
+            if v > amax:
+                amax = v
+        d[b] = amax / np.float32(127.0)
+    return not bad
+
+
+@njit(cache=True, nogil=True)
+def _q8_0_narrow(blocks, d, out):
+    """``out[:, 2:]`` ← the int8 quants of f32 ``blocks`` ``[m, 32]`` with scales ``d``: ``roundf(x *
+    (1/d))`` (half away from zero; 0 where d is 0, or subnormal so x/d is not finite), as ggml's
+    ``quantize_row_q8_0_ref`` and ``quant.Q8_0.quantize`` (byte-identical)."""
+    for b in range(blocks.shape[0]):
+        idv = np.float32(1.0) / d[b] if d[b] != 0 else np.float32(0.0)
+        for j in range(32):
+            v = blocks[b, j] * idv
+            if not (v - v == 0.0):
+                v = np.float32(0.0)
+            r = np.float32(np.rint(v))
+            if abs(v - r) == np.float32(0.5):
+                r = v + (np.float32(0.5) if v > 0 else np.float32(-0.5))
+            q = np.int32(r)
+            out[b, 2 + j] = np.uint8(q & 0xFF)
+
+
+@njit(cache=True, nogil=True)
+def _q8_0_widen(b, f16, out):
+    """``out`` float32 ``[32 m]`` ← Q8_0 blocks ``b`` uint8 ``[34 m]`` (``qs * d``, as
+    ``quant.Q8_0.dequantize``: one f32 product per value, bit-identical); returns False when a
+    block scale is NaN or ±Inf (the only way a decoded value can be non-finite)."""
+    bad = False
+    for blk in range(b.shape[0] // 34):
+        o = blk * 34
+        d = f16[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
+        bad |= not (d - d == 0.0)
+        for j in range(32):
+            q = np.int32(b[o + 2 + j])
+            out[blk * 32 + j] = np.float32(q - ((q & 128) << 1)) * d  # the byte as int8
+    return not bad
 
 
 def encoded_nbytes(kind: str, n_rows: int, d_model: int) -> int:

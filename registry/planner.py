@@ -179,6 +179,32 @@ def plan_dispatch(
             else:
                 lst.append(t)
 
+    batches, unplanned, chosen = plan_expert_batches(view, by_expert, allow_cold, split_threshold, order, avoid)
+    assignments = []
+    for r in routings:
+        t = r.token_index
+        slots = []
+        for key in r.experts:
+            c = chosen[key]
+            slots.append({"layer": key[0], "expert": key[1], "provider": c[t] if type(c) is dict else c})
+        assignments.append({"token_index": t, "slots": slots})
+    return DispatchPlan(view.model_id, batches, assignments, unplanned)
+
+
+def plan_expert_batches(
+    view: ShardView,
+    by_expert: dict[tuple[int, int], list[int]],
+    allow_cold: bool = False,
+    split_threshold: int | None = None,
+    order: Callable[[Sequence[HolderInfo]], Sequence[HolderInfo]] | None = None,
+    avoid: Callable[[str], bool] | None = None,
+) -> tuple[list["ExpertBatch"], list[dict], dict]:
+    """The batch step of :func:`plan_dispatch` on pairs already grouped: ``by_expert`` maps
+    ``(layer, expert)`` to its tokens, ascending and distinct (not checked: callers hold them
+    so, as a forward's outstanding pairs are). Returns (batches sorted by layer, expert, first
+    token and provider; ``unplanned`` experts ``{layer, expert, tokens}``; per expert the
+    provider chosen, a per-token dict when split, None when unplanned). Same parameters and
+    algorithm as :func:`plan_dispatch`, which validates its routings and calls this."""
     batches: list[ExpertBatch] = []
     unplanned: list[dict] = []
     # key -> provider for the whole expert, or a per-token dict when split.
@@ -215,13 +241,4 @@ def plan_dispatch(
         chosen[key] = per_token
     # Already grouped by (layer, expert) with ascending first tokens; sort anyway for the contract.
     batches.sort(key=lambda b: (b.layer, b.expert, b.token_indices[0], b.provider))
-
-    assignments = []
-    for r in routings:
-        t = r.token_index
-        slots = []
-        for key in r.experts:
-            c = chosen[key]
-            slots.append({"layer": key[0], "expert": key[1], "provider": c[t] if type(c) is dict else c})
-        assignments.append({"token_index": t, "slots": slots})
-    return DispatchPlan(view.model_id, batches, assignments, unplanned)
+    return batches, unplanned, chosen

@@ -318,3 +318,61 @@ async def test_batches_sent_together_reach_the_agent_as_one_frame_and_resolve_ea
         assert np.array_equal(got[i].rows, np.frombuffer(wire.encode_f32(rows[i:i + 1])[::-1], "<f4").reshape(1, 32))
     assert isinstance(got[1], HolderFault) and "-32004" in str(got[1])
     await comm.disconnect()
+
+
+@pytest.mark.parametrize("path", ["local", "layer"])
+async def test_a_streamed_batch_resolves_each_request_as_its_answer_arrives(monkeypatch, path):
+    """``services.send_ws`` asks for a streamed batch; the agent answers request by request
+    (``messages.batch_part``). Each caller resumes when its own answer arrives, before the rest are
+    sent, through the consumer's direct relay and through the channel layer; a failure fails only
+    its request; an answer the batch never asked for ends the stream (the rest fault)."""
+    import asyncio
+
+    import numpy as np
+
+    from holders import messages, services
+    from holders.messages import BatchRequest, HolderFault
+    from holders.transports import ws
+
+    if path == "layer":  # the router is not the process holding the socket
+        monkeypatch.setattr(ws, "_local_socket", lambda provider: None)
+    monkeypatch.setenv("TENZRO_COALESCE", "1")
+    key = SigningKey.generate()
+    comm = await authed(key)
+    rows = np.arange(4 * 32, dtype=np.float32).reshape(4, 32)
+
+    def batch(tag):
+        return [BatchRequest(f"{tag}{i}", "m", 0, i, [i], "f32", wire.encode_f32(rows[i:i + 1]), "f32", 32)
+                for i in range(4)]
+
+    reqs = batch("s")
+    sent = [asyncio.ensure_future(services.send_ws(provider_id(key), r)) for r in reqs]
+    header, payload = wire.unpack_frame(await comm.receive_from(), wire.MESSAGE_HEADER_MAX)
+    assert header["type"] == "batch" and header["stream"] is True
+    subs = messages.split_batch(header, payload)
+    order = [2, 0, 1, 3]  # answered out of order, as a holder finishes them
+    for n, i in enumerate(order):
+        h, data = subs[i]
+        answer = ((messages.failure(h["id"], -32004, "expert not loaded"), b"") if i == 1 else
+                  (messages.reply(h["id"], token_indices=h["token_indices"], output="f32", receipt=None), data))
+        await comm.send_to(bytes_data=wire.pack_frame(*messages.batch_part(header["id"], answer, n < 3)))
+        await asyncio.wait_for(asyncio.shield(sent[i]) if i != 1 else asyncio.wait([sent[i]]), 5.0)
+        assert all(not sent[j].done() for j in order[n + 1:])  # the rest still wait
+    got = await asyncio.gather(*sent, return_exceptions=True)
+    for i in (0, 2, 3):
+        assert got[i].transport == "ws" and got[i].bytes_out > 0 and got[i].bytes_back > 0
+        assert np.array_equal(got[i].rows, rows[i:i + 1])
+    assert isinstance(got[1], HolderFault) and "-32004" in str(got[1])
+
+    reqs = batch("t")  # a streamed answer to a request the batch never carried
+    sent = [asyncio.ensure_future(services.send_ws(provider_id(key), r)) for r in reqs]
+    header, payload = wire.unpack_frame(await comm.receive_from(), wire.MESSAGE_HEADER_MAX)
+    h, data = messages.split_batch(header, payload)[0]
+    good = (messages.reply(h["id"], token_indices=h["token_indices"], output="f32", receipt=None), data)
+    await comm.send_to(bytes_data=wire.pack_frame(*messages.batch_part(header["id"], good, True)))
+    stray = (messages.reply("nobody", token_indices=[0], output="f32", receipt=None), data)
+    await comm.send_to(bytes_data=wire.pack_frame(*messages.batch_part(header["id"], stray, True)))
+    got = await asyncio.wait_for(asyncio.gather(*sent, return_exceptions=True), 5.0)
+    assert np.array_equal(got[0].rows, rows[0:1])
+    assert all(isinstance(g, HolderFault) and "not one answer" in str(g) for g in got[1:])
+    await comm.disconnect()

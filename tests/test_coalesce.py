@@ -179,6 +179,84 @@ def test_http_sends_one_frame_per_holder_and_one_bad_request_fails_alone(holder,
     check(agent, reqs, got[:-1], singles)
 
 
+def test_http_streamed_batch_answers_each_request_as_it_finishes(holder, monkeypatch):
+    """A streamed ``batch`` (chunked reply): the first request's caller has its verified answer
+    while the holder is still inside the second; bits equal the requests sent alone, a bad request
+    fails alone, and the keep-alive connection is reused afterwards."""
+    import threading
+
+    agent, x, _ = holder
+    reqs = requests(x, bad_expert=9)
+    gate = threading.Event()
+    real = agent._execute_sync
+
+    def held_back(req, carrier, payload):
+        if req["expert"] == EXPERTS[1]:
+            assert gate.wait(30)
+        return real(req, carrier, payload)
+
+    async def go():
+        server = await serve_http(agent._http_rpc, "127.0.0.1", 0, agent._http_frame, agent._http_stream)
+        endpoint = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/rpc"
+        client = HttpHolderClient(30)
+        try:
+            monkeypatch.setenv("TENZRO_COALESCE", "0")
+            singles = await asyncio.gather(*(client.execute_frame(endpoint, r) for r in fresh(reqs[:-1])))
+            monkeypatch.setenv("TENZRO_COALESCE", "1")
+            monkeypatch.setattr(agent, "_execute_sync", held_back)
+            tasks = [asyncio.ensure_future(client.execute_frame(endpoint, r)) for r in reqs]
+            first = await asyncio.wait_for(asyncio.shield(tasks[0]), 20)  # answered while expert 4 is held
+            early = [t.done() for t in tasks]
+            gate.set()
+            got = await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.sleep(0.05)  # the stream's last chunk is read after the last answer
+            pooled = sum(len(v) for v in client._idle.values())
+            again = await asyncio.gather(*(client.execute_frame(endpoint, r) for r in fresh(reqs[:-1])))
+            return singles, first, early, got, pooled, again
+        finally:
+            await client.close()
+            server.close()
+
+    singles, first, early, got, pooled, again = asyncio.run(go())
+    assert first is got[0] and early[0] and not early[1]
+    assert isinstance(got[-1], HolderFault) and "-32004" in str(got[-1])
+    check(agent, reqs, got[:-1], singles)
+    assert pooled >= 1  # the connection went back to the pool, not closed
+    assert all(np.array_equal(a.rows, b.rows) for a, b in zip(again, singles))
+
+
+def test_http_streamed_batch_refused_whole_and_a_holder_without_streaming(holder, monkeypatch):
+    """A malformed streamed batch gets one failure frame (every request rejected, no holder
+    fault); a holder without a stream handler answers the same batch whole and the client
+    reads that too."""
+    agent, x, _ = holder
+    reqs = requests(x)
+
+    async def go():
+        server = await serve_http(agent._http_rpc, "127.0.0.1", 0, agent._http_frame, agent._http_stream)
+        plain = await serve_http(agent._http_rpc, "127.0.0.1", 0, agent._http_frame)
+        ep = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/rpc"
+        ep_plain = f"http://127.0.0.1:{plain.sockets[0].getsockname()[1]}/rpc"
+        client = HttpHolderClient(30)
+        try:
+            bad = wire.pack_frame({"type": "batch", "id": "b", "stream": True, "requests": [{"nbytes": 5}]}, b"xy")
+            answer, _ = wire.unpack_frame(await client._exchange(ep, bad, lambda f: None), wire.MESSAGE_HEADER_MAX)
+            monkeypatch.setenv("TENZRO_COALESCE", "1")
+            got = await asyncio.gather(*(client.execute_frame(ep_plain, r) for r in reqs))
+            return answer, got
+        finally:
+            await client.close()
+            server.close()
+            plain.close()
+
+    answer, got = asyncio.run(go())
+    assert answer["ok"] is False and answer["code"] == -32602 and "nbytes" in answer["message"]
+    for req, ans in zip(reqs, got):
+        verify_receipt(ans.receipt, provider=agent.provider, request_id=req.request_id, model_id=MODEL, layer=LAYER,
+                       expert=req.expert, tokens=req.tokens, carrier_kind=req.carrier, carrier=req.payload,
+                       rows=ans.rows)
+
+
 def test_iroh_sends_one_stream_per_holder_and_one_bad_request_fails_alone(holder, monkeypatch):
     agent, x, calls = holder
     reqs = requests(x, carrier="f32", output="f32", bad_expert=9)
@@ -232,7 +310,12 @@ def test_a_stream_announcing_more_requests_than_it_carries_is_refused(holder):
     assert twice[0]["error"]["code"] == -32600 and "distinct ids" in twice[0]["error"]["message"]
 
 
-def test_socket_batch_frame_is_answered_per_request_and_a_malformed_batch_gets_an_error(holder):
+@pytest.mark.parametrize("stream", [False, True])
+def test_socket_batch_frame_is_answered_per_request_and_a_malformed_batch_gets_an_error(holder, stream):
+    """The agent's socket answers a ``batch`` with one reply carrying every answer, or, asked to
+    ``stream``, with one ``batch_part`` per request (``more`` on all but the last, read back with
+    ``StreamedBatch``); either way each answer equals the request sent alone and its receipt
+    verifies, a request for an expert not held fails alone, and a malformed batch gets one error."""
     agent, x, calls = holder
     reqs = requests(x, bad_expert=9)
     sent = []
@@ -247,22 +330,31 @@ def test_socket_batch_frame_is_answered_per_request_and_a_malformed_batch_gets_a
                                                r.carrier, r.payload) for r in reqs[:-1]]
         calls.clear()
         header, payload = messages.batch_frame(reqs, "b1")
-        await agent._handle(header, payload)
-        await agent._handle({"type": "batch", "id": "b2", "requests": [{"nbytes": 5}]}, b"xy")
+        await agent._handle({**header, "stream": stream}, payload)
+        await agent._handle({"type": "batch", "id": "b2", "stream": stream, "requests": [{"nbytes": 5}]}, b"xy")
         return singles
 
     singles = asyncio.run(go())
-    assert calls == [len(reqs)]
-    answer, data = wire.unpack_frame(sent[0], wire.MESSAGE_HEADER_MAX)
-    outcomes = messages.batch_answers(answer, data, reqs, "ws", 1, 1)
+    if stream:
+        parts = [wire.unpack_frame(f, wire.MESSAGE_HEADER_MAX) for f in sent[:len(reqs)]]
+        assert [h["id"] for h, _ in parts] == ["b1"] * len(reqs)
+        assert [h["more"] for h, _ in parts] == [True] * (len(reqs) - 1) + [False]
+        streamed = messages.StreamedBatch(reqs, "ws", 1)
+        for h, data in parts:
+            streamed.part(h, data, 1)
+        outcomes = streamed.finish()
+    else:
+        assert calls == [len(reqs)]
+        answer, data = wire.unpack_frame(sent[0], wire.MESSAGE_HEADER_MAX)
+        outcomes = messages.batch_answers(answer, data, reqs, "ws", 1, 1)
     assert isinstance(outcomes[-1], HolderFault) and "-32004" in str(outcomes[-1])
     for req, ans, (_, out) in zip(reqs, outcomes, singles):
         assert np.array_equal(ans.rows, wire.decode_rows(out, req.output, req.d_model, len(req.tokens)))
         verify_receipt(ans.receipt, provider=agent.provider, request_id=req.request_id, model_id=MODEL, layer=LAYER,
                        expert=req.expert, tokens=req.tokens, carrier_kind=req.carrier, carrier=req.payload,
                        rows=ans.rows)
-    bad, _ = wire.unpack_frame(sent[1])
-    assert bad["id"] == "b2" and bad["ok"] is False and "nbytes" in bad["message"]
+    bad, _ = wire.unpack_frame(sent[-1])
+    assert bad["id"] == "b2" and bad["ok"] is False and "more" not in bad and "nbytes" in bad["message"]
 
 
 def test_batch_reply_that_does_not_match_its_requests_faults_only_what_it_cannot_answer(holder):

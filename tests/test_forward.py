@@ -85,6 +85,31 @@ def test_top_features_match_the_definition_on_tie_heavy_rows(family, h):
             assert np.array_equal(val[r].view(np.uint32), x[r, idx[r]].view(np.uint32))
 
 
+@pytest.mark.parametrize("h", [2048, 96, 33])
+def test_receipt_digest_matches_the_definitions(h):
+    """The compiled one-pass digest: projections within the sketch tolerance of the float64
+    BLAS product, Σ|row| likewise, the top features those of the definition, and a row holding
+    NaN or Inf flagged (its top features then by numpy's partition)."""
+    rng = np.random.default_rng(h)
+    x = (rng.standard_normal((5, h)) * rng.choice([1e-20, 1.0, 1e20], (5, h))).astype(np.float32)
+    ih = bytes(range(32))
+    idx, val, proj, abssum = receipts._digest(x, ih, 8)
+    exact = x.astype(np.float64) @ receipts.sketch_signs(ih, h).T
+    total = np.abs(x).sum(axis=1, dtype=np.float64)
+    assert np.all(np.abs(proj - exact) <= receipts.SKETCH_RTOL * total[:, None])
+    assert np.allclose(abssum, total, rtol=1e-12, atol=0)
+    assert np.array_equal(receipts.sketch(x, ih), proj)
+    for r in range(5):
+        assert idx[r].tolist() == _top_by_sorting(x[r], 8)
+    for bad in (np.nan, np.inf, -np.inf):
+        y = x.copy()
+        y[2, h // 2] = bad
+        idx_b, _, _, _ = receipts._digest(y, ih, 8)  # the non-finite value ranks first, then as before
+        assert idx_b[2].tolist() == [h // 2] + [i for i in _top_by_sorting(x[2], 8) if i != h // 2][:7]
+        assert all(idx_b[r].tolist() == _top_by_sorting(x[r], 8) for r in (0, 1, 3, 4))
+        assert not receipts._sums(y, receipts.sketch_signs(ih, h), np.empty((5, 4)), np.empty(5))
+
+
 @pytest.mark.parametrize("where", ["top", "tail"])
 def test_tampered_rows_are_rejected(out_rows, where):
     key, rec = _signed(out_rows)
@@ -537,3 +562,14 @@ def test_split_batches_are_not_dealt_to_a_holder_that_failed_recently(qwen):
     # Split batches may differ from the monolithic forward in the last bits (README), not from each other.
     assert np.array_equal(second.output, first.output)
     assert np.allclose(second.output, qwen.monolithic(), rtol=1e-5, atol=1e-6)
+
+
+def test_split_threshold_zero_never_splits_and_a_negative_one_is_refused(qwen):
+    """``TENZRO_PLAN_SPLIT_THRESHOLD=0`` (the README's "never split", for bit-exactness) plans one
+    batch per expert and equals the monolithic forward bit for bit; a negative value is a
+    ``ValueError`` naming it, not a planning failure mid-forward."""
+    res = qwen.run(split_threshold=0)
+    assert res.batches == len({e for e in res.routing.expert_ids.ravel().tolist()})
+    assert np.array_equal(res.output, qwen.monolithic())
+    with pytest.raises(ValueError, match="split_threshold"):
+        qwen.run(split_threshold=-1)

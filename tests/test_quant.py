@@ -747,3 +747,48 @@ def test_cpu_kernel_hooks_bound_for_every_type():
         m = QuantizedMatrix.from_dense(w, qt.name)
         assert m.quant is qt
         assert np.array_equal(cpu.dequantize_parallel(m), m.dequantize())
+
+
+def test_wire_codecs_are_byte_identical_to_the_reference_codecs():
+    """The wire's compiled carrier codecs (Q8_0 encode/decode, bf16 encode/decode) give the bytes
+    and bits of ``quant.Q8_0`` and ``codec.encode_bf16``: exact .5 ties, zero blocks, subnormal
+    scales (x/d not finite → 0), magnitudes near the fp16 scale limit; errors for NaN/Inf and
+    for a scale that overflows fp16."""
+    from holders import wire
+    from holders.codec import encode_bf16
+
+    rng = np.random.default_rng(7)
+    ties = np.zeros((2, 32), np.float32)
+    ties[:, 0] = 127
+    ties[:, 1:] = np.arange(31) + 0.5
+    ties[1] *= -1
+    cases = [rng.standard_normal((16, 2048)).astype(np.float32), ties,
+             (rng.integers(-254, 255, (8, 256)) / 2).astype(np.float32), np.zeros((2, 64), np.float32),
+             (rng.standard_normal((4, 64)) * 1e-38).astype(np.float32),
+             (rng.standard_normal((4, 64)) * 1e-44).astype(np.float32),
+             rng.uniform(-8.2e6, 8.2e6, (4, 64)).astype(np.float32)]
+    for x in cases:
+        n, h = x.shape
+        data = wire.encode_rows(x, "q8_0")
+        assert data == quant.Q8_0.quantize(x).tobytes()
+        back = wire.decode_rows(data, "q8_0", h, n)
+        assert back.tobytes() == quant.Q8_0.dequantize(np.frombuffer(data, np.uint8), (n, h)).tobytes()
+        if np.abs(x).max() < 3e38:
+            b16 = wire.encode_rows(x, "bf16")
+            assert b16 == encode_bf16(x).astype("<u2").tobytes()
+            assert np.array_equal(wire.decode_rows(b16, "bf16", h, n).view(np.uint32),
+                                  encode_bf16(x).astype(np.uint32).reshape(n, h) << 16)
+    for bad in (np.nan, np.inf, -np.inf):
+        x = cases[0].copy()
+        x[3, 5] = bad
+        for kind in ("q8_0", "bf16"):
+            with pytest.raises(wire.WireError, match="non-finite"):
+                wire.encode_rows(x, kind)
+    with pytest.raises(wire.WireError, match="overflows"):
+        wire.encode_rows(np.full((1, 32), 1e7, np.float32), "q8_0")
+    with pytest.raises(wire.WireError, match="bf16 range"):
+        wire.encode_rows(np.full((1, 32), 3.4e38, np.float32), "bf16")
+    scale_inf = bytearray(wire.encode_rows(cases[0][:1], "q8_0"))
+    scale_inf[34 * 3:34 * 3 + 2] = np.float16(np.inf).tobytes()
+    with pytest.raises(wire.WireError, match="non-finite"):
+        wire.decode_rows(bytes(scale_inf), "q8_0", 2048, 1)

@@ -22,7 +22,9 @@ Req = TypeVar("Req")
 Ans = TypeVar("Ans")
 
 # send_many(requests) -> one outcome per request, in order: its answer or the exception it raises.
-SendMany = Callable[[list], Awaitable[list]]
+# A streaming transport's send_many(requests, deliver) also calls deliver(index, outcome) as each
+# answer arrives, so its caller resumes before the rest of the message is in.
+SendMany = Callable[..., Awaitable[list]]
 
 MAX_GROUP = 64  # requests per message: bounds one message's size and one holder's queue
 
@@ -41,11 +43,12 @@ class Coalescer(Generic[Req, Ans]):
         self._tasks: set[asyncio.Task] = set()
 
     async def submit(self, key: Hashable, req: Req, send_one: Callable[[Req], Awaitable[Ans]],
-                     send_many: SendMany) -> Ans:
+                     send_many: SendMany, streaming: bool = False) -> Ans:
         """Send ``req`` to destination ``key``: alone via ``send_one(req)`` when coalescing is off
         or nothing else for ``key`` arrives this turn, else with the others via
-        ``send_many(requests)``. Returns its answer or raises its own exception (whatever
-        ``send_one``/``send_many`` raise or return as its outcome)."""
+        ``send_many(requests)`` (``send_many(requests, deliver)`` when ``streaming``: an outcome
+        delivered early resolves its caller at once). Returns its answer or raises its own
+        exception (whatever ``send_one``/``send_many`` raise or return as its outcome)."""
         if not enabled():
             return await send_one(req)
         loop = asyncio.get_running_loop()
@@ -53,22 +56,35 @@ class Coalescer(Generic[Req, Ans]):
         queue = self._queues.get(key)
         if queue is None:
             queue = self._queues[key] = []
-            loop.call_soon(self._flush, key, send_one, send_many)
+            loop.call_soon(self._flush, key, send_one, send_many, streaming)
         queue.append((req, fut))
         if len(queue) >= MAX_GROUP:
             self._queues.pop(key)
-            self._start(queue, send_one, send_many)
+            self._start(queue, send_one, send_many, streaming)
         return await fut
 
-    def _flush(self, key: Hashable, send_one, send_many) -> None:
+    def _flush(self, key: Hashable, send_one, send_many, streaming: bool) -> None:
         queue = self._queues.pop(key, None)
         if queue:
-            self._start(queue, send_one, send_many)
+            self._start(queue, send_one, send_many, streaming)
 
-    def _start(self, queue: list, send_one, send_many) -> None:
+    def _start(self, queue: list, send_one, send_many, streaming: bool) -> None:
         reqs = [r for r, _ in queue]
         futs = [f for _, f in queue]
-        coro = send_one(reqs[0]) if len(reqs) == 1 else send_many(reqs)
+
+        def deliver(i: int, out) -> None:
+            f = futs[i]
+            if f.done():
+                return
+            if isinstance(out, BaseException):
+                f.set_exception(out)
+            else:
+                f.set_result(out)
+
+        if len(reqs) == 1:
+            coro = send_one(reqs[0])
+        else:
+            coro = send_many(reqs, deliver) if streaming else send_many(reqs)
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
 
@@ -91,7 +107,9 @@ class Coalescer(Generic[Req, Ans]):
                     f.set_result(out)
 
         def abandoned(_f: asyncio.Future) -> None:
-            if not task.done() and all(f.done() for f in futs):  # every caller stopped waiting
+            # Every caller has its answer or stopped waiting; cancel only when one stopped (a
+            # stream whose answers all arrived is still reading its end, which keeps the connection).
+            if not task.done() and all(f.done() for f in futs) and any(f.cancelled() for f in futs):
                 task.cancel()
 
         task.add_done_callback(settle)

@@ -23,7 +23,7 @@ import json
 import logging
 import uuid
 from urllib.parse import urlsplit
-from typing import Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from holders import wire
 from holders import messages
@@ -36,11 +36,15 @@ from registry.jsonrpc import (INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, P
 log = logging.getLogger(__name__)
 
 MAX_BODY = wire.MESSAGE_MAX
+FRAMES_TYPE = "application/x-tenzro-frames"  # a chunked body of answer frames, one per chunk
 
 # handler(method, params) -> result dict; raises RpcError for an error envelope.
 Handler = Callable[[str, dict], Awaitable[dict]]
 # frame_handler(header, payload) -> (answer header, payload): the binary path POST /frame.
 FrameHandler = Callable[[dict, bytes], Awaitable[tuple[dict, bytes]]]
+# stream_handler(batch header, payload) -> async iterator of (answer header, payload), one per
+# request of a ``batch`` sent with ``stream: true``, in the order they finish.
+StreamHandler = Callable[[dict, bytes], AsyncIterator[tuple[dict, bytes]]]
 
 
 async def read_headers(reader: asyncio.StreamReader) -> dict[str, str]:
@@ -90,11 +94,7 @@ async def _rpc(handler: Handler, body: bytes) -> dict:
         return error_response(rid, RpcError(INTERNAL_ERROR, "internal error; the holder log has the details"))
 
 
-async def _frame(frame_handler: FrameHandler, body: bytes) -> bytes:
-    try:
-        header, payload = wire.unpack_frame(body, wire.MESSAGE_HEADER_MAX)  # one whole batch: no frame cap
-    except wire.WireError as exc:
-        return wire.pack_frame(messages.failure(None, PARSE_ERROR, str(exc)))
+async def _frame(frame_handler: FrameHandler, header: dict, payload: bytes) -> bytes:
     try:
         answer, out = await frame_handler(header, payload)
     except RpcError as exc:
@@ -106,13 +106,41 @@ async def _frame(frame_handler: FrameHandler, body: bytes) -> bytes:
     return wire.pack_frame(messages.reply(header.get("id"), **answer), out, wire.MESSAGE_HEADER_MAX)
 
 
-async def serve_http(handler: Handler, host: str, port: int,
-                     frame_handler: FrameHandler | None = None) -> asyncio.AbstractServer:
+async def _stream(writer: asyncio.StreamWriter, stream_handler: StreamHandler, header: dict, payload: bytes,
+                  keep_alive: bool) -> bool:
+    """Answer a streamed ``batch``: a chunked 200 whose every chunk is one answer frame, written as
+    soon as that request finishes. Returns False when the batch was refused as a whole before
+    the stream started (the caller then answers it with one failure frame)."""
+    answers = stream_handler(header, payload)
+    try:
+        first = await anext(answers)
+    except StopAsyncIteration:
+        first = None
+    except (wire.WireError, RpcError):
+        return False
+    writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: {FRAMES_TYPE}\r\nTransfer-Encoding: chunked\r\n"
+                 f"Connection: {'keep-alive' if keep_alive else 'close'}\r\n\r\n".encode())
+    item = first
+    while item is not None:
+        frame = wire.pack_frame(item[0], item[1], wire.MESSAGE_HEADER_MAX)
+        writer.write(b"%x\r\n%b\r\n" % (len(frame), frame))
+        await writer.drain()
+        item = await anext(answers, None)
+    writer.write(b"0\r\n\r\n")
+    await writer.drain()
+    return True
+
+
+async def serve_http(handler: Handler, host: str, port: int, frame_handler: FrameHandler | None = None,
+                     stream_handler: StreamHandler | None = None) -> asyncio.AbstractServer:
     """Start the holder's HTTP endpoint on ``host:port``; returns the asyncio server (close it to stop).
 
     ``POST /rpc``: JSON-RPC through ``handler``. ``POST /frame`` (when ``frame_handler`` is
     given): one binary frame (``wire.pack_frame``, DESIGN §6) in, one frame out; errors come
-    back as a frame with ``ok: false``.
+    back as a frame with ``ok: false``. A ``batch`` frame with ``stream: true`` (when
+    ``stream_handler`` is given) is answered request by request: ``Transfer-Encoding: chunked``,
+    one answer frame per chunk as each request finishes, so the router checks the first receipts
+    while the holder still computes the rest; a batch refused as a whole gets one failure frame.
     """
 
     async def conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -146,7 +174,15 @@ async def serve_http(handler: Handler, host: str, port: int,
                     return
                 body = await reader.readexactly(n)
                 if path == "/frame":
-                    await _respond(writer, 200, await _frame(frame_handler, body), keep)
+                    try:
+                        header, payload = wire.unpack_frame(body, wire.MESSAGE_HEADER_MAX)  # whole batch: no cap
+                    except wire.WireError as exc:
+                        await _respond(writer, 200, wire.pack_frame(messages.failure(None, PARSE_ERROR, str(exc))),
+                                       keep)
+                        continue
+                    if not (stream_handler is not None and header.get("type") == "batch" and header.get("stream")
+                            and await _stream(writer, stream_handler, header, payload, keep)):
+                        await _respond(writer, 200, await _frame(frame_handler, header, payload), keep)
                 else:
                     await _respond(writer, 200, await _rpc(handler, body), keep)
                 if not keep:
@@ -157,6 +193,23 @@ async def serve_http(handler: Handler, host: str, port: int,
             writer.close()
 
     return await asyncio.start_server(conn, host, port)
+
+
+async def _read_chunk(reader: asyncio.StreamReader) -> bytes | None:
+    """One chunk of a chunked HTTP/1.1 body (``size-hex CRLF data CRLF``); None after the last
+    (zero-size) chunk and its trailer. Raises ``ValueError`` for a malformed chunk (the
+    connection is then dropped) and ``asyncio.IncompleteReadError``."""
+    size = int((await reader.readline()).split(b";")[0].strip() or b"x", 16)
+    if size < 0 or size > MAX_BODY:
+        raise ValueError(f"chunk of {size} bytes")
+    if size == 0:
+        while (await reader.readline()) not in (b"\r\n", b"\n", b""):  # trailer fields, then the blank line
+            pass
+        return None
+    data = await reader.readexactly(size)
+    if await reader.readexactly(2) != b"\r\n":
+        raise ValueError("chunk not followed by CRLF")
+    return data
 
 
 class HttpHolderClient:
@@ -187,7 +240,7 @@ class HttpHolderClient:
         POST (``coalesce.Coalescer``; each still gets its own answer or error).
         """
         return await self._coalescer.submit(endpoint, req, lambda r: self._one(endpoint, r),
-                                            lambda reqs: self._many(endpoint, reqs))
+                                            lambda reqs, deliver: self._many(endpoint, reqs, deliver), streaming=True)
 
     async def _one(self, endpoint: str, req: BatchRequest) -> BatchAnswer:
         body = wire.pack_frame(messages.request_header(req), req.payload, wire.MESSAGE_HEADER_MAX)
@@ -198,19 +251,36 @@ class HttpHolderClient:
             raise HolderFault(f"{endpoint}: {exc}") from exc
         return answer_to_batch(answer, out, req, "http", len(body), len(data))
 
-    async def _many(self, endpoint: str, reqs: list[BatchRequest]) -> list:
-        """Outcomes of ``reqs`` sent as one ``batch`` frame (``messages.batch_answers``)."""
+    async def _many(self, endpoint: str, reqs: list[BatchRequest], deliver: Callable[[int, object], None]) -> list:
+        """Outcomes of ``reqs`` sent as one streamed ``batch`` frame: each answer is handed to
+        ``deliver(index, outcome)`` as its chunk arrives, and the list of every outcome is returned
+        (``messages.batch_answers`` when the holder answers the batch whole, as holders without
+        streaming do). A request the stream never answered is a ``HolderFault``."""
         header, payload = messages.batch_frame(reqs, uuid.uuid4().hex)
-        body = wire.pack_frame(header, payload, wire.MESSAGE_HEADER_MAX)
-        data = await self._exchange(endpoint, body)
-        try:
-            answer, out = wire.unpack_frame(data, wire.MESSAGE_HEADER_MAX)
-        except wire.WireError as exc:
-            raise HolderFault(f"{endpoint}: {exc}") from exc
-        return messages.batch_answers(answer, out, reqs, "http", len(body), len(data))
+        body = wire.pack_frame({**header, "stream": True}, payload, wire.MESSAGE_HEADER_MAX)
+        stream = messages.StreamedBatch(reqs, "http", len(body))
 
-    async def _exchange(self, endpoint: str, body: bytes) -> bytes:
-        """POST ``body`` to the endpoint's ``/frame``; the answer body. Raises ``ConnectionError``.
+        def on_frame(data: bytes) -> None:
+            try:
+                answer, out = wire.unpack_frame(data, wire.MESSAGE_HEADER_MAX)
+            except wire.WireError as exc:
+                raise HolderFault(f"{endpoint}: {exc}") from exc
+            deliver(*stream.part(answer, out, len(data) + len(b"%x" % len(data)) + 4))  # + chunk size line, CRLFs
+
+        whole = await self._exchange(endpoint, body, on_frame)
+        if whole is not None:  # answered as one batch reply
+            try:
+                answer, out = wire.unpack_frame(whole, wire.MESSAGE_HEADER_MAX)
+            except wire.WireError as exc:
+                raise HolderFault(f"{endpoint}: {exc}") from exc
+            return messages.batch_answers(answer, out, reqs, "http", len(body), len(whole))
+        return stream.finish()
+
+    async def _exchange(self, endpoint: str, body: bytes,
+                        on_frame: Callable[[bytes], None] | None = None) -> bytes | None:
+        """POST ``body`` to the endpoint's ``/frame``; the answer body, or None for a chunked
+        answer, whose chunks (one frame each) went to ``on_frame`` as they arrived. Raises
+        ``ConnectionError``, and what ``on_frame`` raises.
 
         A lean HTTP/1.1 exchange on asyncio streams rather than httpx: with a hundred
         batches in flight, httpx's pool bookkeeping was most of the router's time.
@@ -234,9 +304,14 @@ class HttpHolderClient:
                 await writer.drain()
                 status = (await reader.readline()).split()
                 headers = await read_headers(reader)
-                data = await reader.readexactly(int(headers.get("content-length", "0")))
-            if len(status) < 2 or status[1] != b"200":
-                raise ConnectionError(f"{endpoint}: HTTP {status[1:2]}")
+                if len(status) < 2 or status[1] != b"200":
+                    raise ConnectionError(f"{endpoint}: HTTP {status[1:2]}")
+                if headers.get("transfer-encoding", "").lower() == "chunked" and on_frame is not None:
+                    data = None
+                    while (chunk := await _read_chunk(reader)) is not None:
+                        on_frame(chunk)
+                else:
+                    data = await reader.readexactly(int(headers.get("content-length", "0")))
             ok = headers.get("connection", "").lower() != "close"
         except TimeoutError as exc:
             raise ConnectionError(f"{endpoint}: no answer within {self.timeout:g} s") from exc

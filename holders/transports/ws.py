@@ -96,6 +96,32 @@ def presence_event(provider: str, connected: bool) -> dict:
     return {"type": "agent.back" if connected else "agent.gone", "provider": provider}
 
 
+class AnswerStream:
+    """The pending entry of a streamed ``batch`` (``messages.batch_part``): each answer message
+    with ``more: true`` goes to ``on_part(message)`` as it arrives, the last one (or a failure,
+    or a disconnect) resolves ``final``. Duck-types the future a consumer resolves."""
+
+    def __init__(self, on_part: Callable[[dict], None]):
+        self.on_part = on_part
+        self.final: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def done(self) -> bool:
+        return self.final.done()
+
+    def set_result(self, msg: dict) -> None:
+        """One answer message ``{id, header, payload}`` of the stream. When ``on_part`` raises (a
+        malformed answer), the whole request ends with that exception."""
+        if self.final.done():
+            return
+        if not (msg.get("header") or {}).get("more"):
+            self.final.set_result(msg)
+            return
+        try:
+            self.on_part(msg)
+        except Exception as exc:  # noqa: BLE001 (the waiting request raises it, not the consumer or reader)
+            self.final.set_exception(exc)
+
+
 class AgentLink:
     """Per-event-loop client of the channel layer for request/response calls to agents."""
 
@@ -142,7 +168,9 @@ class AgentLink:
             if msg.get("type") in ("agent.gone", "agent.back"):
                 self._presence(str(msg.get("provider")), msg["type"] == "agent.back")
                 continue
-            fut = self.pending.pop(msg.get("id", ""), None)
+            key = msg.get("id", "")
+            more = (msg.get("header") or {}).get("more")  # a streamed batch: more answers to come
+            fut = self.pending.get(key) if more else self.pending.pop(key, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
 
@@ -173,10 +201,13 @@ class AgentLink:
                 log.exception("presence listener failed")
 
     async def request(self, provider: str, header: dict, payload: bytes = b"",
-                      timeout: float = 30.0, req_id: str | None = None) -> tuple[dict, bytes]:
+                      timeout: float = 30.0, req_id: str | None = None,
+                      on_part: Callable[[dict], None] | None = None) -> tuple[dict, bytes]:
         """Send ``header``/``payload`` to ``provider``'s agent and wait for its answer.
 
         ``req_id``: the caller's request id (default: a fresh one); answers are matched by it.
+        ``on_part``: for a streamed batch, called with each answer message ``{id, header,
+        payload}`` marked ``more`` as it arrives (``AnswerStream``); the last one is returned.
         Returns (answer header, answer payload). Raises ``AgentUnavailable`` on timeout,
         disconnect, or an answer with ``ok: false`` (its ``code`` and ``message`` kept).
         """
@@ -186,7 +217,7 @@ class AgentLink:
         gone = self.gone_at.get(provider)
         if gone is not None and time.monotonic() - gone < GONE_GRACE_S:
             raise AgentUnavailable(f"holder {provider[:12]}…: agent disconnected", "disconnected")
-        fut = asyncio.get_running_loop().create_future()
+        fut = asyncio.get_running_loop().create_future() if on_part is None else AnswerStream(on_part)
         self.pending[req_id] = fut
         self.provider_of[req_id] = provider
         try:
@@ -202,7 +233,7 @@ class AgentLink:
                     "type": "agent.request", "id": req_id, "reply_to": self.reply_channel,
                     "header": {**header, "id": req_id}, "payload": payload,
                 })
-            msg = await asyncio.wait_for(fut, timeout)
+            msg = await asyncio.wait_for(fut if on_part is None else fut.final, timeout)
         except asyncio.TimeoutError as exc:
             raise AgentUnavailable(f"holder {provider[:12]}… did not answer within {timeout:g} s") from exc
         finally:
