@@ -181,9 +181,9 @@ def codec_cpu_ms(rows: int, hidden: int = 2048, repeat: int = 30) -> dict:
         wire.unpack_frame(wire.pack_frame(messages.reply(header["id"], rows=rows, **answer), out))
 
     def iroh_json():
-        params, _, data = iroh.assemble([json.loads(f[4:]) for f in iroh.request_frames(req)])
+        params, _, data = iroh.assemble([iroh.loads_frame(f[4:]) for f in iroh.request_frames(req)])
         for f in iroh.answer_frames(1, params, answer, out):
-            wire.b64decode(json.loads(f[4:])["result"]["outputs"], "outputs")
+            wire.b64decode(iroh.loads_frame(f[4:])["result"]["outputs"], "outputs")
 
     got = {}
     for name, fn in (("binary (ws, http)", binary), ("iroh JSON", iroh_json)):
