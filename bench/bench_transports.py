@@ -206,7 +206,7 @@ async def loopback_mb_s(size: int = iroh.MAX_FRAME_BYTES - 64, repeat: int = 5) 
         conn = await (await (await server.accept_next()).accept()).connect()
         while True:
             bi = await conn.accept_bi()
-            body = await iroh.read_frame(bi.recv())
+            body = await iroh.FrameReader(bi.recv()).next()
             await bi.send().write_all(len(body).to_bytes(4, "little") + body)
             await bi.send().finish()
 
@@ -219,7 +219,7 @@ async def loopback_mb_s(size: int = iroh.MAX_FRAME_BYTES - 64, repeat: int = 5) 
         bi = await conn.open_bi()
         await bi.send().write_all(frame)
         await bi.send().finish()
-        assert len(await iroh.read_frame(bi.recv())) == size
+        assert len(await iroh.FrameReader(bi.recv()).next()) == size
         times.append(time.perf_counter() - t0)
     task.cancel()
     await client.close()

@@ -76,7 +76,8 @@ async def raw_call(server, data: bytes, alpn=iroh.ALPN, finish=True) -> list[dic
         except iroh._iroh.IrohError:
             pass  # the holder stopped reading: its answer is still there
         out = []
-        while (body := await iroh.read_frame(recv)) is not None:
+        reader = iroh.FrameReader(recv)
+        while (body := await reader.next()) is not None:
             out.append(json.loads(body))
         return out
     finally:
