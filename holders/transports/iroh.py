@@ -167,7 +167,8 @@ class FrameReader:
 
     def __init__(self, recv):
         self.recv = recv
-        self._buf = bytearray()  # bytes read past the frames returned so far
+        self._data = b""  # bytes read and not yet returned start at self._pos
+        self._pos = 0
 
     async def next(self) -> bytes | None:
         """The next frame's JSON bytes; None at a clean end of stream.
@@ -177,33 +178,41 @@ class FrameReader:
         """
         try:
             if not await self._fill(4):
-                if not self._buf:
+                if self._pos == len(self._data):
                     return None
-                raise FrameError(f"truncated frame: the stream ended after {len(self._buf)} of 4 length bytes",
-                                 PARSE_ERROR)
-            (n,) = struct.unpack_from("<I", self._buf)
+                raise FrameError(f"truncated frame: the stream ended after {len(self._data) - self._pos} of 4 "
+                                 "length bytes", PARSE_ERROR)
+            (n,) = struct.unpack_from("<I", self._data, self._pos)
             if n > MAX_FRAME_BYTES:
                 raise FrameError(f"frame of {n} bytes is over the {MAX_FRAME_BYTES}-byte cap")
             if not await self._fill(4 + n):
-                raise FrameError(f"truncated frame: the stream ended after {len(self._buf) - 4} of {n} announced "
-                                 "bytes", PARSE_ERROR)
+                raise FrameError(f"truncated frame: the stream ended after {len(self._data) - self._pos - 4} of "
+                                 f"{n} announced bytes", PARSE_ERROR)
         except _iroh.IrohError as exc:
             raise ConnectionError(f"stream broke: {_msg(exc)}") from exc
-        with memoryview(self._buf) as view:
-            body = bytes(view[4:4 + n])
-        del self._buf[:4 + n]
-        return body
+        start = self._pos + 4
+        self._pos = start + n
+        return self._data[start:self._pos]  # the one copy of the body (two when it spanned reads)
 
     async def _fill(self, n: int) -> bool:
-        """Read until ``n`` bytes are buffered (False when the stream ends first)."""
-        while len(self._buf) < n:
-            want = n - len(self._buf)
+        """Read until ``n`` bytes are buffered (False when the stream ends first). Chunks are
+        joined once, when enough have come (a frame arriving in many small reads stays linear)."""
+        have = len(self._data) - self._pos
+        if have >= n:
+            return True
+        parts = [memoryview(self._data)[self._pos:]] if have else []
+        ended = False
+        while have < n:
             # Past the length prefix, ask for the body's rest and the next frame's start.
-            chunk = await self.recv.read(want + READ_AHEAD if n > 4 else min(MAX_FRAME_BYTES, READ_AHEAD))
+            chunk = await self.recv.read(n - have + READ_AHEAD if n > 4 else READ_AHEAD)
             if not chunk:
-                return False
-            self._buf += chunk
-        return True
+                ended = True
+                break
+            parts.append(chunk)
+            have += len(chunk)
+        self._data = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
+        self._pos = 0
+        return not ended
 
 
 WRITE_BYTES = 8 * 1024 * 1024  # frames joined into one write up to this size
