@@ -1,5 +1,6 @@
 /*
- * tenzro_kernels: GGUF-quantized weight x 8-bit-quantized activation dot products.
+ * tenzro_kernels: GGUF-quantized weight x 8-bit-quantized activation dot products, and the data
+ * plane's base64 codec (see the base64 section below).
  *
  * Weights: ggml blocks Q8_0 (34 B / 32 values), Q4_K (144 B / 256), Q6_K (210 B / 256), layouts of
  * ggml-common.h. Activations are quantized here, per row, as ggml's CPU backend does before its
