@@ -47,7 +47,7 @@ async def serve_agent(agent, ws_site: str | None, with_iroh: bool) -> dict:
     if with_iroh:
         # Held by the agent: the loop keeps only weak references to the server's tasks.
         agent.iroh = await iroh.IrohServer(iroh.endpoint_secret(agent.key.encode()), "127.0.0.1:0",
-                                           agent.execute_rpc, agent.status).start()
+                                           agent.execute_rpc, agent.status, agent.execute_many_rpc).start()
         out.update(iroh_endpoint_id=agent.iroh.endpoint_id, iroh_addrs=agent.iroh.addrs)
     if ws_site:
         agent.site, agent.url = ws_site, ws_site.replace("http://", "ws://") + "/ws/agent/"
@@ -190,9 +190,9 @@ def codec_cpu_ms(rows: int, hidden: int = 2048, repeat: int = 30) -> dict:
         wire.unpack_frame(wire.pack_frame(messages.reply(header["id"], rows=rows, **answer), out))
 
     def iroh_json():
-        params, _, data = iroh.assemble([json.loads(f[4:]) for f in iroh.request_frames(req)])
+        params, _, data = iroh.assemble([iroh.loads_frame(f[4:]) for f in iroh.request_frames(req)])
         for f in iroh.answer_frames(1, params, answer, out):
-            wire.b64decode(json.loads(f[4:])["result"]["outputs"], "outputs")
+            wire.b64decode(iroh.loads_frame(f[4:])["result"]["outputs"], "outputs")
 
     got = {}
     for name, fn in (("binary (ws, http)", binary), ("iroh JSON", iroh_json)):
@@ -215,7 +215,7 @@ async def loopback_mb_s(size: int = iroh.MAX_FRAME_BYTES - 64, repeat: int = 5) 
         conn = await (await (await server.accept_next()).accept()).connect()
         while True:
             bi = await conn.accept_bi()
-            body = await iroh.read_frame(bi.recv())
+            body = await iroh.FrameReader(bi.recv()).next()
             await bi.send().write_all(len(body).to_bytes(4, "little") + body)
             await bi.send().finish()
 
@@ -228,7 +228,7 @@ async def loopback_mb_s(size: int = iroh.MAX_FRAME_BYTES - 64, repeat: int = 5) 
         bi = await conn.open_bi()
         await bi.send().write_all(frame)
         await bi.send().finish()
-        assert len(await iroh.read_frame(bi.recv())) == size
+        assert len(await iroh.FrameReader(bi.recv()).next()) == size
         times.append(time.perf_counter() - t0)
     task.cancel()
     await client.close()

@@ -27,6 +27,11 @@ from numba import njit
 from holders import quant
 from registry.jsonrpc import ParamError
 
+try:  # the native base64 codec (native/_kernels.c, ~10x binascii's decode); binascii when not built
+    from tenzro_kernels import b64decode as _b64decode_native, b64encode as _b64encode_native
+except ImportError:
+    _b64decode_native = _b64encode_native = None
+
 FRAME_HEADER_MAX = 64 * 1024
 # A whole message (HTTP /frame body, reassembled parts): its header may list ~1M token indices.
 MESSAGE_HEADER_MAX = 16 * 1024 * 1024
@@ -165,10 +170,20 @@ def decode_f32(data: bytes, d_model: int, n_rows: int | None = None, field: str 
     return arr
 
 
-def b64decode(text: str, field: str) -> bytes:
-    """Strict standard base64 decode; raises ``WireError`` naming ``field``."""
-    if not isinstance(text, str):
+def b64decode(text: str | bytes | memoryview, field: str) -> bytes:
+    """Strict standard base64 decode (RFC 4648 §4) of ``text``: a str, or the ASCII bytes of
+    one (iroh's frame parser hands a big member over as a view of the frame). Raises
+    ``WireError`` naming ``field`` (not a string, a character outside the alphabet, bad padding).
+
+    The native codec decodes the canonical form; anything else goes to ``base64.b64decode``
+    (``validate=True``), which decides and words the error, so both accept the same texts.
+    """
+    if not isinstance(text, (str, bytes, memoryview)):
         raise WireError(f"{field} must be a base64 string", field)
+    if _b64decode_native is not None:
+        out = _b64decode_native(text)
+        if out is not None:
+            return out
     try:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as exc:
@@ -186,8 +201,13 @@ def carrier_in_params(params: dict) -> tuple[str, bytes]:
 
 
 def b64encode(data: bytes) -> str:
-    """Standard padded base64 text of ``data``."""
-    return base64.b64encode(data).decode()
+    """Standard padded base64 text of ``data`` (RFC 4648 §4)."""
+    return b64encode_bytes(data).decode()
+
+
+def b64encode_bytes(data: bytes | memoryview) -> bytes:
+    """Standard padded base64 of ``data`` as ASCII bytes (RFC 4648 §4; native codec when built)."""
+    return _b64encode_native(data) if _b64encode_native is not None else base64.b64encode(data)
 
 
 def rows_to_b64(rows: np.ndarray) -> str:

@@ -1,5 +1,6 @@
 /*
- * tenzro_kernels: GGUF-quantized weight x 8-bit-quantized activation dot products.
+ * tenzro_kernels: GGUF-quantized weight x 8-bit-quantized activation dot products, and the data
+ * plane's base64 codec (see the base64 section below).
  *
  * Weights: ggml blocks Q8_0 (34 B / 32 values), Q4_K (144 B / 256), Q6_K (210 B / 256), layouts of
  * ggml-common.h. Activations are quantized here, per row, as ggml's CPU backend does before its
@@ -945,6 +946,85 @@ static int matmul(int qt, int isa, const uint8_t *W, int rows, int cols, const f
     return 0;
 }
 
+/* ---------------------------------------------------------------- base64 (RFC 4648 §4, padded)
+ *
+ * The data plane's JSON frames (iroh, HTTP /rpc) carry rows as base64: CPython's binascii codes
+ * one character at a time (~0.35 GB/s encode, ~0.25 GB/s decode here). These table loops do the
+ * same bytes at several GB/s. Encode: 12 input bits -> two output characters per lookup
+ * (B64_PAIR). Decode: each character looks up its 6 bits already shifted to its place in the
+ * 24-bit group (B64_DEC[position]); a character outside the alphabet sets B64_BAD, checked once
+ * per call. The decoder takes only the canonical form (length a multiple of 4, '=' only as the
+ * last one or two characters); it ignores the unused low bits of a padded group, as binascii
+ * does. */
+
+static const char B64_ALPHABET[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+static uint16_t B64_PAIR[4096];  /* 12 bits -> their two characters, in memory order */
+static uint32_t B64_DEC[4][256]; /* character -> its 6 bits at position p of a group, or B64_BAD */
+#define B64_BAD 0x01000000u
+
+static void b64_init(void) {
+    for (int i = 0; i < 4096; i++) {
+        unsigned char pair[2] = {(unsigned char)B64_ALPHABET[i >> 6], (unsigned char)B64_ALPHABET[i & 63]};
+        memcpy(&B64_PAIR[i], pair, 2);
+    }
+    for (int p = 0; p < 4; p++)
+        for (int c = 0; c < 256; c++) B64_DEC[p][c] = B64_BAD;
+    for (uint32_t v = 0; v < 64; v++) {
+        unsigned char c = (unsigned char)B64_ALPHABET[v];
+        B64_DEC[0][c] = v << 18;
+        B64_DEC[1][c] = v << 12;
+        B64_DEC[2][c] = v << 6;
+        B64_DEC[3][c] = v;
+    }
+}
+
+/* dst gets 4 * ceil(n / 3) characters. */
+static void b64_encode(const uint8_t *s, size_t n, uint8_t *dst) {
+    size_t i = 0;
+    for (; i + 6 <= n; i += 6, dst += 8) { /* 48 bits -> 8 characters */
+        uint64_t v = (uint64_t)s[i] << 40 | (uint64_t)s[i + 1] << 32 | (uint64_t)s[i + 2] << 24 |
+                     (uint64_t)s[i + 3] << 16 | (uint64_t)s[i + 4] << 8 | (uint64_t)s[i + 5];
+        uint16_t out[4] = {B64_PAIR[v >> 36], B64_PAIR[(v >> 24) & 0xfff], B64_PAIR[(v >> 12) & 0xfff],
+                           B64_PAIR[v & 0xfff]};
+        memcpy(dst, out, 8);
+    }
+    for (; i + 3 <= n; i += 3, dst += 4) {
+        uint32_t v = (uint32_t)s[i] << 16 | (uint32_t)s[i + 1] << 8 | s[i + 2];
+        memcpy(dst, &B64_PAIR[v >> 12], 2);
+        memcpy(dst + 2, &B64_PAIR[v & 0xfff], 2);
+    }
+    if (i < n) {
+        uint32_t v = (uint32_t)s[i] << 16 | (i + 1 < n ? (uint32_t)s[i + 1] << 8 : 0);
+        dst[0] = B64_ALPHABET[v >> 18];
+        dst[1] = B64_ALPHABET[(v >> 12) & 63];
+        dst[2] = i + 1 < n ? B64_ALPHABET[(v >> 6) & 63] : '=';
+        dst[3] = '=';
+    }
+}
+
+/* Bytes written to dst (at most 3 * n / 4), or -1 when s is not canonical padded base64. */
+static Py_ssize_t b64_decode(const uint8_t *s, size_t n, uint8_t *dst) {
+    if (n % 4) return -1;
+    if (n == 0) return 0;
+    uint8_t *d = dst;
+    uint32_t bad = 0;
+    const uint8_t *last = s + n - 4;
+    for (; s < last; s += 4, d += 3) {
+        uint32_t x = B64_DEC[0][s[0]] | B64_DEC[1][s[1]] | B64_DEC[2][s[2]] | B64_DEC[3][s[3]];
+        bad |= x;
+        d[0] = (uint8_t)(x >> 16);
+        d[1] = (uint8_t)(x >> 8);
+        d[2] = (uint8_t)x;
+    }
+    int pad = s[3] == '=' ? (s[2] == '=' ? 2 : 1) : 0;
+    uint32_t x = B64_DEC[0][s[0]] | B64_DEC[1][s[1]] | (pad < 2 ? B64_DEC[2][s[2]] : 0) | (pad < 1 ? B64_DEC[3][s[3]] : 0);
+    if ((bad | x) & B64_BAD) return -1;
+    d[0] = (uint8_t)(x >> 16);
+    if (pad < 2) d[1] = (uint8_t)(x >> 8);
+    if (pad < 1) d[2] = (uint8_t)x;
+    return (Py_ssize_t)(d - dst) + 3 - pad;
+}
+
 /* ---------------------------------------------------------------- Python API */
 
 static int isa_from_name(const char *s) {
@@ -1019,6 +1099,66 @@ static PyObject *py_openmp(PyObject *self, PyObject *noargs) {
 #endif
 }
 
+
+#define B64_RELEASE_GIL (1 << 16) /* bytes past which the codecs run without the GIL */
+
+static PyObject *py_b64encode(PyObject *self, PyObject *arg) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0) return NULL;
+    size_t n = (size_t)b.len;
+    if (n > (size_t)(PY_SSIZE_T_MAX / 4 * 3 - 3)) {
+        PyBuffer_Release(&b);
+        return PyErr_NoMemory();
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((n + 2) / 3 * 4));
+    if (out) {
+        uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(out);
+        if (n >= B64_RELEASE_GIL) {
+            Py_BEGIN_ALLOW_THREADS
+            b64_encode(b.buf, n, dst);
+            Py_END_ALLOW_THREADS
+        } else {
+            b64_encode(b.buf, n, dst);
+        }
+    }
+    PyBuffer_Release(&b);
+    return out;
+}
+
+static PyObject *py_b64decode(PyObject *self, PyObject *arg) {
+    const uint8_t *s;
+    Py_ssize_t n;
+    Py_buffer b = {0};
+    if (PyUnicode_Check(arg)) {
+        if (!PyUnicode_IS_READY(arg) || !PyUnicode_IS_ASCII(arg)) Py_RETURN_NONE; /* not base64 */
+        s = (const uint8_t *)PyUnicode_DATA(arg);
+        n = PyUnicode_GET_LENGTH(arg);
+    } else {
+        if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0) return NULL;
+        s = b.buf;
+        n = b.len;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n / 4 * 3);
+    if (out) {
+        Py_ssize_t got;
+        uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(out);
+        if (n >= B64_RELEASE_GIL) {
+            Py_BEGIN_ALLOW_THREADS
+            got = b64_decode(s, (size_t)n, dst);
+            Py_END_ALLOW_THREADS
+        } else {
+            got = b64_decode(s, (size_t)n, dst);
+        }
+        if (got < 0) {
+            Py_SETREF(out, Py_NewRef(Py_None));
+        } else if (got != PyBytes_GET_SIZE(out)) {
+            _PyBytes_Resize(&out, got);
+        }
+    }
+    if (b.obj) PyBuffer_Release(&b);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"matmul_xt", py_matmul_xt, METH_VARARGS,
      "matmul_xt(qtype, blocks, rows, cols, x, n, out, nthreads[, isa]): out f32[n, rows] = x . W^T."},
@@ -1026,11 +1166,16 @@ static PyMethodDef methods[] = {
     {"set_isa", py_set_isa, METH_VARARGS, "Force a SIMD path (ValueError if this CPU lacks it)."},
     {"supported", py_supported, METH_NOARGS, "SIMD paths this CPU can run."},
     {"openmp", py_openmp, METH_NOARGS, "Whether the module was built with OpenMP (row threads)."},
+    {"b64encode", py_b64encode, METH_O, "b64encode(data) -> bytes: standard padded base64 (RFC 4648 §4)."},
+    {"b64decode", py_b64decode, METH_O,
+     "b64decode(text: bytes-like or str) -> bytes, or None when text is not canonical padded base64\n"
+     "(length a multiple of 4, '=' only at the end; the caller's strict decoder says why)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "tenzro_kernels", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit_tenzro_kernels(void) {
+    b64_init();
     for (int i = 0; i < 65536; i++) F16[i] = half_to_float((uint16_t)i);
     g_isa = isa_supported(ISA_AVX512VNNI) ? ISA_AVX512VNNI : isa_supported(ISA_AVX2) ? ISA_AVX2 : ISA_PORTABLE;
     return PyModule_Create(&moddef);

@@ -76,7 +76,8 @@ async def raw_call(server, data: bytes, alpn=iroh.ALPN, finish=True) -> list[dic
         except iroh._iroh.IrohError:
             pass  # the holder stopped reading: its answer is still there
         out = []
-        while (body := await iroh.read_frame(recv)) is not None:
+        reader = iroh.FrameReader(recv)
+        while (body := await reader.next()) is not None:
             out.append(json.loads(body))
         return out
     finally:
@@ -319,3 +320,119 @@ def test_a_split_f16_batch_reassembles(holder):
 
     ans = serve(agent, go)
     assert ans.rows.shape == (9000, 256)
+
+
+class ScriptedRecv:
+    """A ``RecvStream`` stand-in returning scripted chunks (at most ``size`` bytes each), then b"" (end)."""
+
+    def __init__(self, data: bytes, cuts: list[int]):
+        self.chunks = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)]) if b > a]
+        self.asked: list[int] = []
+
+    async def read(self, size: int) -> bytes:
+        self.asked.append(size)
+        if not self.chunks:
+            return b""
+        chunk = self.chunks[0][:size]
+        self.chunks[0] = self.chunks[0][size:]
+        if not self.chunks[0]:
+            self.chunks.pop(0)
+        return chunk
+
+
+def read_all(data: bytes, cuts: list[int]) -> tuple[list[bytes], ScriptedRecv]:
+    async def go():
+        reader, out = iroh.FrameReader(recv := ScriptedRecv(data, cuts)), []
+        while (body := await reader.next()) is not None:
+            out.append(body)
+        return out, recv
+    return asyncio.run(go())
+
+
+def test_frame_reader_returns_frames_whatever_the_chunking_and_refuses_broken_streams():
+    bodies = [b"{}", b"x" * 70000, b"", b'{"a":1}' * 9000, b"y"]
+    data = b"".join(struct.pack("<I", len(b)) + b for b in bodies)
+    rng = np.random.default_rng(0)
+    for cuts in ([], [1], [3, 5], list(range(1, len(data), 4093)), sorted(rng.choice(len(data), 50, replace=False))):
+        got, _ = read_all(data, [int(c) for c in cuts])
+        assert got == bodies
+    _, recv = read_all(data, [])  # all there at once: one read per frame plus the end
+    assert len(recv.asked) <= len(bodies) + 1
+    with pytest.raises(iroh.FrameError, match="after 2 of 4 length bytes"):
+        read_all(data + b"\x01\x00", [])
+    with pytest.raises(iroh.FrameError, match="after 69999 of 70000 announced"):
+        read_all(data[:6 + 4 + 69999], [100, 5000])
+    with pytest.raises(iroh.FrameError, match="byte cap") as err:
+        read_all(struct.pack("<I", iroh.MAX_FRAME_BYTES + 1) + b"z" * 10, [])
+    assert err.value.code == -32600
+
+
+def test_loads_frame_gives_the_rows_member_as_a_view_only_when_it_is_that_member():
+    rows = np.random.default_rng(1).standard_normal((40, 256)).astype(np.float32)
+    req = BatchRequest("r", MODEL, LAYER, EXPERT, list(range(40)), "f32", wire.encode_f32(rows), "f32", 256)
+    body = iroh.request_frames(req)[0][4:]
+    msg = iroh.loads_frame(body)
+    assert isinstance(msg["params"]["hidden_states"], memoryview)  # the fast path was taken
+    plain = json.loads(body)
+    assert bytes(msg["params"].pop("hidden_states")) == plain["params"].pop("hidden_states").encode()
+    assert msg == plain
+    assert iroh.assemble([iroh.loads_frame(body)])[2] == req.payload
+
+    def plain(v):  # the message json.loads gives
+        return {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else \
+            bytes(v).decode() if isinstance(v, memoryview) else v
+
+    def viewed(v):
+        return isinstance(v, memoryview) or isinstance(v, dict) and any(viewed(x) for x in v.values())
+
+    b64 = wire.b64encode(req.payload)
+    # The look-alike inside a string is escaped, so the real member is the first match: a view.
+    look_alike = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "moe/execute",
+                             "params": {"note": f'"hidden_states":"{b64}"', "hidden_states": b64}}).encode()
+    # A later duplicate wins in JSON; a first match nested elsewhere; an escape inside the text: no view.
+    duplicate = (b'{"jsonrpc":"2.0","id":1,"method":"moe/execute","params":{"hidden_states":"' + b64.encode()
+                 + b'","hidden_states":"QUJD"}}')
+    nested = json.dumps({"result": {"receipt": {"outputs": b64}, "outputs": "QUJD"}}).encode()
+    escaped = json.dumps({"params": {"hidden_states": b64[:5000] + "\\/" + b64[5000:]}}).encode()
+    for text, view in ((look_alike, True), (duplicate, False), (nested, False), (escaped, False)):
+        got = iroh.loads_frame(text)
+        assert plain(got) == json.loads(text) and viewed(got) == view, text[:80]
+    for broken in (body[:-1], body.replace(b'"params"', b"'params'"), body[:100] + b"\xff" + body[101:], body + b"x"):
+        with pytest.raises(ValueError) as want:
+            json.loads(broken)
+        with pytest.raises(type(want.value)) as got:
+            iroh.loads_frame(broken)
+        assert str(got.value) == str(want.value)
+    # A raw control character inside the rows text: JSON refuses it (-32700); the view is refused
+    # when decoded, as bad base64 (-32602).
+    ctrl = body.replace(b',"hidden_states":"', b',"hidden_states":"\n')
+    with pytest.raises(ValueError):
+        json.loads(ctrl)
+    with pytest.raises(wire.WireError, match="not valid base64"):
+        wire.carrier_in_params(iroh.loads_frame(ctrl)["params"])
+
+
+def test_b64decode_accepts_and_refuses_what_binascii_does():
+    import base64
+
+    rng = np.random.default_rng(2)
+    alphabet = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/="
+    for n in range(3000):
+        text = bytes(rng.choice(list(alphabet), int(rng.integers(0, 14))))
+        if n % 3 == 0:
+            text = base64.b64encode(rng.bytes(int(rng.integers(0, 40))))
+        try:
+            want = base64.b64decode(text, validate=True)
+        except ValueError:
+            want = None
+        for given in (text, text.decode(), memoryview(b"[" + text + b"]")[1:-1]):
+            try:
+                got = wire.b64decode(given, "x")
+            except wire.WireError:
+                got = None
+            assert got == want, text
+    big = rng.bytes(1 << 20)
+    assert wire.b64decode(wire.b64encode(big), "x") == big and wire.b64encode(big) == base64.b64encode(big).decode()
+    for bad in ("ab=c", "abc", "ab\ncd==", "é===", 5):
+        with pytest.raises(wire.WireError):
+            wire.b64decode(bad, "x")
