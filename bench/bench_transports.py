@@ -47,7 +47,7 @@ async def serve_agent(agent, ws_site: str | None, with_iroh: bool) -> dict:
     if with_iroh:
         # Held by the agent: the loop keeps only weak references to the server's tasks.
         agent.iroh = await iroh.IrohServer(iroh.endpoint_secret(agent.key.encode()), "127.0.0.1:0",
-                                           agent.execute_rpc, agent.status, agent.execute_many_rpc).start()
+                                           agent.execute_rpc, agent.status, agent.execute_stream_rpc).start()
         out.update(iroh_endpoint_id=agent.iroh.endpoint_id, iroh_addrs=agent.iroh.addrs)
     if ws_site:
         agent.site, agent.url = ws_site, ws_site.replace("http://", "ws://") + "/ws/agent/"

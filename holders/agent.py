@@ -206,7 +206,7 @@ class HolderAgent:
                   if self.http_port else None)
         if self.iroh_bind is not None:
             self.iroh = await iroh.IrohServer(iroh.endpoint_secret(self.key.encode()), self.iroh_bind,
-                                              self.execute_rpc, self.status, self.execute_many_rpc).start()
+                                              self.execute_rpc, self.status, self.execute_stream_rpc).start()
             log.info("iroh endpoint %s on %s", self.iroh.endpoint_id, ", ".join(self.iroh.addrs))
         own_repair = asyncio.create_task(self._repair_timer())
         try:
@@ -572,10 +572,10 @@ class HolderAgent:
             left -= 1
             yield messages.batch_part(header.get("id"), _answer(subs[i][0], outcome), more=left > 0)
 
-    async def execute_many_rpc(self, items: list[tuple[dict, str, bytes]]) -> list:
-        """``execute_many`` for the iroh endpoint: failures as ``RpcError`` (as ``execute_rpc``)."""
-        return [RpcError(*_rpc_failure(o)) if isinstance(o, BaseException) else o
-                for o in await self.execute_many(items)]
+    async def execute_stream_rpc(self, items: list[tuple[dict, str, bytes]]):
+        """``execute_stream`` for the iroh endpoint: failures as ``RpcError`` (as ``execute_rpc``)."""
+        async for i, outcome in self.execute_stream(items):
+            yield i, RpcError(*_rpc_failure(outcome)) if isinstance(outcome, BaseException) else outcome
 
     async def execute_rpc(self, req: dict, carrier: str, payload: bytes) -> tuple[dict, bytes]:
         """``execute_request`` for the HTTP and iroh endpoints: its errors as ``RpcError``

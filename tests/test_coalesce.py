@@ -117,13 +117,13 @@ def holder():
         agent.runtime.load_expert(MODEL, LAYER, e, load_expert(ck, spec, LAYER, e).to_blob("f32"))
     x = load_file(str(QWEN / "reference.safetensors"))[f"layer{LAYER}.hidden_states"].astype(np.float32)
     calls = []
-    real = agent.execute_many
+    real = agent.execute_stream
 
-    async def counted(items):
+    def counted(items):  # every path (whole, streamed, iroh) runs one execute_stream per message
         calls.append(len(items))
-        return await real(items)
+        return real(items)
 
-    agent.execute_many = counted
+    agent.execute_stream = counted
     return agent, x, calls
 
 
@@ -173,7 +173,7 @@ def test_http_sends_one_frame_per_holder_and_one_bad_request_fails_alone(holder,
             server.close()
 
     singles, got = asyncio.run(go())
-    assert calls == [len(reqs)]  # one message, one execute_many
+    assert calls == [len(reqs)]  # one message, one execute_stream
     assert isinstance(got[-1], HolderFault) and "-32004" in str(got[-1])
     assert all(a.transport == "http" and a.bytes_out > 0 and a.bytes_back > 0 for a in got[:-1])
     check(agent, reqs, got[:-1], singles)
@@ -264,7 +264,7 @@ def test_iroh_sends_one_stream_per_holder_and_one_bad_request_fails_alone(holder
 
     async def go():
         server = await iroh.IrohServer(iroh.endpoint_secret(agent.key.encode()), "127.0.0.1:0", agent.execute_rpc,
-                                       agent.status, agent.execute_many_rpc).start()
+                                       agent.status, agent.execute_stream_rpc).start()
         client = iroh.IrohHolderClient(timeout=60, bind="127.0.0.1:0")
         try:
             monkeypatch.setenv("TENZRO_COALESCE", "0")
@@ -288,6 +288,46 @@ def test_iroh_sends_one_stream_per_holder_and_one_bad_request_fails_alone(holder
     check(agent, big, got_big, singles[len(reqs) - 1:])
 
 
+def test_iroh_coalesced_stream_answers_each_request_as_it_finishes(holder, monkeypatch):
+    """The holder writes each request's frames as soon as it finishes: the first caller has its
+    verified answer while the holder is still inside the second request."""
+    import threading
+
+    agent, x, _ = holder
+    reqs = requests(x, carrier="f32", output="f32")
+    gate = threading.Event()
+    real = agent._execute_sync
+
+    def held_back(req, carrier, payload):
+        if req["expert"] == EXPERTS[1]:
+            assert gate.wait(30)
+        return real(req, carrier, payload)
+
+    async def go():
+        server = await iroh.IrohServer(iroh.endpoint_secret(agent.key.encode()), "127.0.0.1:0", agent.execute_rpc,
+                                       agent.status, agent.execute_stream_rpc).start()
+        client = iroh.IrohHolderClient(timeout=60, bind="127.0.0.1:0")
+        try:
+            monkeypatch.setenv("TENZRO_COALESCE", "1")
+            monkeypatch.setattr(agent, "_execute_sync", held_back)
+            tasks = [asyncio.ensure_future(client.execute(server.endpoint_id, server.addrs, r)) for r in reqs]
+            first = await asyncio.wait_for(asyncio.shield(tasks[0]), 20)
+            early = [t.done() for t in tasks]
+            gate.set()
+            return first, early, await asyncio.gather(*tasks)
+        finally:
+            await client.close()
+            await server.close()
+
+    first, early, got = asyncio.run(go())
+    assert first is got[0] and early[0] and not early[1]
+    for req, ans in zip(reqs, got):
+        assert ans.transport == "iroh" and ans.bytes_back > 0
+        verify_receipt(ans.receipt, provider=agent.provider, request_id=req.request_id, model_id=MODEL, layer=LAYER,
+                       expert=req.expert, tokens=req.tokens, carrier_kind=req.carrier, carrier=req.payload,
+                       rows=ans.rows)
+
+
 def test_a_stream_announcing_more_requests_than_it_carries_is_refused(holder):
     agent, x, _ = holder
     req = requests(x, carrier="f32", output="f32")[0]
@@ -295,7 +335,7 @@ def test_a_stream_announcing_more_requests_than_it_carries_is_refused(holder):
     async def go():
         from tests.test_iroh import raw_call
         server = await iroh.IrohServer(iroh.endpoint_secret(agent.key.encode()), "127.0.0.1:0", agent.execute_rpc,
-                                       agent.status, agent.execute_many_rpc).start()
+                                       agent.status, agent.execute_stream_rpc).start()
         try:
             short = await raw_call(server, b"".join(iroh.request_frames(req, 1, 3)))
             bad = await raw_call(server, b"".join(iroh.request_frames(req, 1, 10_000)))

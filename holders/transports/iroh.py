@@ -19,8 +19,9 @@ the same way; the receipt rides in part 0.
 Coalescing: a router's batches for one holder sent in the same event-loop turn share one
 stream. Each request keeps its own JSON-RPC id and frames (parts as above) and carries
 ``stream_requests: n`` in its params; the holder reads the ``n`` requests, executes them
-together (``execute_many``, one hop to its compute pool) and writes each one's answer frames
-(or its own error frame) under its id, in order. A stream without ``stream_requests`` is one
+together (``execute_stream``, one hop to its compute pool) and writes each one's answer frames
+(or its own error frame) under its id as soon as that request finishes, so the router checks the
+first receipts while the holder computes the rest (answers are matched by id, not by order). A stream without ``stream_requests`` is one
 request, as the reference sends; a stream carries at most ``MAX_PARTS`` frames either way.
 
 Bad input never takes the holder down: a frame over the cap, a stream that ends inside a
@@ -46,7 +47,7 @@ import logging
 import re
 import secrets
 import struct
-from typing import Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from holders import wire
 from holders.messages import AuthRefusal, BatchAnswer, BatchRequest, HolderFault, Rejected, answer_to_batch
@@ -74,9 +75,10 @@ DOMAIN_ENDPOINT = b"tenzro/moe/iroh-endpoint/v1"
 
 # execute(params, carrier kind, carrier bytes) -> (answer fields, output bytes); raises RpcError.
 Execute = Callable[[dict, str, bytes], Awaitable[tuple[dict, bytes]]]
-# execute_many([(params, carrier kind, carrier bytes), ...]) -> per request (answer fields, output
-# bytes) or the RpcError it failed with (a coalesced stream, executed in one hop).
-ExecuteMany = Callable[[list[tuple[dict, str, bytes]]], Awaitable[list]]
+# execute_stream([(params, carrier kind, carrier bytes), ...]) -> async iterator of (index, outcome) in the
+# order they finish, the outcome (answer fields, output bytes) or the RpcError it failed with (a
+# coalesced stream, executed in one hop; each answer written as soon as it is ready).
+ExecuteStream = Callable[[list[tuple[dict, str, bytes]]], AsyncIterator[tuple[int, object]]]
 # status() -> the moe/status result.
 Status = Callable[[], Awaitable[dict]]
 
@@ -387,17 +389,17 @@ class IrohServer:
     """A holder's iroh endpoint serving ``moe/execute`` and ``moe/status`` under ``ALPN``.
 
     ``secret``: 32-byte secret key (``endpoint_secret``); ``bind``: ``host:port``;
-    ``execute``/``status``: the holder's handlers (errors as ``RpcError``); ``execute_many``:
+    ``execute``/``status``: the holder's handlers (errors as ``RpcError``); ``execute_stream``:
     the handler of a coalesced stream's requests (default: ``execute`` on each in turn). Start with
     ``await start()``, stop with ``await close()``. ``endpoint_id`` (64 hex) and ``addrs``
     (direct ``ip:port`` addresses) are what the holder advertises.
     """
 
     def __init__(self, secret: bytes, bind: str, execute: Execute, status: Status,
-                 execute_many: ExecuteMany | None = None):
+                 execute_stream: ExecuteStream | None = None):
         self.secret, self.bind = secret, bind
         self.execute, self.status = execute, status
-        self.execute_many = execute_many
+        self.execute_stream = execute_stream
         self.endpoint = None
         self.endpoint_id = ""
         self.addrs: list[str] = []
@@ -459,19 +461,24 @@ class IrohServer:
     async def _stream(self, bi) -> None:
         recv, send = bi.recv(), bi.send()
         try:
-            frames = await self._answer(recv)
+            answer = await self._answer(recv)
         except ConnectionError as exc:
             log.info("iroh stream dropped: %s", exc)
             return
         try:
-            await write_frames(send, frames)
+            if isinstance(answer, list):
+                await write_frames(send, answer)
+            else:  # a coalesced stream: each request's frames as it finishes
+                async for frames in answer:
+                    await write_frames(send, frames)
             await send.finish()
         except _iroh.IrohError as exc:
             log.info("iroh answer not delivered: %s", _msg(exc))
 
-    async def _answer(self, recv) -> list[bytes]:
+    async def _answer(self, recv):
         """Read one request (all its parts), or the ``stream_requests`` requests of a coalesced
-        stream, and return the answer frames; errors as an envelope."""
+        stream; return the answer frames (a list), or for a coalesced stream an async iterator
+        of each request's frames as it finishes; errors as an envelope."""
         rid = None
         try:
             groups: list[list[dict]] = []
@@ -519,7 +526,7 @@ class IrohServer:
                 params, carrier, payload = assemble(groups[0])
                 answer, out = await self.execute(params, carrier, payload)
                 return answer_frames(rid, params, answer, out)
-            return await self._answer_many(groups, want_requests)
+            return self._answer_many(groups, want_requests)
         except FrameError as exc:
             await _stop(recv)  # the rest of an oversized or broken request is not read
             return [pack(error_response(rid, RpcError(exc.code, str(exc), field="frame")))]
@@ -530,10 +537,11 @@ class IrohServer:
             log.exception("iroh request failed")
             return [pack(error_response(rid, RpcError(INTERNAL_ERROR, f"internal error: {type(exc).__name__}")))]
 
-    async def _answer_many(self, groups: list[list[dict]], want: int) -> list[bytes]:
-        """The answer frames of a coalesced stream: each request answered under its own id, in
-        order (its result frames, or its own error frame), executed together by ``execute_many``.
-        Raises ``RpcError`` when the stream is not ``want`` requests with distinct ids."""
+    def _answer_many(self, groups: list[list[dict]], want: int) -> AsyncIterator[list[bytes]]:
+        """The answers of a coalesced stream: an async iterator of each request's frames under its
+        own id (its result frames, or its own error frame), refused requests first, then the rest
+        as ``execute_stream`` finishes them. Raises ``RpcError`` (before anything is written) when
+        the stream is not ``want`` requests with distinct ids."""
         ids = [g[0].get("id") for g in groups]
         if len(groups) != want or len({json.dumps(i) for i in ids}) != want:
             raise RpcError(INVALID_REQUEST, f"a stream of {want} requests carried {len(groups)} with "
@@ -547,27 +555,32 @@ class IrohServer:
                 assembled.append(assemble(g))
             except RpcError as exc:
                 assembled.append(exc)
-        items = [a for a in assembled if not isinstance(a, RpcError)]
-        if self.execute_many is not None:
-            results = iter(await self.execute_many(items))
-        else:
-            async def one(item):
-                try:
-                    return await self.execute(*item)
-                except RpcError as exc:
-                    return exc
-            results = iter([await one(item) for item in items])
-        frames: list[bytes] = []
+        return self._answers(ids, assembled)
+
+    async def _answers(self, ids: list, assembled: list) -> AsyncIterator[list[bytes]]:
         for rid, a in zip(ids, assembled):
-            outcome = a if isinstance(a, RpcError) else next(results)
+            if isinstance(a, RpcError):
+                yield [pack(error_response(rid, a))]
+        runnable = [(rid, a) for rid, a in zip(ids, assembled) if not isinstance(a, RpcError)]
+        if self.execute_stream is not None:
+            outcomes = self.execute_stream([a for _, a in runnable])
+        else:
+            async def one_by_one():
+                for j, (_, item) in enumerate(runnable):
+                    try:
+                        yield j, await self.execute(*item)
+                    except RpcError as exc:
+                        yield j, exc
+            outcomes = one_by_one()
+        async for j, outcome in outcomes:
+            rid, a = runnable[j]
             if isinstance(outcome, RpcError):
-                frames.append(pack(error_response(rid, outcome)))
+                yield [pack(error_response(rid, outcome))]
                 continue
             try:
-                frames += answer_frames(rid, a[0], *outcome)
+                yield answer_frames(rid, a[0], *outcome)
             except FrameError as exc:
-                frames.append(pack(error_response(rid, RpcError(exc.code, str(exc), field="frame"))))
-        return frames
+                yield [pack(error_response(rid, RpcError(exc.code, str(exc), field="frame")))]
 
 
 def _stream_requests(params: dict) -> int:
@@ -669,11 +682,14 @@ class IrohHolderClient:
                 del self._conns[key]
             raise
 
-    async def call(self, endpoint_id: str, addrs: list[str], frames: list[bytes]) -> tuple[list[dict], int]:
-        """Write ``frames`` on a new bi-stream, finish, and read every answer frame to the end.
+    async def call(self, endpoint_id: str, addrs: list[str], frames: list[bytes],
+                   on_message: Callable[[object, int], None] | None = None) -> tuple[list[dict], int]:
+        """Write ``frames`` on a new bi-stream, finish, and read every answer frame to the end;
+        ``on_message(message, frame bytes)`` is called with each as it arrives.
 
         Returns (answer messages, answer bytes). Raises ``ConnectionError`` (connect, stream
-        or timeout) and ``HolderFault`` (an answer frame that is not JSON or breaks the cap).
+        or timeout), ``HolderFault`` (an answer frame that is not JSON or breaks the cap) and
+        what ``on_message`` raises.
         """
         _require()
         key = (endpoint_id, tuple(addrs))
@@ -690,6 +706,8 @@ class IrohHolderClient:
                 while (body := await reader.next()) is not None:
                     nbytes += 4 + len(body)
                     out.append(loads_frame(body))
+                    if on_message is not None:
+                        on_message(out[-1], 4 + len(body))
         except asyncio.CancelledError:  # the caller's deadline: other streams on it may still finish
             self._retire(key, conn, close=False)
             raise
@@ -734,7 +752,8 @@ class IrohHolderClient:
         """
         key = (endpoint_id, tuple(addrs))
         return await self._coalescer.submit(key, req, lambda r: self._one(endpoint_id, addrs, r),
-                                            lambda reqs: self._many(endpoint_id, addrs, reqs))
+                                            lambda reqs, deliver: self._many(endpoint_id, addrs, reqs, deliver),
+                                            streaming=True)
 
     async def _one(self, endpoint_id: str, addrs: list[str], req: BatchRequest) -> BatchAnswer:
         try:
@@ -744,9 +763,11 @@ class IrohHolderClient:
         answers, back = await self.call(endpoint_id, addrs, frames)
         return _decode(answers, req, sum(len(f) for f in frames), back)
 
-    async def _many(self, endpoint_id: str, addrs: list[str], reqs: list[BatchRequest]) -> list:
-        """Outcomes of ``reqs`` on one stream, in order: each its ``BatchAnswer`` or its exception.
-        Requests whose frames would take the stream past ``MAX_PARTS`` go alone."""
+    async def _many(self, endpoint_id: str, addrs: list[str], reqs: list[BatchRequest], deliver) -> list:
+        """Outcomes of ``reqs`` on one stream, in order: each its ``BatchAnswer`` or its exception,
+        each also handed to ``deliver(index, outcome)`` as soon as all its frames are in (the
+        holder answers each request as it finishes). Requests whose frames would take the stream
+        past ``MAX_PARTS`` go alone."""
         n = len(reqs)
         frames: list[list[bytes]] = []
         for i, r in enumerate(reqs):
@@ -757,26 +778,34 @@ class IrohHolderClient:
         if any(not f for f in frames) or sum(map(len, frames)) > MAX_PARTS:
             return list(await asyncio.gather(*(self._one(endpoint_id, addrs, r) for r in reqs),
                                              return_exceptions=True))
-        answers, back = await self.call(endpoint_id, addrs, [f for fs in frames for f in fs])
-        by_id: dict = {}
-        for a in answers:
-            by_id.setdefault(json.dumps(a.get("id")), []).append(a)
-        total = sum(len(a.get("result", {}).get("outputs") or "") if isinstance(a.get("result"), dict) else 0
-                    for a in answers) or 1
-        out: list = []
-        for i, (req, fs) in enumerate(zip(reqs, frames)):
-            mine = by_id.get(json.dumps(i + 1))
-            if not mine:
-                err = answers[0].get("error") if len(answers) == 1 else None  # the stream as a whole refused
-                out.append(HolderFault(f"iroh {endpoint_id[:12]}…: no answer to request {i + 1} of the stream"
-                                       + (f" ({err.get('message')})" if isinstance(err, dict) else "")))
-                continue
-            got = sum(len(a.get("result", {}).get("outputs") or "") if isinstance(a.get("result"), dict) else 0
-                      for a in mine)
+        got: dict[int, list[dict]] = {}
+        back: dict[int, int] = {}
+        out: list = [None] * n
+
+        def on_message(a, size: int) -> None:
+            i = a.get("id") if isinstance(a, dict) else None
+            if type(i) is not int or not 1 <= i <= n or out[i - 1] is not None:
+                return  # not one of ours (or a whole-stream error): judged when the stream ends
+            mine = got.setdefault(i, [])
+            mine.append(a)
+            back[i] = back.get(i, 0) + size
+            r = a.get("result")
+            part = r.get("part") if isinstance(r, dict) else None
+            count = part.get("count") if isinstance(part, dict) and type(part.get("count")) is int else 1
+            if "result" in a and len(mine) < count:
+                return  # more parts of this answer to come
             try:
-                out.append(_decode(mine, req, sum(map(len, fs)), back * got // total))
+                out[i - 1] = _decode(mine, reqs[i - 1], sum(map(len, frames[i - 1])), back[i])
             except (HolderFault, AuthRefusal, Rejected) as exc:
-                out.append(exc)
+                out[i - 1] = exc
+            deliver(i - 1, out[i - 1])
+
+        answers, _ = await self.call(endpoint_id, addrs, [f for fs in frames for f in fs], on_message)
+        for i in range(n):
+            if out[i] is None:
+                err = answers[0].get("error") if len(answers) == 1 else None  # the stream as a whole refused
+                out[i] = HolderFault(f"iroh {endpoint_id[:12]}…: no answer to request {i + 1} of the stream"
+                                     + (f" ({err.get('message')})" if isinstance(err, dict) else ""))
         return out
 
 
