@@ -82,7 +82,7 @@ from holders.ffn import ExpertWeights, combine, expert_forward, moe_layer_forwar
 from holders.gating import Gate, route  # noqa: E402
 
 import bench_transports  # noqa: E402  (this directory is sys.path[0] when run as a script)
-from machine import cpu_model, parse_cpus  # noqa: E402
+from machine import cpu_model, int_at_least, int_list, parse_cpus  # noqa: E402
 
 MODEL = "bench-qwen3-30b-a3b-layer"
 LAYER = 0
@@ -420,26 +420,37 @@ def print_breakdown(r: dict, t: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--ffn", type=int, default=768)
-    ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--agents", default="2,4", help="agent counts to measure, e.g. 2,4")
+    ap.add_argument("--experts", type=int_at_least(1), default=128)
+    ap.add_argument("--top-k", type=int_at_least(1), default=8, help="at most --experts (default 8)")
+    ap.add_argument("--hidden", type=int_at_least(32), default=2048, help="a multiple of 32 (default 2048)")
+    ap.add_argument("--ffn", type=int_at_least(32), default=768, help="a multiple of 32 (default 768)")
+    ap.add_argument("--tokens", type=int_at_least(1), default=512)
+    ap.add_argument("--agents", type=int_list(1), default="2,4", help="agent counts to measure, e.g. 2,4 (each "
+                    "at most --experts)")
     ap.add_argument("--cpus", default=None, help="CPU set shared by the baseline and the agents (default: affinity)")
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int_at_least(1), default=5)
     ap.add_argument("--transport", default="http", choices=[*bench_transports.TRANSPORTS, "all"],
                     help="transport(s) from the router to the same agents; all = one row each")
     ap.add_argument("--carrier", default="auto", choices=["auto", "f32", "q8_0"])
     ap.add_argument("--coalesce", default="on", choices=["on", "off", "both"],
                     help="request coalescing (TENZRO_COALESCE) per transport; both = a <transport>/solo row too")
-    ap.add_argument("--baseline-threads", type=int, default=0, help="BLAS threads of the baseline (default: cores)")
-    ap.add_argument("--agent-threads", type=int, default=0, help="BLAS threads per agent (default: cores // agents)")
+    ap.add_argument("--baseline-threads", type=int_at_least(0), default=0,
+                    help="BLAS threads of the baseline (default 0: cores)")
+    ap.add_argument("--agent-threads", type=int_at_least(0), default=0,
+                    help="BLAS threads per agent (default 0: cores // agents)")
     ap.add_argument("--profile", action="store_true", help="cProfile the router over one more distributed forward")
     ap.add_argument("--blob-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--agent", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--agent-site", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.agent:
+        pass
+    elif a.top_k > a.experts:
+        ap.error(f"--top-k {a.top_k} is more than --experts {a.experts}")
+    elif a.hidden % 32 or a.ffn % 32:
+        ap.error("--hidden and --ffn must be multiples of 32 (the Q8_0 block)")
+    elif max(a.agents) > a.experts:
+        ap.error(f"--agents {max(a.agents)} is more than --experts {a.experts}: an agent would hold nothing")
     if a.agent:
         port, mine = a.agent.split(":")
         agent_main(int(port), [int(e) for e in mine.split(",") if e], a.blob_dir, max(1, a.agent_threads),
@@ -453,7 +464,10 @@ def main() -> None:
     from holders import kernels
     from holders import forward as forward_mod
 
-    cpus = parse_cpus(a.cpus)
+    try:
+        cpus = parse_cpus(a.cpus)
+    except ValueError as exc:
+        ap.error(str(exc))
     os.sched_setaffinity(0, cpus)  # the agents inherit it: every process on the same cores
     router = Phases()
     instrument_wire(router)
@@ -477,7 +491,7 @@ def main() -> None:
             experts[e] = expert(e, a.hidden, a.ffn)
             (Path(blob_dir) / f"{e}.blob").write_bytes(experts[e].to_blob("f32"))
         results = []
-        for n in [int(v) for v in a.agents.split(",") if v]:
+        for n in a.agents:
             r = run_count(n, a, cpus, gate, experts, x, blob_dir, router)
             results.append(r)
             print(f"\n{n} agents x {r['agent_blas_threads']} BLAS thread(s) vs in process x "

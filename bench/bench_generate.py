@@ -414,7 +414,10 @@ def main() -> None:
         agent_main(name, int(port), [tuple(map(int, k.split(","))) for k in keys.split(";") if k], a.pool,
                    a.synth_vocab, a.agent_threads)
         return
-    a.cpus = parse_cpus(a.cpus)
+    try:
+        a.cpus = parse_cpus(a.cpus)
+    except ValueError as exc:
+        ap.error(str(exc))
     os.sched_setaffinity(0, a.cpus)  # inherited by the agents: both sides get the same cores
     for name in a.models.split(","):
         r = bench_model(name, a)

@@ -236,7 +236,12 @@ async def loopback_mb_s(size: int = iroh.MAX_FRAME_BYTES - 64, repeat: int = 5) 
     return 2 * size / 1e6 / statistics.median(times)
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """Run alone: iroh loopback throughput, then each transport's frame codec CPU (module docstring)."""
+    import argparse
+    argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                            epilog="Run alone it measures iroh loopback MB/s and each transport's frame codec "
+                                   "CPU per batch; bench_forward.py --transport uses it for the agents.").parse_args()
     patched = iroh._ffi._UniffiRustBufferBuilder.write
     fast = asyncio.run(loopback_mb_s())
     iroh._ffi._UniffiRustBufferBuilder.write = iroh.GENERATED_WRITE  # uniffi's byte-by-byte copy
@@ -248,3 +253,7 @@ if __name__ == "__main__":
         ms = codec_cpu_ms(n)
         base = ms["binary (ws, http)"]
         print(f"{n:4d} rows: " + ", ".join(f"{k} {v:.2f} ms CPU ({v / base:.1f}x)" for k, v in ms.items()))
+
+
+if __name__ == "__main__":
+    main()

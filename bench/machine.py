@@ -1,10 +1,11 @@
-"""What machine a benchmark ran on, and which cores it uses: shared by the bench scripts.
+"""What machine a benchmark ran on, which cores it uses, and argparse types: shared by the bench scripts.
 
 Pure standard library; the scripts import it as ``machine`` (this directory is ``sys.path[0]``
 when a script runs).
 """
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 from pathlib import Path
@@ -23,11 +24,42 @@ def cpu_model() -> str:
 
 def parse_cpus(text: str | None) -> list[int]:
     """A CPU list such as ``"0-3,6"`` → [0, 1, 2, 3, 6]; None or "" → this process's affinity.
-    Raises ``ValueError`` on a malformed list."""
+    Raises ``ValueError`` on a malformed list or a CPU this process may not run on."""
     if not text:
         return sorted(os.sched_getaffinity(0))
     out = []
     for part in text.split(","):
         lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
+        try:
+            out.extend(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            raise ValueError(f"--cpus must look like 0-3,6; got {text!r}") from None
+    allowed = os.sched_getaffinity(0)
+    if not out or not set(out) <= allowed:
+        raise ValueError(f"--cpus {text!r}: this process may run on CPUs {sorted(allowed)} only")
     return sorted(set(out))
+
+
+def int_at_least(low: int):
+    """An argparse ``type``: an integer >= ``low`` (argparse names the flag in its error)."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {n}")
+        return n
+    return parse
+
+
+def int_list(low: int):
+    """An argparse ``type``: a comma list of integers >= ``low``, such as ``2,4``."""
+    one = int_at_least(low)
+
+    def parse(text: str) -> list[int]:
+        values = [one(v) for v in text.split(",") if v.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}")
+        return values
+    return parse

@@ -487,7 +487,10 @@ class HolderAgent:
         if not isinstance(req.get("request_id"), str) or not req["request_id"]:
             raise wire.WireError("request_id must be a non-empty string", "request_id")
         output = req.get("output", "f32")
-        metered = req.get("purpose", "serve") == "serve"  # disputes and self-tests are not metered
+        purpose = req.get("purpose", "serve")
+        if purpose not in methods.PURPOSES:  # any other value would run the batch unmetered
+            raise wire.WireError(f"purpose must be one of {', '.join(methods.PURPOSES)}", "purpose")
+        metered = purpose == "serve"  # disputes and self-tests are not metered
         if carrier not in wire.CARRIERS:
             raise wire.WireError(f"unsupported carrier {carrier!r}")
         if output not in wire.OUTPUTS:

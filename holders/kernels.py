@@ -76,14 +76,27 @@ def set_isa(name: str) -> None:
     _native.set_isa(name)
 
 
+def env_int(name: str, default: int, minimum: int) -> int:
+    """The integer environment variable ``name`` (``default`` when unset or empty). Raises
+    ``ValueError`` naming the variable for text that is not an integer or a value below ``minimum``."""
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {v!r}") from None
+    if n < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {n}")
+    return n
+
+
 def default_threads() -> int:
     """Row threads for one matmul: ``TENZRO_KERNEL_THREADS``, else numba's thread count (which
-    follows ``NUMBA_NUM_THREADS``, the agent's core share)."""
-    v = os.environ.get("TENZRO_KERNEL_THREADS")
-    if v:
-        return max(1, int(v))
+    follows ``NUMBA_NUM_THREADS``, the agent's core share). Raises ``ValueError`` naming the
+    variable when it is not an integer >= 1."""
     import numba
-    return max(1, numba.get_num_threads())
+    return env_int("TENZRO_KERNEL_THREADS", max(1, numba.get_num_threads()), 1)
 
 
 def matmul_xt(x: np.ndarray, w: QuantizedMatrix, threads: int | None = None, isa: str | None = None) -> np.ndarray:

@@ -69,8 +69,9 @@ def test_coalescing_off_sends_each_alone_and_a_whole_failure_reaches_every_calle
         c = Coalescer()
         return await asyncio.gather(*(c.submit("a", r, one, many) for r in (1, 2)), return_exceptions=True)
 
-    monkeypatch.setenv("TENZRO_COALESCE", "0")
-    assert asyncio.run(go()) == [1, 2]
+    for off in ("0", "OFF", " false "):
+        monkeypatch.setenv("TENZRO_COALESCE", off)
+        assert asyncio.run(go()) == [1, 2]
     monkeypatch.setenv("TENZRO_COALESCE", "1")
     assert [type(e) for e in asyncio.run(go())] == [ConnectionError, ConnectionError]
 

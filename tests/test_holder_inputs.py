@@ -45,7 +45,8 @@ def _execute_header(**over):
 
 @pytest.mark.parametrize("bad, field", [({"token_indices": [0, 2**32]}, "token_indices"),
                                         ({"layer": float("inf")}, "layer"), ({"expert": "0"}, "expert"),
-                                        ({"d_model": 1e400}, "d_model")])
+                                        ({"d_model": 1e400}, "d_model"),
+                                        ({"purpose": "free"}, "purpose")])  # would have run unmetered
 def test_socket_request_with_a_bad_number_gets_a_failure_reply(agent, bad, field):
     header = _execute_header(**bad)
     asyncio.run(agent._handle(header, np.zeros((2, H), np.float32).tobytes()))
@@ -154,3 +155,30 @@ def test_http_rpc_names_the_field_at_fault_and_refuses_a_non_finite_id(agent):
     assert bad_b64["error"]["data"]["field"] == "hidden_states"
     assert nan_id["error"]["code"] == -32700 and nan_id["id"] is None
     assert inf_id["error"]["code"] == -32600 and inf_id["error"]["data"]["field"] == "id"
+
+
+@pytest.mark.parametrize("length, status, words", [("-5", b"400", "non-negative"), ("abc", b"400", "non-negative"),
+                                                   (None, b"411", "required"), (str(1 << 40), b"413", "limit")])
+def test_http_endpoint_answers_a_bad_content_length_with_the_right_status(agent, length, status, words):
+    """A negative or non-numeric Content-Length is a 400 naming the header; a missing one 411;
+    one above the body cap 413. The server stays up for the next connection."""
+    async def go():
+        port = free_port()
+        server = await serve_http(agent._http_rpc, "127.0.0.1", port, agent._http_frame)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            head = "POST /rpc HTTP/1.1\r\nHost: x\r\n" + (f"Content-Length: {length}\r\n" if length else "") + "\r\n"
+            writer.write(head.encode())
+            await writer.drain()
+            got = await reader.read()
+            writer.close()
+            r2, w2 = await asyncio.open_connection("127.0.0.1", port)
+            ok, body = await _post(r2, w2, "/rpc", b'{"jsonrpc": "2.0", "id": 1, "method": "moe/status"}')
+            w2.close()
+            return got, ok
+        finally:
+            server.close()
+
+    got, ok = asyncio.run(go())
+    assert got.split()[1] == status and words in got.decode()
+    assert ok.split()[1] == b"200"

@@ -250,3 +250,17 @@ def test_native_batch_default_follows_the_simd_path(monkeypatch):
         assert CpuBackend().native_batch == 7
     finally:
         kernels.set_isa(before)
+
+
+@pytest.mark.parametrize("name, value", [("TENZRO_QUANT_NATIVE_BATCH", "x"), ("TENZRO_QUANT_NATIVE_BATCH", "-1"),
+                                         ("TENZRO_QUANT_SMALL_BATCH", "8.5"), ("TENZRO_KERNEL_THREADS", "x"),
+                                         ("TENZRO_KERNEL_THREADS", "0")])
+def test_malformed_kernel_settings_are_refused_when_the_backend_starts(monkeypatch, name, value):
+    """A bad value fails the CPU backend's construction (the agent's start, a CommandError there)
+    naming the variable, instead of failing every quantized batch later or silently turning the
+    native kernels off (-1 did)."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        CpuBackend()
+    monkeypatch.setenv(name, "3")
+    assert CpuBackend() is not None

@@ -24,7 +24,6 @@ Pure Python + numpy + numba; imports nothing from Django.
 """
 from __future__ import annotations
 
-import os
 
 import numba
 import numpy as np
@@ -34,7 +33,7 @@ from holders import kernels
 from holders.quant import Q4_K, Q6_K, Q8_0, QUANT_TYPES, QuantizedMatrix
 
 # Batch rows up to which the numba kernel beats decode + GEMM (bench_expert.py).
-SMALL_BATCH = int(os.environ.get("TENZRO_QUANT_SMALL_BATCH", "8"))
+SMALL_BATCH = 8  # TENZRO_QUANT_SMALL_BATCH's default
 # Batch rows up to which the native integer kernel beats decode + GEMM, per SIMD path
 # (bench_expert.py --switch, one thread, Xeon with AVX-512 VNNI: crossover 64-96 rows on the VNNI
 # path, 32-48 with avx2 forced); TENZRO_QUANT_NATIVE_BATCH overrides.
@@ -42,9 +41,10 @@ NATIVE_BATCH_BY_ISA = {"avx512vnni": 64, "avx2": 32, "portable": 32}
 
 
 def native_batch_default() -> int:
-    """``TENZRO_QUANT_NATIVE_BATCH`` if set, else the measured crossover of the SIMD path in use."""
-    v = os.environ.get("TENZRO_QUANT_NATIVE_BATCH")
-    return int(v) if v else NATIVE_BATCH_BY_ISA.get(kernels.isa() or "portable", 32)
+    """``TENZRO_QUANT_NATIVE_BATCH`` if set (0 turns the native kernels off), else the measured
+    crossover of the SIMD path in use. Raises ``ValueError`` naming the variable for a value
+    that is not an integer >= 0."""
+    return kernels.env_int("TENZRO_QUANT_NATIVE_BATCH", NATIVE_BATCH_BY_ISA.get(kernels.isa() or "portable", 32), 0)
 
 
 # Every IEEE half bit pattern → float32 (exact): one L2-resident lookup instead of bit fiddling.
@@ -255,10 +255,14 @@ class CpuBackend:
     tag = "cpu"
     gpu = False
 
-    def __init__(self, small_batch: int = SMALL_BATCH, native: bool = True, native_batch: int | None = None):
-        self.small_batch = small_batch
+    def __init__(self, small_batch: int | None = None, native: bool = True, native_batch: int | None = None):
+        """Defaults from ``TENZRO_QUANT_SMALL_BATCH``, ``TENZRO_QUANT_NATIVE_BATCH`` and (checked here,
+        read per matmul) ``TENZRO_KERNEL_THREADS``; raises ``ValueError`` naming a malformed one."""
+        self.small_batch = small_batch if small_batch is not None else kernels.env_int(
+            "TENZRO_QUANT_SMALL_BATCH", SMALL_BATCH, 0)
         self.native = native and kernels.available()
         self.native_batch = native_batch if native_batch is not None else native_batch_default()
+        kernels.default_threads()
 
     def matmul_xt(self, x: np.ndarray, w) -> np.ndarray:
         """``x`` f32 ``[n, in]``, ``w`` f32 ndarray or ``QuantizedMatrix`` ``[out, in]`` → f32 ``[n, out]``."""

@@ -31,7 +31,7 @@ MAX_GROUP = 64  # requests per message: bounds one message's size and one holder
 
 def enabled() -> bool:
     """Whether coalescing is on (``TENZRO_COALESCE``, default 1; read at each call so a bench can flip it)."""
-    return os.environ.get("TENZRO_COALESCE", "1") not in ("0", "false", "no", "off")
+    return os.environ.get("TENZRO_COALESCE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class Coalescer(Generic[Req, Ans]):

@@ -164,12 +164,18 @@ async def serve_http(handler: Handler, host: str, port: int, frame_handler: Fram
                 if method != "POST":
                     await _respond(writer, 405, {"error": "use POST /rpc"}, keep)
                     continue
-                try:
-                    n = int(headers["content-length"])
-                except (KeyError, ValueError):
+                if "content-length" not in headers:
                     await _respond(writer, 411, {"error": "Content-Length is required"}, False)
                     return
-                if n < 0 or n > MAX_BODY:
+                try:
+                    n = int(headers["content-length"])
+                except ValueError:
+                    n = -1
+                if n < 0:
+                    await _respond(writer, 400, {"error": "Content-Length must be a non-negative integer, got "
+                                                          f"{headers['content-length'][:40]!r}"}, False)
+                    return
+                if n > MAX_BODY:
                     await _respond(writer, 413, {"error": f"body of {n} bytes; the limit is {MAX_BODY}"}, False)
                     return
                 body = await reader.readexactly(n)
