@@ -8,7 +8,8 @@ Q8_0 weights and Q4_K_M weights (gate/up Q4_K, down Q6_K, llama.cpp's preset) ag
 numpy float32 SwiGLU of the same shape (``x@Wg.T``, ``x@Wu.T``, silu·mul, ``@Wd.T``) measured
 in the same run. ``hot``: one expert, called again and again (weights in cache). ``cold``:
 enough copies of the expert cycled to exceed twice the last-level cache (its size is printed),
-so weights stream from memory, as on a holder serving many experts. Variants run round-robin;
+so weights stream from memory, as on a holder serving many experts (at most ``--max-cold-experts``
+copies: a variant the cap keeps under 2 x LLC is flagged "NOT cold" above its table). Variants run round-robin;
 the best of ``--repeat`` rounds is kept (the machine is shared) and the ratio printed is
 time / numpy time (lower is better). The issue's goals are checked at the end (hot, one thread:
 AVX-512 VNNI CPUs Q4_K_M batch 1 <= 0.35, Q8_0 <= 0.45; AVX2-only <= 0.6 / 0.7; batch 512
@@ -81,6 +82,12 @@ def copies(e: ExpertWeights, k: int) -> list[ExpertWeights]:
     def cp(m):
         return QuantizedMatrix(m.qtype, m.shape, m.blocks.copy()) if isinstance(m, QuantizedMatrix) else m.copy()
     return [e] + [ExpertWeights(cp(e.gate_proj), cp(e.up_proj), cp(e.down_proj)) for _ in range(k - 1)]
+
+
+def under_llc(experts: dict[str, list], llc: int) -> list[str]:
+    """Variants whose cycled experts together stay below twice the last-level cache (``llc`` bytes):
+    their "cold" rows still hit the cache (``--max-cold-experts`` capped the copies)."""
+    return [k for k, es in experts.items() if len(es) * expert_bytes(es[0]) < 2 * llc]
 
 
 def set_threads(n: int) -> threadpool_limits:
@@ -233,6 +240,9 @@ def main(argv=None) -> int:
                            for k, e in base.items()}
             print(f"\n{cache}, {nt} thread(s), experts cycled: "
                   + ", ".join(f"{k} {len(v)}" for k, v in experts.items()))
+            if cache == "cold" and (short := under_llc(experts, llc)):
+                print(f"  NOT cold for {', '.join(short)}: --max-cold-experts {args.max_cold_experts} keeps their "
+                      f"working set under 2 x LLC ({2 * llc / 2**20:.0f} MiB); these rows are partly cache-resident")
             print(f"{'batch':>6} {'variant':>10} {'best ms':>9} {'tok/s':>10} {'/numpy':>7}")
             results[(tset, cache)] = run_table(experts, batches, args.repeat, rng)
             del experts
