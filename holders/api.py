@@ -144,7 +144,9 @@ class RouteParams(GateKeyParams):
 class ExecuteParams(ExpertKeyParams):
     """Params of ``tenzro_moeExecute`` (reference §6.1)."""
 
-    token_indices = serializers.ListField(child=serializers.IntegerField(min_value=0), allow_empty=False)
+    # uint32 like the holder's receipts: a relayed request is refused here, not by the agent as -32004.
+    token_indices = serializers.ListField(child=serializers.IntegerField(min_value=0, max_value=methods.MAX_TOKEN_INDEX),
+                                          allow_empty=False)
     d_model = serializers.IntegerField(min_value=1, max_value=1 << 20)
     hidden_states = serializers.CharField(required=False, trim_whitespace=False)
     hidden_q8 = serializers.CharField(required=False, trim_whitespace=False)

@@ -19,10 +19,14 @@ One place maps the environment to backends (DESIGN §4):
   ``TENZRO_FORWARD_QUEUE_WAIT`` (seconds), ``TENZRO_FORWARD_RATE`` (per client per minute);
   generation size (``holders.generate.check_size``): ``TENZRO_GEN_MAX_PROMPTS``,
   ``TENZRO_GEN_MAX_PROMPT_TOKENS``, ``TENZRO_GEN_MAX_NEW_TOKENS``; ``TENZRO_CELERY_QUEUE`` (the
-  Celery task queue, default ``celery``).
+  Celery task queue, default ``celery``). Data plane: ``TENZRO_DATA_TRANSPORT`` (ws|http|iroh),
+  ``TENZRO_COALESCE`` (checked here, read by the transports), ``TENZRO_IROH_BIND`` (HOST:PORT),
+  ``TENZRO_BATCH_TIMEOUT`` / ``TENZRO_BATCH_DEADLINE`` (seconds > 0), ``TENZRO_VIEW_CACHE``
+  (seconds >= 0). A malformed value raises ``RuntimeError`` naming the variable at import.
 """
 from __future__ import annotations
 
+import math
 import os
 import secrets
 from pathlib import Path
@@ -49,6 +53,44 @@ def _env_int(name: str, default: int) -> int:
         return int(value)
     except ValueError as exc:
         raise RuntimeError(f"{name} must be an integer, got {value!r}") from exc
+
+
+def _env_float(name: str, default: float, zero_ok: bool = False) -> float:
+    """A finite number of seconds > 0 (``zero_ok``: >= 0) from the environment; raises
+    ``RuntimeError`` naming the variable."""
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return default
+    try:
+        v = float(value)
+    except ValueError:
+        v = math.nan
+    if not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
+        raise RuntimeError(f"{name} must be a number of seconds {'>= 0' if zero_ok else 'above 0'}, got {value!r}")
+    return v
+
+
+def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """One of ``choices`` (exactly: the transports compare the raw value) from the environment;
+    unset or empty → ``default``; raises ``RuntimeError`` naming the variable."""
+    value = os.environ.get(name) or default
+    if value not in choices:
+        raise RuntimeError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def _env_host_port(name: str, default: str) -> str:
+    """``HOST:PORT`` (port 0..65535) from the environment; raises ``RuntimeError`` naming the variable."""
+    value = os.environ.get(name, "").strip() or default
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise RuntimeError(f"{name} must be HOST:PORT (port 0 = a free one), got {value!r}")
+    return value
+
+
+# TENZRO_COALESCE is read by the transports at each send (a bench flips it); refuse here what
+# they would silently read as "on".
+_env_choice("TENZRO_COALESCE", "1", ("1", "0", "true", "false", "yes", "no", "on", "off"))
 
 
 def _secret_key() -> str:
@@ -240,7 +282,7 @@ TENZRO = {
     # Daphne's WebSocket message cap (set explicitly when we start daphne); frames stay below it.
     "WS_MAX_MESSAGE": _env_int("TENZRO_WS_MAX_MESSAGE", 1024 * 1024),
     "AGENT_HELLO_TIMEOUT_S": 10,
-    "BATCH_TIMEOUT_S": float(os.environ.get("TENZRO_BATCH_TIMEOUT", "30")),
+    "BATCH_TIMEOUT_S": _env_float("TENZRO_BATCH_TIMEOUT", 30.0),
     "RPC_RATE_PER_MINUTE": _env_int("TENZRO_RPC_RATE", 6000),
     # Admission control (holders.admission): requests in one JSON-RPC batch; distributed forwards
     # running at once per site process, how many more may queue and for how many seconds;
@@ -248,7 +290,7 @@ TENZRO = {
     "RPC_MAX_BATCH": _env_int("TENZRO_RPC_MAX_BATCH", 100),
     "FORWARD_CONCURRENCY": _env_int("TENZRO_FORWARD_CONCURRENCY", 16),
     "FORWARD_QUEUE": _env_int("TENZRO_FORWARD_QUEUE", 1024),
-    "FORWARD_QUEUE_WAIT_S": float(os.environ.get("TENZRO_FORWARD_QUEUE_WAIT", "60")),
+    "FORWARD_QUEUE_WAIT_S": _env_float("TENZRO_FORWARD_QUEUE_WAIT", 60.0, zero_ok=True),
     "FORWARD_RATE_PER_MINUTE": _env_int("TENZRO_FORWARD_RATE", 3000),
     # Size of one generation (tenzro_moeGenerate, /v1/completions, /v1/chat/completions): prompts in
     # the batch, their tokens together, and new tokens together (prompts × max_new_tokens). The
@@ -268,10 +310,10 @@ TENZRO = {
     # endpoints with binary frames, socket fallback) or "iroh" (advertised iroh endpoints, then
     # socket, then HTTP); the router's iroh endpoint binds to IROH_BIND; seconds the shard view
     # read is reused.
-    "BATCH_DEADLINE_S": float(os.environ.get("TENZRO_BATCH_DEADLINE", "10")),
-    "DATA_TRANSPORT": os.environ.get("TENZRO_DATA_TRANSPORT", "ws"),
-    "IROH_BIND": os.environ.get("TENZRO_IROH_BIND", "0.0.0.0:0"),
-    "VIEW_CACHE_S": float(os.environ.get("TENZRO_VIEW_CACHE", "1.0")),
+    "BATCH_DEADLINE_S": _env_float("TENZRO_BATCH_DEADLINE", 10.0),
+    "DATA_TRANSPORT": _env_choice("TENZRO_DATA_TRANSPORT", "ws", ("ws", "http", "iroh")),
+    "IROH_BIND": _env_host_port("TENZRO_IROH_BIND", "0.0.0.0:0"),
+    "VIEW_CACHE_S": _env_float("TENZRO_VIEW_CACHE", 1.0, zero_ok=True),
     # Repair pass (DESIGN §8): seconds between passes; 0 = the governance policy's
     # repair_interval_s (a local cluster or a test sets a short one). Release grace: seconds an
     # expert must stay above target and cool before its surplus replicas are dropped.

@@ -95,3 +95,26 @@ def test_cli_refuses_a_long_name_a_missing_key_dir_and_a_lone_iroh_bind(tmp_path
     lone = _holder_agent("--iroh-bind", "nonsense", "--key", str(tmp_path / "k"))
     assert lone.returncode == 1 and "--iroh-bind needs --iroh" in lone.stderr
     assert "Traceback" not in long.stderr + missing.stderr + lone.stderr
+
+
+def test_cli_refuses_an_address_it_cannot_bind_naming_the_flag(tmp_path):
+    """A taken --http-port, a host name or an unowned address in --iroh-bind, a NaN interval: one
+    CommandError naming the flag before the agent starts (the bind errors used to surface as a bare
+    "[Errno 98] …" or iroh's "invalid socket address syntax" after start-up; NaN was accepted)."""
+    import socket
+    with socket.socket() as taken, socket.socket(type=socket.SOCK_DGRAM) as taken_udp:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        taken_udp.bind(("127.0.0.1", 0))
+        key = ("--key", str(tmp_path / "k"))
+        cases = {
+            ("--http-port", str(taken.getsockname()[1])): "--http-host / --http-port: cannot bind 127.0.0.1:",
+            ("--iroh", "--iroh-bind", f"127.0.0.1:{taken_udp.getsockname()[1]}"): "--iroh-bind: cannot bind 127.0.0.1:",
+            ("--iroh", "--iroh-bind", "localhost:0"): "--iroh-bind: HOST must be an IP address",
+            ("--iroh", "--iroh-bind", "::1:0"): "--iroh-bind: write an IPv6 address in brackets, [::1]:0",
+            ("--iroh", "--iroh-bind", "192.0.2.1:0"): "--iroh-bind: cannot bind 192.0.2.1:0",
+            ("--heartbeat-interval", "nan"): "--heartbeat-interval must be a positive number of seconds, got nan",
+        }
+        for args, says in cases.items():
+            res = _holder_agent(*args, *key)
+            assert res.returncode == 1 and says in res.stderr and "Traceback" not in res.stderr, (args, res.stderr)

@@ -76,6 +76,8 @@ def test_site_runtime_load_by_uri_and_base64_execute_route_status(client, site_r
     ({"hidden_states": None}, -32602, "hidden_states"),
     ({"token_indices": [-1, 0]}, -32602, "token_indices.0"),
     ({"provider": "xyz"}, -32602, "provider"),
+    # relayed: refused as the holder would, not as "no agent connected" / the agent's -32004
+    ({"token_indices": [2**32, 0], "provider": "ab" * 32}, -32602, "token_indices.0"),
 ])
 def test_execute_errors_over_rpc_name_the_field(client, site_rt, params, code, field):
     site_rt.load_expert("m", 0, 0, expert(0).to_blob())

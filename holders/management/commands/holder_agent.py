@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import math
 import os
 import signal
+import socket
 from pathlib import Path
 
 from django.conf import settings
@@ -20,6 +23,23 @@ from registry.identity import load_or_create_key, provider_id
 
 
 IROH_BIND_DEFAULT = "127.0.0.1:0"
+
+
+def probe_bind(flag: str, host: str, port: int, kind: int) -> None:
+    """Bind ``host:port`` (``kind`` ``SOCK_STREAM`` for the HTTP endpoint, ``SOCK_DGRAM`` for
+    iroh's QUIC) once and release it, so an address in use or not on this machine is refused
+    naming ``flag`` before the agent starts. Raises ``CommandError``."""
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(host.strip("[]")).version == 6 else socket.AF_INET
+    except ValueError:
+        family = socket.AF_INET  # a host name (--http-host): resolved by bind
+    try:
+        with socket.socket(family, kind) as s:
+            if kind == socket.SOCK_STREAM:  # as asyncio's server does: only a live listener conflicts
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host.strip("[]"), port))
+    except OSError as exc:
+        raise CommandError(f"{flag}: cannot bind {host}:{port}: {exc.strerror or exc}") from exc
 
 
 class Command(BaseCommand):
@@ -50,7 +70,7 @@ class Command(BaseCommand):
                             help="also serve moe/execute and moe/status over iroh QUIC (ALPN tenzro/moe) and advertise "
                                  "the endpoint id (derived from --key) and its direct addresses")
         parser.add_argument("--iroh-bind", default=IROH_BIND_DEFAULT, metavar="HOST:PORT",
-                            help="address the iroh endpoint binds (default 127.0.0.1:0, a free port; relays are off, "
+                            help="IP address and port the iroh endpoint binds, IPv6 in brackets (default 127.0.0.1:0, a free port; relays are off, "
                                  "so routers dial the addresses this binds)")
         parser.add_argument("--blas-threads", type=int, default=1,
                             help="BLAS threads per matmul (default 1: batches run concurrently, and several "
@@ -72,8 +92,8 @@ class Command(BaseCommand):
         interval = opts["heartbeat_interval"]
         if interval is None:
             interval = settings.TENZRO["HEARTBEAT_INTERVAL_S"]
-        if interval <= 0:
-            raise CommandError("--heartbeat-interval must be positive")
+        if not math.isfinite(interval) or interval <= 0:
+            raise CommandError(f"--heartbeat-interval must be a positive number of seconds, got {interval}")
         if len(opts["name"]) > MAX_NAME or "\x00" in opts["name"]:  # the site refuses longer ones in every heartbeat
             raise CommandError(f"--name must be at most {MAX_NAME} characters without NUL, "
                                f"got {len(opts['name'])} characters")
@@ -96,6 +116,8 @@ class Command(BaseCommand):
         threadpool_limits(limits=opts["blas_threads"])
         if opts["http_port"] is not None and not 0 < opts["http_port"] < 65536:
             raise CommandError("--http-port must be between 1 and 65535")
+        if opts["http_port"] is not None:
+            probe_bind("--http-host / --http-port", opts["http_host"], opts["http_port"], socket.SOCK_STREAM)
         for name in ("price_per_input_token", "minimum_price"):
             if not 0 <= opts[name] <= 1 << 62:
                 raise CommandError(f"--{name.replace('_', '-')} must be between 0 and 2^62, got {opts[name]}")
@@ -111,6 +133,13 @@ class Command(BaseCommand):
             host, sep, port = iroh_bind.rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
                 raise CommandError(f"--iroh-bind must be HOST:PORT (port 0 = a free one), got {iroh_bind!r}")
+            try:  # iroh takes a socket address, not a host name
+                ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
+            except ValueError:
+                raise CommandError(f"--iroh-bind: HOST must be an IP address (IPv6 in brackets), got {host!r}") from None
+            if ":" in host and not host.startswith("["):
+                raise CommandError(f"--iroh-bind: write an IPv6 address in brackets, [{host}]:{port}")
+            probe_bind("--iroh-bind", host, int(port), socket.SOCK_DGRAM)
         blob_dir = opts["blob_dir"] or settings.VAR_DIR / "agent-blobs"
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         try:
@@ -146,5 +175,5 @@ class Command(BaseCommand):
                                f"its own --key)") from exc
         except AuthRefused as exc:
             raise CommandError(str(exc)) from exc
-        except OSError as exc:  # --http-port / --iroh-bind cannot be bound
-            raise CommandError(str(exc)) from exc
+        except OSError as exc:  # --http-port / --iroh-bind taken since the probe above
+            raise CommandError(f"--http-port / --iroh-bind: {exc}") from exc

@@ -1,0 +1,46 @@
+"""A malformed data-plane environment variable stops the process at start-up with a message
+naming it, instead of a bare ``float()`` traceback or being silently read as something else
+(``TENZRO_DATA_TRANSPORT=quic`` ran the socket transport, ``TENZRO_COALESCE=OFF`` and ``=maybe``
+left coalescing on, ``TENZRO_BATCH_DEADLINE=-1`` hedged every batch at once)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.cluster_util import ROOT
+
+
+def _check(tmp_path, **env) -> subprocess.CompletedProcess:
+    full = {**os.environ, "TENZRO_VAR_DIR": str(tmp_path), **env}
+    return subprocess.run([sys.executable, "-c", "import tenzro_site.settings"], cwd=ROOT, env=full,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("name, value, says", [
+    ("TENZRO_DATA_TRANSPORT", "quic", "must be one of ws, http, iroh, got 'quic'"),
+    ("TENZRO_COALESCE", "maybe", "must be one of 1, 0, true, false, yes, no, on, off, got 'maybe'"),
+    ("TENZRO_COALESCE", "OFF", "got 'OFF'"),
+    ("TENZRO_BATCH_DEADLINE", "abc", "must be a number of seconds above 0, got 'abc'"),
+    ("TENZRO_BATCH_DEADLINE", "-1", "above 0, got '-1'"),
+    ("TENZRO_BATCH_TIMEOUT", "0", "above 0, got '0'"),
+    ("TENZRO_BATCH_TIMEOUT", "nan", "got 'nan'"),
+    ("TENZRO_FORWARD_QUEUE_WAIT", "inf", "seconds >= 0, got 'inf'"),
+    ("TENZRO_VIEW_CACHE", "-0.5", ">= 0, got '-0.5'"),
+    ("TENZRO_IROH_BIND", "nonsense", "must be HOST:PORT (port 0 = a free one), got 'nonsense'"),
+    ("TENZRO_IROH_BIND", "127.0.0.1:70000", "got '127.0.0.1:70000'"),
+])
+def test_a_malformed_data_plane_variable_is_refused_naming_it(tmp_path, name, value, says):
+    res = _check(tmp_path, **{name: value})
+    assert res.returncode != 0
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"RuntimeError: {name} must be ") and says in last
+
+
+def test_the_documented_values_are_accepted(tmp_path):
+    res = _check(tmp_path, TENZRO_DATA_TRANSPORT="iroh", TENZRO_COALESCE="off", TENZRO_BATCH_DEADLINE="0.5",
+                 TENZRO_BATCH_TIMEOUT="30", TENZRO_FORWARD_QUEUE_WAIT="0", TENZRO_VIEW_CACHE="0",
+                 TENZRO_IROH_BIND="[::1]:0")
+    assert res.returncode == 0, res.stderr
