@@ -38,7 +38,7 @@ from threadpoolctl import threadpool_info, threadpool_limits
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from holders import compute, kernels  # noqa: E402
-from holders.compute.cpu import dequantize_parallel  # noqa: E402
+from holders.compute.cpu import dequantize_matrix  # noqa: E402
 from holders.ffn import ExpertWeights, expert_forward  # noqa: E402
 from holders.quant import QuantizedMatrix, quantize  # noqa: E402
 from machine import cpu_model  # noqa: E402  (this directory is sys.path[0] when run as a script)
@@ -136,7 +136,7 @@ def switch_table(h: int, f: int, rng) -> None:
         cells = []
         for m in mats.values():
             tn = min(_timed(lambda x=x, m=m: kernels.matmul_xt(x, m, threads=1)) for _ in range(7))
-            td = min(_timed(lambda x=x, m=m: x @ dequantize_parallel(m).T) for _ in range(7))
+            td = min(_timed(lambda x=x, m=m: x @ dequantize_matrix(m).T) for _ in range(7))
             cells.append(f"{tn / td:>8.2f}")
         print(f"{n:>6} " + " ".join(cells))
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from holders import messages, wire
 from holders.messages import answer_to_batch
-from holders.transports import iroh
+from holders.transports import coalesce, iroh
 from holders.transports.coalesce import Coalescer
 
 TRANSPORTS = ("http", "iroh", "ws")
@@ -128,7 +128,7 @@ class SocketHub:
     async def _many(self, provider: str, reqs: list, deliver) -> list:
         """A streamed batch, as ``services.send_ws`` sends it (``messages.StreamedBatch``)."""
         header, payload = messages.batch_frame(reqs, uuid.uuid4().hex)
-        header["stream"] = True
+        header["stream"] = coalesce.stream_answers()
         stream = messages.StreamedBatch(reqs, "ws", 4 + len(json.dumps(header, separators=(",", ":"))) + len(payload))
         answer, data, out, back = await self._exchange(
             provider, header, payload, lambda m: deliver(*stream.part(m["header"], m["payload"], m["back"])))

@@ -29,7 +29,7 @@ from holders.gating import Gate
 from holders.hooks import ForwardRecord, emit_forwards
 from holders.runtime import ExpertRuntime, GateNotLoaded
 from holders.scoreboard import Scoreboard
-from holders.transports import iroh
+from holders.transports import coalesce, iroh
 from holders.transports.http import HttpHolderClient
 from holders.transports.ws import AgentLink, AgentUnavailable
 from holders.admission import Admission, Busy, overloaded
@@ -140,7 +140,7 @@ async def _send_ws_many(link: AgentLink, provider: str, reqs: list[BatchRequest]
     ``deliver(index, outcome)`` as it arrives (``messages.StreamedBatch``); an agent that
     answers the batch whole is read with ``messages.batch_answers``."""
     header, payload = messages.batch_frame(reqs, uuid.uuid4().hex)
-    header["stream"] = True
+    header["stream"] = coalesce.stream_answers()
     out = 4 + len(json.dumps(header, separators=(",", ":"))) + len(payload)
     stream = messages.StreamedBatch(reqs, "ws", out)
 

@@ -229,9 +229,10 @@ def test_http_streamed_batch_answers_each_request_as_it_finishes(holder, monkeyp
 def test_http_streamed_batch_refused_whole_and_a_holder_without_streaming(holder, monkeypatch):
     """A malformed streamed batch gets one failure frame (every request rejected, no holder
     fault); a holder without a stream handler answers the same batch whole and the client
-    reads that too."""
-    agent, x, _ = holder
+    reads that too, as it does when the router asks for a whole answer (TENZRO_STREAM_ANSWERS=0)."""
+    agent, x, calls = holder
     reqs = requests(x)
+    again = fresh(reqs)
 
     async def go():
         server = await serve_http(agent._http_rpc, "127.0.0.1", 0, agent._http_frame, agent._http_stream)
@@ -244,6 +245,10 @@ def test_http_streamed_batch_refused_whole_and_a_holder_without_streaming(holder
             answer, _ = wire.unpack_frame(await client._exchange(ep, bad, lambda f: None), wire.MESSAGE_HEADER_MAX)
             monkeypatch.setenv("TENZRO_COALESCE", "1")
             got = await asyncio.gather(*(client.execute_frame(ep_plain, r) for r in reqs))
+            monkeypatch.setenv("TENZRO_STREAM_ANSWERS", "0")  # the router asks for a whole answer
+            calls_before = len(calls)
+            got += await asyncio.gather(*(client.execute_frame(ep, r) for r in again))
+            assert len(calls) == calls_before + 1
             return answer, got
         finally:
             await client.close()
@@ -252,7 +257,7 @@ def test_http_streamed_batch_refused_whole_and_a_holder_without_streaming(holder
 
     answer, got = asyncio.run(go())
     assert answer["ok"] is False and answer["code"] == -32602 and "nbytes" in answer["message"]
-    for req, ans in zip(reqs, got):
+    for req, ans in zip(reqs + again, got):
         verify_receipt(ans.receipt, provider=agent.provider, request_id=req.request_id, model_id=MODEL, layer=LAYER,
                        expert=req.expert, tokens=req.tokens, carrier_kind=req.carrier, carrier=req.payload,
                        rows=ans.rows)

@@ -746,7 +746,7 @@ def test_cpu_kernel_hooks_bound_for_every_type():
         assert qt.cpu_matmul is not None and qt.cpu_dequantize is not None, qt
         m = QuantizedMatrix.from_dense(w, qt.name)
         assert m.quant is qt
-        assert np.array_equal(cpu.dequantize_parallel(m), m.dequantize())
+        assert np.array_equal(cpu.dequantize_matrix(m), m.dequantize())
 
 
 def test_wire_codecs_are_byte_identical_to_the_reference_codecs():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from holders import compute, methods, quant, wire
-from holders.compute.cpu import CpuBackend, dequantize_parallel, quantized_matmul_xt
+from holders.compute.cpu import CpuBackend, dequantize_matrix, quantized_matmul_xt
 from holders.ffn import ExpertWeights, expert_forward
 from holders.gating import Gate
 from holders.metering import Meter
@@ -404,7 +404,7 @@ def test_parallel_dequantize_is_bit_identical_to_quant_dequantize(qtype):
     w[0, :40] = 0.0
     w[1, :256] = 1e-7  # tiny scales: fp16 subnormals
     m = QuantizedMatrix(qtype, w.shape, quant.quantize(w, qtype))
-    np.testing.assert_array_equal(dequantize_parallel(m).view(np.uint32), m.dequantize().view(np.uint32))
+    np.testing.assert_array_equal(dequantize_matrix(m).view(np.uint32), m.dequantize().view(np.uint32))
 
 
 def test_quantized_expert_forward_through_the_seam():

@@ -14,9 +14,12 @@
   quantized bytes are read from memory (Q4_K: 4.5 bits per weight instead of 32). Source
   of the block layouts and decode formulas: ggml ``ggml-common.h`` /
   ``dequantize_row_q8_0/q4_K/q6_K`` (as gguf-py ``quants.py``).
-- Quantized, larger batches: decode the whole matrix (``dequantize_parallel``, a parallel
-  numba decoder bit-identical to gguf-py) and run one BLAS GEMM; at these sizes the GEMM
-  dominates and the decode is a few percent. Measured in ``bench/bench_expert.py``: a cache of decoded
+- Quantized, larger batches: decode the whole matrix (``dequantize_matrix``, a numba decoder
+  bit-identical to gguf-py) and run one BLAS GEMM; at these sizes the GEMM dominates and the
+  decode is a few percent. The decode runs on the calling thread: a numba ``prange`` decode
+  left its OpenMP workers spinning after the loop, on the cores the GEMM's BLAS threads
+  needed next (with 2 BLAS threads, decode + GEMM of a 768 x 2048 Q8_0 matrix at batch 512 took
+  13.0-16.7 ms against 7.9-9.2 ms for the GEMM alone and 0.4-0.7 ms for the decode). Measured in ``bench/bench_expert.py``: a cache of decoded
   matrices would buy at most those few percent at the cost of 4 bytes per weight of
   extra memory, so none is kept.
 
@@ -164,10 +167,10 @@ def _mm_q6_k(b, x, y):
             _dots(w, x, y, r)
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def _deq_q8_0(b, out):
     rows, cols = out.shape
-    for r in prange(rows):
+    for r in range(rows):
         br = b[r]
         for blk in range(cols // 32):
             o = blk * 34
@@ -177,10 +180,10 @@ def _deq_q8_0(b, out):
                 out[r, blk * 32 + j] = np.float32(q[j]) * d
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def _deq_q4_k(b, out):
     rows, cols = out.shape
-    for r in prange(rows):
+    for r in range(rows):
         br = b[r]
         for blk in range(cols // 256):
             o = blk * 144
@@ -202,10 +205,10 @@ def _deq_q4_k(b, out):
                     out[r, base + j] = np.float32((br[qo + j] >> shift) & 0x0F) * dl - ml
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def _deq_q6_k(b, out):
     rows, cols = out.shape
-    for r in prange(rows):
+    for r in range(rows):
         br = b[r]
         for blk in range(cols // 256):
             o = blk * 210
@@ -227,8 +230,8 @@ Q4_K.bind_cpu_kernels(_mm_q4_k, _deq_q4_k)
 Q6_K.bind_cpu_kernels(_mm_q6_k, _deq_q6_k)
 
 
-def dequantize_parallel(w: QuantizedMatrix) -> np.ndarray:
-    """``w`` decoded to f32 ``[rows, cols]`` by a parallel numba kernel; the same float32
+def dequantize_matrix(w: QuantizedMatrix) -> np.ndarray:
+    """``w`` decoded to f32 ``[rows, cols]`` by a numba kernel on this thread; the same float32
     operations in the same order as ``holders.quant.dequantize`` (no fast-math), hence
     bit-identical to gguf-py's ``dequantize``."""
     out = np.empty(w.shape, dtype=np.float32)
@@ -271,7 +274,7 @@ class CpuBackend:
                 return kernels.matmul_xt(x, w)
             if not self.native and x.shape[0] <= self.small_batch:
                 return quantized_matmul_xt(np.ascontiguousarray(x, dtype=np.float32), w)
-            return x @ dequantize_parallel(w).T
+            return x @ dequantize_matrix(w).T
         return x @ w.T
 
     def warm(self) -> None:
@@ -281,7 +284,7 @@ class CpuBackend:
         for qt in QUANT_TYPES.values():
             w = QuantizedMatrix(qt.name, (1, 256), np.zeros(qt.row_bytes(256), dtype=np.uint8))
             quantized_matmul_xt(x, w)
-            dequantize_parallel(w)
+            dequantize_matrix(w)
 
     def release(self, w) -> None:
         """Nothing is cached per weight on the CPU."""

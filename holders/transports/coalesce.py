@@ -29,6 +29,12 @@ SendMany = Callable[..., Awaitable[list]]
 MAX_GROUP = 64  # requests per message: bounds one message's size and one holder's queue
 
 
+def stream_answers() -> bool:
+    """Whether a coalesced message asks the holder to answer request by request as each finishes
+    (``TENZRO_STREAM_ANSWERS``, default 1; read at each call so a bench can flip it)."""
+    return os.environ.get("TENZRO_STREAM_ANSWERS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def enabled() -> bool:
     """Whether coalescing is on (``TENZRO_COALESCE``, default 1; read at each call so a bench can flip it)."""
     return os.environ.get("TENZRO_COALESCE", "1").strip().lower() not in ("0", "false", "no", "off")

@@ -28,6 +28,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from holders import wire
 from holders import messages
 from holders.messages import BatchAnswer, BatchRequest, HolderFault, answer_to_batch
+from holders.transports import coalesce
 from holders.transports.coalesce import Coalescer
 from registry import jsonrpc
 from registry.jsonrpc import (INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, PARSE_ERROR, RpcError,
@@ -263,7 +264,7 @@ class HttpHolderClient:
         (``messages.batch_answers`` when the holder answers the batch whole, as holders without
         streaming do). A request the stream never answered is a ``HolderFault``."""
         header, payload = messages.batch_frame(reqs, uuid.uuid4().hex)
-        body = wire.pack_frame({**header, "stream": True}, payload, wire.MESSAGE_HEADER_MAX)
+        body = wire.pack_frame({**header, "stream": coalesce.stream_answers()}, payload, wire.MESSAGE_HEADER_MAX)
         stream = messages.StreamedBatch(reqs, "http", len(body))
 
         def on_frame(data: bytes) -> None:
