@@ -27,6 +27,7 @@ Pure Python + numpy + numba; imports nothing from Django.
 """
 from __future__ import annotations
 
+import threading
 
 import numba
 import numpy as np
@@ -172,12 +173,14 @@ def _deq_q8_0(b, out):
     rows, cols = out.shape
     for r in range(rows):
         br = b[r]
+        q = br.view(np.int8)  # one view per row: a view per block kept the loop from vectorizing
         for blk in range(cols // 32):
             o = blk * 34
             d = _f16(br[o], br[o + 1])
-            q = br[o + 2:o + 34].view(np.int8)
+            ob = out[r, blk * 32:blk * 32 + 32]
+            qb = q[o + 2:o + 34]
             for j in range(32):
-                out[r, blk * 32 + j] = np.float32(q[j]) * d
+                ob[j] = np.float32(qb[j]) * d
 
 
 @njit(cache=True, nogil=True)
@@ -230,6 +233,21 @@ Q4_K.bind_cpu_kernels(_mm_q4_k, _deq_q4_k)
 Q6_K.bind_cpu_kernels(_mm_q6_k, _deq_q6_k)
 
 
+_scratch = threading.local()
+
+
+def _decode_scratch(w: QuantizedMatrix) -> np.ndarray:
+    """``w`` decoded into this thread's reused f32 buffer (valid until this thread decodes again):
+    a fresh multi-MiB array per matmul paid its page faults every time, about half the decode."""
+    n = w.shape[0] * w.shape[1]
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _scratch.buf = np.empty(n, dtype=np.float32)
+    out = buf[:n].reshape(w.shape)
+    w.quant.cpu_dequantize(w.blocks, out)
+    return out
+
+
 def dequantize_matrix(w: QuantizedMatrix) -> np.ndarray:
     """``w`` decoded to f32 ``[rows, cols]`` by a numba kernel on this thread; the same float32
     operations in the same order as ``holders.quant.dequantize`` (no fast-math), hence
@@ -274,7 +292,7 @@ class CpuBackend:
                 return kernels.matmul_xt(x, w)
             if not self.native and x.shape[0] <= self.small_batch:
                 return quantized_matmul_xt(np.ascontiguousarray(x, dtype=np.float32), w)
-            return x @ dequantize_matrix(w).T
+            return x @ _decode_scratch(w).T  # the product is a new array: the buffer is free again
         return x @ w.T
 
     def warm(self) -> None:
