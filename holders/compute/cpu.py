@@ -203,9 +203,10 @@ def _deq_q4_k(b, out):
                 ml = dmin * np.float32(mn)
                 qo = o + 16 + (s // 2) * 32
                 shift = 4 * (s % 2)
-                base = blk * 256 + s * 32
+                ob = out[r, blk * 256 + s * 32:blk * 256 + s * 32 + 32]  # 1-D slices: the loop vectorizes
+                qb = br[qo:qo + 32]
                 for j in range(32):
-                    out[r, base + j] = np.float32((br[qo + j] >> shift) & 0x0F) * dl - ml
+                    ob[j] = np.float32((qb[j] >> shift) & 0x0F) * dl - ml
 
 
 @njit(cache=True, nogil=True)
@@ -220,11 +221,15 @@ def _deq_q6_k(b, out):
             for h in range(2):
                 for g in range(4):
                     base = blk * 256 + h * 128 + g * 32
+                    ob = out[r, base:base + 32]  # 1-D slices: the loop vectorizes
+                    ql = br[o + h * 64 + (g % 2) * 32:o + h * 64 + (g % 2) * 32 + 32]
+                    qh = br[o + 128 + h * 32:o + 128 + h * 32 + 32]
+                    lo_shift, hi_shift = 4 * (g // 2), 2 * g
+                    d0 = d * np.float32(scales[h * 8 + g * 2])
+                    d1 = d * np.float32(scales[h * 8 + g * 2 + 1])
                     for j in range(32):
-                        qv = ((br[o + h * 64 + (g % 2) * 32 + j] >> (4 * (g // 2))) & 0x0F) | \
-                            (((br[o + 128 + h * 32 + j] >> (2 * g)) & 3) << 4)
-                        dl = d * np.float32(scales[h * 8 + g * 2 + j // 16])
-                        out[r, base + j] = (np.float32(qv) - np.float32(32)) * dl
+                        qv = ((ql[j] >> lo_shift) & 0x0F) | (((qh[j] >> hi_shift) & 3) << 4)
+                        ob[j] = (np.float32(qv) - np.float32(32)) * (d0 if j < 16 else d1)
 
 
 # The kernel hooks of the quant types table (holders.quant.QUANT_TYPES).
