@@ -41,7 +41,7 @@ from holders import compute, kernels  # noqa: E402
 from holders.compute.cpu import dequantize_matrix  # noqa: E402
 from holders.ffn import ExpertWeights, expert_forward  # noqa: E402
 from holders.quant import QuantizedMatrix, quantize  # noqa: E402
-from machine import cpu_model  # noqa: E402  (this directory is sys.path[0] when run as a script)
+from machine import cpu_model, int_at_least  # noqa: E402  (this directory is sys.path[0] when run as a script)
 
 PRESETS = {"q8_0": ("q8_0", "q8_0", "q8_0"), "q4_k_m": ("q4_k", "q4_k", "q6_k")}
 
@@ -147,22 +147,9 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _int_at_least(low: int):
-    """argparse type: an integer >= ``low`` (argparse names the flag in its error)."""
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {v}")
-        return v
-    return parse
-
-
 def _row_length(text: str) -> int:
     """argparse type: a positive multiple of 256 (Q4_K / Q6_K super-block; every matrix row is quantized)."""
-    v = _int_at_least(1)(text)
+    v = int_at_least(1)(text)
     if v % 256:
         raise argparse.ArgumentTypeError(f"must be a multiple of 256 (the Q4_K/Q6_K super-block), got {v}")
     return v
@@ -170,7 +157,7 @@ def _row_length(text: str) -> int:
 
 def _batches(text: str) -> list[int]:
     """argparse type: comma list of positive batch sizes, e.g. ``1,8,64,512``."""
-    return [_int_at_least(1)(b) for b in text.split(",")]
+    return [int_at_least(1)(b) for b in text.split(",")]
 
 
 def _threads(text: str) -> list[str]:
@@ -179,7 +166,7 @@ def _threads(text: str) -> list[str]:
     out = []
     for t in text.split(","):
         if t != "all":
-            n = _int_at_least(1)(t)
+            n = int_at_least(1)(t)
             if n > cores:
                 raise argparse.ArgumentTypeError(f"{n} threads but this process may use {cores} cores")
         out.append(t)
@@ -200,10 +187,10 @@ def main(argv=None) -> int:
     ap.add_argument("--d-model", type=_row_length, default=2048, help="multiple of 256 (default 2048)")
     ap.add_argument("--d-ff", type=_row_length, default=768, help="multiple of 256 (default 768)")
     ap.add_argument("--batches", type=_batches, default="1,8,64,512", help="comma list of batch sizes")
-    ap.add_argument("--repeat", type=_int_at_least(1), default=7, help="rounds per variant (at least 3 run)")
+    ap.add_argument("--repeat", type=int_at_least(1), default=7, help="rounds per variant (at least 3 run)")
     ap.add_argument("--threads", type=_threads, default="1,all", help="thread settings to run, e.g. 1,all")
     ap.add_argument("--cache", type=_caches, default="hot,cold", help="hot (one expert), cold (cycle past the LLC)")
-    ap.add_argument("--max-cold-experts", type=_int_at_least(2), default=48,
+    ap.add_argument("--max-cold-experts", type=int_at_least(2), default=48,
                     help="most expert copies cycled when cold (at least 2)")
     ap.add_argument("--switch", action="store_true", help="also measure the native-kernel / decode+BLAS switch point")
     args = ap.parse_args(argv)

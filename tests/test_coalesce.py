@@ -180,21 +180,36 @@ def test_http_sends_one_frame_per_holder_and_one_bad_request_fails_alone(holder,
     check(agent, reqs, got[:-1], singles)
 
 
-def test_http_streamed_batch_answers_each_request_as_it_finishes(holder, monkeypatch):
-    """A streamed ``batch`` (chunked reply): the first request's caller has its verified answer
-    while the holder is still inside the second; bits equal the requests sent alone, a bad request
-    fails alone, and the keep-alive connection is reused afterwards."""
+def holding_back(agent, expert):
+    """(gate, a stand-in for ``agent._execute_sync`` that holds requests for ``expert`` until the gate opens)."""
     import threading
-
-    agent, x, _ = holder
-    reqs = requests(x, bad_expert=9)
     gate = threading.Event()
     real = agent._execute_sync
 
     def held_back(req, carrier, payload):
-        if req["expert"] == EXPERTS[1]:
+        if req["expert"] == expert:
             assert gate.wait(30)
         return real(req, carrier, payload)
+    return gate, held_back
+
+
+async def first_while_held(send, reqs, gate):
+    """Send ``reqs`` together; (the first request's answer, which requests were done when it
+    came, every outcome once ``gate`` opens)."""
+    tasks = [asyncio.ensure_future(send(r)) for r in reqs]
+    first = await asyncio.wait_for(asyncio.shield(tasks[0]), 20)
+    early = [t.done() for t in tasks]
+    gate.set()
+    return first, early, await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def test_http_streamed_batch_answers_each_request_as_it_finishes(holder, monkeypatch):
+    """A streamed ``batch`` (chunked reply): the first request's caller has its verified answer
+    while the holder is still inside the second; bits equal the requests sent alone, a bad request
+    fails alone, and the keep-alive connection is reused afterwards."""
+    agent, x, _ = holder
+    reqs = requests(x, bad_expert=9)
+    gate, held_back = holding_back(agent, EXPERTS[1])
 
     async def go():
         server = await serve_http(agent._http_rpc, "127.0.0.1", 0, agent._http_frame, agent._http_stream)
@@ -205,11 +220,7 @@ def test_http_streamed_batch_answers_each_request_as_it_finishes(holder, monkeyp
             singles = await asyncio.gather(*(client.execute_frame(endpoint, r) for r in fresh(reqs[:-1])))
             monkeypatch.setenv("TENZRO_COALESCE", "1")
             monkeypatch.setattr(agent, "_execute_sync", held_back)
-            tasks = [asyncio.ensure_future(client.execute_frame(endpoint, r)) for r in reqs]
-            first = await asyncio.wait_for(asyncio.shield(tasks[0]), 20)  # answered while expert 4 is held
-            early = [t.done() for t in tasks]
-            gate.set()
-            got = await asyncio.gather(*tasks, return_exceptions=True)
+            first, early, got = await first_while_held(lambda r: client.execute_frame(endpoint, r), reqs, gate)
             await asyncio.sleep(0.05)  # the stream's last chunk is read after the last answer
             pooled = sum(len(v) for v in client._idle.values())
             again = await asyncio.gather(*(client.execute_frame(endpoint, r) for r in fresh(reqs[:-1])))
@@ -263,15 +274,20 @@ def test_http_streamed_batch_refused_whole_and_a_holder_without_streaming(holder
                        rows=ans.rows)
 
 
+async def iroh_pair(agent):
+    """The agent's iroh endpoint on loopback (as ``holder_agent --iroh`` serves it) and a router client."""
+    server = await iroh.IrohServer(iroh.endpoint_secret(agent.key.encode()), "127.0.0.1:0", agent.execute_rpc,
+                                   agent.status, agent.execute_stream_rpc).start()
+    return server, iroh.IrohHolderClient(timeout=60, bind="127.0.0.1:0")
+
+
 def test_iroh_sends_one_stream_per_holder_and_one_bad_request_fails_alone(holder, monkeypatch):
     agent, x, calls = holder
     reqs = requests(x, carrier="f32", output="f32", bad_expert=9)
     big = requests(np.concatenate([x] * 300), carrier="f32", output="f32")  # several frames each
 
     async def go():
-        server = await iroh.IrohServer(iroh.endpoint_secret(agent.key.encode()), "127.0.0.1:0", agent.execute_rpc,
-                                       agent.status, agent.execute_stream_rpc).start()
-        client = iroh.IrohHolderClient(timeout=60, bind="127.0.0.1:0")
+        server, client = await iroh_pair(agent)
         try:
             monkeypatch.setenv("TENZRO_COALESCE", "0")
             singles = await asyncio.gather(*(client.execute(server.endpoint_id, server.addrs, r)
@@ -297,30 +313,16 @@ def test_iroh_sends_one_stream_per_holder_and_one_bad_request_fails_alone(holder
 def test_iroh_coalesced_stream_answers_each_request_as_it_finishes(holder, monkeypatch):
     """The holder writes each request's frames as soon as it finishes: the first caller has its
     verified answer while the holder is still inside the second request."""
-    import threading
-
     agent, x, _ = holder
     reqs = requests(x, carrier="f32", output="f32")
-    gate = threading.Event()
-    real = agent._execute_sync
-
-    def held_back(req, carrier, payload):
-        if req["expert"] == EXPERTS[1]:
-            assert gate.wait(30)
-        return real(req, carrier, payload)
+    gate, held_back = holding_back(agent, EXPERTS[1])
 
     async def go():
-        server = await iroh.IrohServer(iroh.endpoint_secret(agent.key.encode()), "127.0.0.1:0", agent.execute_rpc,
-                                       agent.status, agent.execute_stream_rpc).start()
-        client = iroh.IrohHolderClient(timeout=60, bind="127.0.0.1:0")
+        server, client = await iroh_pair(agent)
         try:
             monkeypatch.setenv("TENZRO_COALESCE", "1")
             monkeypatch.setattr(agent, "_execute_sync", held_back)
-            tasks = [asyncio.ensure_future(client.execute(server.endpoint_id, server.addrs, r)) for r in reqs]
-            first = await asyncio.wait_for(asyncio.shield(tasks[0]), 20)
-            early = [t.done() for t in tasks]
-            gate.set()
-            return first, early, await asyncio.gather(*tasks)
+            return await first_while_held(lambda r: client.execute(server.endpoint_id, server.addrs, r), reqs, gate)
         finally:
             await client.close()
             await server.close()
