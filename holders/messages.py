@@ -322,6 +322,18 @@ class StreamedBatch:
                                                     f"{r.request_id}") for r, o in zip(self.reqs, self.outcomes)]
 
 
+def refusal(answer: dict, what: str) -> Exception:
+    """The exception a holder's ``ok: false`` answer to a ``what`` ("request" or "batch") stands for:
+    ``AuthRefusal`` (-32001), ``Rejected`` (-32602/-32600: ours was malformed, no holder fault) or
+    ``HolderFault`` (anything else)."""
+    code, message = answer.get("code"), answer.get("message")
+    if code == AUTH_REFUSED:
+        return AuthRefusal(str(message))
+    if code in REJECTION_CODES:
+        return Rejected(f"holder rejected the {what} ({code}): {message}")
+    return HolderFault(f"holder error {code}: {message}")
+
+
 def split_batch_reply(answer: dict, payload: bytes, n: int) -> list[tuple[dict, bytes]]:
     """Router side: the (answer header, output bytes) of each of the ``n`` requests of a batch.
 
@@ -329,11 +341,7 @@ def split_batch_reply(answer: dict, payload: bytes, n: int) -> list[tuple[dict, 
     ``AuthRefusal``, ``Rejected`` or ``HolderFault`` when the whole batch was refused (``ok: false``).
     """
     if not answer.get("ok"):
-        if answer.get("code") == AUTH_REFUSED:
-            raise AuthRefusal(str(answer.get("message")))
-        if answer.get("code") in REJECTION_CODES:
-            raise Rejected(f"holder rejected the batch ({answer.get('code')}): {answer.get('message')}")
-        raise HolderFault(f"holder error {answer.get('code')}: {answer.get('message')}")
+        raise refusal(answer, "batch")
     answers = answer.get("answers")
     if not isinstance(answers, list) or len(answers) != n:
         raise HolderFault(f"batch reply carries {len(answers) if isinstance(answers, list) else 'no'} answers "
@@ -384,11 +392,7 @@ def answer_to_batch(answer: dict, data: bytes, req: BatchRequest, transport: str
     (code -32001), ``Rejected`` (-32602/-32600: the request was malformed), ``HolderFault``
     (another error, wrong tokens, bad rows)."""
     if not answer.get("ok"):
-        if answer.get("code") == AUTH_REFUSED:
-            raise AuthRefusal(str(answer.get("message")))
-        if answer.get("code") in REJECTION_CODES:
-            raise Rejected(f"holder rejected the request ({answer.get('code')}): {answer.get('message')}")
-        raise HolderFault(f"holder error {answer.get('code')}: {answer.get('message')}")
+        raise refusal(answer, "request")
     if answer.get("token_indices", req.tokens) != req.tokens:
         raise HolderFault("answer's token_indices differ from the request's")
     try:
