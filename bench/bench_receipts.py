@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from holders import wire  # noqa: E402
+from tests.cluster_util import stop  # noqa: E402
 
 MODES = {"off": 2**30, "1-in-64": 64, "1-in-1": 1}
 
@@ -100,11 +100,7 @@ def main() -> None:
             med = statistics.median(times[mode])
             print(f"  {mode:<8} median {med:8.2f} ms   ratio vs off {med / base:6.3f}")
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, 30)
 
 
 if __name__ == "__main__":

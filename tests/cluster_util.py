@@ -52,13 +52,20 @@ def running_cluster(tmp: Path, checkpoints: list[Path], holders: int = 3, env: d
             raise AssertionError(f"cluster printed nothing; stderr:\n{(tmp / 'cluster.stderr').read_text()[-4000:]}")
         yield json.loads(line), proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc, 30)
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """Stop a cluster or agent process as an operator would (SIGINT: it stops its children and
+    closes its sockets), killing it after ``grace_s`` seconds; no-op when it already ended."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def rpc(url: str, method: str, params: dict, token: str | None = None, timeout: float = 120.0) -> dict:
@@ -117,9 +124,4 @@ def blackhole_agent(info: dict, tmp: Path, env: dict, model_id: str, layer: int,
                 raise RuntimeError(f"the black hole never appeared on every expert: {err.read_text()[-2000:]}")
             time.sleep(0.2)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, 20)

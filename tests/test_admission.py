@@ -13,15 +13,14 @@ import time
 
 import numpy as np
 import pytest
-from channels.testing import WebsocketCommunicator
 from nacl.signing import SigningKey
 
 from holders import wire
 from holders.admission import Admission, Busy, overloaded
 from holders.forward import ForwardError
 from holders.transports.ws import AgentLink, AgentUnavailable
-from registry.identity import DOMAIN_HELLO, provider_id, sign
-from tenzro_site.asgi import application
+from registry.identity import provider_id
+from tests.test_agent_socket import authed
 from tests.test_forward import qwen  # noqa: F401  (module fixture: 3 in-process holders)
 
 
@@ -157,11 +156,7 @@ def test_forward_rate_per_client_is_busy_with_retry_after(client, settings):
 async def test_in_memory_layer_loses_no_request_past_its_capacity():
     """1,500 requests in flight to one agent at once (capacity 1,000): every one answered."""
     key = SigningKey.generate()
-    comm = WebsocketCommunicator(application, "/ws/agent/")
-    assert (await comm.connect())[0]
-    nonce = bytes.fromhex((await comm.receive_json_from())["nonce"])
-    await comm.send_json_to({"type": "hello", "provider": provider_id(key), "signature": sign(key, DOMAIN_HELLO, nonce)})
-    assert (await comm.receive_json_from())["type"] == "welcome"
+    comm = await authed(key)
 
     async def echo():
         while True:
@@ -197,11 +192,7 @@ async def test_an_agent_refusing_a_malformed_request_on_its_socket_is_rejected_n
     from holders.messages import BatchRequest, Rejected
 
     key = SigningKey.generate()
-    comm = WebsocketCommunicator(application, "/ws/agent/")
-    assert (await comm.connect())[0]
-    nonce = bytes.fromhex((await comm.receive_json_from())["nonce"])
-    await comm.send_json_to({"type": "hello", "provider": provider_id(key), "signature": sign(key, DOMAIN_HELLO, nonce)})
-    assert (await comm.receive_json_from())["type"] == "welcome"
+    comm = await authed(key)
 
     async def refuse():
         for code in ("WireError", "ExpertNotLoaded"):
