@@ -26,6 +26,20 @@ async def _refusing_site(handler):
     return server, f"http://127.0.0.1:{port}"
 
 
+def _agent_ends_with(handler, tmp_path, exc_type, match: str) -> None:
+    """An agent connecting to a site played by ``handler`` ends its socket loop with ``exc_type``."""
+    async def go():
+        server, url = await _refusing_site(handler)
+        agent = HolderAgent(url, SigningKey.generate(), tmp_path, name="n")
+        try:
+            with pytest.raises(exc_type, match=match):
+                await asyncio.wait_for(agent._run_socket(), 20)
+        finally:
+            server.close()
+
+    asyncio.run(go())
+
+
 def test_a_key_in_use_is_retried_for_the_sites_window_then_ends_the_agent(tmp_path):
     hellos: list[float] = []
 
@@ -36,16 +50,7 @@ def test_a_key_in_use_is_retried_for_the_sites_window_then_ends_the_agent(tmp_pa
         await ws.send(json.dumps({**messages.socket_error("key is already connected", code=4409), "retry_for_s": 2}))
         await ws.close(code=4409, reason="key already connected")
 
-    async def go():
-        server, url = await _refusing_site(handler)
-        agent = HolderAgent(url, SigningKey.generate(), tmp_path, name="dup")
-        try:
-            with pytest.raises(KeyInUse, match="already connected"):
-                await asyncio.wait_for(agent._run_socket(), 20)
-        finally:
-            server.close()
-
-    asyncio.run(go())
+    _agent_ends_with(handler, tmp_path, KeyInUse, "already connected")
     assert len(hellos) >= 2  # retried (a stale session of its own may have been in the way) ...
     assert hellos[-1] - hellos[0] < 5  # ... but only for about retry_for_s, not forever
 
@@ -60,16 +65,7 @@ def test_a_refused_configuration_ends_the_agent_with_the_sites_message(tmp_path)
                                                        field="name", ref="heartbeat")))
         await ws.close(code=4422, reason="name")
 
-    async def go():
-        server, url = await _refusing_site(handler)
-        agent = HolderAgent(url, SigningKey.generate(), tmp_path, name="n")
-        try:
-            with pytest.raises(AuthRefused, match="name must be a string"):
-                await asyncio.wait_for(agent._run_socket(), 20)
-        finally:
-            server.close()
-
-    asyncio.run(go())
+    _agent_ends_with(handler, tmp_path, AuthRefused, "name must be a string")
 
 
 def test_an_answer_after_the_socket_closed_is_dropped_with_one_line(tmp_path, caplog):
