@@ -37,7 +37,7 @@ from nacl.signing import SigningKey  # noqa: E402
 
 from holders import messages  # noqa: E402
 from registry.heartbeat import ingest, parse_holdings  # noqa: E402
-from registry.identity import DOMAIN_HEARTBEAT, provider_id, sign_body, verify_body  # noqa: E402
+from holders.identity import DOMAIN_HEARTBEAT, provider_id, sign_body, verify_body  # noqa: E402
 from registry.models import Holding  # noqa: E402
 
 N, CAP = 100_000, 1 << 20

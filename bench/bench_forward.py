@@ -10,7 +10,7 @@ Q8_0-valued weights (random int8 quants and f16 scales decoded with ``holders.qu
 random tokens. Each agent is a separate process running the real holder execute path
 (``HolderAgent.execute_request``: carrier decode → expert FFN → output encode → signed
 receipt); experts are dealt round-robin (replication 1). The router runs
-``holders.forward.distributed_forward`` in this process (receipts verified); the baseline is
+``router.forward.distributed_forward`` in this process (receipts verified); the baseline is
 ``holders.ffn.moe_layer_forward`` with every expert local.
 
 Transports (``--transport``, default ``http``; ``all`` = http, iroh, ws): every agent serves
@@ -160,8 +160,8 @@ def agent_main(port: int, experts: list[int], blob_dir: str, threads: int, ws_si
     from nacl.signing import SigningKey
     from threadpoolctl import threadpool_limits
 
-    from holders import agent as agent_mod
-    from holders.agent import HolderAgent
+    from holders.agent.session import session as agent_mod
+    from holders.agent.session import HolderAgent
     from holders.runtime import ExpertRuntime
     from holders.transports.http import serve_http
 
@@ -272,8 +272,8 @@ def run_count(n_agents: int, a, cpus: list[int], gate: Gate, experts: dict, x: n
     agents; medians and CPU breakdown, the distributed figures under ``by_transport``."""
     from threadpoolctl import threadpool_limits
 
-    from holders.forward import distributed_forward
-    from registry.shardmap import HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView
+    from router.forward import distributed_forward
+    from holders.shardmap import HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView
 
     transports = transports_of(a.transport)
     rows = variants(transports, a.coalesce)  # (row name, transport, coalescing on)
@@ -462,7 +462,7 @@ def main() -> None:
             raise SystemExit("--transport iroh: the iroh package cannot be imported; install iroh==1.2.0")
 
     from holders import kernels
-    from holders import forward as forward_mod
+    from router import forward as forward_mod
 
     try:
         cpus = parse_cpus(a.cpus)

@@ -13,7 +13,7 @@ expert runs the real Q4_K/Q6_K kernels at full size; only their values repeat.
 
 For each model the numpy backbone (``holders.backbone``) runs in this process; the MoE
 layer is either ``holders.ffn.moe_layer_forward`` with every expert local (baseline) or
-``holders.forward.distributed_forward`` over ``--agents`` holder processes (the real
+``router.forward.distributed_forward`` over ``--agents`` holder processes (the real
 ``HolderAgent.execute_request`` path behind HTTP ``POST /frame``, signed receipts verified;
 experts dealt round-robin). Both run the same prompts in the same run: prefill of
 ``--batch`` prompts, then ``--steps`` decode steps at batch ``--batch``. Prints decode
@@ -33,7 +33,7 @@ quantized kernels (``holders.kernels``).
 tenzro_cluster``: the site process plus ``--agents`` holder agents, replication 2, in a
 fresh ``TENZRO_VAR_DIR``; database and channel layer as this environment configures them,
 SQLite and in-memory by default) on the same CPU set, and the same prompts through JSON-RPC
-``tenzro_moeGenerate`` (backbone on the site, every MoE layer through ``holders.services.forward``:
+``tenzro_moeGenerate`` (backbone on the site, every MoE layer through ``router.services.forward``:
 admission, failover, receipts, holder outcomes, settlement). Its decode step is the site's
 ``timings_ms.decode`` over the decode steps of a generation (median over repeats), alternated
 with the other two paths (after each generation the bench waits until the site process is
@@ -145,7 +145,7 @@ def agent_main(spec: str, port: int, keys: list[tuple[int, int]], pool: int, voc
     from nacl.signing import SigningKey
     from threadpoolctl import threadpool_limits
 
-    from holders.agent import HolderAgent
+    from holders.agent.session import HolderAgent
     from holders.runtime import ExpertRuntime
     from holders.transports.http import serve_http
 
@@ -236,10 +236,10 @@ def bench_model(name: str, a) -> dict:
     from threadpoolctl import threadpool_limits
 
     from holders.backbone.decode import Generator, Sampling
-    from holders.forward import distributed_forward
+    from router.forward import distributed_forward
     from holders.handoff import pack_handoff
     from holders.transports.http import HttpHolderClient
-    from registry.shardmap import HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView
+    from holders.shardmap import HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView
 
     cores = len(a.cpus)
     agent_threads, base_threads = max(1, cores // a.agents), cores
@@ -393,7 +393,7 @@ def main() -> None:
     ap.add_argument("--agents", type=int, default=4)
     ap.add_argument("--carrier", default="f16", choices=["auto", "f32", "f16", "q8_0"],
                     help="layer-forward carrier (default f16: what a generation's auto means, "
-                         "holders.generate.GENERATION_AUTO_CARRIER)")
+                         "router.generate.GENERATION_AUTO_CARRIER)")
     ap.add_argument("--cpus", default=None, help="CPU set of this process and every agent (default: this "
                                                  "process's affinity), e.g. 0-1")
     ap.add_argument("--repeat", type=int, default=3, help="alternated in-process/distributed generations")

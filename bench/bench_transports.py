@@ -82,7 +82,7 @@ class SocketHub:
     async def _agent(self, ws) -> None:
         from websockets.exceptions import ConnectionClosed
 
-        from registry.identity import DOMAIN_HELLO, verify
+        from holders.identity import DOMAIN_HELLO, verify
         nonce = os.urandom(32)
         await ws.send(json.dumps(messages.challenge(nonce)))
         hello = json.loads(await ws.recv())
@@ -112,7 +112,7 @@ class SocketHub:
                                            lambda reqs, deliver: self._many(provider, reqs, deliver), streaming=True)
 
     async def _exchange(self, provider: str, header: dict, payload: bytes, on_part=None) -> tuple[dict, bytes, int, int]:
-        from holders.transports.ws import AnswerStream
+        from router.ws import AnswerStream
         frames = wire.split_frames(header, payload, self.MAX_MESSAGE)
         fut = asyncio.get_running_loop().create_future() if on_part is None else AnswerStream(on_part)
         self.pending[header["id"]] = fut

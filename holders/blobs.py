@@ -12,7 +12,7 @@ from pathlib import Path
 
 import blake3
 
-from registry.content import URI_PREFIX, BlobError, blob_uri, check_hash, parse_blob_uri  # noqa: F401
+from holders.content import URI_PREFIX, BlobError, blob_uri, check_hash, parse_blob_uri  # noqa: F401
 
 def blob_hash(data: bytes) -> str:
     """BLAKE3 of ``data`` as 64 lowercase hex characters."""

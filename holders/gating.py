@@ -34,8 +34,8 @@ import numpy as np
 
 from holders.activations import sigmoid
 from holders.codec import dumps_safetensors, loads_safetensors
-from registry.families import FAMILIES, SUPPORTED_FAMILIES, families_scored
-from registry.jsonrpc import ParamError
+from holders.families import FAMILIES, SUPPORTED_FAMILIES, families_scored
+from holders.jsonrpc import ParamError
 
 SOFTMAX_FAMILIES = families_scored("softmax")
 SIGMOID_FAMILIES = families_scored("sigmoid")
@@ -350,7 +350,7 @@ def _route_sigmoid(gate: Gate, logits: np.ndarray, k: int) -> tuple[np.ndarray, 
     return sel, w * np.float32(gate.routed_scaling_factor)
 
 
-# Router per scoring rule (``registry.families``): (gate, logits f32 [T, E], k) → (selected
+# Router per scoring rule (``holders.families``): (gate, logits f32 [T, E], k) → (selected
 # expert ids [T, k] largest first, their weights f32 [T, k]).
 ROUTERS = {"softmax": _route_softmax, "sigmoid": _route_sigmoid, "topk_softmax": _route_topk_softmax}
 

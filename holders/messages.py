@@ -43,7 +43,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from holders import wire
-from registry.jsonrpc import AUTH_REFUSED, INVALID_PARAMS, INVALID_REQUEST
+from holders.jsonrpc import AUTH_REFUSED, INVALID_PARAMS, INVALID_REQUEST
 
 
 class HolderFault(Exception):
@@ -119,6 +119,9 @@ def welcome(provider: str, max_message: int, heartbeat_interval_s: float) -> dic
     """Site → agent after a good hello: the socket's frame cap (bytes) and heartbeat interval (s)."""
     return {"type": "welcome", "provider": provider, "max_message": max_message,
             "heartbeat_interval_s": heartbeat_interval_s}
+
+
+MAX_NAME = 200  # characters of a provider's display name in a heartbeat (the site refuses longer ones)
 
 
 def heartbeat(body: dict, signature: str) -> dict:

@@ -5,7 +5,7 @@
 ``tenzro_moeExpertStatus``, ``tenzro_moeRoute``, ``tenzro_moeExecute`` with request and
 response fields as the reference (§3, §4.4, §6.1–6.2). The site calls it for its own
 runtime (a router may hold experts itself) and each agent for requests the site relays
-over its socket. Every failure is a ``registry.jsonrpc.RpcError`` carrying a JSON-RPC code (−32602 bad
+over its socket. Every failure is a ``holders.jsonrpc.RpcError`` carrying a JSON-RPC code (−32602 bad
 params, −32004 execution error) and ``data.field``; the runtime is left unchanged and up.
 
 ``fetch(uri) -> bytes`` resolves a ``tenzro://blob/<hash>`` (site: its blob store; agent:
@@ -19,7 +19,7 @@ import numpy as np
 
 from holders import wire
 from holders.runtime import ExpertRuntime, RuntimeFault
-from registry.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND, RpcError
+from holders.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND, RpcError
 
 METHODS = ("tenzro_moeExpertLoad", "tenzro_moeGateLoad", "tenzro_moeExpertUnload", "tenzro_moeGateUnload",
            "tenzro_moeExpertStatus", "tenzro_moeRoute", "tenzro_moeExecute")

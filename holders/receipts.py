@@ -36,7 +36,7 @@ import numpy as np
 from nacl.signing import SigningKey
 from numba import njit
 
-from registry.identity import SignatureError, provider_id, sign_body, verify_body
+from holders.identity import SignatureError, provider_id, sign_body, verify_body
 
 DOMAIN_RECEIPT = b"tenzro/moe/receipt/v2"
 ACTIVATION_DOMAIN = b"tenzro/moe/activation/v2"

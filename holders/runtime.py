@@ -43,7 +43,7 @@ from holders.ffn import PROJECTIONS, ExpertWeights, expert_forward
 from holders.gating import Gate, Routing, route
 from holders.metering import Meter
 from holders.blobs import blob_hash
-from registry.content import BlobError, blob_uri, parse_blob_uri
+from holders.content import BlobError, blob_uri, parse_blob_uri
 
 log = logging.getLogger(__name__)
 

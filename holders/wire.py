@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit
 
 from holders import quant
-from registry.jsonrpc import ParamError
+from holders.jsonrpc import ParamError
 
 try:  # the native base64 codec (native/_kernels.c, ~10x binascii's decode); binascii when not built
     from tenzro_kernels import b64decode as _b64decode_native, b64encode as _b64encode_native

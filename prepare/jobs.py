@@ -26,7 +26,7 @@ from django.utils import timezone
 
 from holders.blobs import BlobStore
 
-from registry.content import BlobError
+from holders.content import BlobError
 from holders.codec import CheckpointError
 from prepare.layouts import MoeSpec, expert_sources, load_expert, load_gate, source_dtype, spec_from_config
 from prepare.models import PrepareItem, PrepareJob
@@ -34,7 +34,7 @@ from registry.models import ExpertBlob, GateBlob
 from prepare.quantplan import QuantPlanError, blob_quant_tag, parse_quant_plan, quantize_expert
 from prepare.remote import open_checkpoint
 from registry.models import MoeModel
-from registry.jsonrpc import ParamError
+from holders.jsonrpc import ParamError
 from registry.model_ids import validate_model_id
 
 _EXPERT_ERRORS = (ValueError, CheckpointError, BlobError, OSError)

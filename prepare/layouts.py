@@ -45,7 +45,7 @@ import numpy as np
 
 from holders.ffn import PROJECTIONS, ExpertWeights
 from holders.gating import Gate
-from registry.families import SUPPORTED_FAMILIES
+from holders.families import SUPPORTED_FAMILIES
 from prepare.checkpoint import Checkpoint
 from holders.codec import CheckpointError, decode_mxfp4
 

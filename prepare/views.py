@@ -9,7 +9,7 @@ from django.shortcuts import render
 
 from holders.blobs import BlobStore
 
-from registry.content import BlobError, check_hash
+from holders.content import BlobError, check_hash
 from prepare.jobs import job_status
 from prepare.models import PrepareJob
 

@@ -37,7 +37,7 @@ import threading
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterator, Mapping
 
-from registry.families import SUPPORTED_FAMILIES
+from holders.families import SUPPORTED_FAMILIES
 
 __all__ = [
     "ROUTING_KEYS",

@@ -40,13 +40,13 @@ from datetime import datetime, timezone
 from django.conf import settings
 from django.db import connection, transaction
 
-from registry.identity import DOMAIN_HEARTBEAT, SignatureError, verify_body
-from registry.content import URI_PREFIX, BlobError, parse_blob_uri
+from holders.identity import DOMAIN_HEARTBEAT, SignatureError, verify_body
+from holders.content import URI_PREFIX, BlobError, parse_blob_uri
 from registry.models import Holding, Provider, new_holdings_version
-from registry.shardmap import RESIDENCIES, ROLES
+from holders.messages import MAX_NAME
+from holders.shardmap import RESIDENCIES, ROLES
 
 
-MAX_NAME = 200  # characters of a provider's display name
 
 
 class HeartbeatError(ValueError):

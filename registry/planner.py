@@ -1,6 +1,6 @@
 """Dispatch planner: routed (token, expert) pairs → per-holder expert batches.
 
-Plain Python (no Django). Input is a :class:`registry.shardmap.ShardView` and the gate's
+Plain Python (no Django). Input is a :class:`holders.shardmap.ShardView` and the gate's
 routings; output is a :class:`DispatchPlan` that the forward (router role) executes.
 
 Source: reference §2 (``moe_router.rs``), with its gaps fixed (reference §14 items 12, 20,
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from registry.shardmap import HolderInfo, ShardView, is_int
+from holders.shardmap import HolderInfo, ShardView, is_int
 
 __all__ = ["PlanningError", "TokenRouting", "ExpertBatch", "DispatchPlan", "plan_dispatch"]
 
@@ -138,7 +138,7 @@ def plan_dispatch(
     expert with no eligible holder goes to ``unplanned`` (the forward decides whether that
     is fatal). The result depends only on the view's contents and the routings' contents,
     not on provider or routing input order. ``order``: reorders each expert's eligible
-    holders (the router's observations, ``holders.scoreboard.Scoreboard.order``); it must
+    holders (the router's observations, ``router.scoreboard.Scoreboard.order``); it must
     keep Warm holders before Cold ones and return the same holders. ``avoid(provider)``:
     True for a holder that split chunks are dealt to only when no other Warm holder exists
     (a holder the router recently saw fail); it stays a backup.

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from rest_framework import serializers
 
-from registry.jsonrpc import INVALID_PARAMS, RpcError
+from holders.jsonrpc import INVALID_PARAMS, RpcError
 
 
 @dataclass

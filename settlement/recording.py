@@ -16,7 +16,7 @@ import os
 from channels.db import database_sync_to_async
 from django.conf import settings
 
-from holders.hooks import ForwardRecord
+from router.hooks import ForwardRecord
 from settlement import services, tasks
 
 log = logging.getLogger(__name__)

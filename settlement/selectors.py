@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from settlement.models import Dispute, ReceiptSample, Settlement
 from settlement.services import EconomyError, dispute_json, sample_json
-from registry.jsonrpc import EXECUTION_ERROR
+from holders.jsonrpc import EXECUTION_ERROR
 
 
 def list_receipts(model_id: str | None = None, provider: str | None = None, layer: int | None = None,

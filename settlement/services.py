@@ -30,13 +30,13 @@ from django.db.models.functions import Least
 
 from holders import wire
 from holders.blobs import BlobStore
-from holders.hooks import ForwardRecord
+from router.hooks import ForwardRecord
 from holders.receipts import (ReceiptError, carrier_hash, commitment_bytes, sketch, verify_stored_receipt)
 from holders.runtime import ExpertRuntime, RuntimeFault
-from registry.content import BlobError, blob_uri
+from holders.content import BlobError, blob_uri
 from registry.governance import current_policy
-from registry.identity import load_or_create_key, provider_id, sign_body
-from registry.jsonrpc import EXECUTION_ERROR
+from holders.identity import load_or_create_key, provider_id, sign_body
+from holders.jsonrpc import EXECUTION_ERROR
 from registry.models import Holding, Provider
 from registry.selectors import live_providers
 from settlement.audit import Tolerances, is_sampled, verify_rows
@@ -284,7 +284,7 @@ async def reexecute(s: ReceiptSample, carrier: bytes) -> tuple[np.ndarray, str]:
         log.warning("site re-execution of %s failed: %s", s.key, exc)
         out = None
     if out is None:
-        from holders.services import send_to_agent  # the site's agent relay (same layer, lazily)
+        from router.services import send_to_agent  # the site's agent relay (same layer, lazily)
 
         out = None
         for p in await sync_to_async(_other_holders)(s):

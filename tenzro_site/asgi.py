@@ -9,7 +9,7 @@ django_asgi_app = get_asgi_application()  # before importing consumers (they imp
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import path  # noqa: E402
 
-from holders.consumers import AgentConsumer  # noqa: E402
+from router.consumers import AgentConsumer  # noqa: E402
 
 # Agents send no Origin header and prove their identity by signature, so no origin validator here.
 application = ProtocolTypeRouter({

@@ -26,7 +26,7 @@ from django.conf import settings
 from django.core.management import call_command
 
 from holders.transports import iroh
-from registry.identity import load_or_create_key, provider_id
+from holders.identity import load_or_create_key, provider_id
 from prepare.checkpoint import Checkpoint, CheckpointError
 from prepare.backbone import publish_backbone
 from prepare.services import default_model_id, publish_checkpoint, publish_dense

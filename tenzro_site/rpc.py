@@ -2,9 +2,9 @@
 
 Each installed app's ``api`` module may hold ``rpc_methods`` (a ``registry.rpc.MethodTable``);
 ``METHODS`` is their union, collected once at import like ``urls.py`` collects URL patterns.
-Errors (``registry.jsonrpc``, DESIGN §6): -32700 parse error, -32600 invalid request, -32601 method not found,
+Errors (``holders.jsonrpc``, DESIGN §6): -32700 parse error, -32600 invalid request, -32601 method not found,
 -32602 invalid params, -32603 internal error, -32000 planning error, -32001 auth refused,
--32004 execution error, -32005 busy (``holders.admission``: batch over ``RPC_MAX_BATCH`` is
+-32004 execution error, -32005 busy (``router.admission``: batch over ``RPC_MAX_BATCH`` is
 refused whole; forward methods count against the client's forward rate; a single request
 answered busy gets HTTP 429 with ``Retry-After``); each has a human-readable ``message``
 and a ``data`` object that names the field. Batches and notifications follow the spec; clients never see a traceback.
@@ -23,9 +23,9 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from holders.admission import check_forward_rate, over_rate
-from registry import jsonrpc
-from registry.jsonrpc import (AUTH_REFUSED, BUSY, INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND,
+from router.admission import check_forward_rate, over_rate
+from holders import jsonrpc
+from holders.jsonrpc import (AUTH_REFUSED, BUSY, INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND,
                               PARSE_ERROR, RpcError, error_response, result_response)
 from registry.operator import is_operator
 from registry.rpc import Method, validate_params
@@ -118,7 +118,7 @@ _error = error_response
 
 
 async def _rate_limited(request: HttpRequest) -> bool:
-    """Fixed one-minute window of HTTP requests per client address (``holders.admission.over_rate``)."""
+    """Fixed one-minute window of HTTP requests per client address (``router.admission.over_rate``)."""
     return await over_rate("rpc", request.META.get("REMOTE_ADDR", "?"), settings.TENZRO["RPC_RATE_PER_MINUTE"])
 
 

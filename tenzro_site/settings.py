@@ -14,10 +14,10 @@ One place maps the environment to backends (DESIGN §4):
   ``TENZRO_HEARTBEAT_INTERVAL`` (seconds, default 15), ``TENZRO_MAX_BODY`` (bytes),
   ``TENZRO_GOVERNANCE_MIN_REPUTATION`` (default 600), ``TENZRO_PLAN_SPLIT_THRESHOLD`` (tokens,
   default 256; 0 = never split), ``TENZRO_API_READ_RATE`` / ``TENZRO_API_WRITE_RATE`` (DRF
-  rates, default ``1200/min`` / ``300/min``), admission control (``holders.admission``):
+  rates, default ``1200/min`` / ``300/min``), admission control (``router.admission``):
   ``TENZRO_RPC_MAX_BATCH``, ``TENZRO_FORWARD_CONCURRENCY``, ``TENZRO_FORWARD_QUEUE``,
   ``TENZRO_FORWARD_QUEUE_WAIT`` (seconds), ``TENZRO_FORWARD_RATE`` (per client per minute);
-  generation size (``holders.generate.check_size``): ``TENZRO_GEN_MAX_PROMPTS``,
+  generation size (``router.generate.check_size``): ``TENZRO_GEN_MAX_PROMPTS``,
   ``TENZRO_GEN_MAX_PROMPT_TOKENS``, ``TENZRO_GEN_MAX_NEW_TOKENS``; ``TENZRO_CELERY_QUEUE`` (the
   Celery task queue, default ``celery``). Data plane: ``TENZRO_DATA_TRANSPORT`` (ws|http|iroh),
   ``TENZRO_COALESCE`` (checked here, read by the transports), ``TENZRO_IROH_BIND`` (HOST:PORT),
@@ -128,7 +128,7 @@ INSTALLED_APPS = [
     "django_htmx",
     "django_celery_beat",  # the repair schedule, editable in the admin
     "registry",
-    "holders",
+    "router",  # the serving path; the Django-free core (holders) is a plain package
     "prepare",
     "settlement",
     "tenzro_site",  # the orchestration commands (tenzro_cluster, tenzro_demo, verify_forward)
@@ -284,7 +284,7 @@ TENZRO = {
     "AGENT_HELLO_TIMEOUT_S": 10,
     "BATCH_TIMEOUT_S": _env_float("TENZRO_BATCH_TIMEOUT", 30.0),
     "RPC_RATE_PER_MINUTE": _env_int("TENZRO_RPC_RATE", 6000),
-    # Admission control (holders.admission): requests in one JSON-RPC batch; distributed forwards
+    # Admission control (router.admission): requests in one JSON-RPC batch; distributed forwards
     # running at once per site process, how many more may queue and for how many seconds;
     # forward-method calls per client address per minute (0 = unlimited).
     "RPC_MAX_BATCH": _env_int("TENZRO_RPC_MAX_BATCH", 100),

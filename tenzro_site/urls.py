@@ -4,7 +4,7 @@ from django.contrib.staticfiles.views import serve as serve_static
 from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from holders import openai_api
+from router import openai_api
 from prepare import views as prepare_views
 from prepare.views import blob
 from registry import api as reg

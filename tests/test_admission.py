@@ -16,10 +16,10 @@ import pytest
 from nacl.signing import SigningKey
 
 from holders import wire
-from holders.admission import Admission, Busy, overloaded
-from holders.forward import ForwardError
-from holders.transports.ws import AgentLink, AgentUnavailable
-from registry.identity import provider_id
+from router.admission import Admission, Busy, overloaded
+from router.forward import ForwardError
+from router.ws import AgentLink, AgentUnavailable
+from holders.identity import provider_id
 from tests.test_agent_socket import authed
 from tests.test_forward import qwen  # noqa: F401  (module fixture: 3 in-process holders)
 
@@ -188,7 +188,7 @@ async def test_in_memory_layer_loses_no_request_past_its_capacity():
 async def test_an_agent_refusing_a_malformed_request_on_its_socket_is_rejected_not_faulted():
     """The agent's socket answers a request it cannot decode with ``ok: false, code: "WireError"``:
     ``send_ws`` raises ``Rejected`` (no reputation cost); any other failure stays an ``AgentUnavailable``."""
-    from holders import services
+    from router import services
     from holders.messages import BatchRequest, Rejected
 
     key = SigningKey.generate()

@@ -13,7 +13,7 @@ from django.utils import timezone
 from nacl.signing import SigningKey
 
 from holders import wire
-from registry.identity import DOMAIN_HELLO, provider_id, sign
+from holders.identity import DOMAIN_HELLO, provider_id, sign
 from registry.models import AgentSession, Holding, Provider
 from tenzro_site.asgi import application
 from tests.conftest import holding, signed_heartbeat, with_repeated_key
@@ -232,7 +232,7 @@ async def test_socket_heartbeat_with_a_repeated_key_is_refused():
 async def test_a_closed_socket_fails_pending_requests_at_once_and_tells_the_routers():
     import asyncio
 
-    from holders.transports.ws import AgentLink, AgentUnavailable
+    from router.ws import AgentLink, AgentUnavailable
 
     key = SigningKey.generate()
     pid = provider_id(key)
@@ -278,7 +278,7 @@ async def test_a_closed_socket_fails_pending_requests_at_once_and_tells_the_rout
 async def test_requests_dropped_by_the_layer_fail_when_the_routers_hear_gone():
     import asyncio
 
-    from holders.transports.ws import ROUTERS_GROUP, AgentLink, AgentUnavailable, presence_event
+    from router.ws import ROUTERS_GROUP, AgentLink, AgentUnavailable, presence_event
 
     link = await AgentLink.get()
     # Nobody is in this provider's group: the layer drops the request without a word.
@@ -296,7 +296,9 @@ async def test_batches_sent_together_reach_the_agent_as_one_frame_and_resolve_ea
 
     import numpy as np
 
-    from holders import messages, services
+    from holders import messages
+
+    from router import services
     from holders.messages import BatchRequest, HolderFault
 
     monkeypatch.setenv("TENZRO_COALESCE", "1")
@@ -330,9 +332,11 @@ async def test_a_streamed_batch_resolves_each_request_as_its_answer_arrives(monk
 
     import numpy as np
 
-    from holders import messages, services
+    from holders import messages
+
+    from router import services
     from holders.messages import BatchRequest, HolderFault
-    from holders.transports import ws
+    from router import ws
 
     if path == "layer":  # the router is not the process holding the socket
         monkeypatch.setattr(ws, "_local_socket", lambda provider: None)

@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from holders.chat import ChatTemplate, ChatTemplateError, plain_chat, read_chat_template
-from holders.generate import ServedModel
-from holders.openai_api import ApiError, chat_prompt
+from router.generate import ServedModel
+from router.openai_api import ApiError, chat_prompt
 
 # Qwen2-7B-Instruct's chat template (tokenizer_config.json on the Hub), verbatim.
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

@@ -18,7 +18,7 @@ from nacl.signing import SigningKey
 from safetensors.numpy import load_file
 
 from holders import messages, wire
-from holders.agent import HolderAgent
+from holders.agent.session import HolderAgent
 from holders.messages import BatchRequest, HolderFault
 from holders.receipts import verify_receipt
 from holders.transports import iroh

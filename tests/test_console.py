@@ -11,7 +11,7 @@ from prepare.jobs import create_job
 from prepare.models import PrepareJob
 from registry import governance
 from registry.heartbeat import ingest
-from registry.identity import provider_id
+from holders.identity import provider_id
 from registry.models import AuditEntry, MoeModel, Proposal, Provider
 from tenzro_site.console.charts import bar_chart
 from tests.conftest import QWEN, holding, signed_heartbeat

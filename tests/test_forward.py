@@ -15,17 +15,17 @@ from safetensors.numpy import load_file
 from threadpoolctl import threadpool_limits
 
 from holders import receipts, wire
-from holders.agent import HolderAgent
+from holders.agent.session import HolderAgent
 from holders.ffn import expert_forward
-from holders.forward import (BatchAnswer, ForwardError, HolderFault, _Rows, distributed_forward,
+from router.forward import (BatchAnswer, ForwardError, HolderFault, _Rows, distributed_forward,
                              renormalized)
 from holders.gating import route
-from registry.identity import provider_id
+from holders.identity import provider_id
 from holders.receipts import ReceiptError, make_receipt, verify_receipt
 from tenzro_site.verify import monolithic
 from prepare.checkpoint import Checkpoint
 from prepare.layouts import load_expert, load_gate, spec_from_config
-from registry.shardmap import HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView
+from holders.shardmap import HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView
 from tests.conftest import DEEPSEEK, QWEN
 
 MODEL = "m"
@@ -516,7 +516,7 @@ def test_holders_that_never_answer_fail_the_forward_after_the_attempt_timeout(qw
 
 
 def test_black_hole_costs_one_deadline_then_only_hedged_probes(qwen):
-    from holders.scoreboard import Scoreboard
+    from router.scoreboard import Scoreboard
 
     bad = min(qwen.by_id)  # the view's primary for the experts it holds
     sent: list[tuple[str, str]] = []
@@ -545,7 +545,7 @@ def test_black_hole_costs_one_deadline_then_only_hedged_probes(qwen):
 
 
 def test_split_batches_are_not_dealt_to_a_holder_that_failed_recently(qwen):
-    from holders.scoreboard import Scoreboard
+    from router.scoreboard import Scoreboard
 
     bad = min(qwen.by_id)
 

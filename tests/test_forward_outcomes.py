@@ -1,12 +1,12 @@
-"""``holders.services.ForwardOutcomes``: a generation's forwards reach the forward listeners
+"""``router.services.ForwardOutcomes``: a generation's forwards reach the forward listeners
 (settlement) together, at the flush interval and at close, each exactly once."""
 from __future__ import annotations
 
 import asyncio
 
-from holders import hooks
-from holders.hooks import ForwardRecord
-from holders.services import ForwardOutcomes
+from router import hooks
+from router.hooks import ForwardRecord
+from router.services import ForwardOutcomes
 
 
 def rec(i: int) -> ForwardRecord:

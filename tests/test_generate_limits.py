@@ -1,9 +1,9 @@
-"""Generation input checks in process (no cluster): size caps (``holders.generate.check_size``)
+"""Generation input checks in process (no cluster): size caps (``router.generate.check_size``)
 on ``tenzro_moeGenerate`` and the OpenAI endpoints, OpenAI parameter validation before a stream
 starts, ``/v1/models`` and JSON 404/413 answers, and cancellation when the client goes away.
 
 The model is published for real (experts and backbone in the test blob store); with no holder
-online, generations run on the site's fallback replica (``holders.fallback``).
+online, generations run on the site's fallback replica (``router.fallback``).
 """
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ STEPS = 120  # without cancellation the worker thread runs every one of them
 
 @pytest.mark.asyncio
 async def test_cancelled_generation_stops_its_worker_thread():
-    from holders.generate import generate
+    from router.generate import generate
 
     await sync_to_async(publish)()
     calls: list = []
@@ -162,8 +162,8 @@ async def test_cancelled_generation_stops_its_worker_thread():
 
 @pytest.mark.asyncio
 async def test_closed_stream_cancels_its_generation():
-    from holders import openai_api
-    from holders.generate import served_model
+    from router import openai_api
+    from router.generate import served_model
 
     await sync_to_async(publish)()
     served = await sync_to_async(served_model)(MODEL)

@@ -11,7 +11,7 @@ import pytest
 from nacl.signing import SigningKey
 
 from holders import wire
-from holders.agent import HolderAgent
+from holders.agent.session import HolderAgent
 from holders.messages import BatchRequest
 from holders.transports.http import HttpHolderClient, serve_http
 from tenzro_site.cluster import free_port

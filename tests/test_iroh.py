@@ -20,7 +20,7 @@ from nacl.signing import SigningKey
 from safetensors.numpy import load_file
 
 from holders import wire
-from holders.agent import HolderAgent
+from holders.agent.session import HolderAgent
 from holders.messages import BatchRequest, HolderFault, Rejected, answer_to_batch
 from holders.receipts import verify_receipt
 from holders.transports import iroh
@@ -242,7 +242,7 @@ def test_router_prefers_iroh_then_falls_back_to_the_socket_and_http(holder, sett
     socket here: it times out) and then the holder's HTTP endpoint answer."""
     from types import SimpleNamespace
 
-    from holders import services
+    from router import services
     from holders.transports.http import serve_http
     from registry.heartbeat import ingest
     from registry.models import Provider

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from registry.planner import DispatchPlan, PlanningError, TokenRouting, plan_dispatch
-from registry.repair import (
+from holders.placement import (
     RepairRow,
     place,
     placement_score,
@@ -18,7 +18,7 @@ from registry.repair import (
     rank_providers,
     rows_for,
 )
-from registry.shardmap import (
+from holders.shardmap import (
     RESIDENCIES,
     ROLES,
     HolderInfo,

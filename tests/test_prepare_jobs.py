@@ -16,7 +16,7 @@ from django.conf import settings
 from holders.ffn import ExpertWeights
 from prepare import jobs
 from holders.blobs import BlobStore, blob_hash, fetch_blob
-from registry.content import BlobError
+from holders.content import BlobError
 from prepare.checkpoint import Checkpoint
 from holders.codec import loads_safetensors
 from prepare.models import PrepareJob

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from nacl.signing import SigningKey
 
-from registry.identity import provider_id
+from holders.identity import provider_id
 from registry import governance
 from registry.heartbeat import ingest
 from registry.models import Provider

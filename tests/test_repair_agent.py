@@ -8,10 +8,10 @@ import numpy as np
 
 from holders.blobs import BlobStore, blob_hash
 from holders.ffn import ExpertWeights
-from holders.repair_agent import RepairWorker
+from holders.agent.repair import RepairWorker
 from holders.runtime import ExpertRuntime
-from registry.repair import RepairRow, plan_release, view_from_map
-from registry.shardmap import HoldingInfo, ProviderInfo, ShardView
+from holders.placement import RepairRow, plan_release, view_from_map
+from holders.shardmap import HoldingInfo, ProviderInfo, ShardView
 
 ME = hashlib.sha256(b"me").hexdigest()
 PEER = hashlib.sha256(b"peer").hexdigest()

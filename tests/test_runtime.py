@@ -18,7 +18,7 @@ from holders.quant import QuantizedMatrix
 from holders.runtime import (BadBlob, DimensionMismatch, ExpertNotLoaded, ExpertRuntime, GateNotLoaded,
                              NonFiniteInput, default_memory_budget)
 from holders.blobs import blob_hash
-from registry.jsonrpc import RpcError
+from holders.jsonrpc import RpcError
 
 H, F = 64, 32
 

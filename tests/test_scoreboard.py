@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from holders.scoreboard import Scoreboard
+from router.scoreboard import Scoreboard
 
 
 class Clock:

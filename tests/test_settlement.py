@@ -16,12 +16,12 @@ from nacl.signing import SigningKey
 from holders.blobs import BlobStore
 from holders.faults import FaultInjector, parse_fault
 from holders.ffn import ExpertWeights, expert_forward
-from holders.forward import BatchRequest, VerifiedBatch
-from holders.hooks import ForwardRecord
+from router.forward import BatchRequest, VerifiedBatch
+from router.hooks import ForwardRecord
 from holders import wire
 from holders.receipts import make_receipt
 from registry.governance import current_policy
-from registry.identity import provider_id, verify_body
+from holders.identity import provider_id, verify_body
 from registry.models import Provider
 from registry.operator import operator_token
 from registry.selectors import live_providers

@@ -30,8 +30,8 @@ from holders import messages
 from holders.messages import BatchAnswer, BatchRequest, HolderFault, answer_to_batch
 from holders.transports import coalesce
 from holders.transports.coalesce import Coalescer
-from registry import jsonrpc
-from registry.jsonrpc import (INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, PARSE_ERROR, RpcError,
+from holders import jsonrpc
+from holders.jsonrpc import (INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, PARSE_ERROR, RpcError,
                               error_response, result_response)
 
 log = logging.getLogger(__name__)

@@ -52,7 +52,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from holders import wire
 from holders.messages import AuthRefusal, BatchAnswer, BatchRequest, HolderFault, Rejected, answer_to_batch
 from holders.transports.coalesce import Coalescer
-from registry.jsonrpc import (INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND, PARSE_ERROR,
+from holders.jsonrpc import (INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND, PARSE_ERROR,
                               RpcError, error_response, result_response)
 
 try:

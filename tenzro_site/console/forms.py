@@ -11,7 +11,7 @@ from django import forms
 
 from registry.governance import POLICY_FIELDS
 from registry.models import Proposal
-from registry.shardmap import ROLES
+from holders.shardmap import ROLES
 
 
 class ProposalForm(forms.Form):

@@ -13,7 +13,7 @@ from holders.receipts import ReceiptError, verify_stored_receipt
 from prepare.models import PrepareItem, PrepareJob
 from registry import governance, repair_service, selectors
 from registry.api import compact_holdings
-from registry.content import BlobError
+from holders.content import BlobError
 from registry.models import AuditEntry, Holding, MoeModel, Proposal, Provider
 from settlement import selectors as settlement_selectors
 from settlement import services as settlement_services

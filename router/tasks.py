@@ -5,7 +5,7 @@ import asyncio
 
 from celery import shared_task
 
-from holders import repair_site
+from router import repair as repair_site
 
 
 @shared_task(name="holders.repair_pass")

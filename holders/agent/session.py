@@ -37,16 +37,16 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from holders import compute, messages, methods, wire
 from holders.handoff import FRAME_ROLES, HandoffError, RoleRunner
-from registry.identity import DOMAIN_HEARTBEAT, DOMAIN_HELLO, provider_id, sign, sign_body
+from holders.identity import DOMAIN_HEARTBEAT, DOMAIN_HELLO, provider_id, sign, sign_body
 from holders.faults import Fault, FaultInjector
 from holders.receipts import make_receipt
 from holders.runtime import ExpertNotLoaded, ExpertRuntime, RuntimeFault
 from holders.transports import iroh
 from holders.transports.http import serve_http
 from holders.blobs import MAX_BLOB_BYTES, BlobStore, fetch_blob
-from holders.repair_agent import RepairWorker
-from registry.content import BlobError
-from registry.jsonrpc import EXECUTION_ERROR, INTERNAL_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND, RpcError
+from holders.agent.repair import RepairWorker
+from holders.content import BlobError
+from holders.jsonrpc import EXECUTION_ERROR, INTERNAL_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND, RpcError
 
 log = logging.getLogger("tenzro.agent")
 

@@ -1,7 +1,7 @@
 """Token generation on the site (the backbone node): the published backbone runs here, each
-MoE layer goes through the distributed forward (``holders.services.forward``: failover,
+MoE layer goes through the distributed forward (``router.services.forward``: failover,
 receipts, settlement records) and each dense MLP layer through the dense split
-(``holders.services.dense_forward``).
+(``router.services.dense_forward``).
 
 The numpy backbone runs in a worker thread; its per-layer MLP calls are coroutines put
 back on the caller's event loop, so holder traffic keeps flowing while the thread waits.
@@ -19,7 +19,9 @@ import numpy as np
 from channels.db import database_sync_to_async
 from django.conf import settings
 
-from holders import services, wire
+from holders import wire
+
+from router import services
 from holders.backbone import Backbone, BackboneError
 from holders.backbone.decode import Generator, Sampling, Sequence
 from holders.backbone.weights import BACKBONE_KEY, load_backbone
@@ -262,7 +264,7 @@ async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "au
 
     ``carrier``: of every layer forward, ``auto`` being ``GENERATION_AUTO_CARRIER``.
     ``on_tokens(list[Sequence])`` is called from the worker thread as tokens are chosen.
-    ``fallback`` (default on): the site's fallback replica (``holders.fallback``) runs
+    ``fallback`` (default on): the site's fallback replica (``router.fallback``) runs
     batches that every remote holder failed. ``prompt_field``/``tokens_field``: the caller's
     names of the prompt and of ``max_new_tokens``, named by size errors (``check_size``).
     Cancelling the awaiting task stops the worker thread at its next layer.

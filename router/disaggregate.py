@@ -15,9 +15,9 @@ from django.conf import settings
 
 from holders.backbone import BackboneError
 from holders.backbone.weights import BACKBONE_KEY
-from holders.generate import check_size, decode_text, encode_prompts, generation_carrier, served_model
+from router.generate import check_size, decode_text, encode_prompts, generation_carrier, served_model
 from holders.handoff import chunk_size, sampling_to_header
-from holders.transports.ws import AgentLink, AgentUnavailable
+from router.ws import AgentLink, AgentUnavailable
 from registry.models import MoeModel
 from registry.selectors import live_providers
 
@@ -57,7 +57,7 @@ async def generate_handoff(model_id: str, prompt, sampling, carrier: str = "auto
                            prompt_field: str = "input_ids") -> dict:
     """``tenzro_moeGenerate`` with ``handoff: true``: prefill on a Prefill agent, KV cache
     moved in frames to a Decode agent, decode there. Same output fields as
-    ``holders.generate.generate`` (no ``prompt_logits``) plus ``kv_handoff {bytes, kv_bytes,
+    ``router.generate.generate`` (no ``prompt_logits``) plus ``kv_handoff {bytes, kv_bytes,
     frames, chunk, bytes_per_token, from, to}`` (bytes on the socket, of which f32 cache
     bytes; per prompt token).
 

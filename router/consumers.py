@@ -28,9 +28,11 @@ from channels.exceptions import ChannelFull
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
-from holders import messages, repair_site, wire
-from registry.identity import DOMAIN_HELLO, SignatureError, loads_signed, verify
-from holders.transports.ws import ROUTERS_GROUP, agent_group, presence_event, register_local, unregister_local
+from holders import messages, wire
+
+from router import repair as repair_site
+from holders.identity import DOMAIN_HELLO, SignatureError, loads_signed, verify
+from router.ws import ROUTERS_GROUP, agent_group, presence_event, register_local, unregister_local
 from registry import services as registry_services
 from registry.heartbeat import HeartbeatError
 
@@ -253,7 +255,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
 
     async def relay(self, req_id: str, header: dict, payload: bytes, answer: asyncio.Future) -> None:
         """A router in this process and loop: write the request (in part frames above the socket's
-        cap); the answer resolves ``answer`` directly (``holders.transports.ws.LocalSocket``).
+        cap); the answer resolves ``answer`` directly (``router.ws.LocalSocket``).
 
         Raises ``wire.WireError`` when the message cannot be split below the cap."""
         frames = wire.split_frames(header, payload, settings.TENZRO["WS_MAX_MESSAGE"])

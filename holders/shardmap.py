@@ -2,7 +2,7 @@
 
 Plain Python (no Django): the registry converts database rows into the dataclasses below,
 builds a :class:`ShardView`, and hands it to the planner (:mod:`registry.planner`) and the
-repair pass (:mod:`registry.repair`). Agents can build the same view from the same data and
+repair pass (:mod:`holders.placement`). Agents can build the same view from the same data and
 get the same answers, because every ordering here is total (no dependence on input order).
 
 Source: ``DESIGN.md`` §7-§8 and ``reference/tenzro_reference_system.md`` §1.2, with the

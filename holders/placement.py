@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable
 
-from registry.shardmap import (HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView, check_provider_id,
+from holders.shardmap import (HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView, check_provider_id,
                                expert_key, is_int)
 
 __all__ = ["PLACEMENT_DOMAIN", "ReleaseRow", "RepairRow", "placement_score", "rank_providers", "plan_release",

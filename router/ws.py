@@ -137,7 +137,7 @@ class AgentLink:
         self.gone_at: dict[str, float] = {}  # provider → monotonic time its socket closed
         self._reader: asyncio.Task | None = None
         self._sends = asyncio.Semaphore(LAYER_CONCURRENCY)
-        # This loop's per-provider queues of execute requests (``holders.services.send_ws``).
+        # This loop's per-provider queues of execute requests (``router.services.send_ws``).
         self.coalescer = Coalescer()
 
     @classmethod

@@ -1,12 +1,14 @@
-"""JSON-RPC bindings of the router: thin validation around ``holders.services``."""
+"""JSON-RPC bindings of the router: thin validation around ``router.services``."""
 from __future__ import annotations
 
 from rest_framework import serializers
 
-from holders import methods, services, wire
-from holders.forward import ForwardError
-from holders.transports.ws import AgentUnavailable
-from registry.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, PLANNING_ERROR, RpcError
+from holders import methods, wire
+
+from router import services
+from router.forward import ForwardError
+from router.ws import AgentUnavailable
+from holders.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, PLANNING_ERROR, RpcError
 from registry.services import PlacementError
 from registry.rpc import MethodTable
 
@@ -210,7 +212,7 @@ class IdsOrTextField(serializers.Field):
     default_error_messages = {"invalid": "must be a list of token ids, a list of such lists, or text"}
 
     def to_internal_value(self, data):
-        """Keep the value; its shape is checked by ``holders.generate.encode_prompts``."""
+        """Keep the value; its shape is checked by ``router.generate.encode_prompts``."""
         if not isinstance(data, (list, str)) or not data:
             self.fail("invalid")
         return data
@@ -264,7 +266,7 @@ def sampling_from(p: dict):
 async def generate_errors(call):
     """Await a generation, mapping its errors to JSON-RPC errors that name the field."""
     from holders.backbone import BackboneError
-    from holders.generate import NoBackbone
+    from router.generate import NoBackbone
 
     try:
         return await call
@@ -284,13 +286,13 @@ async def generate_errors(call):
 @rpc_methods.method("tenzro_moeGenerate", params=GenerateParams, forward=True)
 async def moe_generate(p: dict) -> dict:
     """Generate tokens: backbone on this site, MoE layers on the holders (greedy or sampled)."""
-    from holders.generate import generate
+    from router.generate import generate
 
     sampling = sampling_from(p)
     field = "input_ids" if "input_ids" in p else "prompt"
     prompt = p[field]
     if p["handoff"]:
-        from holders.disaggregate import generate_handoff
+        from router.disaggregate import generate_handoff
 
         return await generate_errors(generate_handoff(p["model_id"], prompt, sampling, p["carrier"], field))
     return await generate_errors(generate(p["model_id"], prompt, sampling, p["carrier"], p["return_logits"],

@@ -31,8 +31,8 @@ import httpx
 
 from holders.blobs import BlobStore, fetch_blob
 from holders.runtime import ExpertRuntime, RuntimeFault
-from registry.content import BlobError
-from registry.repair import RepairRow, plan_release, plan_repair, view_from_map
+from holders.content import BlobError
+from holders.placement import RepairRow, plan_release, plan_repair, view_from_map
 
 log = logging.getLogger("tenzro.repair")
 

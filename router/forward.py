@@ -29,7 +29,7 @@ holder gets the batch and the first one keeps its request until ``attempt_timeou
 first verified answer wins. So a forward does not fail when every holder is merely slow
 (a cold first call), and a black hole costs one deadline. A holder that missed the deadline
 while another answered counts as a fault. With a ``scoreboard``
-(``holders.scoreboard.Scoreboard``) the planner orders holders by what this router observed,
+(``router.scoreboard.Scoreboard``) the planner orders holders by what this router observed,
 every outcome is recorded there, and unproven or half-open backups of a proven primary get
 hedged probes (copies with purpose "selftest" whose answers never enter the forward).
 """
@@ -50,10 +50,10 @@ from holders.gating import Gate, Routing, route
 # The request/answer records live with the other messages; re-exported for the forward's callers.
 from holders.messages import AuthRefusal, BatchAnswer, BatchRequest, HolderFault, Rejected, Send  # noqa: F401
 from holders.receipts import ReceiptError, verify_receipt
-from holders.scoreboard import Scoreboard
-from registry.jsonrpc import ParamError
+from router.scoreboard import Scoreboard
+from holders.jsonrpc import ParamError
 from registry.planner import DispatchPlan, plan_expert_batches
-from registry.shardmap import ShardView
+from holders.shardmap import ShardView
 
 MAX_REPLANS = 2
 _probes: set[asyncio.Task] = set()  # hedged probes outlive their forward; kept referenced until done
@@ -530,7 +530,7 @@ async def distributed_forward(**kwargs) -> ForwardResult:
     the next round. ``routing``: use this routing instead of the gate's (``gate`` may then
     be None; a split dense layer routes every token to every slice,
     ``holders.dense.dense_routing``). ``on_verified_batch``: see ``LayerForward``.
-    ``scoreboard``: the router's ``holders.scoreboard.Scoreboard`` (holder order, outcomes,
+    ``scoreboard``: the router's ``router.scoreboard.Scoreboard`` (holder order, outcomes,
     hedged probes); None keeps the view's order. ``attempt_timeout_s`` (default 3 ×
     ``deadline_s``): how long a request past its deadline may still answer first.
 

@@ -2,7 +2,7 @@
 
 ``settlement`` sits above ``holders`` in the layers, so the router cannot call it; instead the
 settlement app registers a listener here from its ``AppConfig.ready()`` and the router
-(``holders.services``) hands every finished forward to the listeners. Listeners are async
+(``router.services``) hands every finished forward to the listeners. Listeners are async
 callables ``(list[ForwardRecord]) -> None`` started as background tasks on the router's event
 loop: the forward's answer never waits on them, and a failing listener is logged, never
 raised into the forward. A list, because a generation hands its many layer forwards over
@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from holders.forward import VerifiedBatch
+from router.forward import VerifiedBatch
 
 log = logging.getLogger(__name__)
 

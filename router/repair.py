@@ -17,7 +17,7 @@ import time
 from channels.db import database_sync_to_async
 from django.conf import settings
 
-from holders.transports.ws import AgentLink, AgentUnavailable
+from router.ws import AgentLink, AgentUnavailable
 from registry import repair_service, services as registry_services
 
 log = logging.getLogger("tenzro.repair")

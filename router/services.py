@@ -22,26 +22,26 @@ from django.conf import settings
 
 from holders import messages, methods, wire
 from holders.dense import dense_model_id, dense_routing
-from holders.fallback import fallback_for
-from holders.forward import ForwardError, distributed_forward
+from router.fallback import fallback_for
+from router.forward import ForwardError, distributed_forward
 from holders.messages import BatchAnswer, BatchRequest, answer_to_batch
 from holders.gating import Gate
-from holders.hooks import ForwardRecord, emit_forwards
+from router.hooks import ForwardRecord, emit_forwards
 from holders.runtime import ExpertRuntime, GateNotLoaded
-from holders.scoreboard import Scoreboard
+from router.scoreboard import Scoreboard
 from holders.transports import coalesce, iroh
 from holders.transports.http import HttpHolderClient
-from holders.transports.ws import AgentLink, AgentUnavailable
-from holders.admission import Admission, Busy, overloaded
+from router.ws import AgentLink, AgentUnavailable
+from router.admission import Admission, Busy, overloaded
 from holders.blobs import BlobStore
-from registry.content import blob_uri, parse_blob_uri
-from registry.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, ParamError, RpcError
+from holders.content import blob_uri, parse_blob_uri
+from holders.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, ParamError, RpcError
 from registry.models import GateBlob
 from registry.models import MoeModel, Provider
 from registry.selectors import expected_experts, iroh_peers, provider_infos
-from registry import repair
+from holders import placement as repair
 from registry.services import placement_inputs, record_holder_outcomes
-from registry.shardmap import ReplicationPolicy, ShardView
+from holders.shardmap import ReplicationPolicy, ShardView
 
 
 class UnknownModel(GateNotLoaded):
@@ -241,7 +241,7 @@ async def forward(model_id: str, layer: int, d_model: int, hidden_states: np.nda
     """``tenzro_moeForward``: the reference's result fields plus ``holders``, ``failures``,
     ``wire`` (bytes each way, per element), ``receipts`` (verified count) and ``timings_ms``.
     ``fallback``: pairs every remote holder failed run on this site from its blob store
-    (``holders.fallback``; transport ``fallback``).
+    (``router.fallback``; transport ``fallback``).
 
     Records each holder failure (reputation) and success (latency) through
     ``registry.services.record_holder_outcomes``, at once or, with ``outcomes`` (a
@@ -323,7 +323,7 @@ async def dense_forward(model_id: str, layer: int, d_model: int, hidden_states: 
 
 _recording: set[asyncio.Task] = set()
 
-# The router's observations of holders (holders.scoreboard: why per process). Socket presence
+# The router's observations of holders (router.scoreboard: why per process). Socket presence
 # from the agent consumers reaches it through the agent link.
 scoreboard = Scoreboard()
 
@@ -338,7 +338,7 @@ AgentLink.presence_listeners.append(_presence)
 class ForwardOutcomes:
     """Holder outcomes (failure counts, latencies) and finished-forward records of many
     forwards (a generation's layer forwards), handed on together: one
-    ``record_holder_outcomes`` transaction and one ``holders.hooks.emit_forwards`` (receipt
+    ``record_holder_outcomes`` transaction and one ``router.hooks.emit_forwards`` (receipt
     sampling, settlement) per ``flush`` instead of one of each per layer and decode step,
     which competed with the decode for the site's cores and its database thread.
 
@@ -408,11 +408,11 @@ async def _view(model_id: str, excluded: frozenset) -> ShardView:
 async def _recorded_forward(outcomes: ForwardOutcomes | None = None, **kwargs):
     """``distributed_forward`` over ``send_batch`` with the site's deadlines and holder scoreboard
     (a request past ``BATCH_DEADLINE`` may still answer first until ``BATCH_TIMEOUT``), under a
-    forward slot of ``holders.admission`` (``Busy`` when none is free in time, or when the forward
+    forward slot of ``router.admission`` (``Busy`` when none is free in time, or when the forward
     failed only because deadlines expired while this router was saturated); each
     holder's failures and latencies are recorded afterwards, also when the forward fails.
     A successful forward gets a fresh ``forward_id`` (set on the result) and is handed to the
-    forward listeners (``holders.hooks``: receipt sampling, settlement) in the background.
+    forward listeners (``router.hooks``: receipt sampling, settlement) in the background.
     With ``outcomes`` the outcomes and the record are added there instead (``ForwardOutcomes``)."""
     t = settings.TENZRO
     admission = Admission.current()

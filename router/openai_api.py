@@ -1,5 +1,5 @@
 """OpenAI-compatible ``POST /v1/completions`` and ``POST /v1/chat/completions`` over
-``holders.generate`` (thin views: parse, call the service, shape the answer).
+``router.generate`` (thin views: parse, call the service, shape the answer).
 
 Text in and out when the checkpoint ships ``tokenizer.json`` (``tokenizers`` library);
 otherwise ``/v1/completions`` takes token ids as ``prompt`` (a list of ints, or a list of
@@ -17,9 +17,9 @@ request argument", naming it); OpenAI parameters this server cannot honour (``lo
 ``top_logprobs``, ``echo``, ``best_of`` > 1, ``logit_bias``, ``suffix``, non-zero
 ``presence_penalty``/``frequency_penalty``) are accepted only at their no-op value (null,
 false, 1, {} or 0) and otherwise refused (400 "... is not supported", naming it); ``user`` is
-accepted and ignored. Every check, including the generation size (``holders.generate.check_size``),
+accepted and ignored. Every check, including the generation size (``router.generate.check_size``),
 runs before a stream starts, so a bad request gets its 4xx, never a 200 stream with an error.
-A client that disconnects cancels its generation (``holders.generate.generate``).
+A client that disconnects cancels its generation (``router.generate.generate``).
 """
 from __future__ import annotations
 
@@ -35,12 +35,12 @@ from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from holders import wire
-from holders.admission import Busy, check_forward_rate
+from router.admission import Busy, check_forward_rate
 from holders.backbone import BackboneError
 from holders.backbone.decode import Sampling
 from holders.chat import ChatTemplateError, plain_chat
-from holders.forward import ForwardError
-from holders.generate import (MAX_STOP_IDS, NoBackbone, ServedModel, check_size, decode_text, encode_prompts, generate,
+from router.forward import ForwardError
+from router.generate import (MAX_STOP_IDS, NoBackbone, ServedModel, check_size, decode_text, encode_prompts, generate,
                               served_models, served_model)
 from holders.runtime import GateNotLoaded
 
