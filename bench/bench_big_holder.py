@@ -35,9 +35,9 @@ from django.core.management import call_command  # noqa: E402
 from django.db import connection  # noqa: E402
 from nacl.signing import SigningKey  # noqa: E402
 
-from holders import messages  # noqa: E402
+from moe import messages  # noqa: E402
 from registry.heartbeat import ingest, parse_holdings  # noqa: E402
-from holders.identity import DOMAIN_HEARTBEAT, provider_id, sign_body, verify_body  # noqa: E402
+from moe.identity import DOMAIN_HEARTBEAT, provider_id, sign_body, verify_body  # noqa: E402
 from registry.models import Holding  # noqa: E402
 
 N, CAP = 100_000, 1 << 20

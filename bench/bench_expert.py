@@ -3,7 +3,7 @@
 Usage:  .venv/bin/python bench/bench_expert.py [--batches 1,8,64,512] [--repeat 7] [--threads 1,all] [--switch]
 
 For every batch size, thread setting (one thread; all cores) and cache state it times
-``holders.ffn.expert_forward`` (the compute seam, selected backend) on dense float32 weights,
+``moe.ffn.expert_forward`` (the compute seam, selected backend) on dense float32 weights,
 Q8_0 weights and Q4_K_M weights (gate/up Q4_K, down Q6_K, llama.cpp's preset) against a plain
 numpy float32 SwiGLU of the same shape (``x@Wg.T``, ``x@Wu.T``, silu·mul, ``@Wd.T``) measured
 in the same run. ``hot``: one expert, called again and again (weights in cache). ``cold``:
@@ -37,10 +37,10 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from holders import compute, kernels  # noqa: E402
-from holders.compute.cpu import dequantize_matrix  # noqa: E402
-from holders.ffn import ExpertWeights, expert_forward  # noqa: E402
-from holders.quant import QuantizedMatrix, quantize  # noqa: E402
+from moe import compute, kernels  # noqa: E402
+from moe.compute.cpu import dequantize_matrix  # noqa: E402
+from moe.ffn import ExpertWeights, expert_forward  # noqa: E402
+from moe.quant import QuantizedMatrix, quantize  # noqa: E402
 from machine import cpu_model, int_at_least  # noqa: E402  (this directory is sys.path[0] when run as a script)
 
 PRESETS = {"q8_0": ("q8_0", "q8_0", "q8_0"), "q4_k_m": ("q4_k", "q4_k", "q6_k")}

@@ -6,12 +6,12 @@ Usage:  .venv/bin/python bench/bench_forward.py [--agents 2,4] [--cpus 0-1] [--r
         [--coalesce on|off|both]
 
 One Qwen3-30B-A3B-shaped layer (128 experts, top-8, H 2048, expert FFN 768) with synthetic
-Q8_0-valued weights (random int8 quants and f16 scales decoded with ``holders.quant``), 512
+Q8_0-valued weights (random int8 quants and f16 scales decoded with ``moe.quant``), 512
 random tokens. Each agent is a separate process running the real holder execute path
 (``HolderAgent.execute_request``: carrier decode → expert FFN → output encode → signed
 receipt); experts are dealt round-robin (replication 1). The router runs
 ``router.forward.distributed_forward`` in this process (receipts verified); the baseline is
-``holders.ffn.moe_layer_forward`` with every expert local.
+``moe.ffn.moe_layer_forward`` with every expert local.
 
 Transports (``--transport``, default ``http``; ``all`` = http, iroh, ws): every agent serves
 HTTP and, when measured, iroh and its socket to a ``bench_transports.SocketHub`` of this
@@ -45,7 +45,7 @@ rest). The wrappers live in this file (agents report theirs over an extra ``benc
 RPC method on HTTP), so the timed code is the production code. ``--profile`` also prints
 the router's cProfile top entries (process CPU time) for one distributed forward per transport.
 
-Request coalescing (``--coalesce``, default ``on``; ``holders.transports.coalesce``): the
+Request coalescing (``--coalesce``, default ``on``; ``moe.transports.coalesce``): the
 batches a forward sends to one agent in the same loop turn go as one message (one ``batch``
 frame, one iroh stream); ``both`` also measures each transport with it off, alternated in the
 same run, as row ``<transport>/solo``.
@@ -77,9 +77,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from holders import quant  # noqa: E402
-from holders.ffn import ExpertWeights, combine, expert_forward, moe_layer_forward  # noqa: E402
-from holders.gating import Gate, route  # noqa: E402
+from moe import quant  # noqa: E402
+from moe.ffn import ExpertWeights, combine, expert_forward, moe_layer_forward  # noqa: E402
+from moe.gating import Gate, route  # noqa: E402
 
 import bench_transports  # noqa: E402  (this directory is sys.path[0] when run as a script)
 from machine import cpu_model, int_at_least, int_list, parse_cpus  # noqa: E402
@@ -143,8 +143,8 @@ class Phases:
 
 def instrument_wire(ph: Phases) -> None:
     """Time the carrier codec and every transport's framing in this process (router and agents)."""
-    from holders import wire
-    from holders.transports import iroh
+    from moe import wire
+    from moe.transports import iroh
     for fn in ("pack_frame", "unpack_frame", "split_frames", "b64decode"):
         setattr(wire, fn, ph.timed("frame pack/unpack", getattr(wire, fn)))
     for fn in ("request_frames", "assemble", "answer_frames"):  # iroh's JSON frames, base64 rows
@@ -160,10 +160,10 @@ def agent_main(port: int, experts: list[int], blob_dir: str, threads: int, ws_si
     from nacl.signing import SigningKey
     from threadpoolctl import threadpool_limits
 
-    from holders.agent.session import session as agent_mod
-    from holders.agent.session import HolderAgent
-    from holders.runtime import ExpertRuntime
-    from holders.transports.http import serve_http
+    from holders import agent as agent_mod
+    from holders.agent import HolderAgent
+    from moe.runtime import ExpertRuntime
+    from moe.transports.http import serve_http
 
     threadpool_limits(limits=threads)
     ph = Phases()
@@ -273,7 +273,7 @@ def run_count(n_agents: int, a, cpus: list[int], gate: Gate, experts: dict, x: n
     from threadpoolctl import threadpool_limits
 
     from router.forward import distributed_forward
-    from holders.shardmap import HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView
+    from moe.shardmap import HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView
 
     transports = transports_of(a.transport)
     rows = variants(transports, a.coalesce)  # (row name, transport, coalescing on)
@@ -457,11 +457,11 @@ def main() -> None:
                    a.agent_site, "iroh" in transports_of(a.transport))
         return
     if "iroh" in transports_of(a.transport):
-        from holders.transports import iroh
+        from moe.transports import iroh
         if not iroh.available():
             raise SystemExit("--transport iroh: the iroh package cannot be imported; install iroh==1.2.0")
 
-    from holders import kernels
+    from moe import kernels
     from router import forward as forward_mod
 
     try:

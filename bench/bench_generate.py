@@ -11,14 +11,14 @@ with our numpy quantizer would take minutes on 2 cores, so ``--pool`` distinct Q
 matrices are quantized once and expert ``e`` takes pool entries chosen by ``e``: every
 expert runs the real Q4_K/Q6_K kernels at full size; only their values repeat.
 
-For each model the numpy backbone (``holders.backbone``) runs in this process; the MoE
-layer is either ``holders.ffn.moe_layer_forward`` with every expert local (baseline) or
+For each model the numpy backbone (``moe.backbone``) runs in this process; the MoE
+layer is either ``moe.ffn.moe_layer_forward`` with every expert local (baseline) or
 ``router.forward.distributed_forward`` over ``--agents`` holder processes (the real
 ``HolderAgent.execute_request`` path behind HTTP ``POST /frame``, signed receipts verified;
 experts dealt round-robin). Both run the same prompts in the same run: prefill of
 ``--batch`` prompts, then ``--steps`` decode steps at batch ``--batch``. Prints decode
 tokens/s, the time ratio per decode step (goal ≤ 1.25), prefill tokens/s, greedy-id
-agreement, and the KV-handoff bytes per prompt token (``holders.handoff.pack_handoff`` of
+agreement, and the KV-handoff bytes per prompt token (``moe.handoff.pack_handoff`` of
 the prefilled batch: what a Prefill agent hands a Decode agent).
 
 Equal cores (as ``bench_forward.py``): this process and every agent are pinned to the same
@@ -27,7 +27,7 @@ the agents); the in-process baseline gets as many BLAS threads as the set has co
 of N agents ``max(1, cores // N)``. In-process and distributed generations alternate
 (``--repeat`` of each after one warm-up of each); the decode-step time is the median over
 every step of every repeat. ``cpu`` in the report is the CPU model and the SIMD path of the
-quantized kernels (``holders.kernels``).
+quantized kernels (``moe.kernels``).
 
 ``--site`` (qwen3 only) adds a third path, the product's: a local cluster (``manage.py
 tenzro_cluster``: the site process plus ``--agents`` holder agents, replication 2, in a
@@ -59,10 +59,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from holders import quant  # noqa: E402
-from holders.ffn import ExpertWeights, moe_layer_forward  # noqa: E402
+from moe import quant  # noqa: E402
+from moe.ffn import ExpertWeights, moe_layer_forward  # noqa: E402
 from machine import cpu_model, parse_cpus  # noqa: E402  (this directory is sys.path[0] when run as a script)
-from holders.gating import Gate  # noqa: E402
+from moe.gating import Gate  # noqa: E402
 
 QWEN = ROOT / "tests" / "fixtures" / "qwen3_moe_tiny"
 SYNTH = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 2, "num_attention_heads": 32,
@@ -95,7 +95,7 @@ class Model:
     """(backbone, gates per MoE layer, ``expert(layer, e)``) of ``name`` (``qwen3`` or ``synth``)."""
 
     def __init__(self, name: str, pool: int, vocab: int):
-        from holders.backbone import build_backbone
+        from moe.backbone import build_backbone
 
         self.name = name
         if name == "qwen3":
@@ -145,9 +145,9 @@ def agent_main(spec: str, port: int, keys: list[tuple[int, int]], pool: int, voc
     from nacl.signing import SigningKey
     from threadpoolctl import threadpool_limits
 
-    from holders.agent.session import HolderAgent
-    from holders.runtime import ExpertRuntime
-    from holders.transports.http import serve_http
+    from holders.agent import HolderAgent
+    from moe.runtime import ExpertRuntime
+    from moe.transports.http import serve_http
 
     threadpool_limits(limits=threads)
     model = Model(spec, pool, vocab)
@@ -235,11 +235,11 @@ def bench_model(name: str, a) -> dict:
     """Run one model in process and distributed; returns the report dict."""
     from threadpoolctl import threadpool_limits
 
-    from holders.backbone.decode import Generator, Sampling
+    from moe.backbone.decode import Generator, Sampling
     from router.forward import distributed_forward
-    from holders.handoff import pack_handoff
-    from holders.transports.http import HttpHolderClient
-    from holders.shardmap import HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView
+    from moe.handoff import pack_handoff
+    from moe.transports.http import HttpHolderClient
+    from moe.shardmap import HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView
 
     cores = len(a.cpus)
     agent_threads, base_threads = max(1, cores // a.agents), cores
@@ -379,7 +379,7 @@ def bench_model(name: str, a) -> dict:
 
 def cpu_description() -> str:
     """CPU model (``/proc/cpuinfo``) and the SIMD path of the quantized kernels."""
-    from holders import kernels
+    from moe import kernels
 
     return f"{cpu_model()}; quantized kernels: {kernels.isa() or 'numba (no native extension)'}"
 

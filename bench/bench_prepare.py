@@ -10,7 +10,7 @@ llama.cpp reference bytes), canonical blob encoding, BLAKE3 and the atomic store
 prints parameters per second per core (best of ``--repeat``), and as ratios against two
 baselines timed in the same run: the dense publication of the same experts (read, bf16
 blob, hash, store) and a plain numpy float32 copy of the same parameter count. Bit-exactness
-is checked on the way: every quantized projection in the blobs equals ``holders.quant.quantize``
+is checked on the way: every quantized projection in the blobs equals ``moe.quant.quantize``
 of the source, whose bytes are pinned to ggml's golden vectors by tests/test_quant.py.
 Goal (issue 5): >= 10 M params/s/core.
 """
@@ -33,11 +33,11 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from holders.ffn import ExpertWeights  # noqa: E402
-from holders.quant import quantize  # noqa: E402
-from holders.blobs import BlobStore  # noqa: E402
+from moe.ffn import ExpertWeights  # noqa: E402
+from moe.quant import quantize  # noqa: E402
+from moe.blobs import BlobStore  # noqa: E402
 from prepare.checkpoint import Checkpoint  # noqa: E402
-from holders.codec import dumps_safetensors, encode_bf16  # noqa: E402
+from moe.codec import dumps_safetensors, encode_bf16  # noqa: E402
 from prepare.layouts import load_expert, source_dtype, spec_from_config  # noqa: E402
 from prepare.quantplan import parse_quant_plan, quantize_expert  # noqa: E402
 
@@ -117,7 +117,7 @@ def main() -> int:
     print(f"ratio vs dense bf16 publication of the same experts: {t_q / t_dense:.1f}x the time "
           f"(dense: {params / t_dense / 1e6:.0f} M params/s)")
     print(f"ratio vs numpy f32 copy of the same parameters: {t_q / t_copy:.0f}x the time")
-    print("bit-exact: quantized projections equal holders.quant.quantize (ggml reference bytes)")
+    print("bit-exact: quantized projections equal moe.quant.quantize (ggml reference bytes)")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Single-thread throughput of holders.quant (GGUF Q8_0 / Q4_K / Q6_K).
+"""Single-thread throughput of moe.quant (GGUF Q8_0 / Q4_K / Q6_K).
 
 Usage:  .venv/bin/python bench/bench_quant.py [--rows 768] [--cols 2048] [--repeat 5]
 
@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from holders import quant  # noqa: E402
+from moe import quant  # noqa: E402
 
 
 def _times(fn, repeat: int) -> list[float]:
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     n = x.size
     buf = np.empty_like(x)
 
-    print(f"holders.quant bench: {args.rows}x{args.cols} f32 ({n / 1e6:.2f} M params), "
+    print(f"moe.quant bench: {args.rows}x{args.cols} f32 ({n / 1e6:.2f} M params), "
           f"numpy {np.__version__}, single thread (pinned: {pinned}), best/median of {args.repeat}")
     copy_t = _times(lambda: np.copyto(buf, x), max(args.repeat, 20))
     copy_best = min(copy_t)

@@ -30,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from holders import wire  # noqa: E402
+from moe import wire  # noqa: E402
 from tests.cluster_util import stop  # noqa: E402
 
 MODES = {"off": 2**30, "1-in-64": 64, "1-in-1": 1}

@@ -19,8 +19,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from registry.planner import TokenRouting, plan_dispatch  # noqa: E402
-from holders.placement import plan_repair  # noqa: E402
-from holders.shardmap import HoldingInfo, ProviderInfo, ShardView  # noqa: E402
+from moe.placement import plan_repair  # noqa: E402
+from moe.shardmap import HoldingInfo, ProviderInfo, ShardView  # noqa: E402
 
 MODEL = "kimi-k2-instruct"
 LAYERS, SLOTS, REPLICAS, PROVIDERS = 61, 385, 3, 500

@@ -39,7 +39,7 @@ django.setup()
 from django.core.management import call_command  # noqa: E402
 from nacl.signing import SigningKey  # noqa: E402
 
-from holders.identity import DOMAIN_HEARTBEAT, canonical_json, provider_id, sign_body, verify_body  # noqa: E402
+from moe.identity import DOMAIN_HEARTBEAT, canonical_json, provider_id, sign_body, verify_body  # noqa: E402
 from registry.heartbeat import ingest, parse_holdings  # noqa: E402
 from registry.models import Holding, Provider  # noqa: E402
 from registry import selectors  # noqa: E402

@@ -1,9 +1,9 @@
 """The data-plane transports for ``bench_forward.py --transport``: what an agent process serves
 and how the bench's router reaches it.
 
-- ``http``: binary frames to the agent's ``POST /frame`` (``holders.transports.http``).
+- ``http``: binary frames to the agent's ``POST /frame`` (``moe.transports.http``).
 - ``iroh``: ``moe/execute`` over QUIC to the agent's iroh endpoint by endpoint id and direct
-  address (``holders.transports.iroh``; JSON frames with base64 rows, 4 MiB cap).
+  address (``moe.transports.iroh``; JSON frames with base64 rows, 4 MiB cap).
 - ``ws``: the agent socket's binary frames (``wire.pack_frame``) over a WebSocket the agent
   opens to the bench (``HolderAgent._run_socket``: challenge, signed hello, welcome, then
   frames). The bench writes each request straight onto the socket and matches the answer by
@@ -32,10 +32,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from holders import messages, wire
-from holders.messages import answer_to_batch
-from holders.transports import coalesce, iroh
-from holders.transports.coalesce import Coalescer
+from moe import messages, wire
+from moe.messages import answer_to_batch
+from moe.transports import coalesce, iroh
+from moe.transports.coalesce import Coalescer
 
 TRANSPORTS = ("http", "iroh", "ws")
 
@@ -82,7 +82,7 @@ class SocketHub:
     async def _agent(self, ws) -> None:
         from websockets.exceptions import ConnectionClosed
 
-        from holders.identity import DOMAIN_HELLO, verify
+        from moe.identity import DOMAIN_HELLO, verify
         nonce = os.urandom(32)
         await ws.send(json.dumps(messages.challenge(nonce)))
         hello = json.loads(await ws.recv())
@@ -152,7 +152,7 @@ class SocketHub:
 def make_send(transport: str, hub: SocketHub | None = None):
     """(send, close) of the bench router for ``transport``; ``hub`` is required for ``ws``."""
     if transport == "http":
-        from holders.transports.http import HttpHolderClient
+        from moe.transports.http import HttpHolderClient
         client = HttpHolderClient(120)
 
         async def send(provider, holder, req):
@@ -177,7 +177,7 @@ def codec_cpu_ms(rows: int, hidden: int = 2048, repeat: int = 30) -> dict:
     """CPU ms per batch of each transport's frame codec, both ends (see the module docstring)."""
     import numpy as np
 
-    from holders.messages import BatchRequest
+    from moe.messages import BatchRequest
 
     x = np.random.default_rng(0).standard_normal((rows, hidden)).astype(np.float32)
     payload, out = wire.encode_rows(x, "q8_0"), wire.encode_rows(x, "bf16")

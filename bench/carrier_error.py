@@ -6,7 +6,7 @@ Usage:  .venv/bin/python bench/carrier_error.py [--checkpoint tests/fixtures/dee
 Runs the checkpoint's generation reference prompt through the numpy backbone with every
 MLP (routed experts, shared expert, dense layers split in 2 slices as ``tenzro_cluster``
 places them) executed on rows that went through the wire encodings ``IN/OUT``
-(``holders.wire.encode_rows`` then ``decode_rows``, exactly what a holder receives and the
+(``moe.wire.encode_rows`` then ``decode_rows``, exactly what a holder receives and the
 router gets back), combined as the router does. Prints per carrier pair the prompt-logit
 measures against the transformers reference (``tenzro_site.verify.logit_measures``), and
 per decoder layer the relative error of its input (the residual stream) against the exact
@@ -23,12 +23,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from holders import wire  # noqa: E402
-from holders.backbone import build_backbone  # noqa: E402
-from holders.backbone.decode import Generator, Sampling  # noqa: E402
-from holders.dense import dense_routing, split_dense  # noqa: E402
-from holders.ffn import ExpertWeights, combine, expert_forward  # noqa: E402
-from holders.gating import route  # noqa: E402
+from moe import wire  # noqa: E402
+from moe.backbone import build_backbone  # noqa: E402
+from moe.backbone.decode import Generator, Sampling  # noqa: E402
+from prepare.dense import dense_routing, split_dense  # noqa: E402
+from moe.ffn import ExpertWeights, combine, expert_forward  # noqa: E402
+from moe.gating import route  # noqa: E402
 from prepare.backbone import backbone_groups  # noqa: E402
 from prepare.checkpoint import Checkpoint  # noqa: E402
 from prepare.layouts import load_expert, load_gate, spec_from_config  # noqa: E402

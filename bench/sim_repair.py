@@ -9,7 +9,7 @@ view) once it was surplus on two consecutive passes (the grace period). Printed 
 under-replicated (< 2 true holders), over-replicated (> 2), duplicates (an expert twice on
 one node: impossible by construction, counted anyway), pulls, releases, seconds per pass.
 
-Each node's rows are decided with the same rule as ``holders.placement.plan_repair`` (HRW
+Each node's rows are decided with the same rule as ``moe.placement.plan_repair`` (HRW
 order over ``SHA-256(b"tenzro/moe/placement" ‖ "model/layer/expert" ‖ id)``, candidates
 = visible providers of the model not visibly holding the expert, top ``missing`` by what the
 node sees) from one precomputed ranking per expert; ``--check`` first verifies on a small
@@ -34,8 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from holders.placement import _pool, _prefix, _ranked, plan_repair, rank_providers  # noqa: E402
-from holders.shardmap import HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView  # noqa: E402
+from moe.placement import _pool, _prefix, _ranked, plan_repair, rank_providers  # noqa: E402
+from moe.shardmap import HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView  # noqa: E402
 
 MODEL = "sim"
 MIN_R = 2

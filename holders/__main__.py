@@ -1,6 +1,6 @@
-"""``python -m holders``: the holder agent a provider runs (see ``holders.agent.cli``)."""
+"""``python -m holders``: the holder agent a provider runs (see ``holders.cli``)."""
 import sys
 
-from holders.agent.cli import main
+from holders.cli import main
 
 sys.exit(main())

@@ -1,5 +1,5 @@
 """Build of ``tenzro_kernels``: the native quantized dot products of the CPU backend and the base64
-codec of the data plane's JSON frames (``holders.wire.b64decode``/``b64encode_bytes``).
+codec of the data plane's JSON frames (``moe.wire.b64decode``/``b64encode_bytes``).
 
 ``pip install ./native`` (run by ``make``'s venv step). ``-ffp-contract=off`` keeps every float
 operation a separate IEEE operation so the SIMD paths and the portable path are bit-identical;

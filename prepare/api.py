@@ -7,7 +7,7 @@ from rest_framework import serializers
 from prepare import jobs
 from prepare.models import PrepareJob
 from prepare.tasks import run_prepare_job
-from holders.jsonrpc import INVALID_PARAMS, RpcError
+from moe.jsonrpc import INVALID_PARAMS, RpcError
 from registry.rpc import MethodTable
 
 

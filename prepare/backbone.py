@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from holders.backbone.weights import BACKBONE_KEY  # the key the site reads
-from holders.chat import read_chat_template
-from holders.codec import dumps_safetensors
+from moe.backbone.weights import BACKBONE_KEY  # the key the site reads
+from prepare.chat import read_chat_template
+from moe.codec import dumps_safetensors
 from prepare.checkpoint import Checkpoint
 
 _NATIVE = ("BF16", "F16", "F32")
@@ -63,12 +63,12 @@ def publish_backbone(checkpoint: str | Path, model_id: str) -> dict:
     (already published) ``MoeModel`` ``model_id``. Idempotent.
 
     Returns the record ``{"blobs": {group: hash}, "nbytes": {group: n}, "tokenizer": hash | None,
-    "chat_template": {template, special_tokens} | None}`` (``holders.chat.read_chat_template``).
-    Raises ``CheckpointError``, ``holders.chat.ChatTemplateError`` and ``MoeModel.DoesNotExist``.
+    "chat_template": {template, special_tokens} | None}`` (``prepare.chat.read_chat_template``).
+    Raises ``CheckpointError``, ``prepare.chat.ChatTemplateError`` and ``MoeModel.DoesNotExist``.
     """
     from django.conf import settings
 
-    from holders.blobs import BlobStore
+    from moe.blobs import BlobStore
     from registry.models import MoeModel
 
     ckpt = Checkpoint(checkpoint)

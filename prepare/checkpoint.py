@@ -2,7 +2,7 @@
 
 A checkpoint is a directory with ``config.json`` and either ``model.safetensors`` or
 ``model.safetensors.index.json`` plus the shards it names (or a single ``.safetensors`` file).
-Each shard's header is parsed by ``holders.codec.parse_header`` and validated against the
+Each shard's header is parsed by ``moe.codec.parse_header`` and validated against the
 shard's size, and a tensor is read by seeking to its byte range: no shard is ever loaded
 whole. All byte access goes through ``Checkpoint._shard_size`` and ``Checkpoint._read_range``
 so that a remote (HTTP Range) source only has to replace those two.
@@ -19,7 +19,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from holders.codec import (DTYPE_BITS, MAX_HEADER_SIZE, CheckpointError, SafetensorsHeader, TensorInfo,
+from moe.codec import (DTYPE_BITS, MAX_HEADER_SIZE, CheckpointError, SafetensorsHeader, TensorInfo,
                            TensorEntry, apply_block_scale, decode_f32, decode_fp8_e4m3, parse_header,
                            require_float_dtype)
 

@@ -24,17 +24,17 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from holders.blobs import BlobStore
+from moe.blobs import BlobStore
 
-from holders.content import BlobError
-from holders.codec import CheckpointError
+from moe.content import BlobError
+from moe.codec import CheckpointError
 from prepare.layouts import MoeSpec, expert_sources, load_expert, load_gate, source_dtype, spec_from_config
 from prepare.models import PrepareItem, PrepareJob
 from registry.models import ExpertBlob, GateBlob
 from prepare.quantplan import QuantPlanError, blob_quant_tag, parse_quant_plan, quantize_expert
 from prepare.remote import open_checkpoint
 from registry.models import MoeModel
-from holders.jsonrpc import ParamError
+from moe.jsonrpc import ParamError
 from registry.model_ids import validate_model_id
 
 _EXPERT_ERRORS = (ValueError, CheckpointError, BlobError, OSError)

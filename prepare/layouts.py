@@ -43,11 +43,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from holders.ffn import PROJECTIONS, ExpertWeights
-from holders.gating import Gate
-from holders.families import SUPPORTED_FAMILIES
+from moe.ffn import PROJECTIONS, ExpertWeights
+from moe.gating import Gate
+from moe.families import SUPPORTED_FAMILIES
 from prepare.checkpoint import Checkpoint
-from holders.codec import CheckpointError, decode_mxfp4
+from moe.codec import CheckpointError, decode_mxfp4
 
 _DEEPSEEK_LIKE = ("deepseek_v3", "kimi_k2", "glm4_moe")  # DeepSeek-style tensor names
 _QWEN_LIKE = ("qwen3_moe", "qwen2_moe")

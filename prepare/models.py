@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from django.db import models
 
-from holders.content import blob_uri
+from moe.content import blob_uri
 
 
 class PrepareJob(models.Model):

@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 
-from holders.ffn import PROJECTIONS, ExpertWeights
-from holders.quant import BLOCK_SIZE, QTYPES, QuantizedMatrix, normalize_qtype
+from moe.ffn import PROJECTIONS, ExpertWeights
+from moe.quant import BLOCK_SIZE, QTYPES, QuantizedMatrix, normalize_qtype
 
 PRESETS = {
     "q4_k_m": ("q4_k", "q4_k", "q6_k"),

@@ -35,7 +35,7 @@ import httpx
 
 from prepare.checkpoint import Checkpoint
 
-from holders.codec import CheckpointError
+from moe.codec import CheckpointError
 
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 _HF_REPO = re.compile(r"^https://huggingface\.co/([^/]+/[^/]+)/?$")

@@ -8,7 +8,7 @@ from typing import Callable
 from django.conf import settings
 from django.db import transaction
 
-from holders.blobs import BlobStore
+from moe.blobs import BlobStore
 from prepare.checkpoint import Checkpoint
 from prepare.jobs import JobParamError, create_job, run_job
 from prepare.layouts import spec_from_config
@@ -70,7 +70,7 @@ def dense_layers(checkpoint: Checkpoint) -> list[int]:
 
 def load_dense(checkpoint: Checkpoint, layer: int):
     """The dense MLP of ``layer`` as float32 ``ExpertWeights``; raises ``CheckpointError``/``ValueError``."""
-    from holders.ffn import ExpertWeights
+    from moe.ffn import ExpertWeights
 
     return ExpertWeights(*(checkpoint.read(f"model.layers.{layer}.mlp.{p}.weight")
                            for p in ("gate_proj", "up_proj", "down_proj")))
@@ -78,11 +78,11 @@ def load_dense(checkpoint: Checkpoint, layer: int):
 
 def publish_dense(checkpoint: str | Path, model_id: str, parts: int) -> MoeModel | None:
     """Publish every dense MLP layer of ``checkpoint`` split into ``parts`` intermediate slices
-    (``holders.dense``) as the model ``dense_model_id(model_id)``: slice ``s`` of layer ``L``
+    (``prepare.dense``) as the model ``dense_model_id(model_id)``: slice ``s`` of layer ``L``
     is its expert ``(L, s)``, placed and served like any expert. Returns None when the
     checkpoint has no dense MLP layer. Raises ``ValueError`` for a bad ``parts``.
     """
-    from holders.dense import dense_model_id, split_dense
+    from prepare.dense import dense_model_id, split_dense
 
     ckpt = Checkpoint(checkpoint)
     layers = dense_layers(ckpt)

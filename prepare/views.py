@@ -7,9 +7,9 @@ from django.conf import settings
 from django.http import Http404, JsonResponse, StreamingHttpResponse
 from django.shortcuts import render
 
-from holders.blobs import BlobStore
+from moe.blobs import BlobStore
 
-from holders.content import BlobError, check_hash
+from moe.content import BlobError, check_hash
 from prepare.jobs import job_status
 from prepare.models import PrepareJob
 

@@ -16,14 +16,14 @@ from rest_framework import exceptions, permissions, serializers, throttling
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from holders.identity import SignatureError, loads_signed
+from moe.identity import SignatureError, loads_signed
 from registry import catalog, governance, selectors, services
 from registry.heartbeat import HeartbeatError
 from registry.models import Holding, Provider, Proposal
 from registry.planner import PlanningError, TokenRouting, plan_dispatch
-from holders.shardmap import ROLES
+from moe.shardmap import ROLES
 from registry.operator import is_operator
-from holders.jsonrpc import AUTH_REFUSED, INVALID_PARAMS, PLANNING_ERROR, RpcError
+from moe.jsonrpc import AUTH_REFUSED, INVALID_PARAMS, PLANNING_ERROR, RpcError
 from registry.rpc import MethodTable, first_error
 
 # --------------------------------------------------------------------------- serializers

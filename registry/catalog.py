@@ -37,7 +37,7 @@ import threading
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterator, Mapping
 
-from holders.families import SUPPORTED_FAMILIES
+from moe.families import SUPPORTED_FAMILIES
 
 __all__ = [
     "ROUTING_KEYS",

@@ -37,8 +37,8 @@ from django.contrib.auth import get_user_model
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from holders.identity import SignatureError, verify_body
-from holders import shardmap
+from moe.identity import SignatureError, verify_body
+from moe import shardmap
 from registry.models import AuditEntry, Proposal, Provider, ReplicationPolicy, Vote
 
 DOMAIN_VOTE = b"tenzro/moe/governance-vote/v1"

@@ -40,11 +40,11 @@ from datetime import datetime, timezone
 from django.conf import settings
 from django.db import connection, transaction
 
-from holders.identity import DOMAIN_HEARTBEAT, SignatureError, verify_body
-from holders.content import URI_PREFIX, BlobError, parse_blob_uri
+from moe.identity import DOMAIN_HEARTBEAT, SignatureError, verify_body
+from moe.content import URI_PREFIX, BlobError, parse_blob_uri
 from registry.models import Holding, Provider, new_holdings_version
-from holders.messages import MAX_NAME
-from holders.shardmap import RESIDENCIES, ROLES
+from moe.messages import MAX_NAME
+from moe.shardmap import RESIDENCIES, ROLES
 
 
 

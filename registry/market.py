@@ -32,7 +32,7 @@ from nacl.signing import VerifyKey
 
 from registry import governance, selectors
 from registry.models import Holding, MarketChallenge, MarketClaim, MarketModel, MarketWorker
-from holders.jsonrpc import ParamError
+from moe.jsonrpc import ParamError
 from registry.model_ids import validate_model_id
 
 LIVE_S = 120

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from holders.jsonrpc import ParamError
+from moe.jsonrpc import ParamError
 
 MAX_LEN = 200  # MoeModel.model_id / MarketModel.model_id column width
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")

@@ -5,8 +5,8 @@ import secrets
 
 from django.db import models
 
-from holders.content import blob_uri
-from holders.shardmap import RESIDENCIES
+from moe.content import blob_uri
+from moe.shardmap import RESIDENCIES
 
 
 def new_holdings_version() -> int:
@@ -120,7 +120,7 @@ class MoeModel(models.Model):
 class ReplicationPolicy(models.Model):
     """The policy in force (a singleton, ``pk = 1``), changed only by applying a proposal.
 
-    Replication/repair fields are those of ``holders.shardmap.ReplicationPolicy`` (DESIGN §8);
+    Replication/repair fields are those of ``moe.shardmap.ReplicationPolicy`` (DESIGN §8);
     settlement split: ``settlement_holder_share_bps`` (basis points of a holder's charge paid
     to the holder; the network fee is the remaining ``10000 - share``); dispute tolerances
     (reference §7.5, DESIGN §7): a re-executed row passes when its top-feature overlap is

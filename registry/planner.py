@@ -1,6 +1,6 @@
 """Dispatch planner: routed (token, expert) pairs → per-holder expert batches.
 
-Plain Python (no Django). Input is a :class:`holders.shardmap.ShardView` and the gate's
+Plain Python (no Django). Input is a :class:`moe.shardmap.ShardView` and the gate's
 routings; output is a :class:`DispatchPlan` that the forward (router role) executes.
 
 Source: reference §2 (``moe_router.rs``), with its gaps fixed (reference §14 items 12, 20,
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from holders.shardmap import HolderInfo, ShardView, is_int
+from moe.shardmap import HolderInfo, ShardView, is_int
 
 __all__ = ["PlanningError", "TokenRouting", "ExpertBatch", "DispatchPlan", "plan_dispatch"]
 

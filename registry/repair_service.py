@@ -19,7 +19,7 @@ from django.utils import timezone
 
 from registry import governance, selectors
 from registry.models import ExpertBlob, Holding, RepairPass
-from holders.placement import plan_release, plan_repair
+from moe.placement import plan_release, plan_repair
 
 #: Name of the django-celery-beat row that runs the pass (and of the Celery task).
 BEAT_TASK_NAME = "tenzro repair pass"
@@ -140,7 +140,7 @@ def _entries(items, provider: str, with_reason: bool) -> list[dict]:
 
 def record_outcome(pass_id: int, provider: str, outcome: dict | None, error: str = "") -> None:
     """Append one agent's answer to the pass: ``outcome`` is ``{accepted, declined, released,
-    fetched_bytes}`` as ``holders.agent.repair`` reports it; ``error`` (the offer never got an
+    fetched_bytes}`` as ``holders.repair`` reports it; ``error`` (the offer never got an
     answer) is recorded as a decline of each offered row by the caller. Malformed entries are
     dropped, never trusted."""
     with transaction.atomic():

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from rest_framework import serializers
 
-from holders.jsonrpc import INVALID_PARAMS, RpcError
+from moe.jsonrpc import INVALID_PARAMS, RpcError
 
 
 @dataclass

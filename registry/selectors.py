@@ -12,7 +12,7 @@ from django.utils import timezone
 from registry import catalog
 from registry.governance import shard_policy
 from registry.models import Holding, MoeModel, Provider
-from holders.shardmap import HoldingInfo, ProviderInfo, ShardView
+from moe.shardmap import HoldingInfo, ProviderInfo, ShardView
 
 
 def live_cutoff():

@@ -25,7 +25,7 @@ import time
 from django.conf import settings
 from django.core.cache import cache
 
-from holders.jsonrpc import BUSY, RpcError
+from moe.jsonrpc import BUSY, RpcError
 
 LAG_S = 0.25  # event-loop lateness that counts as the router being saturated
 _PROBE_S = 0.1

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
-from holders import methods, wire
+from moe import methods, wire
 
 from router import services
 from router.forward import ForwardError
 from router.ws import AgentUnavailable
-from holders.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, PLANNING_ERROR, RpcError
+from moe.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, PLANNING_ERROR, RpcError
 from registry.services import PlacementError
 from registry.rpc import MethodTable
 
@@ -253,8 +253,8 @@ class GenerateParams(serializers.Serializer):
 
 def sampling_from(p: dict):
     """``Sampling`` from validated params; raises ``RpcError(-32602)`` naming the field."""
-    from holders.backbone import BackboneError
-    from holders.backbone.decode import Sampling
+    from moe.backbone import BackboneError
+    from moe.backbone.decode import Sampling
 
     try:
         return Sampling(max_new_tokens=p["max_new_tokens"], temperature=p["temperature"], top_p=p["top_p"],
@@ -265,7 +265,7 @@ def sampling_from(p: dict):
 
 async def generate_errors(call):
     """Await a generation, mapping its errors to JSON-RPC errors that name the field."""
-    from holders.backbone import BackboneError
+    from moe.backbone import BackboneError
     from router.generate import NoBackbone
 
     try:

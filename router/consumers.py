@@ -28,10 +28,10 @@ from channels.exceptions import ChannelFull
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
-from holders import messages, wire
+from moe import messages, wire
 
 from router import repair as repair_site
-from holders.identity import DOMAIN_HELLO, SignatureError, loads_signed, verify
+from moe.identity import DOMAIN_HELLO, SignatureError, loads_signed, verify
 from router.ws import ROUTERS_GROUP, agent_group, presence_event, register_local, unregister_local
 from registry import services as registry_services
 from registry.heartbeat import HeartbeatError

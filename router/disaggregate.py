@@ -1,6 +1,6 @@
 """Disaggregated generation on the site: prefill on an agent with role ``Prefill``, the KV
 cache handed over the agent socket to an agent with role ``Decode``, decode there
-(``holders.handoff`` is the agent side). The site only picks the agents and relays the
+(``moe.handoff`` is the agent side). The site only picks the agents and relays the
 handoff frames (``kv_get`` from the Prefill agent, ``kv_put`` to the Decode agent, each
 below the socket's frame cap); both agents run the backbone and call the site's distributed
 forward for every MLP layer.
@@ -13,10 +13,10 @@ import uuid
 from channels.db import database_sync_to_async
 from django.conf import settings
 
-from holders.backbone import BackboneError
-from holders.backbone.weights import BACKBONE_KEY
+from moe.backbone import BackboneError
+from moe.backbone.weights import BACKBONE_KEY
 from router.generate import check_size, decode_text, encode_prompts, generation_carrier, served_model
-from holders.handoff import chunk_size, sampling_to_header
+from moe.handoff import chunk_size, sampling_to_header
 from router.ws import AgentLink, AgentUnavailable
 from registry.models import MoeModel
 from registry.selectors import live_providers

@@ -14,8 +14,8 @@ from collections import OrderedDict
 import numpy as np
 from django.conf import settings
 
-from holders.blobs import BlobStore
-from holders.ffn import ExpertWeights, expert_forward
+from moe.blobs import BlobStore
+from moe.ffn import ExpertWeights, expert_forward
 from registry.models import ExpertBlob
 
 _CACHE_SIZE = 256

@@ -9,7 +9,7 @@ token) pairs are replanned over a view without any provider that failed, at most
 ``MAX_REPLANS`` times; rows already received stay. Every answer is matched to the request
 it answers by the router's own request id; an answer for a pair that was never sent or
 that is already filled is rejected. Rows are placed as they arrive; the final
-gate-weighted sum (``holders.ffn.combine``) adds each token's slots in ascending expert
+gate-weighted sum (``moe.ffn.combine``) adds each token's slots in ascending expert
 id with the shared slot last, exactly as the monolithic forward does, so both agree bit
 for bit on the same backend.
 
@@ -21,7 +21,7 @@ expert is always fatal) and the pairs are reported in ``missing``.
 Source: reference §6.3 with its §14 fixes 5 (request-keyed combine, duplicate guard),
 11 (shared slot never renormalized), 12 (zero-holder experts handled by ``allow_partial``),
 23 (per-batch deadline, warm backup), 24 (frames below the message size, batches executed
-whole: ``holders.wire.split_frames``), 25 (large
+whole: ``moe.wire.split_frames``), 25 (large
 batches split over warm replicas by the planner's ``split_threshold``).
 
 Deadline semantics (issue 15): a holder that misses the deadline is not abandoned. The next
@@ -44,16 +44,16 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from holders import wire
-from holders.ffn import combine
-from holders.gating import Gate, Routing, route
+from moe import wire
+from moe.ffn import combine
+from moe.gating import Gate, Routing, route
 # The request/answer records live with the other messages; re-exported for the forward's callers.
-from holders.messages import AuthRefusal, BatchAnswer, BatchRequest, HolderFault, Rejected, Send  # noqa: F401
-from holders.receipts import ReceiptError, verify_receipt
+from moe.messages import AuthRefusal, BatchAnswer, BatchRequest, HolderFault, Rejected, Send  # noqa: F401
+from moe.receipts import ReceiptError, verify_receipt
 from router.scoreboard import Scoreboard
-from holders.jsonrpc import ParamError
+from moe.jsonrpc import ParamError
 from registry.planner import DispatchPlan, plan_expert_batches
-from holders.shardmap import ShardView
+from moe.shardmap import ShardView
 
 MAX_REPLANS = 2
 _probes: set[asyncio.Task] = set()  # hedged probes outlive their forward; kept referenced until done
@@ -529,7 +529,7 @@ async def distributed_forward(**kwargs) -> ForwardResult:
     wire, no receipt), else None. A local error sends those pairs to the remote holders in
     the next round. ``routing``: use this routing instead of the gate's (``gate`` may then
     be None; a split dense layer routes every token to every slice,
-    ``holders.dense.dense_routing``). ``on_verified_batch``: see ``LayerForward``.
+    ``prepare.dense.dense_routing``). ``on_verified_batch``: see ``LayerForward``.
     ``scoreboard``: the router's ``router.scoreboard.Scoreboard`` (holder order, outcomes,
     hedged probes); None keeps the view's order. ``attempt_timeout_s`` (default 3 ×
     ``deadline_s``): how long a request past its deadline may still answer first.

@@ -19,14 +19,14 @@ import numpy as np
 from channels.db import database_sync_to_async
 from django.conf import settings
 
-from holders import wire
+from moe import wire
 
 from router import services
-from holders.backbone import Backbone, BackboneError
-from holders.backbone.decode import Generator, Sampling, Sequence
-from holders.backbone.weights import BACKBONE_KEY, load_backbone
-from holders.chat import ChatTemplate, ChatTemplateError
-from holders.dense import dense_model_id
+from moe.backbone import Backbone, BackboneError
+from moe.backbone.decode import Generator, Sampling, Sequence
+from moe.backbone.weights import BACKBONE_KEY, load_backbone
+from prepare.chat import ChatTemplate, ChatTemplateError
+from prepare.dense import dense_model_id
 from registry.models import MoeModel
 
 
@@ -53,7 +53,7 @@ class NoBackbone(BackboneError):
 class ServedModel:
     """A model this site can generate with: its backbone, MoE layers, dense layers, the
     optional ``tokenizers.Tokenizer`` (None: token ids in and out) and the checkpoint's chat
-    template (None: ``holders.chat.plain_chat``)."""
+    template (None: ``prepare.chat.plain_chat``)."""
 
     model_id: str
     backbone: Backbone

@@ -6,7 +6,7 @@ otherwise ``/v1/completions`` takes token ids as ``prompt`` (a list of ints, or 
 such lists, as the OpenAI API allows) and answers each choice's ``text`` as the generated
 ids separated by spaces, with the ids also in ``token_ids``. ``stream: true`` answers
 Server-Sent Events (``data: {chunk}`` … ``data: [DONE]``). Chat applies the checkpoint's
-chat template (``holders.chat``) or, without one, the plain ``<role>: <content>`` rendering.
+chat template (``prepare.chat``) or, without one, the plain ``<role>: <content>`` rendering.
 Extensions: ``top_k`` and ``carrier``. ``stop`` takes token ids, or strings that are one
 token each (at most ``MAX_STOP_IDS``, each inside the vocabulary). ``GET /v1/models`` lists the
 models this site generates with. Errors follow OpenAI's shape ``{"error": {"message", "type",
@@ -34,15 +34,15 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from holders import wire
+from moe import wire
 from router.admission import Busy, check_forward_rate
-from holders.backbone import BackboneError
-from holders.backbone.decode import Sampling
-from holders.chat import ChatTemplateError, plain_chat
+from moe.backbone import BackboneError
+from moe.backbone.decode import Sampling
+from prepare.chat import ChatTemplateError, plain_chat
 from router.forward import ForwardError
 from router.generate import (MAX_STOP_IDS, NoBackbone, ServedModel, check_size, decode_text, encode_prompts, generate,
                               served_models, served_model)
-from holders.runtime import GateNotLoaded
+from moe.runtime import GateNotLoaded
 
 
 class ApiError(Exception):
@@ -165,7 +165,7 @@ def _sampling(served: ServedModel, body: dict) -> Sampling:
                         temperature=_number(body, "temperature", 1.0, float, 0, 2),
                         top_p=_number(body, "top_p", 1.0, float), top_k=_number(body, "top_k", 0, int, 0),
                         seed=_number(body, "seed", None, int, 0), stop=_stop_ids(served, body.get("stop")))
-    except BackboneError as exc:  # top_p's range, said once (holders.backbone.decode.Sampling)
+    except BackboneError as exc:  # top_p's range, said once (moe.backbone.decode.Sampling)
         raise ApiError(400, str(exc), exc.field) from exc
 
 
@@ -184,7 +184,7 @@ async def _served(body: dict) -> ServedModel:
 def chat_prompt(served: ServedModel, messages) -> str | list[int]:
     """The prompt of a chat: the checkpoint's chat template applied to ``messages`` and
     tokenized without added special tokens (the template holds them), as token ids; or,
-    for a checkpoint without a template, the plain rendering ``holders.chat.plain_chat``
+    for a checkpoint without a template, the plain rendering ``prepare.chat.plain_chat``
     as text. Raises ``ApiError`` (400) for bad messages, a template that refuses them, or
     a model without ``tokenizer.json``."""
     if not isinstance(messages, list) or not messages:

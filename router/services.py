@@ -1,5 +1,5 @@
 """Router services of the site: gate lookup, ``tenzro_moeForward`` over the holders' transports,
-and the execution methods (``holders.methods``) on the site's own runtime or relayed to an agent.
+and the execution methods (``moe.methods``) on the site's own runtime or relayed to an agent.
 
 Transports (DESIGN §6): experts held by the site's own runtime run in process (no wire,
 no receipt); with ``TENZRO["DATA_TRANSPORT"]`` ``"iroh"`` a holder advertising an iroh
@@ -20,28 +20,28 @@ import numpy as np
 from channels.db import database_sync_to_async
 from django.conf import settings
 
-from holders import messages, methods, wire
-from holders.dense import dense_model_id, dense_routing
+from moe import messages, methods, wire
+from prepare.dense import dense_model_id, dense_routing
 from router.fallback import fallback_for
 from router.forward import ForwardError, distributed_forward
-from holders.messages import BatchAnswer, BatchRequest, answer_to_batch
-from holders.gating import Gate
+from moe.messages import BatchAnswer, BatchRequest, answer_to_batch
+from moe.gating import Gate
 from router.hooks import ForwardRecord, emit_forwards
-from holders.runtime import ExpertRuntime, GateNotLoaded
+from moe.runtime import ExpertRuntime, GateNotLoaded
 from router.scoreboard import Scoreboard
-from holders.transports import coalesce, iroh
-from holders.transports.http import HttpHolderClient
+from moe.transports import coalesce, iroh
+from moe.transports.http import HttpHolderClient
 from router.ws import AgentLink, AgentUnavailable
 from router.admission import Admission, Busy, overloaded
-from holders.blobs import BlobStore
-from holders.content import blob_uri, parse_blob_uri
-from holders.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, ParamError, RpcError
+from moe.blobs import BlobStore
+from moe.content import blob_uri, parse_blob_uri
+from moe.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, ParamError, RpcError
 from registry.models import GateBlob
 from registry.models import MoeModel, Provider
 from registry.selectors import expected_experts, iroh_peers, provider_infos
-from holders import placement as repair
+from moe import placement as repair
 from registry.services import placement_inputs, record_holder_outcomes
-from holders.shardmap import ReplicationPolicy, ShardView
+from moe.shardmap import ReplicationPolicy, ShardView
 
 
 class UnknownModel(GateNotLoaded):
@@ -287,7 +287,7 @@ async def dense_forward(model_id: str, layer: int, d_model: int, hidden_states: 
                         carrier: str = "auto", fallback: bool = False,
                         outcomes: "ForwardOutcomes | None" = None) -> dict:
     """``tenzro_moeDenseForward``: a dense MLP layer split by intermediate slices over holders
-    (``holders.dense``), recombined in slice order. ``model_id`` is the checkpoint's model;
+    (``prepare.dense``), recombined in slice order. ``model_id`` is the checkpoint's model;
     its slices are the experts of ``dense_model_id(model_id)``. Returns ``{model_id, layer,
     d_model, tokens, parts, batches, replans, transports, holders, failures, receipts, wire,
     timings_ms, outputs}``. ``outcomes``: as ``forward``'s. Raises ``GateNotLoaded`` when no
@@ -507,7 +507,7 @@ def _connected(provider: str) -> bool:
 
 
 async def call_method(method: str, params: dict, provider: str | None = None) -> dict:
-    """Run execution method ``method`` (one of ``holders.methods.METHODS``) with ``params``.
+    """Run execution method ``method`` (one of ``moe.methods.METHODS``) with ``params``.
 
     Without ``provider`` on the site's own runtime; with one, relayed to that provider's
     agent over its socket and answered from the agent's runtime (``blob_base64`` loads are

@@ -32,8 +32,8 @@ from channels.exceptions import ChannelFull
 from channels.layers import get_channel_layer
 from redis.exceptions import RedisError
 
-from holders import wire
-from holders.transports.coalesce import Coalescer
+from moe import wire
+from moe.transports.coalesce import Coalescer
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from rest_framework import serializers
 from rest_framework.response import Response
 
 from registry.api import ERROR, JSON_OBJECT, OPERATOR_AUTH, ApiView
-from holders.jsonrpc import RpcError
+from moe.jsonrpc import RpcError
 from registry.operator import is_operator
 from registry.rpc import MethodTable
 from settlement import selectors, services

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from holders.receipts import parse_commitment_bytes, sketch, top_features
+from moe.receipts import parse_commitment_bytes, sketch, top_features
 
 MAX_FAILING_ROWS = 32
 

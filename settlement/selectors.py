@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from settlement.models import Dispute, ReceiptSample, Settlement
 from settlement.services import EconomyError, dispute_json, sample_json
-from holders.jsonrpc import EXECUTION_ERROR
+from moe.jsonrpc import EXECUTION_ERROR
 
 
 def list_receipts(model_id: str | None = None, provider: str | None = None, layer: int | None = None,
@@ -37,7 +37,7 @@ def get_receipt(key: str) -> dict:
     """``tenzro_moeGetReceipt``: the list row plus the request header, the signed receipt, the
     commitment rows (``[{token, features: [[index, value]], sketch: [p floats]}]``), the carrier
     size and where it is kept, and the dispute outcome when there is one. Raises ``EconomyError``."""
-    from holders.receipts import parse_commitment_bytes
+    from moe.receipts import parse_commitment_bytes
 
     s = ReceiptSample.objects.select_related("dispute").filter(key=key).first()
     if s is None:

@@ -28,15 +28,15 @@ from django.db import IntegrityError, transaction
 from django.db.models import F, Value
 from django.db.models.functions import Least
 
-from holders import wire
-from holders.blobs import BlobStore
+from moe import wire
+from moe.blobs import BlobStore
 from router.hooks import ForwardRecord
-from holders.receipts import (ReceiptError, carrier_hash, commitment_bytes, sketch, verify_stored_receipt)
-from holders.runtime import ExpertRuntime, RuntimeFault
-from holders.content import BlobError, blob_uri
+from moe.receipts import (ReceiptError, carrier_hash, commitment_bytes, sketch, verify_stored_receipt)
+from moe.runtime import ExpertRuntime, RuntimeFault
+from moe.content import BlobError, blob_uri
 from registry.governance import current_policy
-from holders.identity import load_or_create_key, provider_id, sign_body
-from holders.jsonrpc import EXECUTION_ERROR
+from moe.identity import load_or_create_key, provider_id, sign_body
+from moe.jsonrpc import EXECUTION_ERROR
 from registry.models import Holding, Provider
 from registry.selectors import live_providers
 from settlement.audit import Tolerances, is_sampled, verify_rows

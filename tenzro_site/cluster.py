@@ -25,8 +25,8 @@ import httpx
 from django.conf import settings
 from django.core.management import call_command
 
-from holders.transports import iroh
-from holders.identity import load_or_create_key, provider_id
+from moe.transports import iroh
+from moe.identity import load_or_create_key, provider_id
 from prepare.checkpoint import Checkpoint, CheckpointError
 from prepare.backbone import publish_backbone
 from prepare.services import default_model_id, publish_checkpoint, publish_dense
@@ -74,7 +74,7 @@ class LocalCluster:
     serves its HTTP endpoint (``--http-port``) on a free port and advertises it; ``agent_iroh``:
     each agent also serves an iroh endpoint on 127.0.0.1 (``--iroh``) and advertises it.
     ``dense_parts``: dense MLP layers are split into this many intermediate slices and
-    placed like experts (``holders.dense``; model ids in ``dense_ids``). ``repair_interval``:
+    placed like experts (``prepare.dense``; model ids in ``dense_ids``). ``repair_interval``:
     seconds between repair passes of the site and of every agent (``TENZRO_REPAIR_INTERVAL``;
     None = the policy's). ``agent_faults``:
     ``{agent index: "corrupt:P" | "stall:S"}`` drill faults (``holder_agent --fault``). ``roles``: agent ``i``
@@ -182,7 +182,7 @@ class LocalCluster:
         reset_sessions(ids)
         for i, pid in enumerate(ids):
             key_path = settings.VAR_DIR / "keys" / f"agent-{i}.key"
-            proc = self._spawn(f"agent-{i}", [sys.executable, str(settings.BASE_DIR / "manage.py"), "holder_agent",
+            proc = self._spawn(f"agent-{i}", [sys.executable, "-m", "holders",  # the standalone agent
                                               "--site", self.url, "--key", str(key_path), "--name", f"agent-{i}",
                                               "--blob-dir", str(settings.VAR_DIR / "agents" / f"agent-{i}" / "blobs"),
                                               "--heartbeat-interval", str(self.heartbeat_interval),

@@ -8,8 +8,8 @@ import numpy as np
 from safetensors.numpy import load_file
 from threadpoolctl import threadpool_limits
 
-from holders import wire
-from holders.ffn import expert_forward, moe_layer_forward
+from moe import wire
+from moe.ffn import expert_forward, moe_layer_forward
 from prepare.checkpoint import Checkpoint
 from prepare.layouts import load_expert, load_gate, spec_from_config
 from prepare.quantplan import parse_quant_plan, quantize_expert
@@ -116,7 +116,7 @@ def verify_dense_layers(rpc, model_id: str, checkpoint: str | Path, reference: s
     unsplit MLP in process (``max_rel_err_vs_unsplit`` ≤ ``REL_TOLERANCE``: regrouped f32
     sums) and the same split summed in process (``max_abs_diff_vs_split`` exactly 0).
     """
-    from holders.dense import split_dense, split_forward
+    from prepare.dense import split_dense, split_forward
     from prepare.services import dense_layers, load_dense
 
     ckpt = Checkpoint(checkpoint)

@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 import pytest
 from nacl.signing import SigningKey
 
-from holders.identity import DOMAIN_HEARTBEAT, provider_id, sign_body
+from moe.identity import DOMAIN_HEARTBEAT, provider_id, sign_body
 
 FIXTURES = Path(__file__).parent / "fixtures"
 QWEN = FIXTURES / "qwen3_moe_tiny"

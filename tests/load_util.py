@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
-from holders import wire
+from moe import wire
 
 
 @dataclass

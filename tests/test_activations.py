@@ -4,7 +4,7 @@ import warnings
 
 import numpy as np
 
-from holders.activations import sigmoid, silu
+from moe.activations import sigmoid, silu
 
 
 def _vals():

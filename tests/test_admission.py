@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from nacl.signing import SigningKey
 
-from holders import wire
+from moe import wire
 from router.admission import Admission, Busy, overloaded
 from router.forward import ForwardError
 from router.ws import AgentLink, AgentUnavailable
-from holders.identity import provider_id
+from moe.identity import provider_id
 from tests.test_agent_socket import authed
 from tests.test_forward import qwen  # noqa: F401  (module fixture: 3 in-process holders)
 
@@ -189,7 +189,7 @@ async def test_an_agent_refusing_a_malformed_request_on_its_socket_is_rejected_n
     """The agent's socket answers a request it cannot decode with ``ok: false, code: "WireError"``:
     ``send_ws`` raises ``Rejected`` (no reputation cost); any other failure stays an ``AgentUnavailable``."""
     from router import services
-    from holders.messages import BatchRequest, Rejected
+    from moe.messages import BatchRequest, Rejected
 
     key = SigningKey.generate()
     comm = await authed(key)

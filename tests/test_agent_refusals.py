@@ -15,8 +15,8 @@ import pytest
 from nacl.signing import SigningKey
 from websockets.asyncio.server import serve
 
-from holders import messages
-from holders.agent.session import AuthRefused, HolderAgent, KeyInUse
+from moe import messages
+from holders.agent import AuthRefused, HolderAgent, KeyInUse
 from tests.cluster_util import ROOT, env_for
 
 

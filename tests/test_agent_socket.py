@@ -12,8 +12,8 @@ from channels.testing import WebsocketCommunicator
 from django.utils import timezone
 from nacl.signing import SigningKey
 
-from holders import wire
-from holders.identity import DOMAIN_HELLO, provider_id, sign
+from moe import wire
+from moe.identity import DOMAIN_HELLO, provider_id, sign
 from registry.models import AgentSession, Holding, Provider
 from tenzro_site.asgi import application
 from tests.conftest import holding, signed_heartbeat, with_repeated_key
@@ -296,10 +296,10 @@ async def test_batches_sent_together_reach_the_agent_as_one_frame_and_resolve_ea
 
     import numpy as np
 
-    from holders import messages
+    from moe import messages
 
     from router import services
-    from holders.messages import BatchRequest, HolderFault
+    from moe.messages import BatchRequest, HolderFault
 
     monkeypatch.setenv("TENZRO_COALESCE", "1")
     key = SigningKey.generate()
@@ -332,10 +332,10 @@ async def test_a_streamed_batch_resolves_each_request_as_its_answer_arrives(monk
 
     import numpy as np
 
-    from holders import messages
+    from moe import messages
 
     from router import services
-    from holders.messages import BatchRequest, HolderFault
+    from moe.messages import BatchRequest, HolderFault
     from router import ws
 
     if path == "layer":  # the router is not the process holding the socket

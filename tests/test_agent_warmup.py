@@ -7,12 +7,12 @@ import asyncio
 import numpy as np
 from nacl.signing import SigningKey
 
-from holders.agent.session import HolderAgent
-from holders.faults import BLACKHOLE_TPS, FaultInjector, parse_fault
-from holders.ffn import ExpertWeights
-from holders.content import blob_uri
+from holders.agent import HolderAgent
+from moe.faults import BLACKHOLE_TPS, FaultInjector, parse_fault
+from moe.ffn import ExpertWeights
+from moe.content import blob_uri
 from registry.heartbeat import parse_holdings
-from holders.identity import provider_id
+from moe.identity import provider_id
 
 
 def declared(agent) -> list[dict]:

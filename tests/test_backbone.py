@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from holders.backbone import BackboneError, KVCache, build_backbone
-from holders.backbone.common import Rotary, rope_parameters
-from holders.backbone.decode import Generator, Sampling, next_token
-from holders.backbone.weights import load_backbone
-from holders.codec import loads_safetensors
-from holders.ffn import ExpertWeights, expert_forward, moe_layer_forward
+from moe.backbone import BackboneError, KVCache, build_backbone
+from moe.backbone.common import Rotary, rope_parameters
+from moe.backbone.decode import Generator, Sampling, next_token
+from moe.backbone.weights import load_backbone
+from moe.codec import loads_safetensors
+from moe.ffn import ExpertWeights, expert_forward, moe_layer_forward
 from prepare.backbone import backbone_groups, group_blob
 from prepare.checkpoint import Checkpoint
 from prepare.layouts import load_expert, load_gate, spec_from_config

@@ -43,7 +43,7 @@ def test_bench_expert_refuses_a_bad_flag_naming_it(bench_expert, capsys, argv, f
 def test_bench_expert_names_cold_variants_whose_working_set_stays_in_cache(bench_expert):
     """A VM reporting a 300 MiB LLC with the default 48-copy cap: Q4_K_M's 48 x 2.9 MiB stay
     cache-resident, and the "cold" table must say so instead of passing as cold."""
-    from holders.ffn import ExpertWeights
+    from moe.ffn import ExpertWeights
     import numpy as np
     e = ExpertWeights(*(np.zeros((256, 256), np.float32) for _ in range(3)))  # 768 KiB per expert
     cycled = {"small": bench_expert.copies(e, 4), "big": bench_expert.copies(e, 64)}

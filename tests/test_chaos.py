@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from holders import wire
-from holders.ffn import expert_forward
-from holders.gating import route
+from moe import wire
+from moe.ffn import expert_forward
+from moe.gating import route
 from prepare.checkpoint import Checkpoint
 from prepare.layouts import load_expert, load_gate, spec_from_config
 from tests.cluster_util import blackhole_agent, env_for, rpc, running_cluster

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from holders import wire
+from moe import wire
 from tests.cluster_util import env_for, fresh_postgres_db, rpc, running_cluster
 from tests.conftest import PG_URL, QWEN, REDIS_URL, needs_services
 from tests.load_util import fire, forward_body, summary

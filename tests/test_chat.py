@@ -1,4 +1,4 @@
-"""Chat templates (``holders.chat``): read from a checkpoint as transformers does, rendered in
+"""Chat templates (``prepare.chat``): read from a checkpoint as transformers does, rendered in
 its sandboxed Jinja2 environment, and the chat prompt of ``/v1/chat/completions`` with and
 without a template."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from holders.chat import ChatTemplate, ChatTemplateError, plain_chat, read_chat_template
+from prepare.chat import ChatTemplate, ChatTemplateError, plain_chat, read_chat_template
 from router.generate import ServedModel
 from router.openai_api import ApiError, chat_prompt
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from holders import wire
+from moe import wire
 from tenzro_site.verify import max_rel_err
 from tests.cluster_util import ROOT, env_for, pid_alive, rpc, running_cluster
 from tests.conftest import DEEPSEEK, QWEN

@@ -17,13 +17,13 @@ import pytest
 from nacl.signing import SigningKey
 from safetensors.numpy import load_file
 
-from holders import messages, wire
-from holders.agent.session import HolderAgent
-from holders.messages import BatchRequest, HolderFault
-from holders.receipts import verify_receipt
-from holders.transports import iroh
-from holders.transports.coalesce import Coalescer
-from holders.transports.http import HttpHolderClient, serve_http
+from moe import messages, wire
+from holders.agent import HolderAgent
+from moe.messages import BatchRequest, HolderFault
+from moe.receipts import verify_receipt
+from moe.transports import iroh
+from moe.transports.coalesce import Coalescer
+from moe.transports.http import HttpHolderClient, serve_http
 from prepare.checkpoint import Checkpoint
 from prepare.layouts import load_expert, spec_from_config
 from tests.conftest import QWEN

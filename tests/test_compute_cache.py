@@ -6,8 +6,8 @@ import importlib
 import numpy as np
 import pytest
 
-from holders.compute.cache import DeviceWeightCache, host_f32
-from holders.quant import QuantizedMatrix
+from moe.compute.cache import DeviceWeightCache, host_f32
+from moe.quant import QuantizedMatrix
 
 
 class FakeDevice:
@@ -92,7 +92,7 @@ def test_failed_upload_changes_nothing():
     assert len(cache) == 0 and cache.resident_bytes == 0
 
 
-@pytest.mark.parametrize("mod", ["holders.compute.cuda", "holders.compute.wgpu"])
+@pytest.mark.parametrize("mod", ["moe.compute.cuda", "moe.compute.wgpu"])
 def test_gpu_backends_import_without_their_packages(mod):
     m = importlib.import_module(mod)
     assert m.DeviceWeightCache is DeviceWeightCache

@@ -11,7 +11,7 @@ from prepare.jobs import create_job
 from prepare.models import PrepareJob
 from registry import governance
 from registry.heartbeat import ingest
-from holders.identity import provider_id
+from moe.identity import provider_id
 from registry.models import AuditEntry, MoeModel, Proposal, Provider
 from tenzro_site.console.charts import bar_chart
 from tests.conftest import QWEN, holding, signed_heartbeat
@@ -187,7 +187,7 @@ def make_economy():
     with ``keys = {"honest": [...], "liar": [...]}``."""
     from django.conf import settings
 
-    from holders.blobs import BlobStore
+    from moe.blobs import BlobStore
     from settlement import services
     from settlement.models import ReceiptSample
     from tests.test_settlement import batch, holder, record, weights

@@ -7,12 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from holders import compute
-from holders.ffn import ExpertWeights, expert_forward, moe_layer_forward
-from holders.gating import Gate, route
-from holders.quant import QuantizedMatrix, quantize
+from moe import compute
+from moe.ffn import ExpertWeights, expert_forward, moe_layer_forward
+from moe.gating import Gate, route
+from moe.quant import QuantizedMatrix, quantize
 from prepare.checkpoint import Checkpoint
-from holders.codec import CheckpointError, loads_safetensors
+from moe.codec import CheckpointError, loads_safetensors
 from prepare.layouts import load_expert, load_gate, source_dtype, spec_from_config
 from prepare.quantplan import QuantPlanError, parse_quant_plan, quantize_expert
 from tests.ckpt_util import make_checkpoint, write_checkpoint
@@ -62,7 +62,7 @@ def test_fp8_scale_lives_in_another_shard(tmp_path):
 def test_fp8_decode_matches_ml_dtypes_on_all_codes():
     import ml_dtypes
 
-    from holders.codec import FP8_E4M3_TABLE
+    from moe.codec import FP8_E4M3_TABLE
     ref = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     np.testing.assert_array_equal(FP8_E4M3_TABLE, ref)  # NaN positions compare equal too
 
@@ -240,7 +240,7 @@ def test_bad_quantized_blobs_are_refused():
     q, _ = quantize_expert(w, parse_quant_plan({"gate": "q8_0"}))
     blob = q.to_blob()
     tensors, meta = loads_safetensors(blob)
-    from holders.codec import dumps_safetensors
+    from moe.codec import dumps_safetensors
     raw = {k: (t.dtype, t.shape, bytes(t.data)) for k, t in tensors.items()}
     with pytest.raises(ValueError, match="unsupported quant 'q2_k'"):
         ExpertWeights.from_blob(dumps_safetensors(raw, dict(meta, **{"gate_proj.weight.quant": "q2_k"})))
@@ -261,7 +261,7 @@ def test_bad_quantized_blobs_are_refused():
 
 
 def test_gpt_oss_mxfp4_extraction_biases_blob_and_fallbacks(tmp_path):
-    from holders.codec import decode_mxfp4
+    from moe.codec import decode_mxfp4
     from tests.ckpt_util import make_gpt_oss
 
     cfg, values = make_gpt_oss(tmp_path / "oss", experts=3, hidden=96, inter=64)

@@ -14,18 +14,18 @@ from nacl.signing import SigningKey
 from safetensors.numpy import load_file
 from threadpoolctl import threadpool_limits
 
-from holders import receipts, wire
-from holders.agent.session import HolderAgent
-from holders.ffn import expert_forward
+from moe import receipts, wire
+from holders.agent import HolderAgent
+from moe.ffn import expert_forward
 from router.forward import (BatchAnswer, ForwardError, HolderFault, _Rows, distributed_forward,
                              renormalized)
-from holders.gating import route
-from holders.identity import provider_id
-from holders.receipts import ReceiptError, make_receipt, verify_receipt
+from moe.gating import route
+from moe.identity import provider_id
+from moe.receipts import ReceiptError, make_receipt, verify_receipt
 from tenzro_site.verify import monolithic
 from prepare.checkpoint import Checkpoint
 from prepare.layouts import load_expert, load_gate, spec_from_config
-from holders.shardmap import HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView
+from moe.shardmap import HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView
 from tests.conftest import DEEPSEEK, QWEN
 
 MODEL = "m"
@@ -332,7 +332,7 @@ def test_failing_holder_falls_over_to_backup_with_identical_output(qwen, mode):
 def test_a_holder_rejecting_a_malformed_request_is_not_at_fault(qwen):
     """-32602/-32600 from the holder: the router's request was malformed (a router/transport-side
     mismatch); the backup serves it and the honest holder keeps its score."""
-    from holders.messages import answer_to_batch
+    from moe.messages import answer_to_batch
     bad = min(qwen.by_id)
 
     async def send(provider, info, req):
@@ -452,7 +452,7 @@ def test_router_holding_experts_runs_them_locally(qwen):
 
 
 def test_dense_layer_split_over_holders_recombines_exactly():
-    from holders.dense import dense_routing, slice_bounds, split_dense, split_forward
+    from prepare.dense import dense_routing, slice_bounds, split_dense, split_forward
     from prepare.services import dense_layers, load_dense
 
     ck = Checkpoint(DEEPSEEK)

@@ -12,7 +12,7 @@ from httpx_sse import connect_sse
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from holders import wire
+from moe import wire
 from tests.cluster_util import rpc, running_cluster
 from tests.conftest import QWEN
 

@@ -14,7 +14,7 @@ import time
 import pytest
 from asgiref.sync import sync_to_async
 
-from holders.backbone.decode import Sampling
+from moe.backbone.decode import Sampling
 from prepare.backbone import publish_backbone
 from prepare.services import publish_checkpoint
 from tests.conftest import QWEN

@@ -8,7 +8,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from nacl.signing import SigningKey
 
-from holders.identity import SignatureError, provider_id, sign_body
+from moe.identity import SignatureError, provider_id, sign_body
 from registry import governance
 from registry.governance import DOMAIN_VOTE, GovernanceError
 from registry.heartbeat import ingest

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from safetensors.numpy import load_file
 
-from holders.backbone.decode import Generator, Sampling
-from holders.handoff import HandoffError, RoleRunner, pack_handoff, unpack_handoff
+from moe.backbone.decode import Generator, Sampling
+from moe.handoff import HandoffError, RoleRunner, pack_handoff, unpack_handoff
 from tests.cluster_util import env_for, rpc, running_cluster
 from tests.conftest import QWEN
 from tests.test_backbone import local_model

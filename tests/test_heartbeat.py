@@ -6,7 +6,7 @@ import time
 import pytest
 from nacl.signing import SigningKey
 
-from holders.identity import SignatureError, provider_id
+from moe.identity import SignatureError, provider_id
 from registry.heartbeat import HeartbeatError, ingest
 from registry.models import Holding, Provider
 from tests.conftest import holding, signed_heartbeat, with_repeated_key
@@ -138,7 +138,7 @@ def test_compact_and_expanded_declaring_one_expert_twice():
 
 def test_whole_model_in_compact_form_stays_small():
     """Kimi K2's 61 layers × 385 slots: one compact entry instead of 23,485 objects."""
-    from holders.identity import canonical_json
+    from moe.identity import canonical_json
 
     key = SigningKey.generate()
     msg = signed_heartbeat(key, [{"model_id": "kimi-k2-instruct", "layers": "1-61", "experts": "0-384"}])
@@ -206,7 +206,7 @@ def test_holding_field_errors_name_the_entry():
 
 
 def test_agent_advertises_its_pricing_in_the_signed_heartbeat(tmp_path):
-    from holders.agent.session import HolderAgent
+    from holders.agent import HolderAgent
     from settlement.services import price
 
     agent = HolderAgent("http://127.0.0.1:1", SigningKey.generate(), tmp_path, price_per_input_token=3,
@@ -234,7 +234,7 @@ def test_rest_heartbeat_with_a_repeated_key_is_refused_before_verifying(client):
 def test_compact_holdings_round_trip_through_the_parser():
     import random
 
-    from holders.messages import compact_holdings, format_ranges
+    from moe.messages import compact_holdings, format_ranges
     from registry.heartbeat import parse_holdings, parse_ranges
 
     assert format_ranges([5, 0, 1, 2, 9, 10]) == "0-2,5,9-10" and parse_ranges("0-2,5,9-10", "x", 99) == [0, 1, 2, 5, 9, 10]

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from nacl.signing import SigningKey
 
-from holders import wire
-from holders.agent.session import HolderAgent
-from holders.messages import BatchRequest
-from holders.transports.http import HttpHolderClient, serve_http
+from moe import wire
+from holders.agent import HolderAgent
+from moe.messages import BatchRequest
+from moe.transports.http import HttpHolderClient, serve_http
 from tenzro_site.cluster import free_port
 from tests.test_runtime import H, expert
 

@@ -19,11 +19,11 @@ import pytest
 from nacl.signing import SigningKey
 from safetensors.numpy import load_file
 
-from holders import wire
-from holders.agent.session import HolderAgent
-from holders.messages import BatchRequest, HolderFault, Rejected, answer_to_batch
-from holders.receipts import verify_receipt
-from holders.transports import iroh
+from moe import wire
+from holders.agent import HolderAgent
+from moe.messages import BatchRequest, HolderFault, Rejected, answer_to_batch
+from moe.receipts import verify_receipt
+from moe.transports import iroh
 from prepare.checkpoint import Checkpoint
 from prepare.layouts import load_expert, spec_from_config
 from tests.conftest import QWEN
@@ -243,7 +243,7 @@ def test_router_prefers_iroh_then_falls_back_to_the_socket_and_http(holder, sett
     from types import SimpleNamespace
 
     from router import services
-    from holders.transports.http import serve_http
+    from moe.transports.http import serve_http
     from registry.heartbeat import ingest
     from registry.models import Provider
     from tests.conftest import signed_heartbeat
@@ -283,9 +283,8 @@ def test_without_the_wheel_the_agent_refuses_iroh_with_a_clear_message(tmp_path)
 
     from tests.cluster_util import ROOT, env_for
 
-    code = ("import sys; sys.modules['iroh'] = None; sys.argv = ['manage.py', 'holder_agent', '--site', "
-            f"'http://127.0.0.1:9', '--key', {str(tmp_path / 'k')!r}, '--iroh']; "
-            "from django.core.management import execute_from_command_line; execute_from_command_line(sys.argv)")
+    code = ("import sys; sys.modules['iroh'] = None; from holders.cli import main; "
+            f"sys.exit(main(['--site', 'http://127.0.0.1:9', '--key', {str(tmp_path / 'k')!r}, '--iroh']))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env_for(tmp_path), capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 1

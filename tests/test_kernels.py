@@ -1,4 +1,4 @@
-"""Native quantized kernels (holders.kernels / native/_kernels.c): every SIMD path bit-identical to an
+"""Native quantized kernels (moe.kernels / native/_kernels.c): every SIMD path bit-identical to an
 independent numpy model of the contract (8-bit activation quantization, exact integer block sums,
 fixed float order), on ggml's golden quantized bytes and on random and adversarial blocks."""
 import os
@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from holders import kernels
-from holders.compute.cpu import CpuBackend
-from holders.quant import QuantizedMatrix, quantize
+from moe import kernels
+from moe.compute.cpu import CpuBackend
+from moe.quant import QuantizedMatrix, quantize
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels not built (pip install ./native)")
 
@@ -187,7 +187,7 @@ def test_activation_rounding_ties_and_signed_largest_magnitude(q):
 
 @pytest.mark.parametrize("isa", ["portable", "avx2", "avx512vnni"])
 def test_forced_path_via_environment(isa):
-    code = ("import numpy as np; from holders import kernels; from holders.quant import QuantizedMatrix;"
+    code = ("import numpy as np; from holders import kernels; from moe.quant import QuantizedMatrix;"
             "m = QuantizedMatrix.from_dense(np.random.default_rng(1).standard_normal((16, 512), dtype=np.float32), 'q4_k');"
             "x = np.random.default_rng(2).standard_normal((2, 512), dtype=np.float32);"
             "print(kernels.isa()); print(kernels.matmul_xt(x, m, threads=1).tobytes().hex())")
@@ -239,7 +239,7 @@ def test_cpu_backend_switches_to_decode_and_blas_above_native_batch():
 
 
 def test_native_batch_default_follows_the_simd_path(monkeypatch):
-    from holders.compute.cpu import NATIVE_BATCH_BY_ISA
+    from moe.compute.cpu import NATIVE_BATCH_BY_ISA
     monkeypatch.delenv("TENZRO_QUANT_NATIVE_BATCH", raising=False)
     before = kernels.isa()
     try:

@@ -19,11 +19,11 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save
 
-from holders.ffn import (ExpertWeights, MissingExpertRows, combine, expert_forward,
+from moe.ffn import (ExpertWeights, MissingExpertRows, combine, expert_forward,
                          moe_layer_forward)
-from holders.gating import Gate, Routing, route
+from moe.gating import Gate, Routing, route
 from prepare.checkpoint import Checkpoint
-from holders.codec import CheckpointError, decode_f32, dumps_safetensors, encode_bf16, loads_safetensors
+from moe.codec import CheckpointError, decode_f32, dumps_safetensors, encode_bf16, loads_safetensors
 from prepare.layouts import MoeSpec, load_expert, load_gate, spec_from_config
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -374,8 +374,8 @@ def test_combine_reports_missing_pairs(models):
 
 _HASH_SNIPPET = """
 import hashlib, sys
-from holders.gating import Gate
-from holders.ffn import ExpertWeights
+from moe.gating import Gate
+from moe.ffn import ExpertWeights
 from prepare.checkpoint import Checkpoint
 from prepare.layouts import spec_from_config, load_gate, load_expert
 ck = Checkpoint(sys.argv[1]); spec = spec_from_config(ck.config)

@@ -9,7 +9,7 @@ import sys
 import pytest
 from safetensors.numpy import load_file
 
-from holders import wire
+from moe import wire
 
 from registry.models import AgentSession, Provider
 from registry.services import agent_connected, reset_sessions

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from registry.planner import DispatchPlan, PlanningError, TokenRouting, plan_dispatch
-from holders.placement import (
+from moe.placement import (
     RepairRow,
     place,
     placement_score,
@@ -18,7 +18,7 @@ from holders.placement import (
     rank_providers,
     rows_for,
 )
-from holders.shardmap import (
+from moe.shardmap import (
     RESIDENCIES,
     ROLES,
     HolderInfo,

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from django.conf import settings
 
-from holders.ffn import ExpertWeights
+from moe.ffn import ExpertWeights
 from prepare import jobs
-from holders.blobs import BlobStore, blob_hash, fetch_blob
-from holders.content import BlobError
+from moe.blobs import BlobStore, blob_hash, fetch_blob
+from moe.content import BlobError
 from prepare.checkpoint import Checkpoint
-from holders.codec import loads_safetensors
+from moe.codec import loads_safetensors
 from prepare.models import PrepareJob
 from registry.models import ExpertBlob, GateBlob, MoeModel
 from registry.operator import operator_token

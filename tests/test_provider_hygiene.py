@@ -12,7 +12,7 @@ from nacl.signing import SigningKey
 
 from registry import services, tasks
 from registry.heartbeat import ingest
-from holders.identity import provider_id
+from moe.identity import provider_id
 from registry.models import Holding, MoeModel, Provider
 from tests.conftest import holding, needs_services, signed_heartbeat
 

@@ -1,4 +1,4 @@
-"""holders.quant: GGUF Q8_0 / Q4_K / Q6_K encoders and decoders.
+"""moe.quant: GGUF Q8_0 / Q4_K / Q6_K encoders and decoders.
 
 * Encoders: byte for byte against the ggml golden vectors
   (``tests/fixtures/gguf_golden``, produced by ggml's ``quantize_row_*_ref``),
@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from holders import quant
-from holders.quant import (
+from moe import quant
+from moe.quant import (
     BLOCK_BYTES,
     BLOCK_SIZE,
     dequantize,
@@ -715,7 +715,7 @@ def test_non_numeric_input_rejected():
 def test_quant_types_table_matches_gguf_layouts():
     """The one table of quant types: sizes and ids as gguf-py's GGML_QUANT_SIZES /
     GGMLQuantizationType give them, derived views agree, per-type methods equal the functions."""
-    from holders.quant import Q4_K, Q6_K, Q8_0, QUANT_TYPES, QTYPES, quant_type
+    from moe.quant import Q4_K, Q6_K, Q8_0, QUANT_TYPES, QTYPES, quant_type
 
     assert QTYPES == ("q8_0", "q4_k", "q6_k")
     assert [(qt.ggml_type, qt.block_size, qt.type_size) for qt in QUANT_TYPES.values()] == [
@@ -736,9 +736,9 @@ def test_quant_types_table_matches_gguf_layouts():
 
 
 def test_cpu_kernel_hooks_bound_for_every_type():
-    """holders.compute.cpu binds its numba kernels into every QuantType; the matrix finds them."""
-    import holders.compute.cpu as cpu
-    from holders.quant import QUANT_TYPES, QuantizedMatrix
+    """moe.compute.cpu binds its numba kernels into every QuantType; the matrix finds them."""
+    import moe.compute.cpu as cpu
+    from moe.quant import QUANT_TYPES, QuantizedMatrix
 
     rng = np.random.default_rng(4)
     w = rng.standard_normal((4, 256)).astype(np.float32)
@@ -754,8 +754,8 @@ def test_wire_codecs_are_byte_identical_to_the_reference_codecs():
     and bits of ``quant.Q8_0`` and ``codec.encode_bf16``: exact .5 ties, zero blocks, subnormal
     scales (x/d not finite → 0), magnitudes near the fp16 scale limit; errors for NaN/Inf and
     for a scale that overflows fp16."""
-    from holders import wire
-    from holders.codec import encode_bf16
+    from moe import wire
+    from moe.codec import encode_bf16
 
     rng = np.random.default_rng(7)
     ties = np.zeros((2, 32), np.float32)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from nacl.signing import SigningKey
 
-from holders.identity import provider_id
+from moe.identity import provider_id
 from registry import governance
 from registry.heartbeat import ingest
 from registry.models import Provider

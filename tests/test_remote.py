@@ -11,7 +11,7 @@ import pytest
 
 from prepare.checkpoint import Checkpoint
 
-from holders.codec import CheckpointError
+from moe.codec import CheckpointError
 from prepare.layouts import load_expert, load_gate, spec_from_config
 from prepare.remote import HttpCheckpoint, open_checkpoint
 from tests.conftest import DEEPSEEK, QWEN

@@ -6,12 +6,12 @@ import hashlib
 
 import numpy as np
 
-from holders.blobs import BlobStore, blob_hash
-from holders.ffn import ExpertWeights
-from holders.agent.repair import RepairWorker
-from holders.runtime import ExpertRuntime
-from holders.placement import RepairRow, plan_release, view_from_map
-from holders.shardmap import HoldingInfo, ProviderInfo, ShardView
+from moe.blobs import BlobStore, blob_hash
+from moe.ffn import ExpertWeights
+from holders.repair import RepairWorker
+from moe.runtime import ExpertRuntime
+from moe.placement import RepairRow, plan_release, view_from_map
+from moe.shardmap import HoldingInfo, ProviderInfo, ShardView
 
 ME = hashlib.sha256(b"me").hexdigest()
 PEER = hashlib.sha256(b"peer").hexdigest()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from holders import wire
+from moe import wire
 from tests.cluster_util import env_for, pid_alive, rpc, running_cluster
 from tests.conftest import QWEN
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from holders import wire
+from moe import wire
 from prepare.services import publish_checkpoint
 from registry.operator import operator_token
 from tests.conftest import QWEN

@@ -9,16 +9,16 @@ import importlib.util
 import numpy as np
 import pytest
 
-from holders import compute, methods, quant, wire
-from holders.compute.cpu import CpuBackend, dequantize_matrix, quantized_matmul_xt
-from holders.ffn import ExpertWeights, expert_forward
-from holders.gating import Gate
-from holders.metering import Meter
-from holders.quant import QuantizedMatrix
-from holders.runtime import (BadBlob, DimensionMismatch, ExpertNotLoaded, ExpertRuntime, GateNotLoaded,
+from moe import compute, methods, quant, wire
+from moe.compute.cpu import CpuBackend, dequantize_matrix, quantized_matmul_xt
+from moe.ffn import ExpertWeights, expert_forward
+from moe.gating import Gate
+from moe.metering import Meter
+from moe.quant import QuantizedMatrix
+from moe.runtime import (BadBlob, DimensionMismatch, ExpertNotLoaded, ExpertRuntime, GateNotLoaded,
                              NonFiniteInput, default_memory_budget)
-from holders.blobs import blob_hash
-from holders.jsonrpc import RpcError
+from moe.blobs import blob_hash
+from moe.jsonrpc import RpcError
 
 H, F = 64, 32
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from holders import wire
-from holders.ffn import expert_forward
+from moe import wire
+from moe.ffn import expert_forward
 from tenzro_site.verify import max_rel_err
 from tests.cluster_util import env_for, rpc, running_cluster
 from tests.conftest import QWEN

@@ -6,13 +6,13 @@ import base64
 import numpy as np
 import pytest
 
-from holders import wire
+from moe import wire
 
 from router import services
-from holders.ffn import expert_forward
-from holders.runtime import ExpertRuntime
-from holders.blobs import BlobStore
-from holders.content import blob_uri
+from moe.ffn import expert_forward
+from moe.runtime import ExpertRuntime
+from moe.blobs import BlobStore
+from moe.content import blob_uri
 from registry.operator import operator_token
 from tests.test_rpc import call, req
 from tests.test_runtime import EXPERT_BYTES, H, expert, gate_blob, rows

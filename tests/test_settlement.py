@@ -13,15 +13,15 @@ from django.conf import settings
 from django.test import Client
 from nacl.signing import SigningKey
 
-from holders.blobs import BlobStore
-from holders.faults import FaultInjector, parse_fault
-from holders.ffn import ExpertWeights, expert_forward
+from moe.blobs import BlobStore
+from moe.faults import FaultInjector, parse_fault
+from moe.ffn import ExpertWeights, expert_forward
 from router.forward import BatchRequest, VerifiedBatch
 from router.hooks import ForwardRecord
-from holders import wire
-from holders.receipts import make_receipt
+from moe import wire
+from moe.receipts import make_receipt
 from registry.governance import current_policy
-from holders.identity import provider_id, verify_body
+from moe.identity import provider_id, verify_body
 from registry.models import Provider
 from registry.operator import operator_token
 from registry.selectors import live_providers

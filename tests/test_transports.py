@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from holders import wire
-from holders.messages import BatchRequest
-from holders.receipts import verify_receipt
-from holders.transports import iroh
+from moe import wire
+from moe.messages import BatchRequest
+from moe.receipts import verify_receipt
+from moe.transports import iroh
 from tenzro_site.verify import max_rel_err
 from tests.cluster_util import env_for, rpc, running_cluster
 from tests.conftest import QWEN

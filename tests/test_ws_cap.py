@@ -15,8 +15,8 @@ from nacl.signing import SigningKey
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from holders import messages
-from holders.identity import DOMAIN_HELLO, provider_id, sign
+from moe import messages
+from moe.identity import DOMAIN_HELLO, provider_id, sign
 from tenzro_site.cluster import free_port
 from tests.cluster_util import ROOT, env_for
 
@@ -117,7 +117,7 @@ def test_a_raised_cap_accepts_frames_above_one_mib(site_factory):
 
 
 def test_agent_holding_100000_experts_heartbeats_below_the_cap(site_factory, tmp_path):
-    from holders.agent.session import HolderAgent
+    from holders.agent import HolderAgent
 
     site = site_factory(1 << 20)
     agent = HolderAgent(site.url, SigningKey.generate(), tmp_path / "agent", heartbeat_interval=30)

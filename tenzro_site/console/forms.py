@@ -11,7 +11,7 @@ from django import forms
 
 from registry.governance import POLICY_FIELDS
 from registry.models import Proposal
-from holders.shardmap import ROLES
+from moe.shardmap import ROLES
 
 
 class ProposalForm(forms.Form):

@@ -9,11 +9,11 @@ from collections import Counter
 
 from django.db.models import Count, Q, Sum
 
-from holders.receipts import ReceiptError, verify_stored_receipt
+from moe.receipts import ReceiptError, verify_stored_receipt
 from prepare.models import PrepareItem, PrepareJob
 from registry import governance, repair_service, selectors
 from registry.api import compact_holdings
-from holders.content import BlobError
+from moe.content import BlobError
 from registry.models import AuditEntry, Holding, MoeModel, Proposal, Provider
 from settlement import selectors as settlement_selectors
 from settlement import services as settlement_services
@@ -216,7 +216,7 @@ def _names(providers) -> dict[str, str]:
 
 
 def signature_status(s: ReceiptSample) -> dict:
-    """Re-verify a kept receipt with the dispute's own check (``holders.receipts.
+    """Re-verify a kept receipt with the dispute's own check (``moe.receipts.
     verify_stored_receipt``: signer, carrier hash, commitment hash, tokens, Ed25519 signature over
     the request identity): ``{ok: bool, detail: str}``; a missing carrier file is reported, not raised."""
     try:

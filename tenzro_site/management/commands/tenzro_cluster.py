@@ -9,7 +9,7 @@ import threading
 from django.core.management.base import BaseCommand, CommandError
 
 from tenzro_site.cluster import ClusterError, LocalCluster
-from holders.faults import parse_fault
+from moe.faults import parse_fault
 from prepare.quantplan import QuantPlanError, parse_quant_plan
 
 

@@ -13,9 +13,9 @@ from safetensors.numpy import load_file
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from holders import wire
+from moe import wire
 from tenzro_site.cluster import ClusterError, LocalCluster
-from holders.dense import dense_model_id
+from prepare.dense import dense_model_id
 from tenzro_site.management.commands.verify_generate import table as generation_table
 from tenzro_site.verify import REL_TOLERANCE, verify_dense_layers, verify_generation, verify_layers
 from prepare.quantplan import QuantPlanError, parse_quant_plan

@@ -8,7 +8,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from tenzro_site.cluster import ClusterError, LocalCluster
 from tenzro_site.verify import REL_TOLERANCE, reference_layers, verify_dense_layers, verify_layers
-from holders.codec import CheckpointError
+from moe.codec import CheckpointError
 from prepare.quantplan import QuantPlanError, parse_quant_plan
 
 

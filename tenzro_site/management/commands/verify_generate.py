@@ -8,7 +8,7 @@ import sys
 
 from django.core.management.base import BaseCommand, CommandError
 
-from holders.codec import CheckpointError
+from moe.codec import CheckpointError
 from tenzro_site.cluster import ClusterError, LocalCluster
 from tenzro_site.verify import (GEN_TOLERANCE, check_kill_after_steps, generation_reference, verify_generation,
                                 verify_generation_under_kill)

@@ -1,0 +1,58 @@
+"""Qwen3-MoE backbone (HF ``modeling_qwen3_moe.py``): grouped-query attention with RMSNorm
+on each query and key head (``q_norm``/``k_norm``, before RoPE), rotate-half RoPE, no
+projection biases. The MLP of each layer (MoE or dense) is the caller's.
+
+Pure numpy; imports nothing from Django.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from moe.backbone.common import (Backbone, KVCache, Rotary, apply_rotary, causal_attention, linear, rms_norm,
+                                     rope_parameters)
+
+
+class GqaBackbone(Backbone):
+    """Grouped-query attention backbone shared by the Qwen and Mixtral families.
+
+    Per layer ``model.layers.{L}.self_attn.{q,k,v,o}_proj.weight`` (``[Hq·D, H]``,
+    ``[Hkv·D, H]``, ``[Hkv·D, H]``, ``[H, Hq·D]``), optional ``{q,k,v}_proj.bias``
+    (``qkv_bias``) and ``{q,k}_norm.weight`` ``[D]`` (``qk_norm``). Scaling ``D^-0.5``.
+    Cache per layer: rotated ``k`` and ``v`` float32 ``[T, Hkv, D]``.
+    """
+
+    qk_norm = False
+    qkv_bias = False
+
+    def __init__(self, config: dict, weights: dict[str, np.ndarray]):
+        super().__init__(config, weights)
+        self.n_heads = int(config["num_attention_heads"])
+        self.n_kv = int(config.get("num_key_value_heads") or self.n_heads)
+        self.head_dim = int(config.get("head_dim") or self.hidden_size // self.n_heads)
+        self.rotary = Rotary(self.head_dim, rope_parameters(config), self.max_position)
+        self.scaling = self.head_dim ** -0.5
+        window = config.get("sliding_window")
+        self.sliding_window = int(window) if window and config.get("use_sliding_window", True) else None
+
+    def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
+        p = f"model.layers.{layer}.self_attn."
+        w = self.w
+        n, d = h.shape[0], self.head_dim
+        q = linear(h, self.weight(p + "q_proj.weight"), w.get(p + "q_proj.bias")).reshape(n, self.n_heads, d)
+        k = linear(h, self.weight(p + "k_proj.weight"), w.get(p + "k_proj.bias")).reshape(n, self.n_kv, d)
+        v = linear(h, self.weight(p + "v_proj.weight"), w.get(p + "v_proj.bias")).reshape(n, self.n_kv, d)
+        if self.qk_norm:
+            q = rms_norm(q, self.weight(p + "q_norm.weight"), self.eps)
+            k = rms_norm(k, self.weight(p + "k_norm.weight"), self.eps)
+        cos, sin = self.rotary.cos_sin(positions)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        kv = cache.append(layer, k=k, v=v)
+        out = causal_attention(q, kv["k"], kv["v"], positions, self.scaling, self.sliding_window)
+        return linear(out.reshape(n, self.n_heads * d), self.weight(p + "o_proj.weight"))
+
+
+class Qwen3MoeBackbone(GqaBackbone):
+    """Qwen3-MoE: GQA with per-head q/k RMSNorm, no biases."""
+
+    family = "qwen3_moe"
+    qk_norm = True
