@@ -47,11 +47,12 @@ def test_readme_forward_example_uses_the_exact_carrier_and_documents_params():
 
 
 def test_every_data_plane_variable_is_in_the_readme():
-    """Each ``TENZRO_*`` variable ``holders/`` reads (agents, router, kernels, compute backends)
-    has a README row; TENZRO_KERNEL_ISA, TENZRO_KERNEL_THREADS, TENZRO_QUANT_NATIVE_BATCH and
-    TENZRO_WGPU_CACHE_BYTES had none."""
-    holders = README.parent / "holders"
-    read = {m for f in holders.rglob("*.py") for m in re.findall(r'"(TENZRO_[A-Z0-9_]+)"', f.read_text())}
+    """Each ``TENZRO_*`` variable the data plane reads (``moe/``: kernels, compute backends;
+    ``holders/``: the agent; ``router/``: the serving path) has a README row;
+    TENZRO_KERNEL_ISA, TENZRO_KERNEL_THREADS, TENZRO_QUANT_NATIVE_BATCH and TENZRO_WGPU_CACHE_BYTES
+    had none."""
+    read = {m for pkg in ("moe", "holders", "router") for f in (README.parent / pkg).rglob("*.py")
+            for m in re.findall(r'"(TENZRO_[A-Z0-9_]+)"', f.read_text())}
     assert read and sorted(v for v in read if f"`{v}`" not in README.read_text()) == []
 
 
