@@ -187,7 +187,7 @@ def test_activation_rounding_ties_and_signed_largest_magnitude(q):
 
 @pytest.mark.parametrize("isa", ["portable", "avx2", "avx512vnni"])
 def test_forced_path_via_environment(isa):
-    code = ("import numpy as np; from holders import kernels; from moe.quant import QuantizedMatrix;"
+    code = ("import numpy as np; from moe import kernels; from moe.quant import QuantizedMatrix;"
             "m = QuantizedMatrix.from_dense(np.random.default_rng(1).standard_normal((16, 512), dtype=np.float32), 'q4_k');"
             "x = np.random.default_rng(2).standard_normal((2, 512), dtype=np.float32);"
             "print(kernels.isa()); print(kernels.matmul_xt(x, m, threads=1).tobytes().hex())")
