@@ -116,7 +116,6 @@ class HolderAgent:
         (the HTTP or iroh address is taken).
         """
         cfg = self.config
-        self.session.loop = asyncio.get_running_loop()
         server = (await serve_http(self.execution.http_rpc, cfg.http_host, cfg.http_port, self.execution.http_frame,
                                    self.execution.http_stream)
                   if cfg.http_port else None)
