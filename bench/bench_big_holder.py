@@ -1,6 +1,6 @@
 """Benchmark of a big holder's heartbeat: 100,000 holdings on one agent.
 
-Size: the signed heartbeat message of ``HolderAgent.heartbeat_message`` in the expanded form
+Size: the signed heartbeat message of ``SiteSession.heartbeat_message`` in the expanded form
 (one object per expert, what agents sent before) and in the compact form at each
 ``committed_tps`` precision (exact, power of two, none), as a ratio to the socket's 1 MiB
 cap (goal < 1). The holdings are the worst case for ranges: residency and committed_tps

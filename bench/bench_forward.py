@@ -8,7 +8,7 @@ Usage:  .venv/bin/python bench/bench_forward.py [--agents 2,4] [--cpus 0-1] [--r
 One Qwen3-30B-A3B-shaped layer (128 experts, top-8, H 2048, expert FFN 768) with synthetic
 Q8_0-valued weights (random int8 quants and f16 scales decoded with ``moe.quant``), 512
 random tokens. Each agent is a separate process running the real holder execute path
-(``HolderAgent.execute_request``: carrier decode → expert FFN → output encode → signed
+(``Execution.execute_request``: carrier decode → expert FFN → output encode → signed
 receipt); experts are dealt round-robin (replication 1). The router runs
 ``router.forward.distributed_forward`` in this process (receipts verified); the baseline is
 ``moe.ffn.moe_layer_forward`` with every expert local.
@@ -160,17 +160,21 @@ def agent_main(port: int, experts: list[int], blob_dir: str, threads: int, ws_si
     from nacl.signing import SigningKey
     from threadpoolctl import threadpool_limits
 
-    from holders import agent as agent_mod
-    from holders.agent import HolderAgent
+    from holders import execution
+    from holders.agent import AgentConfig, HolderAgent
+    from moe import compute
     from moe.runtime import ExpertRuntime
     from moe.transports.http import serve_http
 
     threadpool_limits(limits=threads)
     ph = Phases()
     instrument_wire(ph)
-    agent_mod.make_receipt = ph.timed("receipt sign", agent_mod.make_receipt)
-    agent = HolderAgent("http://127.0.0.1:9", SigningKey.generate(), tempfile.mkdtemp(prefix="tenzro-bench-holder-"))
-    agent.runtime = ExpertRuntime(backend=agent.backend)  # memory tier only: no disk copies of the experts
+    execution.make_receipt = ph.timed("receipt sign", execution.make_receipt)
+    # The site is the bench's SocketHub when the ws transport is measured (its socket starts in
+    # bench_transports.serve_agent); memory tier only: no disk copies of the experts.
+    config = AgentConfig(ws_site or "http://127.0.0.1:9", SigningKey.generate(),
+                         tempfile.mkdtemp(prefix="tenzro-bench-holder-"))
+    agent = HolderAgent(config, runtime=ExpertRuntime(backend=compute.backend()))
     for e in experts:
         agent.runtime.load_expert(MODEL, LAYER, e, (Path(blob_dir) / f"{e}.blob").read_bytes())
     agent.runtime.execute = ph.timed("expert compute", agent.runtime.execute)
@@ -183,10 +187,10 @@ def agent_main(port: int, experts: list[int], blob_dir: str, threads: int, ws_si
             snap = ph.snapshot()
             ph.reset()
             return snap
-        return await agent._http_rpc(method, params)
+        return await agent.execution.http_rpc(method, params)
 
     async def main():
-        server = await serve_http(rpc, "127.0.0.1", port, agent._http_frame)
+        server = await serve_http(rpc, "127.0.0.1", port, agent.execution.http_frame)
         extra = await bench_transports.serve_agent(agent, ws_site, with_iroh)
         print(json.dumps({"ready": agent.provider, **extra}), flush=True)
         async with server:

@@ -14,7 +14,7 @@ expert runs the real Q4_K/Q6_K kernels at full size; only their values repeat.
 For each model the numpy backbone (``moe.backbone``) runs in this process; the MoE
 layer is either ``moe.ffn.moe_layer_forward`` with every expert local (baseline) or
 ``router.forward.distributed_forward`` over ``--agents`` holder processes (the real
-``HolderAgent.execute_request`` path behind HTTP ``POST /frame``, signed receipts verified;
+``Execution.execute_request`` path behind HTTP ``POST /frame``, signed receipts verified;
 experts dealt round-robin). Both run the same prompts in the same run: prefill of
 ``--batch`` prompts, then ``--steps`` decode steps at batch ``--batch``. Prints decode
 tokens/s, the time ratio per decode step (goal ≤ 1.25), prefill tokens/s, greedy-id
@@ -145,19 +145,20 @@ def agent_main(spec: str, port: int, keys: list[tuple[int, int]], pool: int, voc
     from nacl.signing import SigningKey
     from threadpoolctl import threadpool_limits
 
-    from holders.agent import HolderAgent
+    from holders.agent import AgentConfig, HolderAgent
+    from moe import compute
     from moe.runtime import ExpertRuntime
     from moe.transports.http import serve_http
 
     threadpool_limits(limits=threads)
     model = Model(spec, pool, vocab)
-    agent = HolderAgent("http://127.0.0.1:9", SigningKey.generate(), tempfile.mkdtemp(prefix="tenzro-bench-gen-"))
-    agent.runtime = ExpertRuntime(backend=agent.backend)
+    config = AgentConfig("http://127.0.0.1:9", SigningKey.generate(), tempfile.mkdtemp(prefix="tenzro-bench-gen-"))
+    agent = HolderAgent(config, runtime=ExpertRuntime(backend=compute.backend()))
     for L, e in keys:
         agent.runtime.load_expert(spec, L, e, model.experts[L][e].to_blob("f32"))
 
     async def main():
-        server = await serve_http(agent._http_rpc, "127.0.0.1", port, agent._http_frame)
+        server = await serve_http(agent.execution.http_rpc, "127.0.0.1", port, agent.execution.http_frame)
         print(json.dumps({"ready": agent.provider}), flush=True)
         async with server:
             await server.serve_forever()

@@ -5,7 +5,7 @@ and how the bench's router reaches it.
 - ``iroh``: ``moe/execute`` over QUIC to the agent's iroh endpoint by endpoint id and direct
   address (``moe.transports.iroh``; JSON frames with base64 rows, 4 MiB cap).
 - ``ws``: the agent socket's binary frames (``wire.pack_frame``) over a WebSocket the agent
-  opens to the bench (``HolderAgent._run_socket``: challenge, signed hello, welcome, then
+  opens to the bench (``SiteSession.run``: challenge, signed hello, welcome, then
   frames). The bench writes each request straight onto the socket and matches the answer by
   id: the site's Channels-layer hop (``group_send`` → consumer → socket) is not in this
   number, only framing and the websockets library on both ends.
@@ -41,18 +41,18 @@ TRANSPORTS = ("http", "iroh", "ws")
 
 
 async def serve_agent(agent, ws_site: str | None, with_iroh: bool) -> dict:
-    """Start the agent's extra transports: its socket to ``ws_site`` (a ``SocketHub``) and an
-    iroh endpoint on 127.0.0.1. Returns what the router needs: ``iroh_endpoint_id``, ``iroh_addrs``."""
+    """Start the agent's extra transports: its socket to ``ws_site`` (a ``SocketHub``: the agent
+    was built with it as its site) and an iroh endpoint on 127.0.0.1. Returns what the router
+    needs: ``iroh_endpoint_id``, ``iroh_addrs``."""
     out = {}
+    ex = agent.execution
     if with_iroh:
         # Held by the agent: the loop keeps only weak references to the server's tasks.
         agent.iroh = await iroh.IrohServer(iroh.endpoint_secret(agent.key.encode()), "127.0.0.1:0",
-                                           agent.execute_rpc, agent.status, agent.execute_stream_rpc).start()
+                                           ex.execute_rpc, ex.status, ex.execute_stream_rpc).start()
         out.update(iroh_endpoint_id=agent.iroh.endpoint_id, iroh_addrs=agent.iroh.addrs)
     if ws_site:
-        agent.site, agent.url = ws_site, ws_site.replace("http://", "ws://") + "/ws/agent/"
-        agent._loop = asyncio.get_running_loop()
-        agent.bench_socket = asyncio.get_running_loop().create_task(agent._run_socket())
+        agent.bench_socket = asyncio.get_running_loop().create_task(agent.session.run())
     return out
 
 

@@ -18,11 +18,12 @@ from pathlib import Path
 import argparse
 import sys
 
+from nacl.signing import SigningKey
 from threadpoolctl import threadpool_limits
 
 from moe import compute
-from holders.agent import AuthRefused, HolderAgent, KeyInUse, ws_url
-from moe.faults import parse_fault
+from holders.agent import AgentConfig, AuthRefused, HolderAgent, KeyInUse, ws_url
+from moe.faults import Fault, parse_fault
 from moe.transports import iroh
 from moe.messages import MAX_NAME
 from moe.identity import load_or_create_key, provider_id
@@ -81,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also serve moe/execute and moe/status over iroh QUIC (ALPN tenzro/moe) and advertise "
                              "the endpoint id (derived from --key) and its direct addresses")
     parser.add_argument("--iroh-bind", default=IROH_BIND_DEFAULT, metavar="HOST:PORT",
-                        help="IP address and port the iroh endpoint binds, IPv6 in brackets (default 127.0.0.1:0, a free port; relays are off, "
+                        help="IP address and port the iroh endpoint binds, IPv6 in brackets "
+                             "(default 127.0.0.1:0, a free port; relays are off, "
                              "so routers dial the addresses this binds)")
     parser.add_argument("--blas-threads", type=int, default=1,
                         help="BLAS threads per matmul (default 1: batches run concurrently, and several "
@@ -111,6 +113,19 @@ def default_heartbeat_interval() -> float:
         return float(int(raw))
     except ValueError:
         raise CliError(f"TENZRO_HEARTBEAT_INTERVAL must be a whole number of seconds, got {raw!r}") from None
+
+
+def config_from(opts: dict, key: SigningKey, blob_dir: str | Path, interval: float, iroh_bind: str | None,
+                fault: Fault | None) -> AgentConfig:
+    """The ``AgentConfig`` of parsed and checked flags (``opts``: ``vars`` of ``build_parser``'s
+    namespace) with the values ``_run`` resolved. Raises ``ValueError`` for a malformed
+    ``TENZRO_REPAIR_INTERVAL`` / ``TENZRO_REPAIR_RELEASE_GRACE``."""
+    return AgentConfig(site=opts["site"], key=key, blob_dir=blob_dir, name=opts["name"],
+                       heartbeat_interval=interval, roles=("ExpertHolder", opts["role"]),
+                       memory_budget=opts["budget"], disk_dir=opts["disk_dir"],
+                       http_port=opts["http_port"], http_host=opts["http_host"], iroh_bind=iroh_bind,
+                       fault=fault, price_per_input_token=opts["price_per_input_token"],
+                       minimum_price=opts["minimum_price"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,16 +199,10 @@ def _run(opts: dict) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         compute.set_backend(compute.select_backend(opts["compute"]))
-        agent = HolderAgent(opts["site"], key, blob_dir, name=opts["name"], heartbeat_interval=interval,
-                            roles=("ExpertHolder", opts["role"]),
-                            memory_budget=opts["budget"], disk_dir=opts["disk_dir"],
-                            http_port=opts["http_port"], http_host=opts["http_host"], iroh_bind=iroh_bind,
-                            fault=fault,
-                            price_per_input_token=opts["price_per_input_token"],
-                            minimum_price=opts["minimum_price"])
+        agent = HolderAgent(config_from(opts, key, blob_dir, interval, iroh_bind, fault))
     except compute.BackendUnavailable as exc:
         raise CliError(f"--compute: {exc}") from exc
-    except ValueError as exc:  # TENZRO_MEMORY_BUDGET / TENZRO_COMPUTE_BACKEND malformed
+    except ValueError as exc:  # TENZRO_MEMORY_BUDGET / _COMPUTE_BACKEND / _REPAIR_* malformed
         raise CliError(str(exc)) from exc
     except OSError as exc:
         raise CliError(f"--blob-dir / --disk-dir: {exc}") from exc

@@ -22,6 +22,7 @@ agent's own plan. Imports nothing from Django.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -196,3 +197,16 @@ class RepairWorker:
     def due(self) -> bool:
         """Whether an own pass is due: no offer for 1.5 intervals (site unreachable or no beat)."""
         return self.clock() - self.last_offer >= 1.5 * self.interval_s
+
+    async def own_passes(self, stopping: asyncio.Event) -> None:
+        """Own passes, every interval, when the site sent no offer for 1.5 intervals; returns
+        once ``stopping`` is set (checked each interval). A failed pass is logged, never raised."""
+        while not stopping.is_set():
+            await asyncio.sleep(self.interval_s)
+            if self.due():
+                try:
+                    outcome = await asyncio.to_thread(self.run_pass, None)
+                    if outcome["accepted"] or outcome["released"]:
+                        log.info("own repair pass: %s", outcome)
+                except Exception:  # a failed pass must not stop the timer
+                    log.exception("own repair pass failed")

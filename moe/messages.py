@@ -61,7 +61,7 @@ class Rejected(Exception):
 
 
 # Answer codes that say "your request is malformed" rather than "I failed": JSON-RPC codes (HTTP,
-# iroh) and the agent socket's error class names for the same refusals (``HolderAgent._handle``).
+# iroh) and the agent socket's error class names for the same refusals (``HolderAgent.handle``).
 REJECTION_CODES = (INVALID_PARAMS, INVALID_REQUEST)
 SOCKET_REJECTIONS = ("WireError", "RpcError", "bad_request")
 

@@ -16,7 +16,7 @@ from nacl.signing import SigningKey
 from websockets.asyncio.server import serve
 
 from moe import messages
-from holders.agent import AuthRefused, HolderAgent, KeyInUse
+from holders.agent import AgentConfig, AuthRefused, HolderAgent, KeyInUse
 from tests.cluster_util import ROOT, env_for
 
 
@@ -30,10 +30,10 @@ def _agent_ends_with(handler, tmp_path, exc_type, match: str) -> None:
     """An agent connecting to a site played by ``handler`` ends its socket loop with ``exc_type``."""
     async def go():
         server, url = await _refusing_site(handler)
-        agent = HolderAgent(url, SigningKey.generate(), tmp_path, name="n")
+        agent = HolderAgent(AgentConfig(url, SigningKey.generate(), tmp_path, name="n"))
         try:
             with pytest.raises(exc_type, match=match):
-                await asyncio.wait_for(agent._run_socket(), 20)
+                await asyncio.wait_for(agent.session.run(), 20)
         finally:
             server.close()
 
@@ -69,10 +69,10 @@ def test_a_refused_configuration_ends_the_agent_with_the_sites_message(tmp_path)
 
 
 def test_an_answer_after_the_socket_closed_is_dropped_with_one_line(tmp_path, caplog):
-    agent = HolderAgent("http://127.0.0.1:1", SigningKey.generate(), tmp_path)
-    agent._ws = None  # the site went away while the request ran
+    agent = HolderAgent(AgentConfig("http://127.0.0.1:1", SigningKey.generate(), tmp_path))
+    agent.session.ws = None  # the site went away while the request ran
     with caplog.at_level(logging.INFO, logger="tenzro.agent"):
-        asyncio.run(agent._handle({"type": "rpc", "id": "r1", "method": "moe/status"}, b"{}"))
+        asyncio.run(agent.handle({"type": "rpc", "id": "r1", "method": "moe/status"}, b"{}"))
     assert not [r for r in caplog.records if r.exc_info]
     assert any("dropped" in r.getMessage() for r in caplog.records)
 

@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 from nacl.signing import SigningKey
 
-from holders.agent import HolderAgent
+from holders.agent import AgentConfig, HolderAgent
 from moe.faults import BLACKHOLE_TPS, FaultInjector, parse_fault
 from moe.ffn import ExpertWeights
 from moe.content import blob_uri
@@ -17,7 +17,7 @@ from moe.identity import provider_id
 
 def declared(agent) -> list[dict]:
     """The holdings of a fresh heartbeat of ``agent``, expanded from the compact form."""
-    return parse_holdings(agent.heartbeat_message()["body"]["holdings"])
+    return parse_holdings(agent.session.heartbeat_message()["body"]["holdings"])
 
 
 def _blob():
@@ -27,24 +27,24 @@ def _blob():
 
 
 def test_an_expert_is_declared_only_after_its_warm_up_batch(tmp_path):
-    agent = HolderAgent("http://127.0.0.1:1", SigningKey.generate(), tmp_path / "blobs")
-    assert agent.kernels_warm.wait(120)
+    agent = HolderAgent(AgentConfig("http://127.0.0.1:1", SigningKey.generate(), tmp_path / "blobs"))
+    assert agent.loader.kernels_warm.wait(120)
     blob = _blob()
     uri = agent.store.put(blob)
-    agent.fetch = lambda _uri: blob
+    agent.loader.fetch = lambda _uri: blob
     seen = []
-    warm = agent._warm_expert
+    warm = agent.loader.warm_expert
 
     def watching(key, d_model):
         seen.append(declared(agent))  # during the warm-up
         warm(key, d_model)
 
-    agent._warm_expert = watching
+    agent.loader.warm_expert = watching
     executed = agent.runtime.meter.tokens()
 
     async def go():
-        agent._loop = asyncio.get_running_loop()
-        await agent._load({"model_id": "m", "layer": 1, "expert": 3, "uri": blob_uri(uri)})
+        agent.session.loop = asyncio.get_running_loop()
+        await agent.loader.load({"model_id": "m", "layer": 1, "expert": 3, "uri": blob_uri(uri)})
 
     asyncio.run(go())
     assert seen == [[]]  # loaded, not yet run once: not declared
@@ -54,12 +54,12 @@ def test_an_expert_is_declared_only_after_its_warm_up_batch(tmp_path):
 
 
 def test_holdings_are_cold_while_the_kernels_compile(tmp_path):
-    agent = HolderAgent("http://127.0.0.1:1", SigningKey.generate(), tmp_path / "blobs")
-    agent.kernels_warm.wait(120)
+    agent = HolderAgent(AgentConfig("http://127.0.0.1:1", SigningKey.generate(), tmp_path / "blobs"))
+    agent.loader.kernels_warm.wait(120)
     agent.runtime.load_expert("m", 1, 2, _blob())
-    agent.kernels_warm.clear()  # as right after start, before the JIT finished
+    agent.loader.kernels_warm.clear()  # as right after start, before the JIT finished
     assert [h["residency"] for h in declared(agent)] == ["Cold"]
-    agent.kernels_warm.set()
+    agent.loader.kernels_warm.set()
     assert [h["residency"] for h in declared(agent)] == ["Warm"]
 
 

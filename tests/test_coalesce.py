@@ -18,7 +18,7 @@ from nacl.signing import SigningKey
 from safetensors.numpy import load_file
 
 from moe import messages, wire
-from holders.agent import HolderAgent
+from holders.agent import AgentConfig, HolderAgent
 from moe.messages import BatchRequest, HolderFault
 from moe.receipts import verify_receipt
 from moe.transports import iroh
@@ -113,18 +113,18 @@ def test_a_caller_that_stops_waiting_leaves_the_others_and_the_last_one_cancels_
 def holder():
     ck = Checkpoint(QWEN)
     spec = spec_from_config(ck.config)
-    agent = HolderAgent("http://127.0.0.1:1", SigningKey.generate(), tempfile.mkdtemp(prefix="tenzro-test-coal-"))
+    agent = HolderAgent(AgentConfig("http://127.0.0.1:1", SigningKey.generate(), tempfile.mkdtemp(prefix="tenzro-test-coal-")))
     for e in EXPERTS:
         agent.runtime.load_expert(MODEL, LAYER, e, load_expert(ck, spec, LAYER, e).to_blob("f32"))
     x = load_file(str(QWEN / "reference.safetensors"))[f"layer{LAYER}.hidden_states"].astype(np.float32)
     calls = []
-    real = agent.execute_stream
+    real = agent.execution.execute_stream
 
     def counted(items):  # every path (whole, streamed, iroh) runs one execute_stream per message
         calls.append(len(items))
         return real(items)
 
-    agent.execute_stream = counted
+    agent.execution.execute_stream = counted
     return agent, x, calls
 
 
@@ -159,7 +159,7 @@ def test_http_sends_one_frame_per_holder_and_one_bad_request_fails_alone(holder,
     reqs = requests(x, bad_expert=9)
 
     async def go():
-        server = await serve_http(agent._http_rpc, "127.0.0.1", 0, agent._http_frame)
+        server = await serve_http(agent.execution.http_rpc, "127.0.0.1", 0, agent.execution.http_frame)
         endpoint = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/rpc"
         client = HttpHolderClient(30)
         try:
@@ -181,10 +181,10 @@ def test_http_sends_one_frame_per_holder_and_one_bad_request_fails_alone(holder,
 
 
 def holding_back(agent, expert):
-    """(gate, a stand-in for ``agent._execute_sync`` that holds requests for ``expert`` until the gate opens)."""
+    """(gate, a stand-in for ``agent.execution._execute_sync`` that holds requests for ``expert`` until the gate opens)."""
     import threading
     gate = threading.Event()
-    real = agent._execute_sync
+    real = agent.execution._execute_sync
 
     def held_back(req, carrier, payload):
         if req["expert"] == expert:
@@ -212,14 +212,14 @@ def test_http_streamed_batch_answers_each_request_as_it_finishes(holder, monkeyp
     gate, held_back = holding_back(agent, EXPERTS[1])
 
     async def go():
-        server = await serve_http(agent._http_rpc, "127.0.0.1", 0, agent._http_frame, agent._http_stream)
+        server = await serve_http(agent.execution.http_rpc, "127.0.0.1", 0, agent.execution.http_frame, agent.execution.http_stream)
         endpoint = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/rpc"
         client = HttpHolderClient(30)
         try:
             monkeypatch.setenv("TENZRO_COALESCE", "0")
             singles = await asyncio.gather(*(client.execute_frame(endpoint, r) for r in fresh(reqs[:-1])))
             monkeypatch.setenv("TENZRO_COALESCE", "1")
-            monkeypatch.setattr(agent, "_execute_sync", held_back)
+            monkeypatch.setattr(agent.execution, "_execute_sync", held_back)
             first, early, got = await first_while_held(lambda r: client.execute_frame(endpoint, r), reqs, gate)
             await asyncio.sleep(0.05)  # the stream's last chunk is read after the last answer
             pooled = sum(len(v) for v in client._idle.values())
@@ -246,8 +246,8 @@ def test_http_streamed_batch_refused_whole_and_a_holder_without_streaming(holder
     again = fresh(reqs)
 
     async def go():
-        server = await serve_http(agent._http_rpc, "127.0.0.1", 0, agent._http_frame, agent._http_stream)
-        plain = await serve_http(agent._http_rpc, "127.0.0.1", 0, agent._http_frame)
+        server = await serve_http(agent.execution.http_rpc, "127.0.0.1", 0, agent.execution.http_frame, agent.execution.http_stream)
+        plain = await serve_http(agent.execution.http_rpc, "127.0.0.1", 0, agent.execution.http_frame)
         ep = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/rpc"
         ep_plain = f"http://127.0.0.1:{plain.sockets[0].getsockname()[1]}/rpc"
         client = HttpHolderClient(30)
@@ -276,8 +276,8 @@ def test_http_streamed_batch_refused_whole_and_a_holder_without_streaming(holder
 
 async def iroh_pair(agent):
     """The agent's iroh endpoint on loopback (as ``holder_agent --iroh`` serves it) and a router client."""
-    server = await iroh.IrohServer(iroh.endpoint_secret(agent.key.encode()), "127.0.0.1:0", agent.execute_rpc,
-                                   agent.status, agent.execute_stream_rpc).start()
+    server = await iroh.IrohServer(iroh.endpoint_secret(agent.key.encode()), "127.0.0.1:0", agent.execution.execute_rpc,
+                                   agent.execution.status, agent.execution.execute_stream_rpc).start()
     return server, iroh.IrohHolderClient(timeout=60, bind="127.0.0.1:0")
 
 
@@ -321,7 +321,7 @@ def test_iroh_coalesced_stream_answers_each_request_as_it_finishes(holder, monke
         server, client = await iroh_pair(agent)
         try:
             monkeypatch.setenv("TENZRO_COALESCE", "1")
-            monkeypatch.setattr(agent, "_execute_sync", held_back)
+            monkeypatch.setattr(agent.execution, "_execute_sync", held_back)
             return await first_while_held(lambda r: client.execute(server.endpoint_id, server.addrs, r), reqs, gate)
         finally:
             await client.close()
@@ -342,8 +342,8 @@ def test_a_stream_announcing_more_requests_than_it_carries_is_refused(holder):
 
     async def go():
         from tests.test_iroh import raw_call
-        server = await iroh.IrohServer(iroh.endpoint_secret(agent.key.encode()), "127.0.0.1:0", agent.execute_rpc,
-                                       agent.status, agent.execute_stream_rpc).start()
+        server = await iroh.IrohServer(iroh.endpoint_secret(agent.key.encode()), "127.0.0.1:0", agent.execution.execute_rpc,
+                                       agent.execution.status, agent.execution.execute_stream_rpc).start()
         try:
             short = await raw_call(server, b"".join(iroh.request_frames(req, 1, 3)))
             bad = await raw_call(server, b"".join(iroh.request_frames(req, 1, 10_000)))
@@ -373,13 +373,13 @@ def test_socket_batch_frame_is_answered_per_request_and_a_malformed_batch_gets_a
             sent.append(frame)
 
     async def go():
-        agent._ws, agent.max_message = Socket(), 1 << 20
-        singles = [await agent.execute_request({**messages.request_header(r), "request_id": r.request_id},
+        agent.session.ws, agent.session.max_message = Socket(), 1 << 20
+        singles = [await agent.execution.execute_request({**messages.request_header(r), "request_id": r.request_id},
                                                r.carrier, r.payload) for r in reqs[:-1]]
         calls.clear()
         header, payload = messages.batch_frame(reqs, "b1")
-        await agent._handle({**header, "stream": stream}, payload)
-        await agent._handle({"type": "batch", "id": "b2", "stream": stream, "requests": [{"nbytes": 5}]}, b"xy")
+        await agent.handle({**header, "stream": stream}, payload)
+        await agent.handle({"type": "batch", "id": "b2", "stream": stream, "requests": [{"nbytes": 5}]}, b"xy")
         return singles
 
     singles = asyncio.run(go())

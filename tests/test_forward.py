@@ -15,7 +15,7 @@ from safetensors.numpy import load_file
 from threadpoolctl import threadpool_limits
 
 from moe import receipts, wire
-from holders.agent import HolderAgent
+from holders.agent import AgentConfig, HolderAgent
 from moe.ffn import expert_forward
 from router.forward import (BatchAnswer, ForwardError, HolderFault, _Rows, distributed_forward,
                              renormalized)
@@ -217,7 +217,7 @@ class Fixture:
         self.x = ref[f"layer{layer}.hidden_states"].astype(np.float32)
         slots = self.gate.num_experts + (1 if self.spec.n_shared_experts else 0)
         self.weights = {e: load_expert(self.ckpt, self.spec, layer, e) for e in range(slots)}
-        self.agents = [HolderAgent("http://127.0.0.1:1", SigningKey.generate(), tempfile.mkdtemp(prefix="tenzro-test-holder-"), name=f"h{i}")
+        self.agents = [HolderAgent(AgentConfig("http://127.0.0.1:1", SigningKey.generate(), tempfile.mkdtemp(prefix="tenzro-test-holder-"), name=f"h{i}"))
                        for i in range(n_holders)]
         self.by_id = {a.provider: a for a in self.agents}
         self.held: dict[str, list[int]] = {a.provider: [] for a in self.agents}
@@ -239,7 +239,7 @@ class Fixture:
             return monolithic(self.ckpt, self.layer, self.x)
 
     async def honest(self, provider, _info, req):
-        answer, data = await self.by_id[provider].execute_request(
+        answer, data = await self.by_id[provider].execution.execute_request(
             {"request_id": req.request_id, "model_id": req.model_id, "layer": req.layer, "expert": req.expert,
              "token_indices": req.tokens, "d_model": req.d_model, "output": req.output}, req.carrier, req.payload)
         rows = wire.decode_rows(data, answer["output"], req.d_model, len(req.tokens), "outputs")
@@ -463,7 +463,7 @@ def test_dense_layer_split_over_holders_recombines_exactly():
     with pytest.raises(ValueError, match="parts"):
         slice_bounds(4, 5)
     parts = split_dense(w, 3)
-    agents = [HolderAgent("http://127.0.0.1:1", SigningKey.generate(), tempfile.mkdtemp(prefix="tenzro-test-holder-")) for _ in range(3)]
+    agents = [HolderAgent(AgentConfig("http://127.0.0.1:1", SigningKey.generate(), tempfile.mkdtemp(prefix="tenzro-test-holder-"))) for _ in range(3)]
     for i, a in enumerate(agents):
         a.runtime.load_expert(MODEL, 0, i, parts[i].to_blob("f32"))
         a.runtime.load_expert(MODEL, 0, (i + 1) % 3, parts[(i + 1) % 3].to_blob("f32"))
@@ -475,7 +475,7 @@ def test_dense_layer_split_over_holders_recombines_exactly():
         return ShardView.build(MODEL, [p for p in infos if p.provider not in excluded], policy=ReplicationPolicy())
 
     async def send(provider, info, req):
-        answer, data = await by_id[provider].execute_request(
+        answer, data = await by_id[provider].execution.execute_request(
             {"request_id": req.request_id, "model_id": req.model_id, "layer": req.layer, "expert": req.expert,
              "token_indices": req.tokens, "d_model": req.d_model, "output": req.output}, req.carrier, req.payload)
         return BatchAnswer(wire.decode_rows(data, answer["output"], req.d_model, len(req.tokens)), answer["receipt"],

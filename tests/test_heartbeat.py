@@ -206,12 +206,12 @@ def test_holding_field_errors_name_the_entry():
 
 
 def test_agent_advertises_its_pricing_in_the_signed_heartbeat(tmp_path):
-    from holders.agent import HolderAgent
+    from holders.agent import AgentConfig, HolderAgent
     from settlement.services import price
 
-    agent = HolderAgent("http://127.0.0.1:1", SigningKey.generate(), tmp_path, price_per_input_token=3,
-                        minimum_price=7)
-    msg = agent.heartbeat_message()
+    agent = HolderAgent(AgentConfig("http://127.0.0.1:1", SigningKey.generate(), tmp_path, price_per_input_token=3,
+                        minimum_price=7))
+    msg = agent.session.heartbeat_message()
     ingest(msg)
     p = Provider.objects.get(provider=agent.provider)
     assert (p.price_per_input_token, p.minimum_price) == (3, 7)

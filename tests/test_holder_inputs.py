@@ -11,7 +11,7 @@ import pytest
 from nacl.signing import SigningKey
 
 from moe import wire
-from holders.agent import HolderAgent
+from holders.agent import AgentConfig, HolderAgent
 from moe.messages import BatchRequest
 from moe.transports.http import HttpHolderClient, serve_http
 from tenzro_site.cluster import free_port
@@ -32,9 +32,9 @@ class Socket:
 
 @pytest.fixture
 def agent(tmp_path):
-    a = HolderAgent("http://127.0.0.1:1", SigningKey.generate(), tmp_path, name="h")
+    a = HolderAgent(AgentConfig("http://127.0.0.1:1", SigningKey.generate(), tmp_path, name="h"))
     a.runtime.load_expert(MODEL, 0, 0, expert(0).to_blob("f32"))
-    a._ws = Socket()
+    a.session.ws = Socket()
     return a
 
 
@@ -49,8 +49,8 @@ def _execute_header(**over):
                                         ({"purpose": "free"}, "purpose")])  # would have run unmetered
 def test_socket_request_with_a_bad_number_gets_a_failure_reply(agent, bad, field):
     header = _execute_header(**bad)
-    asyncio.run(agent._handle(header, np.zeros((2, H), np.float32).tobytes()))
-    (frame,) = agent._ws.sent  # answered at once, not left to the router's 30 s timeout
+    asyncio.run(agent.handle(header, np.zeros((2, H), np.float32).tobytes()))
+    (frame,) = agent.session.ws.sent  # answered at once, not left to the router's 30 s timeout
     reply, _ = wire.unpack_frame(frame)
     assert reply["id"] == header["id"] and reply["ok"] is False and field in reply["message"]
 
@@ -61,8 +61,8 @@ def test_an_unexpected_error_is_still_answered(agent, monkeypatch):
 
     monkeypatch.setattr(agent.runtime, "execute", boom)
     header = _execute_header()
-    asyncio.run(agent._handle(header, np.zeros((2, H), np.float32).tobytes()))
-    reply, _ = wire.unpack_frame(agent._ws.sent[0])
+    asyncio.run(agent.handle(header, np.zeros((2, H), np.float32).tobytes()))
+    reply, _ = wire.unpack_frame(agent.session.ws.sent[0])
     assert reply["ok"] is False and reply["code"] == "internal" and "OverflowError" in reply["message"]
 
 
@@ -80,7 +80,7 @@ async def _post(reader, writer, path: str, body: bytes) -> tuple[bytes, bytes]:
 def test_http_endpoint_answers_bad_numbers_on_a_kept_connection(agent):
     async def go():
         port = free_port()
-        server = await serve_http(agent._http_rpc, "127.0.0.1", port, agent._http_frame)
+        server = await serve_http(agent.execution.http_rpc, "127.0.0.1", port, agent.execution.http_frame)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
             rows = wire.rows_to_b64(np.zeros((1, H), np.float32))
@@ -114,7 +114,7 @@ def test_http_frame_carries_a_whole_batch_with_a_long_token_list(agent):
 
     async def go():
         port = free_port()
-        server = await serve_http(agent._http_rpc, "127.0.0.1", port, agent._http_frame)
+        server = await serve_http(agent.execution.http_rpc, "127.0.0.1", port, agent.execution.http_frame)
         client = HttpHolderClient(60)
         try:
             req = BatchRequest(uuid.uuid4().hex, MODEL, 0, 0, list(range(n)), "f32", wire.encode_f32(x), "f32", H)
@@ -131,7 +131,7 @@ def test_http_frame_carries_a_whole_batch_with_a_long_token_list(agent):
 def test_http_rpc_names_the_field_at_fault_and_refuses_a_non_finite_id(agent):
     async def go():
         port = free_port()
-        server = await serve_http(agent._http_rpc, "127.0.0.1", port, agent._http_frame)
+        server = await serve_http(agent.execution.http_rpc, "127.0.0.1", port, agent.execution.http_frame)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         rows = wire.rows_to_b64(np.zeros((1, H), np.float32))
         base = {"model_id": MODEL, "layer": 0, "expert": 0, "token_indices": [0], "d_model": H, "hidden_states": rows}
@@ -164,7 +164,7 @@ def test_http_endpoint_answers_a_bad_content_length_with_the_right_status(agent,
     one above the body cap 413. The server stays up for the next connection."""
     async def go():
         port = free_port()
-        server = await serve_http(agent._http_rpc, "127.0.0.1", port, agent._http_frame)
+        server = await serve_http(agent.execution.http_rpc, "127.0.0.1", port, agent.execution.http_frame)
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             head = "POST /rpc HTTP/1.1\r\nHost: x\r\n" + (f"Content-Length: {length}\r\n" if length else "") + "\r\n"

@@ -20,7 +20,7 @@ from nacl.signing import SigningKey
 from safetensors.numpy import load_file
 
 from moe import wire
-from holders.agent import HolderAgent
+from holders.agent import AgentConfig, HolderAgent
 from moe.messages import BatchRequest, HolderFault, Rejected, answer_to_batch
 from moe.receipts import verify_receipt
 from moe.transports import iroh
@@ -35,7 +35,7 @@ MODEL, LAYER, EXPERT = "m", 1, 3
 @pytest.fixture(scope="module")
 def holder():
     ck = Checkpoint(QWEN)
-    agent = HolderAgent("http://127.0.0.1:1", SigningKey.generate(), tempfile.mkdtemp(prefix="tenzro-test-iroh-"))
+    agent = HolderAgent(AgentConfig("http://127.0.0.1:1", SigningKey.generate(), tempfile.mkdtemp(prefix="tenzro-test-iroh-")))
     agent.runtime.load_expert(MODEL, LAYER, EXPERT, load_expert(ck, spec_from_config(ck.config), LAYER, EXPERT)
                               .to_blob("f32"))
     x = load_file(str(QWEN / "reference.safetensors"))[f"layer{LAYER}.hidden_states"].astype(np.float32)
@@ -45,8 +45,8 @@ def holder():
 def serve(agent, coro_fn, timeout=120):
     """Run ``coro_fn(server, client)`` with the holder's iroh endpoint up; both closed afterwards."""
     async def go():
-        server = await iroh.IrohServer(iroh.endpoint_secret(agent.key.encode()), "127.0.0.1:0", agent.execute_rpc,
-                                       agent.status).start()
+        server = await iroh.IrohServer(iroh.endpoint_secret(agent.key.encode()), "127.0.0.1:0", agent.execution.execute_rpc,
+                                       agent.execution.status).start()
         client = iroh.IrohHolderClient(timeout=60, bind="127.0.0.1:0")
         try:
             return await asyncio.wait_for(coro_fn(server, client), timeout)
@@ -87,10 +87,10 @@ async def raw_call(server, data: bytes, alpn=iroh.ALPN, finish=True) -> list[dic
 def test_endpoint_id_is_stable_and_derived_from_the_provider_key(holder):
     agent, _ = holder
     async def ids(server, _client):
-        again = await iroh.IrohServer(iroh.endpoint_secret(agent.key.encode()), "127.0.0.1:0", agent.execute_rpc,
-                                      agent.status).start()
+        again = await iroh.IrohServer(iroh.endpoint_secret(agent.key.encode()), "127.0.0.1:0", agent.execution.execute_rpc,
+                                      agent.execution.status).start()
         other = await iroh.IrohServer(iroh.endpoint_secret(SigningKey.generate().encode()), "127.0.0.1:0",
-                                      agent.execute_rpc, agent.status).start()
+                                      agent.execution.execute_rpc, agent.execution.status).start()
         try:
             return server.endpoint_id, again.endpoint_id, other.endpoint_id, server.addrs
         finally:
@@ -112,7 +112,7 @@ def test_execute_matches_the_socket_path_and_receipt_verifies(holder, carrier, o
 
     async def go(server, client):
         ans = await client.execute(server.endpoint_id, server.addrs, req)
-        direct, data = await agent.execute_request(
+        direct, data = await agent.execution.execute_request(
             {"request_id": req.request_id, "model_id": MODEL, "layer": LAYER, "expert": EXPERT, "token_indices": tokens,
              "d_model": req.d_model, "output": output}, carrier, req.payload)
         status = await client.status(server.endpoint_id, server.addrs)
@@ -217,7 +217,7 @@ def test_concurrent_first_calls_share_one_client_endpoint_and_a_cancelled_call_l
 
     async def go(server, client):
         other = await iroh.IrohServer(iroh.endpoint_secret(SigningKey.generate().encode()), "127.0.0.1:0",
-                                      agent.execute_rpc, agent.status).start()
+                                      agent.execution.execute_rpc, agent.execution.status).start()
         try:
             # The first calls to two holders race to bind the client endpoint: both must answer.
             first = await asyncio.gather(*(client.execute(s.endpoint_id, s.addrs, req) for s in (server, other)
@@ -253,7 +253,7 @@ def test_router_prefers_iroh_then_falls_back_to_the_socket_and_http(holder, sett
     req = request(x[:4], [0, 1, 2, 3])
 
     async def go(server, _client):
-        http = await serve_http(agent._http_rpc, "127.0.0.1", 0, agent._http_frame)
+        http = await serve_http(agent.execution.http_rpc, "127.0.0.1", 0, agent.execution.http_frame)
         endpoint = f"http://127.0.0.1:{http.sockets[0].getsockname()[1]}/rpc"
         holder_info = SimpleNamespace(iroh_endpoint_id=server.endpoint_id, http_endpoint=endpoint)
         seen = []

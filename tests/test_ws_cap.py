@@ -117,16 +117,16 @@ def test_a_raised_cap_accepts_frames_above_one_mib(site_factory):
 
 
 def test_agent_holding_100000_experts_heartbeats_below_the_cap(site_factory, tmp_path):
-    from holders.agent import HolderAgent
+    from holders.agent import AgentConfig, HolderAgent
 
     site = site_factory(1 << 20)
-    agent = HolderAgent(site.url, SigningKey.generate(), tmp_path / "agent", heartbeat_interval=30)
+    agent = HolderAgent(AgentConfig(site.url, SigningKey.generate(), tmp_path / "agent", heartbeat_interval=30))
     # 100,000 experts of 100 layers: residency and committed_tps vary per expert, the worst case for ranges.
     held = [{"model_id": "kimi-k2-instruct", "layer": i // 1000, "expert": i % 1000,
              "residency": "Warm" if (i * 7919) % 3 else "Cold", "committed_tps": (i * 104729) % 5000,
              "blob_uri": "tenzro://blob/" + "ab" * 32} for i in range(100_000)]
     agent.runtime.holdings = lambda: held
-    msg = agent.heartbeat_message()
+    msg = agent.session.heartbeat_message()
     assert len(json.dumps(msg)) <= 1 << 20
     want = {"Warm": sum(h["residency"] == "Warm" for h in held), "Cold": sum(h["residency"] == "Cold" for h in held)}
 

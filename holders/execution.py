@@ -1,0 +1,249 @@
+"""The agent's execution of batches: decode the carrier rows, run the expert FFN, encode the
+output, sign a receipt (``moe.receipts``), on the agent's compute threads. Serves every
+transport: the site socket (whole and streamed ``batch`` frames), the HTTP endpoint
+(``moe.transports.http``: ``POST /rpc``, ``POST /frame``) and the iroh endpoint
+(``moe.transports.iroh``), plus the relayed execution methods (``moe.methods``). Drill
+faults (``moe.faults``) act here. Imports nothing from Django.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from concurrent.futures import Executor
+from typing import Callable
+
+from nacl.signing import SigningKey
+
+from moe import messages, methods, wire
+from moe.faults import FaultInjector
+from moe.jsonrpc import EXECUTION_ERROR, INTERNAL_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND, RpcError
+from moe.receipts import make_receipt
+from moe.runtime import ExpertNotLoaded, ExpertRuntime, RuntimeFault
+
+log = logging.getLogger("tenzro.agent")
+
+
+def _rpc_failure(exc: BaseException) -> tuple[int, str]:
+    """(JSON-RPC code, message) answering one failed request of a ``batch``."""
+    if isinstance(exc, RpcError):
+        return exc.code, exc.message
+    if isinstance(exc, ExpertNotLoaded):
+        return EXECUTION_ERROR, str(exc)
+    if isinstance(exc, (RuntimeFault, wire.WireError, KeyError, TypeError, ValueError)):
+        return INVALID_PARAMS, str(exc)
+    log.error("batch request failed", exc_info=exc)
+    return INTERNAL_ERROR, f"internal error: {type(exc).__name__}"
+
+
+def _row_count(req: dict) -> int:
+    """Token rows of an execute request (0 when ``token_indices`` is not a list: it fails alone later)."""
+    tokens = req.get("token_indices")
+    return len(tokens) if isinstance(tokens, list) else 0
+
+
+def _answer(header: dict, outcome) -> tuple[dict, bytes]:
+    """One request's (reply or failure header, output bytes) from its ``execute_stream`` outcome."""
+    if isinstance(outcome, BaseException):
+        return messages.failure(header.get("id"), *_rpc_failure(outcome)), b""
+    return messages.reply(header.get("id"), **outcome[0]), outcome[1]
+
+
+class Execution:
+    """Executes batches for one agent and answers the execution methods.
+
+    ``key``: the provider's signing key (receipts); ``provider``: its id; ``runtime``: the
+    experts held; ``faults``: the drill injector; ``compute``: the pool batches run on, with
+    ``compute_threads`` workers; ``fetch(uri) -> bytes``: blob source of the relayed
+    ``load`` methods.
+    """
+
+    def __init__(self, key: SigningKey, provider: str, runtime: ExpertRuntime, faults: FaultInjector,
+                 compute: Executor, compute_threads: int, fetch: Callable[[str], bytes]):
+        self.key = key
+        self.provider = provider
+        self.runtime = runtime
+        self.faults = faults
+        self.compute = compute
+        self.compute_threads = compute_threads
+        self.fetch = fetch
+
+    def blob_identity(self, model_id: str, layer: int, expert: int) -> tuple[str, str]:
+        """(blob hash, quant kind) of a held expert, for its receipts; ("", "unknown") when not held."""
+        held = self.runtime._held.get((model_id, layer, expert))
+        return (held.blob_hash, held.quant or "f32") if held is not None else ("", "unknown")
+
+    def _execute_sync(self, req: dict, carrier: str, payload: bytes) -> tuple[dict, bytes]:
+        """Execute one batch and sign its receipt, in the calling (compute) thread.
+
+        ``req``: ``request_id, model_id, layer, expert, token_indices, d_model, output?,
+        purpose?`` (``purpose`` other than "serve" is not metered); ``payload`` the carrier
+        bytes (``carrier`` "f32", "f16" or "q8_0"). Returns (answer fields ``{rows, d_model,
+        output, token_indices, receipt}``, output bytes). Raises ``RpcError`` (-32602: a bad
+        model_id, layer, expert, d_model or token index, ``methods.execute_key``), ``wire.WireError``,
+        ``RuntimeFault`` (``ExpertNotLoaded``, ``DimensionMismatch``, ...) or ``ValueError``.
+        """
+        model_id, layer, expert, d_model, tokens = methods.execute_key(req)
+        if not isinstance(req.get("request_id"), str) or not req["request_id"]:
+            raise wire.WireError("request_id must be a non-empty string", "request_id")
+        output = req.get("output", "f32")
+        purpose = req.get("purpose", "serve")
+        if purpose not in methods.PURPOSES:  # any other value would run the batch unmetered
+            raise wire.WireError(f"purpose must be one of {', '.join(methods.PURPOSES)}", "purpose")
+        metered = purpose == "serve"  # disputes and self-tests are not metered
+        if carrier not in wire.CARRIERS:
+            raise wire.WireError(f"unsupported carrier {carrier!r}")
+        if output not in wire.OUTPUTS:
+            raise wire.WireError(f"unsupported output encoding {output!r}")
+        self.faults.before_batch()
+        rows = wire.decode_rows(payload, carrier, d_model, len(tokens))
+        out = self.runtime.execute(model_id, layer, expert, rows, len(tokens), d_model, metered)
+        lie = self.faults.corrupt(out) if metered else None
+        out = out if lie is None else lie
+        data = wire.encode_rows(out, output)
+        sent = out if output == "f32" else wire.decode_rows(data, output, d_model, len(tokens), "outputs")
+        blob_hash, quant = self.blob_identity(model_id, layer, expert)
+        receipt = make_receipt(self.key, request_id=req["request_id"], model_id=model_id, layer=layer,
+                               expert=expert, tokens=tokens, carrier_kind=carrier, carrier=payload, rows=sent,
+                               blob_hash=blob_hash, quant=quant)
+        return ({"rows": len(tokens), "d_model": d_model, "output": output, "token_indices": tokens,
+                 "receipt": receipt}, data)
+
+    async def execute_request(self, req: dict, carrier: str, payload: bytes) -> tuple[dict, bytes]:
+        """``_execute_sync`` on the compute pool (socket and HTTP transports): numpy/BLAS
+        releases the GIL, and off the event loop heartbeats keep flowing. Same returns and errors."""
+        return await asyncio.get_running_loop().run_in_executor(self.compute, self._execute_sync, req, carrier,
+                                                                payload)
+
+    async def execute_stream(self, items: list[tuple[dict, str, bytes]]):
+        """Several batches (``execute_request``'s arguments each) in one hop to the compute pool
+        per compute thread (round-robin, so several threads still run them side by side); an
+        async iterator of (index, outcome) in the order they finish, the outcome being (answer
+        fields, output bytes) or the exception it raised, so one failing request fails only
+        itself and each answer can leave before the next batch is done. Under the
+        ``blackhole`` drill it never answers."""
+        if self.faults.blackhole:
+            await asyncio.Event().wait()
+        loop = asyncio.get_running_loop()
+        done: asyncio.Queue = asyncio.Queue()
+
+        def run(indices: list[int]) -> None:
+            for i in indices:
+                try:
+                    outcome = self._execute_sync(*items[i])
+                except Exception as exc:  # noqa: BLE001 (each request gets its own answer)
+                    outcome = exc
+                try:
+                    loop.call_soon_threadsafe(done.put_nowait, (i, outcome))
+                except RuntimeError:  # the loop closed (agent stopping): nobody waits for it
+                    return
+
+        # Largest batches first: the last to finish is a small one, whose answer the router
+        # checks quickly, so less of the forward waits on one core after the rest are done.
+        order = sorted(range(len(items)), key=lambda i: -_row_count(items[i][0]))
+        hops = max(1, min(self.compute_threads, len(items)))
+        for h in range(hops):
+            loop.run_in_executor(self.compute, run, order[h::hops])
+        for _ in range(len(items)):
+            yield await done.get()
+
+    async def execute_many(self, items: list[tuple[dict, str, bytes]]) -> list:
+        """``execute_stream``'s outcomes collected in the order of ``items``."""
+        out: list = [None] * len(items)
+        async for i, outcome in self.execute_stream(items):
+            out[i] = outcome
+        return out
+
+    async def execute_batch(self, header: dict, payload: bytes) -> tuple[dict, bytes]:
+        """A coalesced ``batch`` message (``messages.split_batch``) through ``execute_many``, each
+        request answered on its own (reply with receipt, or failure with a JSON-RPC code: -32004
+        expert not held, -32602 bad request, -32603 a bug). Returns ``messages.batch_reply``'s
+        (header, payload). Raises ``wire.WireError`` when the batch itself is malformed."""
+        subs = messages.split_batch(header, payload)
+        outcomes = await self.execute_many([({**h, "request_id": h.get("id")}, h.get("carrier", "f32"), data)
+                                            for h, data in subs])
+        return messages.batch_reply(header.get("id"), [_answer(h, o) for (h, _), o in zip(subs, outcomes)])
+
+    async def stream_batch(self, header: dict, payload: bytes):
+        """A coalesced ``batch`` answered request by request as each finishes: an async iterator
+        of ``messages.batch_part`` (header, output bytes), ``more: false`` on the last. Raises
+        ``wire.WireError`` (before yielding anything) when the batch is malformed."""
+        subs = messages.split_batch(header, payload)
+        left = len(subs)
+        async for i, outcome in self.execute_stream([({**h, "request_id": h.get("id")}, h.get("carrier", "f32"),
+                                                      data) for h, data in subs]):
+            left -= 1
+            yield messages.batch_part(header.get("id"), _answer(subs[i][0], outcome), more=left > 0)
+
+    async def execute_stream_rpc(self, items: list[tuple[dict, str, bytes]]):
+        """``execute_stream`` for the iroh endpoint: failures as ``RpcError`` (as ``execute_rpc``)."""
+        async for i, outcome in self.execute_stream(items):
+            yield i, RpcError(*_rpc_failure(outcome)) if isinstance(outcome, BaseException) else outcome
+
+    async def execute_rpc(self, req: dict, carrier: str, payload: bytes) -> tuple[dict, bytes]:
+        """``execute_request`` for the HTTP and iroh endpoints: its errors as ``RpcError``
+        (-32004 the expert is not held here, -32602 anything wrong with the request, ``data.field``
+        naming the parameter at fault, else "params"). Under the
+        ``blackhole`` drill it never answers."""
+        if self.faults.blackhole:
+            await asyncio.Event().wait()
+        try:
+            return await self.execute_request(req, carrier, payload)
+        except ExpertNotLoaded as exc:
+            raise RpcError(EXECUTION_ERROR, str(exc), field="expert") from exc
+        except (RuntimeFault, wire.WireError, KeyError, TypeError, ValueError) as exc:
+            raise RpcError(INVALID_PARAMS, str(exc), field=getattr(exc, "field", None) or "params") from exc
+
+    async def status(self) -> dict:
+        """``moe/status``: this provider's id and its runtime's status."""
+        return {"provider": self.provider, **await asyncio.to_thread(self.runtime.status)}
+
+    async def http_frame(self, header: dict, payload: bytes) -> tuple[dict, bytes]:
+        """Binary execute over HTTP (``POST /frame``): the socket's frame format, no base64.
+        Raises ``RpcError`` (a malformed batch, an unknown type, ``execute_rpc``'s errors)."""
+        if header.get("type") == "batch":
+            try:
+                batch_header, out = await self.execute_batch(header, payload)
+            except wire.WireError as exc:
+                raise RpcError(INVALID_PARAMS, str(exc), field="requests") from exc
+            return {k: v for k, v in batch_header.items() if k not in ("id", "ok")}, out
+        if header.get("type") != "execute":
+            raise RpcError(METHOD_NOT_FOUND, f"unknown request type {header.get('type')!r}")
+        return await self.execute_rpc({**header, "request_id": header.get("id")}, header.get("carrier", "f32"),
+                                      payload)
+
+    def http_stream(self, header: dict, payload: bytes):
+        """Streamed binary batch over HTTP (``POST /frame`` with ``stream: true``): ``stream_batch``."""
+        return self.stream_batch(header, payload)
+
+    async def http_rpc(self, method: str, params: dict) -> dict:
+        """JSON-RPC handler of the HTTP endpoint (``moe.transports.http``): ``tenzro_moeExecute`` /
+        ``moe/execute`` and ``moe/status`` / ``tenzro_moeExpertStatus``. Raises ``RpcError``."""
+        if method in ("tenzro_moeExecute", "moe/execute"):
+            try:
+                carrier, payload = wire.carrier_in_params(params)
+            except wire.WireError as exc:
+                raise RpcError(INVALID_PARAMS, str(exc), field=exc.field or "hidden_states") from exc
+            answer, data = await self.execute_rpc(params, carrier, payload)
+            return {"model_id": params["model_id"], "layer": params["layer"], "expert": params["expert"],
+                    "token_indices": answer["token_indices"], "d_model": answer["d_model"],
+                    "output": answer["output"], "outputs": wire.b64encode(data), "receipt": answer["receipt"]}
+        if method in ("moe/status", "tenzro_moeExpertStatus"):
+            return await self.status()
+        raise RpcError(METHOD_NOT_FOUND, f"unknown method {method!r}", field="method")
+
+    async def relayed_rpc(self, header: dict, payload: bytes) -> dict:
+        """A relayed execution method (``rpc`` frame: ``method`` in the header, JSON params as the
+        payload): ``{"result": ...}`` or ``{"error": {code, message, data}}``; never raises ``RpcError``."""
+        method = header.get("method")
+        try:
+            if method not in methods.METHODS:
+                raise RpcError(METHOD_NOT_FOUND, f"method {method!r} not found", field="method")
+            try:
+                params = json.loads(payload or b"{}")
+            except json.JSONDecodeError as exc:
+                raise RpcError(INVALID_PARAMS, f"params are not JSON: {exc}", field="params") from exc
+            result = await asyncio.to_thread(methods.call, self.runtime, method, params, self.fetch)
+        except RpcError as exc:
+            return {"error": exc.to_json()}
+        return {"result": result}
