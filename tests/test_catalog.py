@@ -107,6 +107,14 @@ def test_every_seed_model_is_present_in_catalog_order():
     ]
 
 
+def test_seed_file_lists_each_model_once_in_catalog_order():
+    """``seed_catalog.json`` is the seed: a duplicated id would silently collapse in CATALOG."""
+    data = json.loads((Path(catalog.__file__).with_name("seed_catalog.json")).read_text(encoding="utf-8"))
+    ids = [m["model_id"] for m in data["models"]]
+    assert sorted(ids) == sorted(SEED_IDS) and len(set(ids)) == len(ids)
+    assert list(CATALOG)[: len(ids)] == ids
+
+
 @pytest.mark.parametrize("model_id,experts,top_k,shared", REFERENCE_TABLE)
 def test_reference_counts(model_id, experts, top_k, shared):
     shape = get(model_id)
