@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from moe.config import EXPERT_COUNT_KEYS, TOP_K_KEYS, ConfigError, ModelConfig
 from moe.families import SUPPORTED_FAMILIES
 
 __all__ = [
@@ -571,17 +572,17 @@ class ModelShape:
         → ``None`` and listed in ``unknown``, never defaulted); gpt-oss top-k on biased
         logits then softmax over the k. Parameter counts are unknown.
 
-        Raises ``ValueError`` for a non-mapping config, a missing or unsupported
-        ``model_type``, missing expert count / top-k, a DeepSeek-style config without
-        ``n_shared_experts``, or a shape that fails validation.
+        The config is read by ``moe.config.ModelConfig`` (shared with the extractor and the
+        backbones). Raises ``ValueError`` for a non-mapping config, a mistyped value or
+        conflicting expert counts (naming the key), a missing or unsupported ``model_type``,
+        missing expert count / top-k, a DeepSeek-style config without ``n_shared_experts``,
+        or a shape that fails validation.
         """
-        if not isinstance(config, Mapping):
-            raise ValueError(f"config must be a mapping, got {type(config).__name__}")
-        cfg: Mapping[str, Any] = config
-        text = config.get("text_config")
-        if isinstance(text, Mapping) and _first(config, _EXPERT_KEYS) is None:
-            cfg = text
-        family = cfg.get("model_type")
+        try:
+            cfg = ModelConfig.from_hf(config, unwrap=True)
+        except ConfigError as exc:
+            raise ValueError(f"{model_id}: {exc}") from None
+        family = cfg.family
         if not family:
             raise ValueError(f"{model_id}: config has no model_type")
         if family not in HF_CONFIG_FAMILIES:
@@ -589,75 +590,45 @@ class ModelShape:
                 f"{model_id}: unsupported model_type {family!r}; "
                 f"supported: {', '.join(HF_CONFIG_FAMILIES)}"
             )
-        num_experts = _first(cfg, _EXPERT_KEYS)
-        top_k = _first(cfg, _TOPK_KEYS)
-        if num_experts is None or top_k is None:
+        if cfg.num_experts is None or cfg.top_k is None:
             raise ValueError(
-                f"{model_id}: config lacks the expert count ({'/'.join(_EXPERT_KEYS)}) or "
-                f"the experts per token ({'/'.join(_TOPK_KEYS)})"
+                f"{model_id}: config lacks the expert count ({'/'.join(EXPERT_COUNT_KEYS)}) or "
+                f"the experts per token ({'/'.join(TOP_K_KEYS)})"
             )
-        hidden = cfg.get("hidden_size")
-        layers = cfg.get("num_hidden_layers")
-        if family in ("mixtral", "gpt_oss"):
-            d_ff = cfg.get("intermediate_size")
-        else:
-            d_ff = cfg.get("moe_intermediate_size")
-        n_shared = 0
-        shared_d_ff: int | None = None
+        layers, d_ff = cfg.num_hidden_layers, cfg.moe_intermediate_size
+        n_shared = cfg.n_shared_experts
         moe_indices: tuple[int, ...] | None = None
-        first_dense: int | None = None
+        first_dense = cfg.first_k_dense_replace
         expert_ffn = "swiglu"
         if family in ("qwen3_moe", "qwen2_moe"):
-            step = cfg.get("decoder_sparse_step", 1) or 1
-            mlp_only = set(cfg.get("mlp_only_layers") or [])
-            if layers is not None:
-                idx = tuple(
-                    i for i in range(layers) if i not in mlp_only and (i + 1) % step == 0
-                )
-                moe_indices = idx
-                first_dense = idx[0] if idx else layers
-            shared_gate = False
-            if family == "qwen2_moe":
-                shared_d_ff = cfg.get("shared_expert_intermediate_size") or 0
-                if shared_d_ff > 0:
-                    n_shared = 1
-                    shared_gate = True
-            routing = _softmax_routing(
-                bool(cfg.get("norm_topk_prob", False)), shared_expert_gate=shared_gate
-            )
+            moe_indices = cfg.moe_layers()  # None when the layer count is unknown
+            first_dense = None if moe_indices is None else (moe_indices[0] if moe_indices else layers)
+            routing = _softmax_routing(cfg.norm_topk_prob, shared_expert_gate=n_shared > 0)
         elif family == "mixtral":
-            first_dense = 0
             routing = _softmax_routing(True)
         elif family == "gpt_oss":
-            first_dense = 0
             expert_ffn = "swiglu_oai"
             routing = _softmax_routing(True, topk_before_softmax=True, router_bias=True)
         else:  # deepseek_v3, kimi_k2, glm4_moe
-            if cfg.get("n_shared_experts") is None:
+            if n_shared is None:
                 raise ValueError(
                     f"{model_id}: {family} config lacks n_shared_experts (needed to "
                     "enumerate the shared slot)"
                 )
-            n_shared = int(cfg["n_shared_experts"])
-            first_dense = cfg.get("first_k_dense_replace")
-            freq = cfg.get("moe_layer_freq", 1) or 1
-            if freq != 1 and layers is not None and first_dense is not None:
-                moe_indices = tuple(i for i in range(first_dense, layers) if i % freq == 0)
-            norm = cfg.get("norm_topk_prob")
+            if cfg.moe_layer_freq != 1:
+                moe_indices = cfg.moe_layers()
             routing = _routing(
-                cfg.get("scoring_func", "sigmoid"),
-                norm_topk_prob=None if norm is None else bool(norm),
-                routed_scaling_factor=_as_float(cfg.get("routed_scaling_factor")),
-                n_group=cfg.get("n_group"),
-                topk_group=cfg.get("topk_group"),
+                cfg.scoring_func,
+                norm_topk_prob=cfg.norm_topk_prob,
+                routed_scaling_factor=cfg.routed_scaling_factor,
+                n_group=cfg.n_group,
+                topk_group=cfg.topk_group,
                 correction_bias=True,
             )
-        architectures = config.get("architectures") or cfg.get("architectures")
-        architecture = architectures[0] if isinstance(architectures, list) and architectures else None
         values: dict[str, Any] = {
             "hf_repo": hf_repo,
-            "architecture": architecture,
-            "hidden_size": hidden,
+            "architecture": cfg.architecture,
+            "hidden_size": cfg.hidden_size,
             "moe_intermediate_size": d_ff,
             "num_layers": layers,
             "first_dense_layers": first_dense,
@@ -668,6 +639,7 @@ class ModelShape:
         unknown = [n for n in NULLABLE_FIELDS if values[n] is None]
         unknown += [f"routing.{k}" for k in ROUTING_KEYS if routing[k] is None]
         notes = ""
+        shared_d_ff = cfg.shared_expert_intermediate_size
         if shared_d_ff and d_ff and shared_d_ff != n_shared * d_ff:
             notes = (
                 f"shared expert width {shared_d_ff} (shared_expert_intermediate_size) "
@@ -677,8 +649,8 @@ class ModelShape:
             model_id=model_id,
             display_name=display_name or model_id,
             family=family,
-            num_experts=int(num_experts),
-            top_k=int(top_k),
+            num_experts=cfg.num_experts,
+            top_k=cfg.top_k,
             n_shared_experts=n_shared,
             routing=routing,
             source=source or "HF config.json of a local checkpoint (ModelShape.from_hf_config)",
@@ -687,24 +659,6 @@ class ModelShape:
             notes=notes,
             **values,
         )
-
-
-_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-_TOPK_KEYS = ("num_experts_per_tok", "num_experts_per_token", "experts_per_token")
-
-
-def _first(cfg: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
-    """Return the first non-None value of ``keys`` in ``cfg`` (or ``None``)."""
-    for key in keys:
-        value = cfg.get(key)
-        if value is not None:
-            return value
-    return None
-
-
-def _as_float(value: Any) -> float | None:
-    """``float(value)``, or ``None`` for ``None``."""
-    return None if value is None else float(value)
 
 
 def _seed() -> list[ModelShape]:

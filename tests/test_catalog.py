@@ -412,6 +412,22 @@ def test_from_hf_config_errors(config, message):
         ModelShape.from_hf_config("bad", config)
 
 
+def test_model_config_reads_once_and_names_the_bad_key():
+    from moe.config import ConfigError, ModelConfig
+
+    cfg = _load_config("deepseek_v3_tiny")
+    mc = ModelConfig.from_hf(cfg)
+    assert (mc.num_experts, mc.n_shared_experts, mc.kv_lora_rank) == (16, 1, cfg["kv_lora_rank"])
+    assert mc.moe_layers() == (1, 2) and mc.rope["rope_type"]
+    with pytest.raises(ConfigError, match="'n_group' must be an integer >= 1") as err:
+        ModelConfig.from_hf(dict(cfg, n_group="4"))
+    assert err.value.key == "n_group"
+    with pytest.raises(ConfigError, match="lacks required field 'intermediate_size'"):
+        ModelConfig.from_hf({"model_type": "mixtral"}).need("moe_intermediate_size")
+    with pytest.raises(ValueError, match="bad: config.json .* conflicting expert counts"):
+        ModelShape.from_hf_config("bad", dict(cfg, num_experts=8))
+
+
 # --------------------------------------------------------------------------- JSON
 
 
