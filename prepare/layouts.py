@@ -1,12 +1,9 @@
 """Per-family MoE shape from ``config.json`` and checkpoint tensor names.
 
-Families and their MoE-layer rules: ``qwen3_moe`` and ``qwen2_moe`` (HF
-``configuration_qwen3_moe.py`` / ``configuration_qwen2_moe.py``: a layer is MoE iff it is not
-in ``mlp_only_layers`` and ``(layer + 1) % decoder_sparse_step == 0``), ``mixtral`` (every
-layer), ``deepseek_v3``, ``kimi_k2`` and ``glm4_moe`` (MoE iff ``layer >=
-first_k_dense_replace`` and ``layer % moe_layer_freq == 0``; the leading dense layers are
-refused for expert extraction; layers at or beyond ``num_hidden_layers`` are
-multi-token-prediction layers and never listed).
+Families: ``qwen3_moe``, ``qwen2_moe``, ``mixtral``, ``deepseek_v3``, ``kimi_k2``, ``glm4_moe``,
+``gpt_oss``; the config is read by ``moe.config.ModelConfig`` and the MoE-layer rules are
+``moe.config.is_moe_layer`` (DeepSeek-style leading dense layers are refused for expert
+extraction; multi-token-prediction layers past ``num_hidden_layers`` are never listed).
 
 Tensor names (as on the Hub; reference ``gguf_quant_and_routing.md`` §4):
 
