@@ -43,6 +43,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from moe import wire
+from moe.ranges import format_ranges
 from moe.jsonrpc import AUTH_REFUSED, INVALID_PARAMS, INVALID_REQUEST
 
 
@@ -127,20 +128,6 @@ MAX_NAME = 200  # characters of a provider's display name in a heartbeat (the si
 def heartbeat(body: dict, signature: str) -> dict:
     """Agent → site: a signed heartbeat ``body`` (``registry.heartbeat`` checks it)."""
     return {"type": "heartbeat", "body": body, "signature": signature}
-
-
-def format_ranges(values) -> str:
-    """Sorted unique non-negative ints as the heartbeat's range string (``[0, 1, 2, 5]`` → ``"0-2,5"``);
-    ``registry.heartbeat.parse_ranges`` reads it back."""
-    out, vals = [], sorted(set(values))
-    i = 0
-    while i < len(vals):
-        j = i
-        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
-            j += 1
-        out.append(str(vals[i]) if i == j else f"{vals[i]}-{vals[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def _tps_floor_pow2(tps: int) -> int:

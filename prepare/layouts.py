@@ -1,12 +1,9 @@
 """Per-family MoE shape from ``config.json`` and checkpoint tensor names.
 
-Families and their MoE-layer rules: ``qwen3_moe`` and ``qwen2_moe`` (HF
-``configuration_qwen3_moe.py`` / ``configuration_qwen2_moe.py``: a layer is MoE iff it is not
-in ``mlp_only_layers`` and ``(layer + 1) % decoder_sparse_step == 0``), ``mixtral`` (every
-layer), ``deepseek_v3``, ``kimi_k2`` and ``glm4_moe`` (MoE iff ``layer >=
-first_k_dense_replace`` and ``layer % moe_layer_freq == 0``; the leading dense layers are
-refused for expert extraction; layers at or beyond ``num_hidden_layers`` are
-multi-token-prediction layers and never listed).
+Families: ``qwen3_moe``, ``qwen2_moe``, ``mixtral``, ``deepseek_v3``, ``kimi_k2``, ``glm4_moe``,
+``gpt_oss``; the config is read by ``moe.config.ModelConfig`` and the MoE-layer rules are
+``moe.config.is_moe_layer`` (DeepSeek-style leading dense layers are refused for expert
+extraction; multi-token-prediction layers past ``num_hidden_layers`` are never listed).
 
 Tensor names (as on the Hub; reference ``gguf_quant_and_routing.md`` §4):
 
@@ -43,15 +40,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moe.codec import CheckpointError, decode_mxfp4
+from moe.config import DEEPSEEK_LIKE, EXPERT_COUNT_KEYS, QWEN_LIKE, ModelConfig, is_moe_layer
+from moe.families import SUPPORTED_FAMILIES
 from moe.ffn import PROJECTIONS, ExpertWeights
 from moe.gating import Gate
-from moe.families import SUPPORTED_FAMILIES
 from prepare.checkpoint import Checkpoint
-from moe.codec import CheckpointError, decode_mxfp4
 
-_DEEPSEEK_LIKE = ("deepseek_v3", "kimi_k2", "glm4_moe")  # DeepSeek-style tensor names
-_QWEN_LIKE = ("qwen3_moe", "qwen2_moe")
-_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
@@ -108,14 +103,8 @@ class MoeSpec:
         return "model.layers.{layer}." + ("block_sparse_moe" if self.family == "mixtral" else "mlp")
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether decoder layer ``layer`` (0-based, < ``num_hidden_layers``) is MoE."""
-        if not 0 <= layer < self.num_hidden_layers:
-            return False
-        if self.family in _QWEN_LIKE:
-            return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
-        if self.family in ("mixtral", "gpt_oss"):
-            return True
-        return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
+        """Whether decoder layer ``layer`` (0-based, < ``num_hidden_layers``) is MoE (``moe.config.is_moe_layer``)."""
+        return is_moe_layer(self, layer)
 
     def moe_layers(self) -> list[int]:
         """The MoE layer indices, ascending."""
@@ -130,7 +119,7 @@ class MoeSpec:
             raise ValueError(f"layer {layer} is out of range: the model has {self.num_hidden_layers} "
                              f"decoder layers (0..{self.num_hidden_layers - 1})")
         if not self.is_moe_layer(layer):
-            if self.family in _QWEN_LIKE:
+            if self.family in QWEN_LIKE:
                 why = f"mlp_only_layers={list(self.mlp_only_layers)}, decoder_sparse_step={self.decoder_sparse_step}"
             else:
                 why = f"first_k_dense_replace={self.first_k_dense_replace}"
@@ -165,7 +154,7 @@ class MoeSpec:
         if self.family == "gpt_oss":
             return {"weight": f"{pre}.router.weight", "logit_bias": f"{pre}.router.bias"}
         names = {"weight": f"{pre}.gate.weight"}
-        if self.family in _DEEPSEEK_LIKE:
+        if self.family in DEEPSEEK_LIKE:
             names["bias"] = f"{pre}.gate.e_score_correction_bias"
         if self.family == "qwen2_moe" and self.shared_slot is not None:
             names["shared_gate"] = f"{pre}.shared_expert_gate.weight"
@@ -194,118 +183,45 @@ class MoeSpec:
         return {p: f"{pre}.experts.{expert}.{p}.weight" for p in PROJECTIONS}
 
 
-def _get_int(config: dict, key: str, default: int | None, lo: int) -> int:
-    value = config.get(key, default)
-    if value is None:
-        raise ValueError(f"config.json ({config.get('model_type')}) lacks required field {key!r}")
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"config.json field {key!r} must be an integer >= {lo}, got {value!r}")
-    return value
-
-
-def _fp8_block(config: dict) -> tuple[int, int]:
-    """``weight_block_size`` of an FP8 ``quantization_config`` (default 128×128); raises
-    ``ValueError`` for a quantization method this reader cannot decode."""
-    qc = config.get("quantization_config")
-    if qc is None:
-        return (128, 128)
-    if not isinstance(qc, dict):
-        raise ValueError("config.json field 'quantization_config' must be an object")
-    method = qc.get("quant_method")
-    if method == "mxfp4" and config.get("model_type") == "gpt_oss":
-        return (128, 128)  # MXFP4 expert blocks are decoded by the gpt-oss layout
-    if method != "fp8":
-        raise ValueError(f"config.json quantization_config.quant_method={method!r} is not supported; "
-                         f"supported: unquantized (bf16/f16/f32) or 'fp8' (e4m3 with weight_scale_inv)")
-    fmt = qc.get("fmt", "e4m3")
-    if fmt != "e4m3":
-        raise ValueError(f"config.json quantization_config.fmt={fmt!r} is not supported (only e4m3)")
-    block = qc.get("weight_block_size", [128, 128])
-    if (not isinstance(block, list) or len(block) != 2
-            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-        raise ValueError(f"config.json quantization_config.weight_block_size must be [rows, cols], got {block!r}")
-    return (block[0], block[1])
-
-
 def spec_from_config(config: dict) -> MoeSpec:
-    """Build the ``MoeSpec`` of ``config`` (a parsed ``config.json``).
+    """Build the ``MoeSpec`` of ``config`` (a parsed ``config.json``, read by ``moe.config.ModelConfig``).
 
-    The routed-expert count comes from ``num_experts``, ``num_local_experts`` or
-    ``n_routed_experts`` (transformers 5 writes ``num_local_experts`` where Hub Qwen3-MoE
-    configs say ``num_experts``). Defaults when absent: ``norm_topk_prob`` False for
-    qwen3_moe/qwen2_moe (HF config classes), True for DeepSeek-like and always True for
-    Mixtral; ``routed_scaling_factor`` 1.0; ``n_group``/``topk_group`` 1;
-    ``first_k_dense_replace`` 0; ``moe_layer_freq`` 1; ``decoder_sparse_step`` 1;
-    ``mlp_only_layers`` []; ``n_shared_experts`` 0; qwen2_moe has a shared expert iff
-    ``shared_expert_intermediate_size`` > 0; Mixtral's expert width is ``intermediate_size``.
+    Defaults when absent: ``norm_topk_prob`` False for qwen3_moe/qwen2_moe (HF config
+    classes), True for DeepSeek-like and always True for Mixtral; ``routed_scaling_factor``
+    1.0; ``n_group``/``topk_group`` 1; ``first_k_dense_replace`` 0; ``moe_layer_freq`` 1;
+    ``decoder_sparse_step`` 1; ``mlp_only_layers`` []; ``n_shared_experts`` 0.
 
     Raises ``ValueError`` naming ``model_type`` and the supported list for another family,
     and naming the field for a missing, mistyped or inconsistent value or an unsupported
     ``quantization_config``.
     """
-    if not isinstance(config, dict):
-        raise ValueError("config must be a dict (the parsed config.json)")
-    family = config.get("model_type")
+    cfg = ModelConfig.from_hf(config)
+    family = cfg.family
     if family not in SUPPORTED_FAMILIES:
         raise ValueError(f"unsupported model_type {family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}")
-    counts = {k: config[k] for k in _EXPERT_COUNT_KEYS if config.get(k) is not None}
-    if not counts:
-        raise ValueError(f"config.json ({family}) names no expert count ({', '.join(_EXPERT_COUNT_KEYS)})")
-    if len(set(map(str, counts.values()))) > 1:
-        raise ValueError(f"config.json ({family}) has conflicting expert counts {counts}")
-    key = next(iter(counts))
-    num_experts = _get_int(config, key, None, 1)
-    deepseek = family in _DEEPSEEK_LIKE
-    qwen = family in _QWEN_LIKE
-    if family in ("mixtral", "gpt_oss"):
-        norm = True
-    else:
-        norm = config.get("norm_topk_prob", deepseek)
-    if not isinstance(norm, bool):
-        raise ValueError(f"config.json field 'norm_topk_prob' must be true or false, got {norm!r}")
-    rsf = config.get("routed_scaling_factor", 1.0) if deepseek else 1.0
-    if isinstance(rsf, bool) or not isinstance(rsf, (int, float)) or not rsf > 0:
-        raise ValueError(f"config.json field 'routed_scaling_factor' must be a positive number, got {rsf!r}")
-    mlp_only = config.get("mlp_only_layers") or []
-    if not isinstance(mlp_only, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in mlp_only):
-        raise ValueError(f"config.json field 'mlp_only_layers' must be a list of integers, got {mlp_only!r}")
-    shared_width = _get_int(config, "shared_expert_intermediate_size", 0, 0) if family == "qwen2_moe" else 0
-    if deepseek:
-        n_shared = _get_int(config, "n_shared_experts", 0, 0)
-    else:
-        n_shared = 1 if shared_width > 0 else 0
-    width_key = "intermediate_size" if family in ("mixtral", "gpt_oss") else "moe_intermediate_size"
-    limit = config.get("swiglu_limit", 7.0) if family == "gpt_oss" else 7.0
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
-        raise ValueError(f"config.json field 'swiglu_limit' must be a positive number, got {limit!r}")
-    spec = MoeSpec(
+    if cfg.num_experts is None:
+        raise ValueError(f"config.json ({family}) names no expert count ({', '.join(EXPERT_COUNT_KEYS)})")
+    deepseek = family in DEEPSEEK_LIKE
+    return MoeSpec(
         family=family,
-        num_experts=num_experts,
-        top_k=_get_int(config, "num_experts_per_tok", None, 1),
-        hidden_size=_get_int(config, "hidden_size", None, 1),
-        moe_intermediate_size=_get_int(config, width_key, None, 1),
-        num_hidden_layers=_get_int(config, "num_hidden_layers", None, 1),
-        n_shared_experts=n_shared,
-        norm_topk_prob=norm,
-        routed_scaling_factor=float(rsf),
-        n_group=_get_int(config, "n_group", 1, 1) if deepseek else 1,
-        topk_group=_get_int(config, "topk_group", 1, 1) if deepseek else 1,
-        first_k_dense_replace=_get_int(config, "first_k_dense_replace", 0, 0) if deepseek else 0,
-        moe_layer_freq=_get_int(config, "moe_layer_freq", 1, 1) if deepseek else 1,
-        decoder_sparse_step=_get_int(config, "decoder_sparse_step", 1, 1) if qwen else 1,
-        mlp_only_layers=tuple(sorted(set(mlp_only))) if qwen else (),
-        shared_expert_intermediate_size=shared_width,
-        fp8_block=_fp8_block(config),
-        swiglu_limit=float(limit),
+        num_experts=cfg.num_experts,
+        top_k=cfg.need("top_k"),
+        hidden_size=cfg.need("hidden_size"),
+        moe_intermediate_size=cfg.need("moe_intermediate_size"),
+        num_hidden_layers=cfg.need("num_hidden_layers"),
+        n_shared_experts=cfg.n_shared_experts or 0,
+        norm_topk_prob=deepseek if cfg.norm_topk_prob is None else cfg.norm_topk_prob,
+        routed_scaling_factor=cfg.routed_scaling_factor or 1.0,
+        n_group=cfg.n_group or 1,
+        topk_group=cfg.topk_group or 1,
+        first_k_dense_replace=cfg.first_k_dense_replace or 0,
+        moe_layer_freq=cfg.moe_layer_freq,
+        decoder_sparse_step=cfg.decoder_sparse_step,
+        mlp_only_layers=cfg.mlp_only_layers,
+        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+        fp8_block=cfg.fp8_block(),
+        swiglu_limit=cfg.swiglu_limit,
     )
-    if spec.num_experts % spec.n_group:
-        raise ValueError(f"config.json: {key}={spec.num_experts} is not divisible by n_group={spec.n_group}")
-    if spec.topk_group > spec.n_group:
-        raise ValueError(f"config.json: topk_group={spec.topk_group} exceeds n_group={spec.n_group}")
-    if spec.top_k > spec.topk_group * (spec.num_experts // spec.n_group):
-        raise ValueError(f"config.json: num_experts_per_tok={spec.top_k} exceeds the "
-                         f"{spec.topk_group * (spec.num_experts // spec.n_group)} experts routing can reach")
-    return spec
 
 
 def _check(name: str, arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

@@ -17,6 +17,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from moe.identity import SignatureError, loads_signed
+from moe.ranges import format_ranges
 from registry import catalog, governance, selectors, services
 from registry.heartbeat import HeartbeatError
 from registry.models import Holding, Provider, Proposal
@@ -199,13 +200,9 @@ def compact_holdings(rows) -> list[dict]:
             out.append({"provider": prov, "model_id": model_id, "layer": layer, "experts": [],
                         "residency": residency, "committed_tps": tps})
             last = key
-        ranges = out[-1]["experts"]
-        if ranges and ranges[-1][1] == expert - 1:
-            ranges[-1][1] = expert
-        else:
-            ranges.append([expert, expert])
+        out[-1]["experts"].append(expert)
     for entry in out:
-        entry["experts"] = ",".join(f"{lo}-{hi}" if hi > lo else str(lo) for lo, hi in entry["experts"])
+        entry["experts"] = format_ranges(entry["experts"])
     return out
 
 

@@ -1,4 +1,4 @@
-"""Seed catalog of Mixture-of-Experts model shapes, as data.
+"""Seed catalog of Mixture-of-Experts model shapes, as data (``seed_catalog.json`` beside this module).
 
 Pure Python (no Django, no numpy). Every catalog entry is a frozen :class:`ModelShape`:
 how many routed experts a model has, how many are picked per token, whether a layer has a
@@ -33,10 +33,13 @@ Local checkpoints are added at runtime with :func:`register_local`, usually from
 from __future__ import annotations
 
 import difflib
+import json
 import threading
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from moe.config import EXPERT_COUNT_KEYS, TOP_K_KEYS, ConfigError, ModelConfig
 from moe.families import SUPPORTED_FAMILIES
 
 __all__ = [
@@ -569,17 +572,17 @@ class ModelShape:
         → ``None`` and listed in ``unknown``, never defaulted); gpt-oss top-k on biased
         logits then softmax over the k. Parameter counts are unknown.
 
-        Raises ``ValueError`` for a non-mapping config, a missing or unsupported
-        ``model_type``, missing expert count / top-k, a DeepSeek-style config without
-        ``n_shared_experts``, or a shape that fails validation.
+        The config is read by ``moe.config.ModelConfig`` (shared with the extractor and the
+        backbones). Raises ``ValueError`` for a non-mapping config, a mistyped value or
+        conflicting expert counts (naming the key), a missing or unsupported ``model_type``,
+        missing expert count / top-k, a DeepSeek-style config without ``n_shared_experts``,
+        or a shape that fails validation.
         """
-        if not isinstance(config, Mapping):
-            raise ValueError(f"config must be a mapping, got {type(config).__name__}")
-        cfg: Mapping[str, Any] = config
-        text = config.get("text_config")
-        if isinstance(text, Mapping) and _first(config, _EXPERT_KEYS) is None:
-            cfg = text
-        family = cfg.get("model_type")
+        try:
+            cfg = ModelConfig.from_hf(config, unwrap=True)
+        except ConfigError as exc:
+            raise ValueError(f"{model_id}: {exc}") from None
+        family = cfg.family
         if not family:
             raise ValueError(f"{model_id}: config has no model_type")
         if family not in HF_CONFIG_FAMILIES:
@@ -587,75 +590,45 @@ class ModelShape:
                 f"{model_id}: unsupported model_type {family!r}; "
                 f"supported: {', '.join(HF_CONFIG_FAMILIES)}"
             )
-        num_experts = _first(cfg, _EXPERT_KEYS)
-        top_k = _first(cfg, _TOPK_KEYS)
-        if num_experts is None or top_k is None:
+        if cfg.num_experts is None or cfg.top_k is None:
             raise ValueError(
-                f"{model_id}: config lacks the expert count ({'/'.join(_EXPERT_KEYS)}) or "
-                f"the experts per token ({'/'.join(_TOPK_KEYS)})"
+                f"{model_id}: config lacks the expert count ({'/'.join(EXPERT_COUNT_KEYS)}) or "
+                f"the experts per token ({'/'.join(TOP_K_KEYS)})"
             )
-        hidden = cfg.get("hidden_size")
-        layers = cfg.get("num_hidden_layers")
-        if family in ("mixtral", "gpt_oss"):
-            d_ff = cfg.get("intermediate_size")
-        else:
-            d_ff = cfg.get("moe_intermediate_size")
-        n_shared = 0
-        shared_d_ff: int | None = None
+        layers, d_ff = cfg.num_hidden_layers, cfg.moe_intermediate_size
+        n_shared = cfg.n_shared_experts
         moe_indices: tuple[int, ...] | None = None
-        first_dense: int | None = None
+        first_dense = cfg.first_k_dense_replace
         expert_ffn = "swiglu"
         if family in ("qwen3_moe", "qwen2_moe"):
-            step = cfg.get("decoder_sparse_step", 1) or 1
-            mlp_only = set(cfg.get("mlp_only_layers") or [])
-            if layers is not None:
-                idx = tuple(
-                    i for i in range(layers) if i not in mlp_only and (i + 1) % step == 0
-                )
-                moe_indices = idx
-                first_dense = idx[0] if idx else layers
-            shared_gate = False
-            if family == "qwen2_moe":
-                shared_d_ff = cfg.get("shared_expert_intermediate_size") or 0
-                if shared_d_ff > 0:
-                    n_shared = 1
-                    shared_gate = True
-            routing = _softmax_routing(
-                bool(cfg.get("norm_topk_prob", False)), shared_expert_gate=shared_gate
-            )
+            moe_indices = cfg.moe_layers()  # None when the layer count is unknown
+            first_dense = None if moe_indices is None else (moe_indices[0] if moe_indices else layers)
+            routing = _softmax_routing(cfg.norm_topk_prob, shared_expert_gate=n_shared > 0)
         elif family == "mixtral":
-            first_dense = 0
             routing = _softmax_routing(True)
         elif family == "gpt_oss":
-            first_dense = 0
             expert_ffn = "swiglu_oai"
             routing = _softmax_routing(True, topk_before_softmax=True, router_bias=True)
         else:  # deepseek_v3, kimi_k2, glm4_moe
-            if cfg.get("n_shared_experts") is None:
+            if n_shared is None:
                 raise ValueError(
                     f"{model_id}: {family} config lacks n_shared_experts (needed to "
                     "enumerate the shared slot)"
                 )
-            n_shared = int(cfg["n_shared_experts"])
-            first_dense = cfg.get("first_k_dense_replace")
-            freq = cfg.get("moe_layer_freq", 1) or 1
-            if freq != 1 and layers is not None and first_dense is not None:
-                moe_indices = tuple(i for i in range(first_dense, layers) if i % freq == 0)
-            norm = cfg.get("norm_topk_prob")
+            if cfg.moe_layer_freq != 1:
+                moe_indices = cfg.moe_layers()
             routing = _routing(
-                cfg.get("scoring_func", "sigmoid"),
-                norm_topk_prob=None if norm is None else bool(norm),
-                routed_scaling_factor=_as_float(cfg.get("routed_scaling_factor")),
-                n_group=cfg.get("n_group"),
-                topk_group=cfg.get("topk_group"),
+                cfg.scoring_func,
+                norm_topk_prob=cfg.norm_topk_prob,
+                routed_scaling_factor=cfg.routed_scaling_factor,
+                n_group=cfg.n_group,
+                topk_group=cfg.topk_group,
                 correction_bias=True,
             )
-        architectures = config.get("architectures") or cfg.get("architectures")
-        architecture = architectures[0] if isinstance(architectures, list) and architectures else None
         values: dict[str, Any] = {
             "hf_repo": hf_repo,
-            "architecture": architecture,
-            "hidden_size": hidden,
+            "architecture": cfg.architecture,
+            "hidden_size": cfg.hidden_size,
             "moe_intermediate_size": d_ff,
             "num_layers": layers,
             "first_dense_layers": first_dense,
@@ -666,6 +639,7 @@ class ModelShape:
         unknown = [n for n in NULLABLE_FIELDS if values[n] is None]
         unknown += [f"routing.{k}" for k in ROUTING_KEYS if routing[k] is None]
         notes = ""
+        shared_d_ff = cfg.shared_expert_intermediate_size
         if shared_d_ff and d_ff and shared_d_ff != n_shared * d_ff:
             notes = (
                 f"shared expert width {shared_d_ff} (shared_expert_intermediate_size) "
@@ -675,8 +649,8 @@ class ModelShape:
             model_id=model_id,
             display_name=display_name or model_id,
             family=family,
-            num_experts=int(num_experts),
-            top_k=int(top_k),
+            num_experts=cfg.num_experts,
+            top_k=cfg.top_k,
             n_shared_experts=n_shared,
             routing=routing,
             source=source or "HF config.json of a local checkpoint (ModelShape.from_hf_config)",
@@ -687,734 +661,14 @@ class ModelShape:
         )
 
 
-_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-_TOPK_KEYS = ("num_experts_per_tok", "num_experts_per_token", "experts_per_token")
-
-
-def _first(cfg: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
-    """Return the first non-None value of ``keys`` in ``cfg`` (or ``None``)."""
-    for key in keys:
-        value = cfg.get(key)
-        if value is not None:
-            return value
-    return None
-
-
-def _as_float(value: Any) -> float | None:
-    """``float(value)``, or ``None`` for ``None``."""
-    return None if value is None else float(value)
-
-
-# ---------------------------------------------------------------------------------------
-# Seed data
-# ---------------------------------------------------------------------------------------
-
-_REF = (
-    "experts / top-k / shared: reference catalog (tenzro_reference_system.md §12, "
-    "docs/AI.md §3.6)"
-)
-
-
-def _entry(**kw: Any) -> ModelShape:
-    """Build a seed :class:`ModelShape`; ``unknown`` lists every ``None`` nullable value.
-
-    Extra unknown names (``expert_input_size``) may be passed as ``extra_unknown``.
-    Routing keys that are ``None`` are listed as ``routing.<key>``.
-    """
-    extra = tuple(kw.pop("extra_unknown", ()))
-    routing = kw["routing"]
-    unknown = [n for n in NULLABLE_FIELDS if kw.get(n) is None]
-    unknown += [f"routing.{k}" for k in ROUTING_KEYS if routing.get(k) is None]
-    unknown += list(extra)
-    return ModelShape(unknown=tuple(unknown), **kw)
-
-
-_QWEN3_ROUTING = _softmax_routing(True)
-# Qwen3.5 / 3.6 MoE: router always renormalises; shared expert is sigmoid-gated (guide §3.3).
-_QWEN35_ROUTING = _softmax_routing(True, shared_expert_gate=True)
-# Gemma 4: softmax, always renormalised, per-expert learned scale (guide §3.10).
-_GEMMA4_ROUTING = _softmax_routing(True, per_expert_scale=True)
-# Kimi K2 / K2.5 published config: sigmoid, noaux_tc, 1 group, norm, 2.827.
-_KIMI_K2_ROUTING = _routing(
-    "sigmoid",
-    norm_topk_prob=True,
-    routed_scaling_factor=2.827,
-    n_group=1,
-    topk_group=1,
-    correction_bias=True,
-)
-
-_QWEN35_NOTE = (
-    "Public config (transformers qwen3_5_moe docs) describes a 256-expert block with 1 "
-    "sigmoid-gated shared expert and top-8; the reference catalog lists 128 experts and no "
-    "shared expert, kept here (see public_disagreements). Every decoder layer is MoE "
-    "(the docs: the block replaces all dense FFNs). Experts are stored fused "
-    "(gate_up_proj [E, 2I, H]) under model.language_model.layers.{L}.mlp.experts."
-)
-_MTP_NOTE = (
-    " MTP twin: the same checkpoint served with its multi-token-prediction head as drafter; "
-    "the mtp.* layer is not part of the expert map."
-)
-_GEMMA4_NOTE = (
-    "Public model cards give 128 experts with 8 active plus a shared always-on path (the "
-    "dense MLP that runs in parallel with the MoE block); the reference catalog lists "
-    "top-4 and 1 shared, kept here. hidden_size is unknown: third-party copies disagree "
-    "(2816 vs 2112). Router reads the raw residual with its own RMS-norm and scale."
-)
-
-
-def _qwen35(model_id: str, name: str, repo: str, mtp: bool, **kw: Any) -> ModelShape:
-    """A Qwen 3.5 / 3.6 MoE entry (reference counts 128 / 8 / 0)."""
-    return _entry(
-        model_id=model_id,
-        display_name=name + (" MTP" if mtp else ""),
-        hf_repo=repo,
-        family="qwen3_5_moe",
-        architecture=None,
-        num_experts=128,
-        top_k=8,
-        n_shared_experts=0,
-        first_dense_layers=0,
-        routing=_QWEN35_ROUTING,
-        expert_ffn="swiglu",
-        notes=_QWEN35_NOTE + (_MTP_NOTE if mtp else ""),
-        **kw,
-    )
-
-
 def _seed() -> list[ModelShape]:
-    """Return the seed catalog entries, in catalog order."""
-    out: list[ModelShape] = []
-    out.append(
-        _entry(
-            model_id="qwen3-30b-a3b",
-            display_name="Qwen3 30B-A3B",
-            hf_repo="Qwen/Qwen3-30B-A3B",
-            family="qwen3_moe",
-            architecture="Qwen3MoeForCausalLM",
-            num_experts=128,
-            top_k=8,
-            n_shared_experts=0,
-            hidden_size=2048,
-            moe_intermediate_size=768,
-            num_layers=48,
-            first_dense_layers=0,
-            routing=_QWEN3_ROUTING,
-            expert_ffn="swiglu",
-            total_params_b=30.5,
-            active_params_b=3.3,
-            source=_REF + "; widths/layers/norm_topk_prob: HF config of Qwen/Qwen3-30B-A3B "
-            "(third-party copies: gguf_quant_and_routing.md §3.1, MindSpeed-RL "
-            "qwen3_30b_a3b.yaml); params: model card (30.5B total, 3.3B active)",
-            notes="Every layer is MoE (decoder_sparse_step 1, mlp_only_layers []).",
-        )
-    )
-    out.append(
-        _entry(
-            model_id="qwen3-coder-30b-a3b",
-            display_name="Qwen3 Coder 30B-A3B",
-            hf_repo="Qwen/Qwen3-Coder-30B-A3B-Instruct",
-            family="qwen3_moe",
-            architecture="Qwen3MoeForCausalLM",
-            num_experts=128,
-            top_k=8,
-            n_shared_experts=0,
-            hidden_size=2048,
-            moe_intermediate_size=768,
-            num_layers=48,
-            first_dense_layers=0,
-            routing=_QWEN3_ROUTING,
-            expert_ffn="swiglu",
-            total_params_b=30.5,
-            active_params_b=3.3,
-            source=_REF + "; widths/layers/norm_topk_prob: HF config of "
-            "Qwen/Qwen3-Coder-30B-A3B-Instruct (third-party copies of config.json); "
-            "params: model card",
-            notes="Same MoE geometry as Qwen3-30B-A3B.",
-        )
-    )
-    for mtp in (False, True):
-        suffix = "-mtp" if mtp else ""
-        out.append(
-            _qwen35(
-                f"qwen3.5-35b-a3b{suffix}",
-                "Qwen 3.5 35B-A3B",
-                "Qwen/Qwen3.5-35B-A3B",
-                mtp,
-                hidden_size=2048,
-                moe_intermediate_size=512,
-                num_layers=40,
-                total_params_b=35.0,
-                active_params_b=3.0,
-                public_disagreements={"num_experts": 256, "n_shared_experts": 1},
-                source=_REF + "; hidden 2048 / moe_intermediate 512 / 40 layers: third-party "
-                "config copies, agreeing with transformers' Qwen3.5-MoE defaults "
-                "(gguf_quant_and_routing.md §3.3); params: transformers docs (35B / 3B)",
-            )
-        )
-        out.append(
-            _qwen35(
-                f"qwen3.5-122b-a10b{suffix}",
-                "Qwen 3.5 122B-A10B",
-                "Qwen/Qwen3.5-122B-A10B",
-                mtp,
-                hidden_size=None,
-                moe_intermediate_size=None,
-                num_layers=48,
-                total_params_b=122.0,
-                active_params_b=10.0,
-                public_disagreements={"num_experts": 256, "n_shared_experts": 1},
-                source=_REF + "; 48 layers and 256 experts + 1 shared: third-party model "
-                "cards (fitmygpu, an MXFP4 requant card); params: repo name / model card",
-            )
-        )
-        out.append(
-            _qwen35(
-                f"qwen3.5-397b-a17b{suffix}",
-                "Qwen 3.5 397B-A17B",
-                "Qwen/Qwen3.5-397B-A17B",
-                mtp,
-                hidden_size=None,
-                moe_intermediate_size=None,
-                num_layers=None,
-                total_params_b=397.0,
-                active_params_b=17.0,
-                public_disagreements={"n_shared_experts": 1},
-                source=_REF + "; widths and layer count not confirmed from a public "
-                "config; params: repo name / model card",
-            )
-        )
-    for mtp in (False, True):
-        suffix = "-mtp" if mtp else ""
-        out.append(
-            _qwen35(
-                f"qwen3.6-35b-a3b{suffix}",
-                "Qwen 3.6 35B-A3B",
-                "Qwen/Qwen3.6-35B-A3B",
-                mtp,
-                hidden_size=None,
-                moe_intermediate_size=None,
-                num_layers=None,
-                total_params_b=35.0,
-                active_params_b=3.0,
-                public_disagreements={"n_shared_experts": 1},
-                source=_REF + "; transformers docs: Qwen3.6 shares Qwen3.5's architecture "
-                "and model_type (widths and layer count of this checkpoint not confirmed); "
-                "params: transformers docs (35B / 3B)",
-            )
-        )
-    gemma_common: dict[str, Any] = dict(
-        family="gemma4",
-        num_experts=128,
-        top_k=4,
-        n_shared_experts=1,
-        hidden_size=None,
-        num_layers=30,
-        first_dense_layers=0,
-        routing=_GEMMA4_ROUTING,
-        expert_ffn="geglu",
-        total_params_b=25.2,
-        active_params_b=3.8,
-        public_disagreements={"top_k": 8},
-    )
-    gemma_src = (
-        _REF + "; moe_intermediate 704 and 30 layers: third-party copies of the HF config "
-        "(gguf_quant_and_routing.md §3.10, apxml, colaberry); every layer runs the MoE block "
-        "(enable_moe_block); params: model card (25.2B / 3.8B)"
-    )
-    out.append(
-        _entry(
-            model_id="gemma4-26b-a4b",
-            display_name="Gemma 4 26B-A4B",
-            hf_repo="google/gemma-4-26B-A4B-it",
-            architecture=None,
-            moe_intermediate_size=704,
-            source=gemma_src,
-            notes=_GEMMA4_NOTE,
-            **gemma_common,
-        )
-    )
-    out.append(
-        _entry(
-            model_id="gemma4-26b-a4b-qat",
-            display_name="Gemma 4 26B-A4B QAT",
-            hf_repo=None,
-            architecture=None,
-            moe_intermediate_size=704,
-            source=gemma_src + "; QAT weights of the same model (repo id not confirmed)",
-            notes=_GEMMA4_NOTE + " Quantization-aware-trained variant.",
-            **gemma_common,
-        )
-    )
-    out.append(
-        _entry(
-            model_id="gemma4-26b-a4b-mtp-draft",
-            display_name="Gemma 4 26B-A4B MTP draft",
-            hf_repo=None,
-            architecture=None,
-            moe_intermediate_size=704,
-            source=gemma_src + "; the reference gives the MTP drafter entry the target's "
-            "MoE shape (drafter repo id not confirmed)",
-            notes=_GEMMA4_NOTE + " Drafter pairing of the 26B-A4B target.",
-            **gemma_common,
-        )
-    )
-    dg = dict(gemma_common)
-    dg["first_dense_layers"] = None
-    out.append(
-        _entry(
-            model_id="diffusiongemma-26b-a4b",
-            display_name="DiffusionGemma 26B-A4B",
-            hf_repo="google/diffusiongemma-26B-A4B-it",
-            architecture="DiffusionGemmaForBlockDiffusion",
-            moe_intermediate_size=None,
-            source=_REF + "; architecture class: NVIDIA NeMo AutoModel docs; 30 layers, "
-            "25.2B / 3.8B, 8 of 128 experts: model card copies; routing as Gemma 4 (the card "
-            "says it is built on the Gemma 4 26B-A4B MoE architecture)",
-            notes=(
-                "Block-diffusion encoder-decoder (causal prompt encoder, bidirectional canvas "
-                "decoder); how its MoE layers map onto decoder layer ids is not public, so "
-                "the dense prefix / layer map is unknown. " + _GEMMA4_NOTE
-            ),
-            **dg,
-        )
-    )
-    kimi_common: dict[str, Any] = dict(
-        family="kimi_k2",
-        num_experts=384,
-        top_k=8,
-        n_shared_experts=1,
-        hidden_size=7168,
-        moe_intermediate_size=2048,
-        num_layers=61,
-        first_dense_layers=1,
-        routing=_KIMI_K2_ROUTING,
-        expert_ffn="swiglu",
-        total_params_b=1000.0,
-        active_params_b=32.0,
-    )
-    kimi_note = (
-        "DeepSeek-V3 architecture (MLA, sigmoid router with correction bias, n_group 1); "
-        "layer 0 is dense. Hub weights are FP8 block-scaled (K2-Instruct) or INT4 "
-        "compressed-tensors (K2.5 and later): check quantization_config."
-    )
-    out.append(
-        _entry(
-            model_id="kimi-k2-instruct",
-            display_name="Kimi K2 Instruct",
-            hf_repo="moonshotai/Kimi-K2-Instruct",
-            architecture="DeepseekV3ForCausalLM",
-            source=_REF + "; dims and routing: HF config of moonshotai/Kimi-K2-Instruct "
-            "(pinned third-party copies: hidden 7168, moe_intermediate 2048, 61 layers, "
-            "first_k_dense_replace 1, n_group 1, topk_group 1, routed_scaling_factor 2.827, "
-            "norm_topk_prob true); params: model card (1T / 32B)",
-            notes=kimi_note,
-            **kimi_common,
-        )
-    )
-    out.append(
-        _entry(
-            model_id="kimi-k2.5",
-            display_name="Kimi K2.5",
-            hf_repo="moonshotai/Kimi-K2.5",
-            architecture="KimiK25ForConditionalGeneration",
-            source=_REF + "; text_config of moonshotai/Kimi-K2.5 (third-party copies: same "
-            "MoE fields as K2, routed_scaling_factor 2.827); params: model card",
-            notes=kimi_note + " Multimodal wrapper (model_type kimi_k25); the language model "
-            "config is under text_config.",
-            **kimi_common,
-        )
-    )
-    out.append(
-        _entry(
-            model_id="kimi-k2.6",
-            display_name="Kimi K2.6",
-            hf_repo="moonshotai/Kimi-K2.6",
-            architecture=None,
-            source=_REF + "; the official K2.7-Code card states K2.5, K2.6 and K2.7-Code share "
-            "one architecture (61 layers, 1 dense, hidden 7168, expert 2048, 1T / 32B); "
-            "routing values taken from the K2.5 config on that basis",
-            notes=kimi_note,
-            **kimi_common,
-        )
-    )
-    out.append(
-        _entry(
-            model_id="kimi-k2.7-code",
-            display_name="Kimi K2.7 Code",
-            hf_repo="moonshotai/Kimi-K2.7-Code",
-            architecture=None,
-            source=_REF + "; model card of moonshotai/Kimi-K2.7-Code (61 layers incl. 1 "
-            "dense, hidden 7168, expert 2048, 384 experts / 8 / 1 shared, 1T / 32B, same "
-            "architecture as K2.5 / K2.6); routing values from the K2.5 config on that basis",
-            notes=kimi_note,
-            **kimi_common,
-        )
-    )
-    out.append(
-        _entry(
-            model_id="kimi-k3",
-            display_name="Kimi K3",
-            hf_repo="moonshotai/Kimi-K3",
-            family="kimi_k3",
-            architecture="KimiK3ForConditionalGeneration",
-            num_experts=896,
-            top_k=16,
-            n_shared_experts=2,
-            hidden_size=7168,
-            moe_intermediate_size=3072,
-            num_layers=93,
-            first_dense_layers=1,
-            routing=_routing(
-                "sigmoid",
-                norm_topk_prob=None,
-                routed_scaling_factor=None,
-                n_group=None,
-                topk_group=None,
-                correction_bias=True,
-            ),
-            expert_ffn=None,
-            total_params_b=None,
-            active_params_b=None,
-            extra_unknown=("expert_input_size",),
-            source=_REF + " (agrees with config.json: num_experts 896, "
-            "num_experts_per_token 16, num_shared_experts 2); dims: text_config of "
-            "moonshotai/Kimi-K3 @9f62e4e (pinned third-party copy: hidden 7168, "
-            "moe_intermediate_size 3072, 93 layers, first_k_dense_replace 1); sigmoid router, "
-            "noaux_tc: third-party reading of the config",
-            notes=(
-                "Hybrid KDA / gated-MLA attention (3:1). The report calls its MoE 'LatentMoE': "
-                "routed experts may run in a latent width smaller than hidden_size, so the "
-                "expert input width (and params_per_expert) is unknown. hidden_act 'situ' is "
-                "not a known FFN kind. Public parameter totals are unverified."
-            ),
-        )
-    )
-    out.append(
-        _entry(
-            model_id="minimax-m1-40b",
-            display_name="MiniMax M1 40k",
-            hf_repo="MiniMaxAI/MiniMax-M1-40k",
-            family="minimax",
-            architecture=None,
-            num_experts=32,
-            top_k=2,
-            n_shared_experts=0,
-            hidden_size=6144,
-            moe_intermediate_size=9216,
-            num_layers=80,
-            first_dense_layers=0,
-            routing=_softmax_routing(True),
-            expert_ffn="swiglu",
-            total_params_b=456.0,
-            active_params_b=45.9,
-            source=_REF + "; MiniMax-Text-01 / M1 model card (80 layers, 32 experts top-2, "
-            "expert width 9216, hidden 6144, 456B / 45.9B); Mixtral-style router "
-            "(gguf_quant_and_routing.md §3.4)",
-            notes=(
-                "Every layer has a Mixtral-style MoE block (softmax, top-k, renormalised; "
-                "equivalent to softmax over the k selected logits). Hybrid lightning / softmax "
-                "attention. Reference id says '40b'; the public checkpoint is M1-40k."
-            ),
-        )
-    )
-    out.append(
-        _entry(
-            model_id="minimax-m3",
-            display_name="MiniMax M3",
-            hf_repo="MiniMaxAI/MiniMax-M3",
-            family="minimax_m3",
-            architecture=None,
-            num_experts=32,
-            top_k=2,
-            n_shared_experts=0,
-            hidden_size=None,
-            moe_intermediate_size=None,
-            num_layers=60,
-            first_dense_layers=None,
-            routing=_routing(
-                None,
-                norm_topk_prob=None,
-                routed_scaling_factor=None,
-                n_group=None,
-                topk_group=None,
-                correction_bias=None,
-            ),
-            expert_ffn="swiglu_oai",
-            total_params_b=428.0,
-            active_params_b=23.0,
-            public_disagreements={"num_experts": 128, "top_k": 4, "n_shared_experts": 1},
-            source=_REF + "; model card copy (unsloth/MiniMax-M3: 60 layers, 128 experts with "
-            "4 active, ~428B / ~23B); mlx-lm PR #1401 (model_type minimax_m3, shared expert, "
-            "routed scaling factor, SwiGLU-OAI activation, first few layers dense)",
-            notes=(
-                "The reference catalog's 32 / 2 / 0 is kept although the public card says "
-                "128 experts, 4 active, plus a shared expert. The dense prefix length and the "
-                "router parameters are not public here."
-            ),
-        )
-    )
-    out.append(
-        _entry(
-            model_id="deepseek-v3-0324",
-            display_name="DeepSeek V3 0324",
-            hf_repo="deepseek-ai/DeepSeek-V3-0324",
-            family="deepseek_v3",
-            architecture="DeepseekV3ForCausalLM",
-            num_experts=256,
-            top_k=8,
-            n_shared_experts=1,
-            hidden_size=7168,
-            moe_intermediate_size=2048,
-            num_layers=61,
-            first_dense_layers=3,
-            routing=_routing(
-                "sigmoid",
-                norm_topk_prob=True,
-                routed_scaling_factor=2.5,
-                n_group=8,
-                topk_group=4,
-                correction_bias=True,
-            ),
-            expert_ffn="swiglu",
-            total_params_b=671.0,
-            active_params_b=37.0,
-            source=_REF + "; DeepSeek-V3 config (deepseek-ai/DeepSeek-V3 inference/configs/"
-            "config_671B.json and HF config copies: hidden 7168, moe_intermediate 2048, 61 "
-            "layers, first_k_dense_replace 3, n_group 8, topk_group 4, scaling 2.5, "
-            "norm_topk_prob true, noaux_tc); params: technical report (671B / 37B)",
-            notes=(
-                "Layer 61 is the MTP layer (not in the expert map). Hub weights are FP8 e4m3 "
-                "with 128x128 weight_scale_inv block scales."
-            ),
-        )
-    )
-    out.append(
-        _entry(
-            model_id="deepseek-v4-flash",
-            display_name="DeepSeek V4 Flash",
-            hf_repo="deepseek-ai/DeepSeek-V4-Flash",
-            family="deepseek_v4",
-            architecture="DeepseekV4ForCausalLM",
-            num_experts=256,
-            top_k=8,
-            n_shared_experts=1,
-            hidden_size=None,
-            moe_intermediate_size=None,
-            num_layers=43,
-            first_dense_layers=0,
-            routing=_routing(
-                None,
-                norm_topk_prob=None,
-                routed_scaling_factor=None,
-                n_group=None,
-                topk_group=None,
-                correction_bias=True,
-                hash_layers=None,
-            ),
-            expert_ffn="swiglu",
-            total_params_b=284.0,
-            active_params_b=13.0,
-            public_disagreements={"top_k": 6},
-            source=_REF + "; NVIDIA NeMo AutoModel docs (DeepseekV4ForCausalLM, 43-layer "
-            "all-MoE backbone, 256 routed + 1 shared, top-6, hash-routed first layers); "
-            "model cards (284B / 13B, noaux_tc)",
-            notes=(
-                "Public top-k is 6 (reference: 8). The first num_hash_layers MoE layers route "
-                "by a static token hash; their count, the scoring function and the expert "
-                "width are not confirmed for Flash."
-            ),
-        )
-    )
-    out.append(
-        _entry(
-            model_id="deepseek-v4-pro",
-            display_name="DeepSeek V4 Pro",
-            hf_repo="deepseek-ai/DeepSeek-V4-Pro",
-            family="deepseek_v4",
-            architecture="DeepseekV4ForCausalLM",
-            num_experts=512,
-            top_k=8,
-            n_shared_experts=1,
-            hidden_size=7168,
-            moe_intermediate_size=3072,
-            num_layers=61,
-            first_dense_layers=0,
-            routing=_routing(
-                "sqrtsoftplus",
-                norm_topk_prob=None,
-                routed_scaling_factor=None,
-                n_group=None,
-                topk_group=None,
-                correction_bias=True,
-                hash_layers=3,
-            ),
-            expert_ffn="swiglu",
-            total_params_b=1600.0,
-            active_params_b=49.0,
-            public_disagreements={"num_experts": 384, "top_k": 6},
-            source=_REF + "; third-party readings of deepseek-ai/DeepSeek-V4-Pro config.json "
-            "(hidden 7168, 61 layers + 1 MTP, expert width 3072, 384 routed / 6 / 1 shared, "
-            "scoring_func sqrtsoftplus, topk_method noaux_tc, num_hash_layers 3, no dense "
-            "prefix); params: model card (1.6T / 49B)",
-            notes=(
-                "Public config: 384 experts, top-6 (reference: 512, top-8). All 61 layers are "
-                "MoE; the first 3 route by token hash instead of the learned router."
-            ),
-        )
-    )
-    glm_routing_unknown = _routing(
-        "sigmoid",
-        norm_topk_prob=None,
-        routed_scaling_factor=None,
-        n_group=None,
-        topk_group=None,
-        correction_bias=True,
-    )
-    glm_common: dict[str, Any] = dict(
-        family="glm_moe_dsa",
-        num_experts=160,
-        top_k=8,
-        n_shared_experts=1,
-        hidden_size=6144,
-        expert_ffn="swiglu",
-        public_disagreements={"num_experts": 256},
-    )
-    glm_note = (
-        "Public config: 256 routed experts (the reference lists 160, GLM-4.5's count). "
-        "MLA + DeepSeek sparse attention; sigmoid router with e_score_correction_bias "
-        "(DeepSeek-V3 style); group / scaling / normalisation values not confirmed."
-    )
-    out.append(
-        _entry(
-            model_id="glm-5",
-            display_name="GLM 5",
-            hf_repo="zai-org/GLM-5",
-            architecture="GlmMoeDsaForCausalLM",
-            moe_intermediate_size=2048,
-            num_layers=78,
-            first_dense_layers=3,
-            routing=glm_routing_unknown,
-            total_params_b=744.0,
-            active_params_b=40.0,
-            source=_REF + "; NVIDIA NeMo docs (GlmMoeDsaForCausalLM, 78 layers, hidden 6144, "
-            "first_k_dense_replace 3, 256 routed top-8 + 1 shared); GLM-5 technical report "
-            "table (MoE width 2048, 744B / 40B)",
-            notes=glm_note,
-            **glm_common,
-        )
-    )
-    out.append(
-        _entry(
-            model_id="glm-5.1",
-            display_name="GLM 5.1",
-            hf_repo="zai-org/GLM-5.1",
-            architecture="GlmMoeDsaForCausalLM",
-            moe_intermediate_size=2048,
-            num_layers=78,
-            first_dense_layers=3,
-            routing=glm_routing_unknown,
-            total_params_b=None,
-            active_params_b=None,
-            source=_REF + "; NVIDIA NeMo docs: same architecture and mapping shape as GLM-5 "
-            "(78 layers, hidden 6144, 3 dense); parameter totals disagree between sources",
-            notes=glm_note,
-            **glm_common,
-        )
-    )
-    out.append(
-        _entry(
-            model_id="glm-5.2",
-            display_name="GLM 5.2",
-            hf_repo="zai-org/GLM-5.2",
-            architecture=None,
-            moe_intermediate_size=None,
-            num_layers=78,
-            first_dense_layers=None,
-            routing=_routing(
-                None,
-                norm_topk_prob=None,
-                routed_scaling_factor=None,
-                n_group=None,
-                topk_group=None,
-                correction_bias=None,
-            ),
-            total_params_b=None,
-            active_params_b=None,
-            source=_REF + "; third-party fixture of the live config (model_type glm_moe_dsa, "
-            "78 layers, hidden 6144, 256 routed experts top-8)",
-            notes=glm_note,
-            **glm_common,
-        )
-    )
-    out.append(
-        _entry(
-            model_id="nemotron-nano-30b-a3b",
-            display_name="Nemotron Nano 30B-A3B",
-            hf_repo="nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16",
-            family="nemotron_h",
-            architecture=None,
-            num_experts=16,
-            top_k=4,
-            n_shared_experts=0,
-            hidden_size=2688,
-            moe_intermediate_size=1856,
-            num_layers=52,
-            first_dense_layers=None,
-            routing=_routing(
-                "sigmoid",
-                norm_topk_prob=True,
-                routed_scaling_factor=2.5,
-                n_group=1,
-                topk_group=1,
-                correction_bias=True,
-            ),
-            expert_ffn="relu2",
-            total_params_b=30.0,
-            active_params_b=3.5,
-            public_disagreements={"num_experts": 128, "top_k": 6, "n_shared_experts": 1},
-            source=_REF + " (16 experts / top-4, as the issue states); public config and "
-            "card (third-party copies, gguf_quant_and_routing.md §3.9, radixark): hidden "
-            "2688, moe_intermediate 1856, 52 blocks, DeepSeek-style sigmoid router with "
-            "n_group 1, topk_group 1, scaling 2.5, norm_topk_prob true, relu2 experts; "
-            "params: model card (30B / 3.5B)",
-            notes=(
-                "Public model: 128 routed experts, top-6, 1 shared expert of width 3712. "
-                "Hybrid Mamba-2 / attention / MoE stack: 23 of the 52 blocks are MoE, placed "
-                "by hybrid_override_pattern, so there is no dense prefix and the MoE layer "
-                "ids are not listed here (layer map unknown). Experts are non-gated ReLU² "
-                "(up and down only)."
-            ),
-        )
-    )
-    out.append(
-        _entry(
-            model_id="gpt-oss-120b",
-            display_name="gpt-oss 120B",
-            hf_repo="openai/gpt-oss-120b",
-            family="gpt_oss",
-            architecture="GptOssForCausalLM",
-            num_experts=128,
-            top_k=4,
-            n_shared_experts=0,
-            hidden_size=2880,
-            moe_intermediate_size=2880,
-            num_layers=36,
-            first_dense_layers=0,
-            routing=_softmax_routing(True, topk_before_softmax=True, router_bias=True),
-            expert_ffn="swiglu_oai",
-            total_params_b=116.8,
-            active_params_b=5.1,
-            source=_REF + "; model card (36 layers, 128 experts top-4, 116.8B / 5.1B, hidden "
-            "2880) and config copies (intermediate_size 2880); router: "
-            "gguf_quant_and_routing.md §3.7",
-            notes=(
-                "Router has a bias; top-k on the logits, softmax over the k. Experts are fused "
-                "MXFP4 (gate/up interleaved, clamped SwiGLU alpha 1.702 limit 7.0, biases)."
-            ),
-        )
-    )
-    return out
+    """The seed entries of ``seed_catalog.json`` (shipped beside this module), in catalog order.
+
+    Each entry holds :class:`ModelShape` fields (left-out ones take the defaults); a bad entry
+    raises ``ValueError`` (``TypeError`` for an unknown field) at import.
+    """
+    data = json.loads(Path(__file__).with_name("seed_catalog.json").read_text(encoding="utf-8"))
+    return [ModelShape(**entry) for entry in data["models"]]
 
 
 _LOCK = threading.RLock()

@@ -33,7 +33,6 @@ holdings set is replaced as a whole in one transaction. Pure expert holders (rol
 from __future__ import annotations
 
 import ipaddress
-import re
 import time
 from datetime import datetime, timezone
 
@@ -43,6 +42,7 @@ from django.db import connection, transaction
 from moe.identity import DOMAIN_HEARTBEAT, SignatureError, verify_body
 from moe.content import URI_PREFIX, BlobError, parse_blob_uri
 from registry.models import Holding, Provider, new_holdings_version
+from moe import ranges
 from moe.messages import MAX_NAME
 from moe.shardmap import RESIDENCIES, ROLES
 
@@ -95,48 +95,16 @@ def _socket_addrs(body: dict, field: str) -> list[str]:
 
 
 MAX_LAYER = 100_000
-_RANGE = re.compile(r"([0-9]{1,7})(?:-([0-9]{1,7}))?")
 MAX_EXPERT = 1_000_000
-MAX_HOLDINGS = 262_144  # > 10 × a whole Kimi K2 (61 × 385); bounds the expansion of compact ranges
+MAX_HOLDINGS = ranges.MAX_VALUES  # bounds the expansion of compact ranges
 
 
 def parse_ranges(spec, field: str, hi: int) -> list[int]:
-    """Expand a compact range spec (``"0-127,130"`` or ``[[0, 127], 130]``) to sorted unique ints.
-
-    Ranges are inclusive; every value must lie in ``[0, hi]``; the total may not exceed
-    ``MAX_HOLDINGS``. Raises ``HeartbeatError`` naming ``field``.
-    """
-    parts: list[tuple[int, int]] = []
-    if isinstance(spec, str):
-        for piece in spec.split(","):
-            piece = piece.strip()
-            m = _RANGE.fullmatch(piece)
-            if m is None:
-                raise HeartbeatError(f"{field}: {piece[:40]!r} is not an integer or an inclusive lo-hi range", field)
-            parts.append((int(m[1]), int(m[2] or m[1])))
-    elif isinstance(spec, list) and spec:
-        for item in spec:
-            if isinstance(item, int) and not isinstance(item, bool):
-                parts.append((item, item))
-            elif (isinstance(item, list) and len(item) == 2
-                  and all(isinstance(v, int) and not isinstance(v, bool) for v in item)):
-                parts.append((item[0], item[1]))
-            else:
-                raise HeartbeatError(f"{field}: items must be integers or [lo, hi] pairs, got {item!r}", field)
-    else:
-        raise HeartbeatError(f"{field} must be a range string like \"0-127,130\" or a non-empty list "
-                             "of integers and [lo, hi] pairs", field)
-    total = 0
-    for lo, up in parts:
-        if not 0 <= lo <= up <= hi:
-            raise HeartbeatError(f"{field}: range {lo}-{up} must satisfy 0 <= lo <= hi <= {hi}", field)
-        total += up - lo + 1
-        if total > MAX_HOLDINGS:
-            raise HeartbeatError(f"{field} expands to more than {MAX_HOLDINGS} values", field)
-    values = sorted({v for lo, up in parts for v in range(lo, up + 1)})
-    if len(values) != total:
-        raise HeartbeatError(f"{field} lists a value twice (overlapping ranges)", field)
-    return values
+    """``moe.ranges.parse_ranges`` (at most ``MAX_HOLDINGS`` values) raising ``HeartbeatError`` naming ``field``."""
+    try:
+        return ranges.parse_ranges(spec, field, hi, MAX_HOLDINGS)
+    except ranges.RangeError as exc:
+        raise HeartbeatError(str(exc), exc.field) from None
 
 
 def parse_holdings(raw) -> list[dict]:

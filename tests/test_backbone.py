@@ -7,7 +7,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from moe.backbone import BackboneError, KVCache, build_backbone
-from moe.backbone.common import Rotary, rope_parameters
+from moe.backbone.common import Rotary
+from moe.config import ModelConfig
 from moe.backbone.decode import Generator, Sampling, next_token
 from moe.backbone.weights import load_backbone
 from moe.codec import loads_safetensors
@@ -127,7 +128,7 @@ def test_yarn_rotary_follows_reference_formula():
     cfg = {"rope_theta": 10000.0, "rope_scaling": {"type": "yarn", "factor": 40.0, "mscale": 1.0,
                                                    "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
                                                    "beta_fast": 32, "beta_slow": 1}}
-    r = Rotary(64, rope_parameters(cfg), 163840)
+    r = Rotary(64, ModelConfig.from_hf(cfg).rope, 163840)
     base = 1.0 / 10000.0 ** (np.arange(0, 64, 2) / 64)
     # high frequencies extrapolate (unchanged), low frequencies interpolate (divided by factor)
     assert np.isclose(r.inv_freq[0], base[0]) and np.isclose(r.inv_freq[-1], base[-1] / 40.0)

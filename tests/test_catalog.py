@@ -107,6 +107,14 @@ def test_every_seed_model_is_present_in_catalog_order():
     ]
 
 
+def test_seed_file_lists_each_model_once_in_catalog_order():
+    """``seed_catalog.json`` is the seed: a duplicated id would silently collapse in CATALOG."""
+    data = json.loads((Path(catalog.__file__).with_name("seed_catalog.json")).read_text(encoding="utf-8"))
+    ids = [m["model_id"] for m in data["models"]]
+    assert sorted(ids) == sorted(SEED_IDS) and len(set(ids)) == len(ids)
+    assert list(CATALOG)[: len(ids)] == ids
+
+
 @pytest.mark.parametrize("model_id,experts,top_k,shared", REFERENCE_TABLE)
 def test_reference_counts(model_id, experts, top_k, shared):
     shape = get(model_id)
@@ -402,6 +410,22 @@ def test_from_hf_config_reads_text_config_of_a_wrapper():
 def test_from_hf_config_errors(config, message):
     with pytest.raises(ValueError, match=message):
         ModelShape.from_hf_config("bad", config)
+
+
+def test_model_config_reads_once_and_names_the_bad_key():
+    from moe.config import ConfigError, ModelConfig
+
+    cfg = _load_config("deepseek_v3_tiny")
+    mc = ModelConfig.from_hf(cfg)
+    assert (mc.num_experts, mc.n_shared_experts, mc.kv_lora_rank) == (16, 1, cfg["kv_lora_rank"])
+    assert mc.moe_layers() == (1, 2) and mc.rope["rope_type"]
+    with pytest.raises(ConfigError, match="'n_group' must be an integer >= 1") as err:
+        ModelConfig.from_hf(dict(cfg, n_group="4"))
+    assert err.value.key == "n_group"
+    with pytest.raises(ConfigError, match="lacks required field 'intermediate_size'"):
+        ModelConfig.from_hf({"model_type": "mixtral"}).need("moe_intermediate_size")
+    with pytest.raises(ValueError, match="bad: config.json .* conflicting expert counts"):
+        ModelShape.from_hf_config("bad", dict(cfg, num_experts=8))
 
 
 # --------------------------------------------------------------------------- JSON

@@ -234,7 +234,8 @@ def test_rest_heartbeat_with_a_repeated_key_is_refused_before_verifying(client):
 def test_compact_holdings_round_trip_through_the_parser():
     import random
 
-    from moe.messages import compact_holdings, format_ranges
+    from moe.messages import compact_holdings
+    from moe.ranges import format_ranges
     from registry.heartbeat import parse_holdings, parse_ranges
 
     assert format_ranges([5, 0, 1, 2, 9, 10]) == "0-2,5,9-10" and parse_ranges("0-2,5,9-10", "x", 99) == [0, 1, 2, 5, 9, 10]

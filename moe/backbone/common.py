@@ -13,6 +13,8 @@ from typing import Callable
 
 import numpy as np
 
+from moe.config import ModelConfig
+
 F32 = np.float32
 
 # mlp(layer, rows float32 [N, H]) -> float32 [N, H]: the MoE or dense MLP of one decoder layer.
@@ -45,20 +47,6 @@ def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndar
     """``x · wᵀ (+ b)``: ``x`` float32 ``[N, in]``, ``w`` ``[out, in]`` → float32 ``[N, out]``."""
     y = x @ w.T
     return y + b if b is not None else y
-
-
-def rope_parameters(config: dict) -> dict:
-    """The rotary parameters of a HF config: transformers 5 ``rope_parameters`` or the older
-    ``rope_theta`` + ``rope_scaling``. Returns a dict with at least ``rope_type`` and ``rope_theta``."""
-    p = dict(config.get("rope_parameters") or {})
-    scaling = config.get("rope_scaling") or {}
-    for k, v in scaling.items():
-        p.setdefault(k, v)
-    if "type" in p and "rope_type" not in p:
-        p["rope_type"] = p["type"]
-    p.setdefault("rope_type", "default")
-    p.setdefault("rope_theta", float(config.get("rope_theta", 10000.0)))
-    return p
 
 
 def _yarn_inv_freq(dim: int, base: float, p: dict, max_pos: int) -> tuple[np.ndarray, float]:
@@ -243,18 +231,17 @@ class Backbone(ABC):
     eps: float
     max_position: int
 
-    def __init__(self, config: dict, weights: dict[str, np.ndarray]):
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray]):
         self.config = config
         self.w = weights
-        self.num_layers = int(config["num_hidden_layers"])
-        self.eps = float(config.get("rms_norm_eps", 1e-6))
-        self.hidden_size = int(config["hidden_size"])
-        self.vocab_size = int(config["vocab_size"])
-        self.max_position = int(config.get("max_position_embeddings", 2048))
-        need = ["model.embed_tokens.weight", "model.norm.weight"]
-        for name in need:
+        self.num_layers = config.need("num_hidden_layers")
+        self.eps = config.rms_norm_eps
+        self.hidden_size = config.need("hidden_size")
+        self.vocab_size = config.need("vocab_size")
+        self.max_position = config.max_position_embeddings
+        for name in ("model.embed_tokens.weight", "model.norm.weight"):
             self.weight(name)
-        self.lm_head = (self.w["model.embed_tokens.weight"] if config.get("tie_word_embeddings")
+        self.lm_head = (self.w["model.embed_tokens.weight"] if config.tie_word_embeddings
                         and "lm_head.weight" not in self.w else self.weight("lm_head.weight"))
 
     def weight(self, name: str) -> np.ndarray:

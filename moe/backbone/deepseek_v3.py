@@ -21,8 +21,8 @@ import math
 
 import numpy as np
 
-from moe.backbone.common import (Backbone, KVCache, Rotary, apply_rotary, causal_attention, linear, rms_norm,
-                                     rope_parameters)
+from moe.backbone.common import Backbone, KVCache, Rotary, apply_rotary, causal_attention, linear, rms_norm
+from moe.config import ModelConfig
 
 
 class DeepseekV3Backbone(Backbone):
@@ -30,18 +30,18 @@ class DeepseekV3Backbone(Backbone):
 
     family = "deepseek_v3"
 
-    def __init__(self, config: dict, weights: dict[str, np.ndarray]):
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray]):
         super().__init__(config, weights)
         c = config
-        self.n_heads = int(c["num_attention_heads"])
-        self.q_lora_rank = c.get("q_lora_rank")
-        self.kv_lora_rank = int(c["kv_lora_rank"])
-        self.nope = int(c["qk_nope_head_dim"])
-        self.rope = int(c["qk_rope_head_dim"])
-        self.v_dim = int(c["v_head_dim"])
+        self.n_heads = c.need("num_attention_heads")
+        self.q_lora_rank = c.q_lora_rank
+        self.kv_lora_rank = c.need("kv_lora_rank")
+        self.nope = c.need("qk_nope_head_dim")
+        self.rope = c.need("qk_rope_head_dim")
+        self.v_dim = c.need("v_head_dim")
         self.qk_dim = self.nope + self.rope
-        self.interleave = bool(c.get("rope_interleave", True))
-        params = rope_parameters(c)
+        self.interleave = c.rope_interleave
+        params = c.rope
         self.rotary = Rotary(self.rope, params, self.max_position)
         self.scaling = self.qk_dim ** -0.5
         if params["rope_type"] != "default" and params.get("mscale_all_dim"):

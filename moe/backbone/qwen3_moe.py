@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe.backbone.common import (Backbone, KVCache, Rotary, apply_rotary, causal_attention, linear, rms_norm,
-                                     rope_parameters)
+from moe.backbone.common import Backbone, KVCache, Rotary, apply_rotary, causal_attention, linear, rms_norm
+from moe.config import ModelConfig
 
 
 class GqaBackbone(Backbone):
@@ -24,15 +24,14 @@ class GqaBackbone(Backbone):
     qk_norm = False
     qkv_bias = False
 
-    def __init__(self, config: dict, weights: dict[str, np.ndarray]):
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray]):
         super().__init__(config, weights)
-        self.n_heads = int(config["num_attention_heads"])
-        self.n_kv = int(config.get("num_key_value_heads") or self.n_heads)
-        self.head_dim = int(config.get("head_dim") or self.hidden_size // self.n_heads)
-        self.rotary = Rotary(self.head_dim, rope_parameters(config), self.max_position)
+        self.n_heads = config.need("num_attention_heads")
+        self.n_kv = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.rotary = Rotary(self.head_dim, config.rope, self.max_position)
         self.scaling = self.head_dim ** -0.5
-        window = config.get("sliding_window")
-        self.sliding_window = int(window) if window and config.get("use_sliding_window", True) else None
+        self.sliding_window = config.sliding_window
 
     def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
         p = f"model.layers.{layer}.self_attn."

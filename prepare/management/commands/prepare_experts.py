@@ -9,31 +9,22 @@ from pathlib import Path
 from django.core.management.base import BaseCommand, CommandError
 from tqdm import tqdm
 
+from moe.ranges import RangeError, parse_ranges
 from prepare import jobs
 from prepare.models import PrepareJob
 from prepare.remote import is_url
 
+_MAX_ID = 9_999_999  # the range syntax's 7 digits
+
 
 def _int_list(text: str | None, flag: str) -> list[int] | None:
-    """``"1,3,5-7"`` → [1, 3, 5, 6, 7]; raises ``CommandError`` naming ``flag``."""
+    """``"1,3,5-7"`` → [1, 3, 5, 6, 7] (``moe.ranges``); raises ``CommandError`` naming ``flag``."""
     if text is None:
         return None
-    out = []
     try:
-        for part in text.split(","):
-            part = part.strip()
-            if "-" in part:
-                a, b = part.split("-", 1)
-                if int(b) < int(a):
-                    raise ValueError(part)
-                out.extend(range(int(a), int(b) + 1))
-            else:
-                out.append(int(part))
-    except ValueError:
+        return parse_ranges(text, flag, _MAX_ID)
+    except RangeError:
         raise CommandError(f"{flag}: expected integers like 1,3,5-7, got {text!r}") from None
-    if any(v < 0 for v in out):
-        raise CommandError(f"{flag}: values must not be negative")
-    return out
 
 
 def _same_source(given: str, source: str) -> bool:

@@ -5,22 +5,15 @@ import json
 
 from django.core.management.base import BaseCommand, CommandError
 
+from moe.ranges import RangeError, parse_ranges
 from registry import market
 
 
 def _layers(text: str) -> list[int]:
-    out = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()):
-            raise CommandError(f"--expert-layers: {part!r} is not a layer or a range like 1-47")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    if not out:
-        raise CommandError("--expert-layers: give at least one layer")
-    return out
+    try:
+        return parse_ranges(text, "--expert-layers", 9_999_999)
+    except RangeError as exc:
+        raise CommandError(str(exc)) from None
 
 
 class Command(BaseCommand):
