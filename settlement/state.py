@@ -1,4 +1,5 @@
-"""The forward listener of the receipts economy (registered by ``SettlementConfig.ready``).
+"""The receipts economy's state in one site process (``settlement.apps.current()``): the
+forward listener's background work and the dispute runtime.
 
 After each forward, in the background of the router's event loop: keep the sampled batches
 and write the pending settlements (``services.record_forward``, on a worker thread with its
@@ -12,57 +13,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 
 from channels.db import database_sync_to_async
 from django.conf import settings
 
+from moe.runtime import ExpertRuntime
 from router.hooks import ForwardRecord
 from settlement import services, tasks
+from settlement.apps import current
 
 log = logging.getLogger(__name__)
-
-_audit_slots: dict[int, asyncio.Semaphore] = {}
-_timers: dict[int, asyncio.Task] = {}
-_background: set[asyncio.Task] = set()
 
 
 def inline() -> bool:
     """Whether tasks run in this process (no broker: Celery eager mode)."""
     return bool(getattr(settings, "CELERY_TASK_ALWAYS_EAGER", True))
-
-
-def _spawn(coro) -> None:
-    task = asyncio.get_running_loop().create_task(coro)
-    _background.add(task)
-    task.add_done_callback(_background.discard)
-
-
-async def _audit_inline(key: str) -> None:
-    loop = id(asyncio.get_running_loop())
-    slot = _audit_slots.setdefault(loop, asyncio.Semaphore(2))  # audits never crowd out forwards
-    async with slot:
-        try:
-            await services.audit(key)
-        except Exception:
-            log.exception("audit of %s failed; the sweep retries it", key)
-
-
-async def _sweep_forever(interval: float) -> None:
-    """The inline stand-in for beat: audit and settle what is still pending."""
-    while True:
-        await asyncio.sleep(interval)
-        try:
-            await services.audit_pending()
-            await database_sync_to_async(services.settle_pending)()
-        except Exception:
-            log.exception("economy sweep failed; retrying in %s s", interval)
-
-
-def _ensure_timer() -> None:
-    loop = asyncio.get_running_loop()
-    t = _timers.get(id(loop))
-    if t is None or t.done():
-        _timers[id(loop)] = loop.create_task(_sweep_forever(float(os.environ.get("TENZRO_AUDIT_INTERVAL", "30"))))
 
 
 def _record_and_settle(records: list[ForwardRecord]) -> list[str]:
@@ -77,24 +43,83 @@ def _record_and_settle(records: list[ForwardRecord]) -> list[str]:
     return keys
 
 
+async def _sweep_forever(interval: float) -> None:
+    """The inline stand-in for beat: audit and settle what is still pending."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await services.audit_pending()
+            await database_sync_to_async(services.settle_pending)()
+        except Exception:
+            log.exception("economy sweep failed; retrying in %s s", interval)
+
+
+class Economy:
+    """The settlement app's per-process state (module docstring): inline audit slots and sweep
+    timers per event loop, the background audits in flight, and the dispute runtime."""
+
+    def __init__(self):
+        self._audit_slots: dict[int, asyncio.Semaphore] = {}
+        self._timers: dict[int, asyncio.Task] = {}
+        self._background: set[asyncio.Task] = set()
+        self._dispute_rt: ExpertRuntime | None = None
+        self._dispute_lock = threading.Lock()
+
+    @property
+    def dispute_runtime(self) -> ExpertRuntime:
+        """The site's runtime for dispute re-execution (separate from the serving runtime, so
+        holding a disputed blob never makes the router execute that expert locally), created on
+        first use with ``TENZRO_DISPUTE_BUDGET`` bytes (default 1 GiB). Experts are keyed by blob
+        hash (model id ``blob:<hash>``), so a republished model cannot mix copies."""
+        with self._dispute_lock:
+            if self._dispute_rt is None:
+                self._dispute_rt = ExpertRuntime(memory_budget=int(os.environ.get("TENZRO_DISPUTE_BUDGET", 1 << 30)))
+            return self._dispute_rt
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _audit_inline(self, key: str) -> None:
+        slot = self._audit_slots.setdefault(id(asyncio.get_running_loop()),
+                                            asyncio.Semaphore(2))  # audits never crowd out forwards
+        async with slot:
+            try:
+                await services.audit(key)
+            except Exception:
+                log.exception("audit of %s failed; the sweep retries it", key)
+
+    def _ensure_timer(self) -> None:
+        loop = asyncio.get_running_loop()
+        t = self._timers.get(id(loop))
+        if t is None or t.done():
+            self._timers[id(loop)] = loop.create_task(
+                _sweep_forever(float(os.environ.get("TENZRO_AUDIT_INTERVAL", "30"))))
+
+    async def on_forward(self, records: list[ForwardRecord]) -> None:
+        """Record, settle and audit finished forwards (module docstring), all in one worker-thread
+        hop (a generation hands over many layer forwards at once)."""
+        records = [r for r in records if r.verified]
+        if not records:
+            return
+        if inline():
+            self._ensure_timer()
+        keys = await database_sync_to_async(_record_and_settle, thread_sensitive=False)(records)
+        if inline():
+            for key in keys:
+                self._spawn(self._audit_inline(key))
+        else:
+            await asyncio.to_thread(lambda: [tasks.audit_receipt.delay(k) for k in keys])
+
+    async def drain(self, timeout: float = 120.0) -> None:
+        """Wait for the inline audits started so far (tests, the demo)."""
+        pending = [t for t in self._background if not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+
+
 async def on_forward(records: list[ForwardRecord]) -> None:
-    """Record, settle and audit finished forwards (module docstring), all in one worker-thread
-    hop (a generation hands over many layer forwards at once)."""
-    records = [r for r in records if r.verified]
-    if not records:
-        return
-    if inline():
-        _ensure_timer()
-    keys = await database_sync_to_async(_record_and_settle, thread_sensitive=False)(records)
-    if inline():
-        for key in keys:
-            _spawn(_audit_inline(key))
-    else:
-        await asyncio.to_thread(lambda: [tasks.audit_receipt.delay(k) for k in keys])
-
-
-async def drain(timeout: float = 120.0) -> None:
-    """Wait for the inline audits started so far (tests, the demo)."""
-    pending = [t for t in _background if not t.done()]
-    if pending:
-        await asyncio.wait(pending, timeout=timeout)
+    """The forward listener ``SettlementConfig.ready`` registers (``router.hooks``): the
+    process's ``Economy`` (``settlement.apps.current()``) handles ``records``."""
+    await current().on_forward(records)
