@@ -1,6 +1,7 @@
 """The router of one site process: the state its serving path keeps between requests (gate and
-view caches, holder clients, the holder scoreboard, background recording, the site's own
-runtime, the fallback replica, the loaded backbones) and the forward entry points over it.
+view caches, holder clients, the holder scoreboard, forward admission, background recording,
+the site's own runtime, the fallback replica, the loaded backbones, the repair timers) and
+the forward entry points over it.
 
 ``router.apps.current()`` returns the process's ``Router`` (made by ``RouterConfig.ready``);
 tests build a fresh one and ``router.apps.install`` it.
@@ -73,6 +74,8 @@ class Router:
         self._http: dict[int, HttpHolderClient] = {}
         self._iroh: dict[int, iroh.IrohHolderClient] = {}
         self._recording: set[asyncio.Task] = set()
+        self._admission: dict[int, Admission] = {}  # by event loop
+        self.timers: dict[str, asyncio.Task] = {}  # the in-process beat stand-ins (router.repair)
         # Backbones loaded by ``router.generate.served_model``, by published content.
         self.models: dict[tuple, object] = {}
         self.models_lock = threading.Lock()
@@ -210,6 +213,19 @@ class Router:
                 continue
         return await paths[-1]()
 
+    def admission(self) -> Admission:
+        """The running loop's forward admission, built from ``settings.TENZRO``
+        (``FORWARD_CONCURRENCY``, ``FORWARD_QUEUE``, ``FORWARD_QUEUE_WAIT_S``) on first use and
+        rebuilt when those change (tests); its lag probe runs on the loop."""
+        t = settings.TENZRO
+        conf = (t["FORWARD_CONCURRENCY"], t["FORWARD_QUEUE"], t["FORWARD_QUEUE_WAIT_S"])
+        loop = id(asyncio.get_running_loop())
+        adm = self._admission.get(loop)
+        if adm is None or (adm.limit, adm.queue, adm.wait_s) != (max(1, conf[0]), max(0, conf[1]), conf[2]):
+            adm = self._admission[loop] = Admission(*conf)
+        adm.watch()
+        return adm
+
     # -- the site's own runtime ----------------------------------------------------------------
 
     @property
@@ -251,7 +267,7 @@ class Router:
                 return None
             return rt.execute(model_id, layer, expert, rows, rows.shape[0], rows.shape[1])
 
-        admission = Admission.current()
+        admission = self.admission()
         return await self._recorded(admission, outcomes, LayerForward(
             self.config, gate=gate, model_id=model_id, layer=layer, hidden_states=hidden_states,
             get_view=lambda excluded: self.view(model_id, excluded), send=self.send_batch, top_k=top_k,
@@ -283,7 +299,7 @@ class Router:
         if parts is None:
             raise GateNotLoaded(f"no dense slices of model {model_id!r} layer {layer} with d_model {d_model} are "
                                 f"published")
-        admission = Admission.current()
+        admission = self.admission()
         return await self._recorded(admission, outcomes, LayerForward(
             self.config, gate=None, routing=dense_routing(int(hidden_states.shape[0]), parts), model_id=dense_id,
             layer=layer, hidden_states=hidden_states, get_view=lambda excluded: self.view(dense_id, excluded),
