@@ -73,7 +73,7 @@ class Router:
         # Holder clients keep connections bound to the event loop that opened them: one per loop.
         self._http: dict[int, HttpHolderClient] = {}
         self._iroh: dict[int, iroh.IrohHolderClient] = {}
-        self._recording: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task] = set()  # holder outcomes and forward listeners being recorded
         self._admission: dict[int, Admission] = {}  # by event loop
         self.timers: dict[str, asyncio.Task] = {}  # the in-process beat stand-ins (router.repair)
         # Backbones loaded by ``router.generate.served_model``, by published content.
@@ -335,7 +335,7 @@ class Router:
             outcomes.add(res.failures, res.latencies_ms, record)
         else:
             self.record_later(res.failures, res.latencies_ms)
-            emit_forwards([record])
+            self.emit([record])
         return res
 
     # -- background recording ------------------------------------------------------------------
@@ -351,10 +351,24 @@ class Router:
     def record_counts_later(self, counts: dict[str, int], latencies: dict) -> None:
         """``record_holder_outcomes(counts, latencies)`` as a background task of the running loop."""
         if counts or latencies:
-            task = asyncio.get_running_loop().create_task(
-                database_sync_to_async(record_holder_outcomes)(counts, latencies))
-            self._recording.add(task)
-            task.add_done_callback(self._recording.discard)
+            self._keep(asyncio.get_running_loop().create_task(
+                database_sync_to_async(record_holder_outcomes)(counts, latencies)))
+
+    def emit(self, records: list[ForwardRecord]) -> None:
+        """Hand finished forwards to the forward listeners (``router.hooks``) in the background."""
+        for task in emit_forwards(records):
+            self._keep(task)
+
+    def _keep(self, task: asyncio.Task) -> None:
+        self._background.add(task)  # the loop holds tasks weakly
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self, timeout: float = 60.0) -> None:
+        """Wait (up to ``timeout`` s) for the background recording and listener tasks started
+        so far: tests and benches."""
+        pending = [t for t in self._background if not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
 
     def presence(self, provider: str, connected: bool) -> None:
         """An agent socket of ``provider`` opened or closed (``AgentLink`` presence): the scoreboard."""
@@ -364,7 +378,7 @@ class Router:
 class ForwardOutcomes:
     """Holder outcomes (failure counts, latencies) and finished-forward records of many
     forwards (a generation's layer forwards), handed on together: one
-    ``record_holder_outcomes`` transaction and one ``router.hooks.emit_forwards`` (receipt
+    ``record_holder_outcomes`` transaction and one ``Router.emit`` (receipt
     sampling, settlement) per ``flush`` instead of one of each per layer and decode step,
     which competed with the decode for the site's cores and its database thread.
 
@@ -402,7 +416,7 @@ class ForwardOutcomes:
         failures, latencies, records = self.failures, self.latencies, self.records
         self.failures, self.latencies, self.records = {}, {}, []
         self.router.record_counts_later(failures, latencies)
-        emit_forwards(records)
+        self.router.emit(records)
 
     def close(self) -> None:
         """Flush, and from now on hand every added forward on at once."""
