@@ -10,7 +10,7 @@ Q8_0-valued weights (random int8 quants and f16 scales decoded with ``moe.quant`
 random tokens. Each agent is a separate process running the real holder execute path
 (``Execution.execute_request``: carrier decode → expert FFN → output encode → signed
 receipt); experts are dealt round-robin (replication 1). The router runs
-``router.forward.distributed_forward`` in this process (receipts verified); the baseline is
+``router.forward.LayerForward`` in this process (receipts verified); the baseline is
 ``moe.ffn.moe_layer_forward`` with every expert local.
 
 Transports (``--transport``, default ``http``; ``all`` = http, iroh, ws): every agent serves
@@ -276,7 +276,7 @@ def run_count(n_agents: int, a, cpus: list[int], gate: Gate, experts: dict, x: n
     agents; medians and CPU breakdown, the distributed figures under ``by_transport``."""
     from threadpoolctl import threadpool_limits
 
-    from router.forward import distributed_forward
+    from router.forward import ForwardConfig, LayerForward
     from moe.shardmap import HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView
 
     transports = transports_of(a.transport)
@@ -313,8 +313,8 @@ def run_count(n_agents: int, a, cpus: list[int], gate: Gate, experts: dict, x: n
         async def dist(name):
             _, t, on = next(v for v in rows if v[0] == name)
             os.environ["TENZRO_COALESCE"] = "1" if on else "0"  # read by the transports at each send
-            return await distributed_forward(gate=gate, model_id=MODEL, layer=LAYER, hidden_states=x,
-                                             get_view=get_view, send=sends[t][0], carrier=a.carrier, deadline_s=120)
+            return await LayerForward(ForwardConfig(deadline_s=120), gate=gate, model_id=MODEL, layer=LAYER,
+                                      hidden_states=x, get_view=get_view, send=sends[t][0], carrier=a.carrier).run()
 
         async def agent_phases():
             return [await agent_probe(i.http_endpoint, "bench/phases") for i in infos]

@@ -13,7 +13,7 @@ expert runs the real Q4_K/Q6_K kernels at full size; only their values repeat.
 
 For each model the numpy backbone (``moe.backbone``) runs in this process; the MoE
 layer is either ``moe.ffn.moe_layer_forward`` with every expert local (baseline) or
-``router.forward.distributed_forward`` over ``--agents`` holder processes (the real
+``router.forward.LayerForward`` over ``--agents`` holder processes (the real
 ``Execution.execute_request`` path behind HTTP ``POST /frame``, signed receipts verified;
 experts dealt round-robin). Both run the same prompts in the same run: prefill of
 ``--batch`` prompts, then ``--steps`` decode steps at batch ``--batch``. Prints decode
@@ -33,7 +33,7 @@ quantized kernels (``moe.kernels``).
 tenzro_cluster``: the site process plus ``--agents`` holder agents, replication 2, in a
 fresh ``TENZRO_VAR_DIR``; database and channel layer as this environment configures them,
 SQLite and in-memory by default) on the same CPU set, and the same prompts through JSON-RPC
-``tenzro_moeGenerate`` (backbone on the site, every MoE layer through ``router.services.forward``:
+``tenzro_moeGenerate`` (backbone on the site, every MoE layer through ``router.state.Router.forward``:
 admission, failover, receipts, holder outcomes, settlement). Its decode step is the site's
 ``timings_ms.decode`` over the decode steps of a generation (median over repeats), alternated
 with the other two paths (after each generation the bench waits until the site process is
@@ -237,7 +237,7 @@ def bench_model(name: str, a) -> dict:
     from threadpoolctl import threadpool_limits
 
     from moe.backbone.decode import Generator, Sampling
-    from router.forward import distributed_forward
+    from router.forward import ForwardConfig, LayerForward
     from moe.handoff import pack_handoff
     from moe.transports.http import HttpHolderClient
     from moe.shardmap import HoldingInfo, ProviderInfo, ReplicationPolicy, ShardView
@@ -280,9 +280,9 @@ def bench_model(name: str, a) -> dict:
             return view
 
         def dist_mlp(layer, x):
-            res = loop.run_until_complete(distributed_forward(
-                gate=model.gates[layer], model_id=name, layer=layer, hidden_states=x, get_view=get_view, send=send,
-                carrier=a.carrier, deadline_s=300))
+            res = loop.run_until_complete(LayerForward(
+                ForwardConfig(deadline_s=300), gate=model.gates[layer], model_id=name, layer=layer, hidden_states=x,
+                get_view=get_view, send=send, carrier=a.carrier).run())
             return res.output
 
         def local_mlp(layer, x):

@@ -1,9 +1,10 @@
 """Admission control of the router (issue 15 item 4): a bound on concurrent forwards with a
 bounded queue, per-client forward rates, and the router's own saturation signal.
 
-* ``Admission.slot()``: at most ``limit`` distributed forwards run at once in one event loop;
-  up to ``queue`` more wait (first come, first served) at most ``wait_s`` seconds for a slot;
-  past either bound the caller gets ``Busy`` (-32005) at once instead of a deadline later.
+* ``Admission.slot()`` (one ``Admission`` per event loop, kept by ``router.state.Router``): at
+  most ``limit`` distributed forwards run at once in one event loop; up to ``queue`` more
+  wait (first come, first served) at most ``wait_s`` seconds for a slot; past either bound
+  the caller gets ``Busy`` (-32005) at once instead of a deadline later.
 * ``Admission.saturated_since(t)``: whether the router itself was saturated since monotonic
   time ``t`` (forwards queued or refused, or the event loop late by more than ``LAG_S``). A
   holder deadline that expires then is the router's fault, not the holder's: the forward
@@ -49,8 +50,6 @@ class Admission:
     ``limit`` ≥ 1 forwards run at once; ``queue`` ≥ 0 wait at most ``wait_s`` seconds.
     """
 
-    _by_loop: dict[int, "Admission"] = {}
-
     def __init__(self, limit: int, queue: int, wait_s: float):
         self.limit, self.queue, self.wait_s = max(1, limit), max(0, queue), wait_s
         self.running = 0
@@ -59,19 +58,10 @@ class Admission:
         self.refused = 0
         self._probe: asyncio.Task | None = None
 
-    @classmethod
-    def current(cls) -> "Admission":
-        """The running loop's admission, built from ``settings.TENZRO`` on first use (and
-        rebuilt when those settings change, as tests do)."""
-        t = settings.TENZRO
-        conf = (t["FORWARD_CONCURRENCY"], t["FORWARD_QUEUE"], t["FORWARD_QUEUE_WAIT_S"])
-        loop = asyncio.get_running_loop()
-        adm = cls._by_loop.get(id(loop))
-        if adm is None or (adm.limit, adm.queue, adm.wait_s) != (max(1, conf[0]), max(0, conf[1]), conf[2]):
-            adm = cls._by_loop[id(loop)] = cls(*conf)
-        if adm._probe is None or adm._probe.done():
-            adm._probe = loop.create_task(adm._watch_lag())
-        return adm
+    def watch(self) -> None:
+        """Keep the event-loop lag probe of the running loop going (started once, restarted if it ended)."""
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.get_running_loop().create_task(self._watch_lag())
 
     async def _watch_lag(self) -> None:
         """Mark saturation when the loop wakes this probe more than ``LAG_S`` late."""

@@ -6,8 +6,11 @@ from rest_framework import serializers
 from moe import methods, wire
 
 from router import services
-from router.forward import ForwardError
+from router.apps import current
+from router.forward import ForwardError, ForwardResult
+from router.state import UnknownModel
 from router.ws import AgentUnavailable
+from moe.runtime import GateNotLoaded
 from moe.jsonrpc import EXECUTION_ERROR, INVALID_PARAMS, PLANNING_ERROR, RpcError
 from registry.services import PlacementError
 from registry.rpc import MethodTable
@@ -68,9 +71,9 @@ async def _forward_errors(p: dict, call) -> dict:
     """Await a forward service call, mapping its errors to JSON-RPC errors that name the field."""
     try:
         return await call
-    except services.UnknownModel as exc:
+    except UnknownModel as exc:
         raise RpcError(INVALID_PARAMS, str(exc), {"model_id": p["model_id"]}, field="model_id") from exc
-    except services.GateNotLoaded as exc:  # the model is published, this layer is not one of its MoE layers
+    except GateNotLoaded as exc:  # the model is published, this layer is not one of its MoE layers
         raise RpcError(INVALID_PARAMS, str(exc), {"model_id": p["model_id"], "layer": p["layer"]},
                        field="layer") from exc
     except ForwardError as exc:
@@ -80,12 +83,30 @@ async def _forward_errors(p: dict, call) -> dict:
         raise RpcError.invalid_params(exc, "hidden_states") from exc
 
 
+def _common_json(res: ForwardResult) -> dict:
+    """The result fields both forward methods share; ``outputs`` base64 f32 [T, d_model] (the JSON edge)."""
+    return {"batches": res.batches, "replans": res.replans, "transports": res.transports, "holders": res.holders,
+            "failures": res.failures, "receipts": len(res.receipts), "timings_ms": res.timings_ms,
+            "forward_id": res.forward_id, "outputs": wire.rows_to_b64(res.output)}
+
+
 @rpc_methods.method("tenzro_moeForward", params=ForwardParams, forward=True)
 async def moe_forward(p: dict) -> dict:
-    """Distributed forward of one MoE layer: gate here, experts on holders, gate-weighted combine."""
+    """Distributed forward of one MoE layer: gate here, experts on holders, gate-weighted combine.
+
+    The reference's result fields plus ``holders``, ``failures``, ``wire`` (bytes each way,
+    per element), ``receipts`` (verified count) and ``timings_ms``."""
     x = _hidden_rows(p)
-    return await _forward_errors(p, services.forward(p["model_id"], p["layer"], p["d_model"], x, p["top_k"],
-                                                     p["allow_cold"], p["allow_partial"], p["carrier"]))
+    res = await _forward_errors(p, current().forward(p["model_id"], p["layer"], x, top_k=p["top_k"],
+                                                     allow_cold=p["allow_cold"], allow_partial=p["allow_partial"],
+                                                     carrier=p["carrier"]))
+    r, layer, d_model = res.routing, p["layer"], p["d_model"]
+    return {"model_id": p["model_id"], "layer": layer, "d_model": d_model, "top_k": r.top_k,
+            "tokens": int(x.shape[0]), "missing": res.missing, "routed": r.routed(layer),
+            "wire": {"bytes_out": res.bytes_out, "bytes_back": res.bytes_back,
+                     "routed_elements": int(sum(len(toks) for toks in r.tokens_by_expert().values())) * d_model,
+                     "input_elements": int(x.shape[0]) * d_model},
+            **_common_json(res)}
 
 
 # ---- execution methods: the site's own runtime, or an agent's when ``provider`` is given ----
@@ -147,8 +168,8 @@ class ExecuteParams(ExpertKeyParams):
     """Params of ``tenzro_moeExecute`` (reference §6.1)."""
 
     # uint32 like the holder's receipts: a relayed request is refused here, not by the agent as -32004.
-    token_indices = serializers.ListField(child=serializers.IntegerField(min_value=0, max_value=methods.MAX_TOKEN_INDEX),
-                                          allow_empty=False)
+    token_indices = serializers.ListField(
+        child=serializers.IntegerField(min_value=0, max_value=methods.MAX_TOKEN_INDEX), allow_empty=False)
     d_model = serializers.IntegerField(min_value=1, max_value=1 << 20)
     hidden_states = serializers.CharField(required=False, trim_whitespace=False)
     hidden_q8 = serializers.CharField(required=False, trim_whitespace=False)
@@ -191,9 +212,16 @@ class DenseForwardParams(serializers.Serializer):
 
 @rpc_methods.method("tenzro_moeDenseForward", params=DenseForwardParams, forward=True)
 async def moe_dense_forward(p: dict) -> dict:
-    """Distributed forward of a dense MLP layer split by intermediate slices across holders."""
+    """Distributed forward of a dense MLP layer split by intermediate slices across holders:
+    ``{model_id, layer, d_model, tokens, parts, batches, replans, transports, holders,
+    failures, receipts, wire, timings_ms, forward_id, outputs}``."""
     x = _hidden_rows(p)
-    return await _forward_errors(p, services.dense_forward(p["model_id"], p["layer"], p["d_model"], x, p["carrier"]))
+    res = await _forward_errors(p, current().dense_forward(p["model_id"], p["layer"], x, carrier=p["carrier"]))
+    parts, tokens = int(res.routing.expert_ids.shape[1]), int(x.shape[0])
+    return {"model_id": p["model_id"], "layer": p["layer"], "d_model": p["d_model"], "tokens": tokens,
+            "parts": parts, "wire": {"bytes_out": res.bytes_out, "bytes_back": res.bytes_back,
+                                     "routed_elements": tokens * parts * p["d_model"]},
+            **_common_json(res)}
 @rpc_methods.method("tenzro_moePlaceModel", params=PlaceParams, operator=True)
 async def place_model(p: dict) -> dict:
     """Have live agents pull a published model's experts, each on its top providers by rendezvous hashing."""
@@ -275,7 +303,7 @@ async def generate_errors(call):
     except ForwardError as exc:
         code = PLANNING_ERROR if exc.kind == "planning" else EXECUTION_ERROR
         raise RpcError(code, exc.message, {"field": "model_id", **exc.data}) from exc
-    except services.GateNotLoaded as exc:
+    except GateNotLoaded as exc:
         raise RpcError(EXECUTION_ERROR, str(exc), {"field": "model_id"}) from exc
     except BackboneError as exc:
         raise RpcError(INVALID_PARAMS, str(exc), {"field": exc.field}) from exc
@@ -295,5 +323,8 @@ async def moe_generate(p: dict) -> dict:
         from router.disaggregate import generate_handoff
 
         return await generate_errors(generate_handoff(p["model_id"], prompt, sampling, p["carrier"], field))
-    return await generate_errors(generate(p["model_id"], prompt, sampling, p["carrier"], p["return_logits"],
-                                          fallback=p["fallback"], prompt_field=field))
+    result = await generate_errors(generate(p["model_id"], prompt, sampling, p["carrier"], p["return_logits"],
+                                            fallback=p["fallback"], prompt_field=field))
+    if "prompt_logits" in result:  # base64 f32 [T, vocab] at the JSON edge only
+        result["prompt_logits"] = wire.rows_to_b64(result["prompt_logits"])
+    return result

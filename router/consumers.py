@@ -246,8 +246,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
             frames = wire.split_frames(event["header"], event.get("payload") or b"", settings.TENZRO["WS_MAX_MESSAGE"])
         except wire.WireError as exc:
             await self.channel_layer.send(event["reply_to"], {
-                "type": "agent.reply", "id": event["id"], "header": messages.failure(event["id"], "too_large", str(exc)),
-                "payload": b""})
+                "type": "agent.reply", "id": event["id"],
+                "header": messages.failure(event["id"], "too_large", str(exc)), "payload": b""})
             return
         self.pending[event["id"]] = event["reply_to"]
         for frame in frames:

@@ -18,35 +18,42 @@ from moe.blobs import BlobStore
 from moe.ffn import ExpertWeights, expert_forward
 from registry.models import ExpertBlob
 
-_CACHE_SIZE = 256
-_cache: OrderedDict[str, ExpertWeights] = OrderedDict()
-_lock = threading.Lock()
+class FallbackReplica:
+    """The site's fallback replica: experts decoded from the blob store on first use, kept in
+    an LRU of ``cache_size`` decoded experts. One per router (``router.state.Router.fallback``);
+    thread-safe (the forward calls it from worker threads)."""
 
+    def __init__(self, cache_size: int = 256):
+        self.cache_size = cache_size
+        self._cache: OrderedDict[str, ExpertWeights] = OrderedDict()
+        self._lock = threading.Lock()
 
-def _weights(blob_hash: str) -> ExpertWeights:
-    with _lock:
-        w = _cache.get(blob_hash)
-        if w is not None:
-            _cache.move_to_end(blob_hash)
-            return w
-    w = ExpertWeights.from_blob(BlobStore(settings.TENZRO["BLOB_DIR"]).get(blob_hash, verify=True))
-    with _lock:
-        _cache[blob_hash] = w
-        while len(_cache) > _CACHE_SIZE:
-            _cache.popitem(last=False)
-    return w
+    def weights(self, blob_hash: str) -> ExpertWeights:
+        """The decoded expert of ``blob_hash`` from the site's blob store (hash verified).
 
+        Raises ``BlobError`` when the blob is missing or does not match its hash."""
+        with self._lock:
+            w = self._cache.get(blob_hash)
+            if w is not None:
+                self._cache.move_to_end(blob_hash)
+                return w
+        w = ExpertWeights.from_blob(BlobStore(settings.TENZRO["BLOB_DIR"]).get(blob_hash, verify=True))
+        with self._lock:
+            self._cache[blob_hash] = w
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return w
 
-def fallback_for(model_id: str, layer: int):
-    """``fallback(expert, rows f32 [n, H]) -> f32 [n, H] | None`` for ``LayerForward``: runs
-    the expert from the site's blob store, None when the site does not have its blob.
-    Called from a worker thread (Django ORM use is synchronous there)."""
+    def for_layer(self, model_id: str, layer: int):
+        """``fallback(expert, rows f32 [n, H]) -> f32 [n, H] | None`` for ``LayerForward``: runs
+        the expert from the site's blob store, None when the site does not have its blob.
+        Called from a worker thread (Django ORM use is synchronous there)."""
 
-    def run(expert: int, rows: np.ndarray) -> np.ndarray | None:
-        h = ExpertBlob.objects.filter(model_id=model_id, layer=layer, expert=expert).values_list(
-            "blob_hash", flat=True).first()
-        if h is None or not BlobStore(settings.TENZRO["BLOB_DIR"]).has(h):
-            return None
-        return expert_forward(_weights(h), rows)
+        def run(expert: int, rows: np.ndarray) -> np.ndarray | None:
+            h = ExpertBlob.objects.filter(model_id=model_id, layer=layer, expert=expert).values_list(
+                "blob_hash", flat=True).first()
+            if h is None or not BlobStore(settings.TENZRO["BLOB_DIR"]).has(h):
+                return None
+            return expert_forward(self.weights(h), rows)
 
-    return run
+        return run

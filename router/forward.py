@@ -1,6 +1,6 @@
 """The router's MoE layer forward over remote holders (DESIGN §7), free of Django.
 
-gate locally → per-token routings → readahead hook → planner over the live shard view →
+gate locally → per-token routings → planner over the live shard view →
 each planned batch, whole (the transport splits it into frames below the socket cap and
 the holder reassembles it), to its primary under a deadline; when the
 primary errs, answers badly (rows or receipt) or stalls past the deadline, the next warm
@@ -36,11 +36,10 @@ hedged probes (copies with purpose "selftest" whose answers never enter the forw
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Mapping
 
 import numpy as np
 
@@ -56,7 +55,55 @@ from registry.planner import DispatchPlan, plan_expert_batches
 from moe.shardmap import ShardView
 
 MAX_REPLANS = 2
-_probes: set[asyncio.Task] = set()  # hedged probes outlive their forward; kept referenced until done
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    """What the site's settings fix for every forward; the router builds it once per settings
+    (``router.state.Router.config``) and hands it to each ``LayerForward``.
+
+    ``deadline_s``: seconds a holder has for one request before the next warm backup gets it
+    too. ``attempt_timeout_s``: seconds a request past its deadline may still answer first
+    (None: 3 × ``deadline_s``; never less than ``deadline_s``; also the transports' timeout).
+    ``split_threshold``: tokens above which the planner splits a batch over warm replicas
+    (0 or None: never). ``verify``: check the receipts of remote answers (local answers carry
+    none). ``transport``: the preferred data path to a holder, "ws", "http" or "iroh"
+    (``Router.send_batch``: the agent socket and HTTP follow it). ``view_cache_s``: seconds a
+    shard view or gate hash read from the database is reused. ``iroh_bind``: HOST:PORT of the
+    router's iroh endpoint.
+
+    Raises ``ValueError`` for a negative or non-integer ``split_threshold`` or an unknown
+    ``transport``.
+    """
+
+    deadline_s: float = 10.0
+    attempt_timeout_s: float | None = None
+    split_threshold: int | None = None
+    verify: bool = True
+    transport: str = "ws"
+    view_cache_s: float = 0.0
+    iroh_bind: str = "0.0.0.0:0"
+
+    def __post_init__(self):
+        if self.split_threshold is not None and (type(self.split_threshold) is not int or self.split_threshold < 0):
+            raise ValueError(f"split_threshold must be a non-negative integer or None, got {self.split_threshold!r}")
+        if self.transport not in ("ws", "http", "iroh"):
+            raise ValueError(f"transport must be ws, http or iroh, got {self.transport!r}")
+
+    @classmethod
+    def from_settings(cls, t: Mapping) -> "ForwardConfig":
+        """The config of the site's ``settings.TENZRO`` mapping ``t`` (``BATCH_DEADLINE_S``,
+        ``BATCH_TIMEOUT_S``, ``PLAN_SPLIT_THRESHOLD``, ``DATA_TRANSPORT``, ``VIEW_CACHE_S``,
+        ``IROH_BIND``)."""
+        return cls(deadline_s=t["BATCH_DEADLINE_S"], attempt_timeout_s=t["BATCH_TIMEOUT_S"],
+                   split_threshold=t["PLAN_SPLIT_THRESHOLD"], transport=t["DATA_TRANSPORT"],
+                   view_cache_s=t["VIEW_CACHE_S"], iroh_bind=t["IROH_BIND"])
+
+    @property
+    def timeout_s(self) -> float:
+        """Seconds one request may take in all (``attempt_timeout_s`` or its default)."""
+        return max(self.deadline_s, self.attempt_timeout_s if self.attempt_timeout_s is not None
+                   else 3 * self.deadline_s)
 
 
 class ForwardError(Exception):
@@ -159,51 +206,53 @@ class _Rows:
 class LayerForward:
     """One MoE layer forward over remote holders, as named steps (module docstring).
 
-    Construct with the forward's inputs (see ``distributed_forward`` for each parameter),
-    then ``await run()``. Steps: ``route`` (gate or given routing, carrier choice, carrier
-    rows encoded once), ``run_local`` (experts the router holds), ``plan_round`` (planner
-    over the live view minus excluded providers), ``run_batch`` (one planned batch, whole,
-    primary then warm backups), ``attempt`` (one request to one holder: deadline, shape,
-    duplicate guard, receipt), ``finish`` (missing pairs, renormalization, combine).
+    Construct, then ``await run()``. ``config``: the site's ``ForwardConfig`` (deadlines,
+    split threshold, receipt checks). Per call: ``gate``, ``model_id``, ``layer``,
+    ``hidden_states`` f32 [T, H] with H == gate.d_model; ``routing``: use this routing instead
+    of the gate's (``gate`` may then be None; a split dense layer routes every token to every
+    slice, ``prepare.dense.dense_routing``); the request's ``top_k``, ``allow_cold``,
+    ``allow_partial`` and ``carrier`` (``wire.choose_carrier``).
 
+    Collaborators: ``get_view(excluded)`` returns the live shard view without the ``excluded``
+    providers; ``send(provider, holder_info, BatchRequest)`` executes one request on one
+    holder. ``local(expert, rows f32 [n, H])``: the router's own runtime; returns the
+    expert's output rows when it holds that expert (exact f32, no wire, no receipt), else
+    None; a local error sends those pairs to the remote holders in the next round.
+    ``fallback(expert, rows)``: the same for pairs every remote holder failed
+    (``router.fallback``). ``scoreboard``: the router's ``router.scoreboard.Scoreboard``
+    (holder order, outcomes, hedged probes); None keeps the view's order.
     ``saturated(t)``: whether the router itself was saturated since monotonic time ``t``; a
     deadline that expires then still moves the batch to the backup but is recorded with
     ``fault: False, saturated: True`` (the holder is not blamed for the router's own overload).
 
-    ``on_verified_batch``: optional async or sync callable
-    ``(provider, request: BatchRequest, carrier: bytes, rows f32 [n, H], receipt | None)``
-    called after each remote answer passed its checks and its rows were placed (for
-    receipt sampling); its exceptions propagate and fail the forward.
+    Steps: ``route`` (gate or given routing, carrier choice, carrier rows encoded once),
+    ``run_local`` (experts the router holds), ``plan_round`` (planner over the live view minus
+    excluded providers), ``run_batch`` (one planned batch, whole, primary then warm backups),
+    ``attempt`` (one request to one holder: deadline, shape, duplicate guard, receipt),
+    ``finish`` (missing pairs, renormalization, combine).
+
+    ``run`` raises ``ValueError`` for bad input (from ``route``, ``wire.choose_carrier``) and
+    ``ForwardError`` with ``data["missing"] = [{layer, expert, tokens}]`` when pairs stay
+    unserved and ``allow_partial`` is false, or the shared expert is missing.
     """
 
-    def __init__(self, *, gate: Gate | None, model_id: str, layer: int, hidden_states: np.ndarray,
-                 get_view: Callable[[frozenset], Awaitable[ShardView]], send: Send,
+    def __init__(self, config: ForwardConfig, *, gate: Gate | None, model_id: str, layer: int,
+                 hidden_states: np.ndarray, get_view: Callable[[frozenset], Awaitable[ShardView]], send: Send,
                  top_k: int | None = None, allow_cold: bool = False, allow_partial: bool = False,
-                 carrier: str = "auto", deadline_s: float = 10.0,
-                 split_threshold: int | None = None,
-                 readahead: Callable[[list[int]], Awaitable[None]] | None = None,
-                 verify: bool = True,
+                 carrier: str = "auto", routing: Routing | None = None,
                  local: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
-                 routing: Routing | None = None,
-                 on_verified_batch: Callable[..., object] | None = None,
                  fallback: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
-                 saturated: Callable[[float], bool] | None = None,
-                 scoreboard: Scoreboard | None = None, attempt_timeout_s: float | None = None):
+                 scoreboard: Scoreboard | None = None, saturated: Callable[[float], bool] | None = None):
         self.gate, self.model_id, self.layer = gate, model_id, layer
         self.scoreboard, self.saturated = scoreboard, saturated
-        self.attempt_timeout_s = max(deadline_s, attempt_timeout_s if attempt_timeout_s is not None
-                                     else 3 * deadline_s)
+        self.deadline_s, self.attempt_timeout_s = config.deadline_s, config.timeout_s
+        # 0 (TENZRO_PLAN_SPLIT_THRESHOLD=0) never splits, as tenzro_moePlanDispatch reads it.
+        self.split_threshold, self.verify = config.split_threshold or None, config.verify
         self.fallback = fallback
         self.hidden_states, self.get_view, self.send = hidden_states, get_view, send
         self.top_k, self.allow_cold, self.allow_partial = top_k, allow_cold, allow_partial
-        self.carrier, self.deadline_s = carrier, deadline_s
-        if split_threshold is not None and (type(split_threshold) is not int or split_threshold < 0):
-            raise ValueError(f"split_threshold must be a non-negative integer or None, got {split_threshold!r}")
-        # 0 (TENZRO_PLAN_SPLIT_THRESHOLD=0) never splits, as tenzro_moePlanDispatch reads it.
-        self.split_threshold = split_threshold or None
-        self.readahead, self.verify = readahead, verify
+        self.carrier = carrier
         self.local, self.routing = local, routing
-        self.on_verified_batch = on_verified_batch
         self.excluded: set[str] = set()
         self.failures: list[dict] = []
         self.latencies: dict[str, list[float]] = {}
@@ -312,10 +361,6 @@ class LayerForward:
                                   "commitment": ans.receipt["commitment"]})
             if self.verify and ans.transport != "local":
                 self.verified.append(VerifiedBatch(provider, req, ans.receipt, ans.rows))
-        if self.on_verified_batch is not None and ans.transport != "local":
-            hooked = self.on_verified_batch(provider, req, payload, ans.rows, ans.receipt)
-            if inspect.isawaitable(hooked):
-                await hooked
         return "ok"
 
     def _fault(self, provider: str, expert: int, error: str) -> None:
@@ -373,8 +418,8 @@ class LayerForward:
                 if sb.claim_probe(provider):
                     task = asyncio.get_running_loop().create_task(
                         self.probe(provider, info, batch.expert, tokens, payload))
-                    _probes.add(task)
-                    task.add_done_callback(_probes.discard)
+                    sb.probes.add(task)  # a probe outlives its forward: keep it referenced
+                    task.add_done_callback(sb.probes.discard)
         loop = asyncio.get_running_loop()
         inflight: dict[asyncio.Task, tuple[str, float]] = {}
         try:
@@ -492,12 +537,10 @@ class LayerForward:
         return output, use, missing
 
     async def run(self) -> ForwardResult:
-        """route → readahead → execute → finish; the ``ForwardResult`` with timings (ms)."""
+        """route → execute → fallback → finish; the ``ForwardResult`` with timings (ms)."""
         t0 = time.perf_counter()
         self.route()
         t_gate = time.perf_counter()
-        if self.readahead is not None:
-            await self.readahead(sorted(self.routing.tokens_by_expert()))
         try:
             await self.execute()
         except ForwardError as exc:  # no live holder left to plan on: the fallback replica may still serve
@@ -515,28 +558,3 @@ class LayerForward:
             bytes_out=self.bytes_out, bytes_back=self.bytes_back, receipts=self.receipts, verified=self.verified,
             timings_ms={"gate": round((t_gate - t0) * 1e3, 3), "execute": round((t_exec - t_gate) * 1e3, 3),
                         "combine": round((t_end - t_exec) * 1e3, 3), "total": round((t_end - t0) * 1e3, 3)})
-
-
-async def distributed_forward(**kwargs) -> ForwardResult:
-    """One MoE layer forward with experts executed by remote holders: ``LayerForward(**kwargs).run()``.
-
-    ``gate``, ``model_id``, ``layer``, ``hidden_states`` f32 [T, H] with H == gate.d_model.
-    ``get_view(excluded)`` returns the live shard view without the ``excluded`` providers;
-    ``send`` executes one request on one holder. ``deadline_s``: seconds a holder has for
-    one request before the backup gets it. ``verify``: check receipts of remote answers
-    (local answers carry none). ``local(expert, rows f32 [n, H])``: the router's own
-    runtime; returns the expert's output rows when it holds that expert (exact f32, no
-    wire, no receipt), else None. A local error sends those pairs to the remote holders in
-    the next round. ``routing``: use this routing instead of the gate's (``gate`` may then
-    be None; a split dense layer routes every token to every slice,
-    ``prepare.dense.dense_routing``). ``on_verified_batch``: see ``LayerForward``.
-    ``scoreboard``: the router's ``router.scoreboard.Scoreboard`` (holder order, outcomes,
-    hedged probes); None keeps the view's order. ``attempt_timeout_s`` (default 3 ×
-    ``deadline_s``): how long a request past its deadline may still answer first.
-
-    Raises ``ValueError`` for bad input (from ``route``, ``wire.choose_carrier``; a negative
-    ``split_threshold``: 0 or None never splits) and
-    ``ForwardError`` with ``data["missing"] = [{layer, expert, tokens}]`` when pairs stay
-    unserved and ``allow_partial`` is false, or the shared expert is missing.
-    """
-    return await LayerForward(**kwargs).run()

@@ -1,10 +1,12 @@
 """Token generation on the site (the backbone node): the published backbone runs here, each
-MoE layer goes through the distributed forward (``router.services.forward``: failover,
+MoE layer goes through the distributed forward (``router.state.Router.forward``: failover,
 receipts, settlement records) and each dense MLP layer through the dense split
-(``router.services.dense_forward``).
+(``Router.dense_forward``).
 
 The numpy backbone runs in a worker thread; its per-layer MLP calls are coroutines put
 back on the caller's event loop, so holder traffic keeps flowing while the thread waits.
+Hidden states stay numpy arrays from the backbone to the holders' wire and back (no JSON,
+no base64 inside the process).
 """
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ import numpy as np
 from channels.db import database_sync_to_async
 from django.conf import settings
 
-from moe import wire
-
 from router import services
+from router.apps import current
+from router.forward import ForwardResult
+from router.state import ForwardOutcomes, Router
 from moe.backbone import Backbone, BackboneError
 from moe.backbone.decode import Generator, Sampling, Sequence
 from moe.backbone.weights import BACKBONE_KEY, load_backbone
@@ -63,12 +66,9 @@ class ServedModel:
     chat_template: ChatTemplate | None = None
 
 
-_models: dict[tuple, ServedModel] = {}
-_models_lock = threading.Lock()
-
-
 def served_model(model_id: str) -> ServedModel:
-    """Load (once per published content) the backbone of ``model_id`` from its blobs.
+    """Load (once per published content, kept by the process's ``Router``) the backbone of
+    ``model_id`` from its blobs.
 
     Raises ``NoBackbone`` (field ``model_id``) for an unknown model or one without a
     published backbone, ``BackboneError`` for a malformed one or a chat template that does
@@ -84,8 +84,9 @@ def served_model(model_id: str) -> ServedModel:
     chat = record.get("chat_template")
     key = (model_id, tuple(sorted(record["blobs"].items())), record.get("tokenizer"),
            json.dumps(chat, sort_keys=True) if chat else None)
-    with _models_lock:
-        hit = _models.get(key)
+    router = current()
+    with router.models_lock:
+        hit = router.models.get(key)
     if hit is not None:
         return hit
     config = {k: v for k, v in m.config.items() if k != BACKBONE_KEY}
@@ -102,8 +103,8 @@ def served_model(model_id: str) -> ServedModel:
         raise BackboneError(f"model {model_id!r}: {exc}") from exc
     served = ServedModel(model_id, backbone, frozenset(m.moe_layers),
                          frozenset(dense.moe_layers) if dense else frozenset(), tokenizer, template)
-    with _models_lock:
-        _models[key] = served
+    with router.models_lock:
+        router.models[key] = served
     return served
 
 
@@ -126,19 +127,20 @@ class LayerStats:
         self.holders: set[str] = set()
         self.holders_by_step: list[set[str]] = []
 
-    def add(self, fid: str, res: dict, step: int = 0) -> None:
+    def add(self, fid: str, res: ForwardResult, step: int = 0) -> None:
+        """Count one layer forward ``res`` as ``fid`` of decode step ``step``."""
         self.forward_ids.append(fid)
         while len(self.holders_by_step) <= step:
             self.holders_by_step.append(set())
-        self.holders_by_step[step].update(res["holders"])
-        self.batches += res["batches"]
-        self.replans += res["replans"]
-        self.receipts += res["receipts"]
-        self.bytes_out += res["wire"]["bytes_out"]
-        self.bytes_back += res["wire"]["bytes_back"]
-        self.failures += res["failures"]
-        self.holders.update(res["holders"])
-        for k, v in res["transports"].items():
+        self.holders_by_step[step].update(res.holders)
+        self.batches += res.batches
+        self.replans += res.replans
+        self.receipts += len(res.receipts)
+        self.bytes_out += res.bytes_out
+        self.bytes_back += res.bytes_back
+        self.failures += res.failures
+        self.holders.update(res.holders)
+        for k, v in res.transports.items():
             self.transports[k] = self.transports.get(k, 0) + v
 
     def to_json(self) -> dict:
@@ -152,15 +154,15 @@ class GenerationCancelled(Exception):
     """The generation's caller went away (its task was cancelled): the worker thread stops."""
 
 
-def distributed_mlp(served: ServedModel, loop: asyncio.AbstractEventLoop, carrier: str, stats: LayerStats,
-                    gen_id: str, fallback: bool = True, outcomes: services.ForwardOutcomes | None = None,
+def distributed_mlp(router: Router, served: ServedModel, loop: asyncio.AbstractEventLoop, carrier: str,
+                    stats: LayerStats, gen_id: str, fallback: bool = True, outcomes: ForwardOutcomes | None = None,
                     cancelled: threading.Event | None = None):
-    """The backbone's ``mlp(layer, x)`` callback for a worker thread: MoE layers by
-    ``services.forward``, dense layers by ``services.dense_forward``, run on ``loop``;
-    with ``fallback`` the site's replica serves batches every remote holder failed;
-    ``outcomes``: where the forwards' holder outcomes and settlement records gather
-    (``services.ForwardOutcomes``; None: recorded per forward); ``cancelled``: once set, the
-    next layer call raises ``GenerationCancelled`` (a thread cannot be stopped from outside).
+    """The backbone's ``mlp(layer, x f32 [T, H]) -> f32 [T, H]`` callback for a worker thread:
+    MoE layers by ``router.forward``, dense layers by ``router.dense_forward``, run on ``loop``
+    with the arrays themselves; with ``fallback`` the site's replica serves batches every
+    remote holder failed; ``outcomes``: where the forwards' holder outcomes and settlement
+    records gather (None: recorded per forward); ``cancelled``: once set, the next layer call
+    raises ``GenerationCancelled`` (a thread cannot be stopped from outside).
 
     Raises ``BackboneError`` for a layer that is neither, ``GenerationCancelled``, and whatever
     the forward raises (``ForwardError``, ``GateNotLoaded``)."""
@@ -170,11 +172,10 @@ def distributed_mlp(served: ServedModel, loop: asyncio.AbstractEventLoop, carrie
         if cancelled is not None and cancelled.is_set():
             raise GenerationCancelled(f"generation {gen_id} cancelled: its caller went away")
         if layer in served.moe_layers:
-            coro = services.forward(served.model_id, layer, x.shape[1], x, carrier=carrier, fallback=fallback,
-                                    outcomes=outcomes)
+            coro = router.forward(served.model_id, layer, x, carrier=carrier, fallback=fallback, outcomes=outcomes)
         elif layer in served.dense_layers:
-            coro = services.dense_forward(served.model_id, layer, x.shape[1], x, carrier=carrier,
-                                          fallback=fallback, outcomes=outcomes)
+            coro = router.dense_forward(served.model_id, layer, x, carrier=carrier, fallback=fallback,
+                                        outcomes=outcomes)
         else:
             raise BackboneError(f"layer {layer} of {served.model_id!r} has neither published experts nor dense "
                                 f"slices")
@@ -182,7 +183,7 @@ def distributed_mlp(served: ServedModel, loop: asyncio.AbstractEventLoop, carrie
         step = steps.get(layer, 0)
         steps[layer] = step + 1
         stats.add(f"{gen_id}/{step}/{layer}", res, step)
-        return wire.decode_f32(wire.b64decode(res["outputs"], "outputs"), x.shape[1])
+        return res.output
 
     return mlp
 
@@ -269,7 +270,7 @@ async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "au
     names of the prompt and of ``max_new_tokens``, named by size errors (``check_size``).
     Cancelling the awaiting task stops the worker thread at its next layer.
     Returns ``{model_id, output_ids ([ids] for one prompt, [[ids], …] for several), text?,
-    finish_reasons, prompt_logits? (base64 f32 [T, vocab]; one prompt only), forward_ids
+    finish_reasons, prompt_logits? (f32 array [T, vocab]; one prompt only), forward_ids
     (one per distributed layer forward: generation/step/layer), layers (batches, receipts,
     failures, transports, wire), timings_ms, tokens_per_s}``. Raises ``NoBackbone``,
     ``BackboneError`` and the forward's errors.
@@ -284,11 +285,12 @@ async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "au
     gen_id = uuid.uuid4().hex[:12]
     loop = asyncio.get_running_loop()
     # Holder outcomes and settlement records of every layer forward go to the DB together
-    # (every few seconds and at the end), not once per layer and step (services.ForwardOutcomes).
-    outcomes = services.ForwardOutcomes()
+    # (every few seconds and at the end), not once per layer and step (ForwardOutcomes).
+    router = current()
+    outcomes = ForwardOutcomes(router)
     cancelled = threading.Event()
-    gen = Generator(served.backbone, distributed_mlp(served, loop, generation_carrier(carrier), stats, gen_id,
-                                                     fallback, outcomes, cancelled), sampling)
+    gen = Generator(served.backbone, distributed_mlp(router, served, loop, generation_carrier(carrier), stats,
+                                                     gen_id, fallback, outcomes, cancelled), sampling)
     try:
         seqs: list[Sequence] = await asyncio.to_thread(gen.run, prompts, return_logits, on_tokens)
     except asyncio.CancelledError:  # the client went away (Django cancels the view): stop computing
@@ -313,5 +315,5 @@ async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "au
         texts = [decode_text(served, o) for o in outs]
         result["text"] = texts[0] if single else texts
     if return_logits:
-        result["prompt_logits"] = wire.b64encode(wire.encode_f32(seqs[0].prompt_logits))
+        result["prompt_logits"] = seqs[0].prompt_logits
     return result

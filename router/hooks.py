@@ -2,7 +2,7 @@
 
 ``settlement`` sits above ``holders`` in the layers, so the router cannot call it; instead the
 settlement app registers a listener here from its ``AppConfig.ready()`` and the router
-(``router.services``) hands every finished forward to the listeners. Listeners are async
+(``router.state.Router``) hands every finished forward to the listeners. Listeners are async
 callables ``(list[ForwardRecord]) -> None`` started as background tasks on the router's event
 loop: the forward's answer never waits on them, and a failing listener is logged, never
 raised into the forward. A list, because a generation hands its many layer forwards over
@@ -33,8 +33,7 @@ class ForwardRecord:
 
 
 Listener = Callable[[list[ForwardRecord]], Awaitable[None]]
-_listeners: list[Listener] = []
-_running: set[asyncio.Task] = set()
+_listeners: list[Listener] = []  # a registration point, like a Django signal's receivers
 
 
 def add_forward_listener(fn: Listener) -> None:
@@ -56,20 +55,11 @@ async def _run(fn: Listener, records: list[ForwardRecord]) -> None:
         log.exception("forward listener %r failed for forwards %s", fn, [r.forward_id for r in records])
 
 
-def emit_forwards(records: list[ForwardRecord]) -> None:
+def emit_forwards(records: list[ForwardRecord]) -> list[asyncio.Task]:
     """Start every listener on ``records`` (finished forwards, in order) in the background of
-    the running event loop; nothing when ``records`` is empty."""
+    the running event loop; nothing when ``records`` is empty. Returns the started tasks,
+    which the caller keeps referenced until done (``router.state.Router``)."""
     if not _listeners or not records:
-        return
+        return []
     loop = asyncio.get_running_loop()
-    for fn in list(_listeners):
-        task = loop.create_task(_run(fn, list(records)))
-        _running.add(task)
-        task.add_done_callback(_running.discard)
-
-
-async def drain(timeout: float = 60.0) -> None:
-    """Wait (up to ``timeout`` s) for the listener tasks started so far: tests and benches."""
-    pending = [t for t in _running if not t.done()]
-    if pending:
-        await asyncio.wait(pending, timeout=timeout)
+    return [loop.create_task(_run(fn, list(records))) for fn in list(_listeners)]

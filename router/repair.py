@@ -17,6 +17,7 @@ import time
 from channels.db import database_sync_to_async
 from django.conf import settings
 
+from router.apps import current
 from router.ws import AgentLink, AgentUnavailable
 from registry import repair_service, services as registry_services
 
@@ -24,10 +25,6 @@ log = logging.getLogger("tenzro.repair")
 
 #: Seconds an agent has to answer an offer (fetch and load up to max_repairs blobs).
 OFFER_TIMEOUT_S = 300.0
-
-_timer: asyncio.Task | None = None
-_hygiene: asyncio.Task | None = None
-
 
 async def run_pass(source: str = "timer") -> dict | None:
     """Run the current period's pass unless another scheduler already claimed it.
@@ -94,13 +91,13 @@ async def _hygiene_loop() -> None:
 
 
 def ensure_timer() -> None:
-    """Start the in-process stand-ins for beat on the running event loop, once per process, when
-    Celery runs tasks inline (no ``REDIS_URL``: no beat): the repair timer and the provider
-    hygiene sweep. Idempotent."""
-    global _timer, _hygiene
+    """Start the in-process stand-ins for beat on the running event loop, once per process (the
+    tasks are kept by its ``router.state.Router``), when Celery runs tasks inline (no
+    ``REDIS_URL``: no beat): the repair timer and the provider hygiene sweep. Idempotent."""
     if not settings.CELERY_TASK_ALWAYS_EAGER:
         return
-    if _timer is None or _timer.done():
-        _timer = asyncio.get_running_loop().create_task(_timer_loop())
-    if _hygiene is None or _hygiene.done():
-        _hygiene = asyncio.get_running_loop().create_task(_hygiene_loop())
+    timers = current().timers
+    for name, run in (("repair", _timer_loop), ("hygiene", _hygiene_loop)):
+        task = timers.get(name)
+        if task is None or task.done():
+            timers[name] = asyncio.get_running_loop().create_task(run())

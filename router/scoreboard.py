@@ -86,6 +86,8 @@ class Scoreboard:
         self.cooldown_s, self.max_cooldown_s, self.probe_interval_s = cooldown_s, max_cooldown_s, probe_interval_s
         self._stats: dict[str, HolderStats] = {}
         self._lock = threading.Lock()
+        # Hedged probe tasks (``router.forward``) outlive their forward: referenced here until done.
+        self.probes: set = set()
 
     def _get(self, provider: str) -> HolderStats:
         s = self._stats.get(provider)

@@ -18,7 +18,6 @@ import hashlib
 import logging
 import os
 import secrets
-import threading
 import time
 
 import numpy as np
@@ -32,13 +31,14 @@ from moe import wire
 from moe.blobs import BlobStore
 from router.hooks import ForwardRecord
 from moe.receipts import (ReceiptError, carrier_hash, commitment_bytes, sketch, verify_stored_receipt)
-from moe.runtime import ExpertRuntime, RuntimeFault
+from moe.runtime import RuntimeFault
 from moe.content import BlobError, blob_uri
 from registry.governance import current_policy
 from moe.identity import load_or_create_key, provider_id, sign_body
 from moe.jsonrpc import EXECUTION_ERROR
 from registry.models import Holding, Provider
 from registry.selectors import live_providers
+from settlement.apps import current
 from settlement.audit import Tolerances, is_sampled, verify_rows
 from settlement.models import Dispute, ReceiptSample, Settlement
 
@@ -223,21 +223,6 @@ def settle_pending(limit: int = 1000) -> int:
 # ----------------------------------------------------------------------------- disputes
 
 
-_dispute_rt: ExpertRuntime | None = None
-_dispute_rt_lock = threading.Lock()
-
-
-def dispute_runtime() -> ExpertRuntime:
-    """The site's runtime for dispute re-execution (separate from the serving runtime, so
-    holding a disputed blob never makes the router execute that expert locally). Experts are
-    keyed by blob hash (model id ``blob:<hash>``), so a republished model cannot mix copies."""
-    global _dispute_rt
-    with _dispute_rt_lock:
-        if _dispute_rt is None:
-            _dispute_rt = ExpertRuntime(memory_budget=int(os.environ.get("TENZRO_DISPUTE_BUDGET", 1 << 30)))
-    return _dispute_rt
-
-
 def sample_carrier(s: ReceiptSample) -> bytes:
     """The exact carrier bytes kept with ``s``; raises ``EconomyError`` when the file is gone or altered."""
     if s.carrier_inline is not None:
@@ -253,7 +238,7 @@ def _site_execute(s: ReceiptSample, rows: np.ndarray) -> np.ndarray | None:
     store = BlobStore(settings.TENZRO["BLOB_DIR"])
     if not s.blob_hash or not store.has(s.blob_hash):
         return None
-    rt = dispute_runtime()
+    rt = current().dispute_runtime
     mid = f"blob:{s.blob_hash}"
     if not rt.has(mid, 0, 0):
         rt.load_expert(mid, 0, 0, store.get(s.blob_hash, verify=True), blob_uri(s.blob_hash))

@@ -6,6 +6,7 @@ sign) called through an in-process ``send``; the failure modes are injected arou
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import tempfile
 
 import numpy as np
@@ -17,7 +18,7 @@ from threadpoolctl import threadpool_limits
 from moe import receipts, wire
 from holders.agent import AgentConfig, HolderAgent
 from moe.ffn import expert_forward
-from router.forward import (BatchAnswer, ForwardError, HolderFault, _Rows, distributed_forward,
+from router.forward import (BatchAnswer, ForwardError, HolderFault, _Rows, ForwardConfig, LayerForward,
                              renormalized)
 from moe.gating import route
 from moe.identity import provider_id
@@ -246,15 +247,20 @@ class Fixture:
         return BatchAnswer(rows, answer["receipt"], "ws", len(req.payload), len(data))
 
     def run(self, send=None, gone=(), **kw):
+        """The forward of ``self.x``; ``kw``: ``ForwardConfig`` fields (deadline 5 s unless
+        given) and ``LayerForward`` keywords."""
+        names = {f.name for f in dataclasses.fields(ForwardConfig)}
+        config = ForwardConfig(**{"deadline_s": 5.0, **{k: kw.pop(k) for k in list(kw) if k in names}})
+
         async def get_view(excluded):
             self.views += 1
             return self.view(excluded, gone)
 
         async def go():
             with threadpool_limits(limits=1):
-                return await distributed_forward(gate=self.gate, model_id=MODEL, layer=self.layer,
-                                                 hidden_states=self.x, get_view=get_view, send=send or self.honest,
-                                                 **{"carrier": "f32", "deadline_s": 5.0, **kw})
+                return await LayerForward(config, gate=self.gate, model_id=MODEL, layer=self.layer,
+                                          hidden_states=self.x, get_view=get_view, send=send or self.honest,
+                                          **{"carrier": "f32", **kw}).run()
         return asyncio.run(go())
 
 
@@ -401,8 +407,8 @@ def test_replan_reaches_a_holder_that_appears_after_the_first_round(qwen):
 
     async def go():
         with threadpool_limits(limits=1):
-            return await distributed_forward(gate=qwen.gate, model_id=MODEL, layer=1, hidden_states=qwen.x,
-                                             get_view=get_view, send=send, carrier="f32")
+            return await LayerForward(ForwardConfig(), gate=qwen.gate, model_id=MODEL, layer=1, hidden_states=qwen.x,
+                                      get_view=get_view, send=send, carrier="f32").run()
     res = asyncio.run(go())
     qwen.held[late].remove(5)
     assert res.replans >= 1 and np.array_equal(res.output, qwen.monolithic())
@@ -483,8 +489,8 @@ def test_dense_layer_split_over_holders_recombines_exactly():
 
     async def go():
         with threadpool_limits(limits=1):
-            return await distributed_forward(gate=None, routing=dense_routing(x.shape[0], 3), model_id=MODEL,
-                                             layer=0, hidden_states=x, get_view=get_view, send=send, carrier="f32")
+            return await LayerForward(ForwardConfig(), gate=None, routing=dense_routing(x.shape[0], 3), model_id=MODEL,
+                                      layer=0, hidden_states=x, get_view=get_view, send=send, carrier="f32").run()
     res = asyncio.run(go())
     with threadpool_limits(limits=1):
         assert np.array_equal(res.output, split_forward(parts, x))

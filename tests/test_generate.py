@@ -86,7 +86,7 @@ def _settled(url: str, timeout: float = 30.0) -> tuple[int, dict]:
 
 def test_generation_records_each_batch_once_in_outcomes_and_settlement(cluster):
     # A generation gathers its layer forwards' holder outcomes and settlement records and
-    # hands them over in batches (services.ForwardOutcomes): every remote batch still counts
+    # hands them over in batches (router.state.ForwardOutcomes): every remote batch still counts
     # once in the holders' batches_served and once in a settled forward, one per layer forward.
     served0, settled0 = _settled(cluster["rpc"])
     r = rpc(cluster["rpc"], "tenzro_moeGenerate", {"model_id": "qwen3-moe-tiny", "input_ids": PROMPT,

@@ -8,12 +8,16 @@ online, generations run on the site's fallback replica (``router.fallback``).
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
+from unittest import mock
 
 import pytest
 from asgiref.sync import sync_to_async
+from safetensors.numpy import load_file
 
+from moe import wire
 from moe.backbone.decode import Sampling
 from prepare.backbone import publish_backbone
 from prepare.services import publish_checkpoint
@@ -122,6 +126,28 @@ def test_v1_models_and_unknown_v1_paths(client, model):
     for method in (client.get, client.post):
         r = method("/v1/embeddings")
         assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+@pytest.mark.asyncio
+async def test_a_generation_passes_arrays_not_base64_between_its_layers():
+    """Each MoE layer of each decode step hands the forward numpy arrays and gets arrays back:
+    with every base64 codec refusing, the generation (here on the fallback replica, exact f32)
+    still gives the checkpoint's reference greedy tokens."""
+    from router.generate import generate
+
+    await sync_to_async(publish)()
+    ref = load_file(str(QWEN / "generation_reference.safetensors"))
+    prompt = [int(t) for t in ref["input_ids"][0]]
+    greedy = [int(t) for t in ref["greedy_ids"][0][len(prompt):]]
+
+    def refuse(*_args, **_kw):
+        raise AssertionError("base64 inside a generation")
+
+    with mock.patch.object(wire, "b64encode_bytes", refuse), mock.patch.object(wire, "b64decode", refuse), \
+            mock.patch.object(base64, "b64encode", refuse), mock.patch.object(base64, "b64decode", refuse):
+        r = await generate(MODEL, prompt, Sampling(max_new_tokens=4), carrier="f32")
+    assert r["output_ids"] == greedy[:4]
+    assert r["layers"]["transports"].get("fallback", 0) > 0 and len(r["forward_ids"]) == 2 * 4
 
 
 # -- cancellation: a client that goes away stops the site's work ---------------------------------

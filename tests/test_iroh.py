@@ -242,7 +242,7 @@ def test_router_prefers_iroh_then_falls_back_to_the_socket_and_http(holder, sett
     socket here: it times out) and then the holder's HTTP endpoint answer."""
     from types import SimpleNamespace
 
-    from router import services
+    from router.apps import current
     from moe.transports.http import serve_http
     from registry.heartbeat import ingest
     from registry.models import Provider
@@ -265,7 +265,7 @@ def test_router_prefers_iroh_then_falls_back_to_the_socket_and_http(holder, sett
                 saved = iroh._iroh
                 iroh._iroh = iroh._iroh if wheel else None  # as if the optional wheel were missing
                 try:
-                    seen.append((await services.send_batch(agent.provider, holder_info, req)).transport)
+                    seen.append((await current().send_batch(agent.provider, holder_info, req)).transport)
                 finally:
                     iroh._iroh = saved
                 await asyncio.sleep(0.002)  # heartbeat timestamps strictly increase

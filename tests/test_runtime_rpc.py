@@ -8,7 +8,8 @@ import pytest
 
 from moe import wire
 
-from router import services
+from router.apps import install
+from router.state import Router
 from moe.ffn import expert_forward
 from moe.runtime import ExpertRuntime
 from moe.blobs import BlobStore
@@ -21,10 +22,12 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
-def site_rt(tmp_path, monkeypatch):
+def site_rt(tmp_path):
+    """A fresh site router whose own runtime is a small one in ``tmp_path``."""
     rt = ExpertRuntime(memory_budget=2 * EXPERT_BYTES + 4096, disk_dir=tmp_path / "tier")
-    monkeypatch.setattr(services, "_site_runtime", rt)
-    return rt
+    previous = install(Router(site_runtime=rt))
+    yield rt
+    install(previous)
 
 
 def op():
