@@ -39,6 +39,7 @@ from registry.services import record_holder_outcomes
 from router import services
 from router.admission import Admission, Busy, overloaded
 from router.fallback import FallbackReplica
+from router.metrics import ServingMetrics
 from router.forward import ForwardConfig, ForwardError, ForwardResult, LayerForward
 from router.hooks import ForwardRecord, emit_forwards
 from router.scoreboard import Scoreboard
@@ -79,6 +80,7 @@ class Router:
         # Backbones loaded by ``router.generate.served_model``, by published content.
         self.models: dict[tuple, object] = {}
         self.models_lock = threading.Lock()
+        self.metrics = ServingMetrics()
 
     @property
     def config(self) -> ForwardConfig:

@@ -1,0 +1,70 @@
+"""Serving metrics of one site process (Prometheus text format, ``prometheus-client``).
+
+One ``ServingMetrics`` per ``router.state.Router``, with its own ``CollectorRegistry`` (no
+process-global default registry: tests build a fresh router and read fresh numbers). The
+scheduler reports steps and sequences, the forward reports each holder batch; ``/metrics``
+renders ``exposition()``; the console's Serving page reads ``snapshot()``.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# Seconds: TTFT and inter-token latency from loopback (ms) to WAN holders (seconds).
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+
+
+class ServingMetrics:
+    """Counters, gauges and histograms of the serving path (names prefixed ``tenzro_``).
+
+    Sequences: ``running`` / ``waiting`` gauges per model; tokens generated and prompt tokens
+    prefilled (counters); time to first token and inter-token latency (histograms, seconds);
+    rows per scheduler step (histogram); KV cache bytes in use and budget (gauges). Holders:
+    batch latency (histogram, seconds) and failures (counter) per provider.
+    """
+
+    CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+    def __init__(self):
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.running = Gauge("tenzro_sequences_running", "Sequences in the running batch", ["model"], registry=r)
+        self.waiting = Gauge("tenzro_sequences_waiting", "Sequences queued for admission", ["model"], registry=r)
+        self.tokens = Counter("tenzro_generated_tokens", "Output tokens generated", ["model"], registry=r)
+        self.prompt_tokens = Counter("tenzro_prompt_tokens", "Prompt tokens prefilled", ["model"], registry=r)
+        self.requests = Counter("tenzro_requests", "Finished generation requests by outcome",
+                                ["model", "outcome"], registry=r)
+        self.ttft = Histogram("tenzro_time_to_first_token_seconds", "Time to first token", ["model"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tenzro_inter_token_latency_seconds", "Time between a sequence's tokens", ["model"],
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.step_rows = Histogram("tenzro_step_rows", "Rows (tokens of all sequences) per scheduler step",
+                                   ["model"], buckets=ROW_BUCKETS, registry=r)
+        self.step_seconds = Histogram("tenzro_step_seconds", "Wall time of one scheduler step", ["model"],
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_bytes = Gauge("tenzro_kv_cache_bytes", "KV cache bytes held by running sequences", ["model"],
+                              registry=r)
+        self.kv_budget = Gauge("tenzro_kv_cache_budget_bytes", "KV cache budget of this process", registry=r)
+        self.holder_latency = Histogram("tenzro_holder_batch_seconds", "Holder batch round trip (verified answers)",
+                                        ["provider"], buckets=LATENCY_BUCKETS, registry=r)
+        self.holder_failures = Counter("tenzro_holder_batch_failures", "Holder batches that failed or timed out",
+                                       ["provider"], registry=r)
+
+    def holder_batch(self, provider: str, seconds: float, ok: bool) -> None:
+        """One batch sent to ``provider``: its round trip in seconds when ``ok``, else a failure."""
+        if ok:
+            self.holder_latency.labels(provider).observe(seconds)
+        else:
+            self.holder_failures.labels(provider).inc()
+
+    def exposition(self) -> bytes:
+        """The Prometheus text exposition of every metric (``Content-Type: CONTENT_TYPE``)."""
+        return generate_latest(self.registry)
+
+    def snapshot(self) -> dict:
+        """``{metric name: [{labels, value}]}`` of every sample (for pages and tests)."""
+        out: dict[str, list] = {}
+        for family in self.registry.collect():
+            for s in family.samples:
+                out.setdefault(s.name, []).append({"labels": dict(s.labels), "value": s.value})
+        return out
