@@ -196,15 +196,30 @@ def _basename(ref: str) -> str:
     return ref.rstrip("/").rsplit("/", 1)[-1]
 
 
+def _seg_number(v) -> int | None:
+    """One segment field as an int: a finite number, or a numeric string (``"4"``, ``" 4.0 "``)
+    as the Kvasir coordinator converts them; None for anything else (bool, "x", NaN, ±inf)."""
+    if isinstance(v, str) and len(v) <= 32:
+        try:
+            v = float(v.strip())
+        except ValueError:
+            return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return int(v) if math.isfinite(v) else None
+
+
 def _segments(raw) -> list[list[int]]:
-    """Keep 3-element arrays of finite numbers (first 256), silently dropping the rest (§1.5)."""
+    """Keep 3-element arrays of finite numbers or numeric strings (first 256), silently dropping
+    the rest (§1.5)."""
     out = []
     for seg in (raw if isinstance(raw, list) else [])[:MAX_SEGMENTS]:
         if not isinstance(seg, list) or len(seg) != 3:
             continue
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in seg):
+        vals = [_seg_number(v) for v in seg]
+        if None in vals:
             continue
-        out.append([int(v) for v in seg])
+        out.append(vals)
     return out
 
 

@@ -135,6 +135,18 @@ def test_coverage_validation_and_silent_segment_filter(client, model):
     assert len(MarketWorker.objects.get(worker_id="w").segments) == 256
 
 
+def test_coverage_numeric_string_segments_count_as_numbers(client, model):
+    """The Kvasir coordinator converts numeric strings; ``[["1","0","4"]]`` counts as ``[1,0,4]``."""
+    _, tok = login(client)
+    segs = [["1", "0", "4"], [" 2 ", "0.0", "8"], ["3", "x", "4"], ["nan", "0", "4"], ["1e999", "0", "1"]]
+    status, _ = post(client, "/api/expert-coverage", {"worker_id": "s", "model": "tiny-moe", "segments": segs},
+                     token=tok)
+    assert status == 200
+    assert MarketWorker.objects.get(worker_id="s").segments == [[1, 0, 4], [2, 0, 8]]
+    segs1 = layer_segments(get(client, "/api/expert-demand?model=tiny", token=tok)[1], 1)
+    assert segs1[0] == {"experts": [0, 4], "replicas": 1, "target": 2, "scarcity": 0.5}
+
+
 def layer_segments(body, layer):
     (m,) = body["models"]
     return next(x["segments"] for x in m["layers"] if x["layer"] == layer)
