@@ -30,7 +30,7 @@ from django.utils import timezone
 from nacl.exceptions import BadSignatureError
 from nacl.signing import VerifyKey
 
-from registry import governance, selectors
+from registry import governance, ratelimit, selectors
 from registry.models import Holding, MarketChallenge, MarketClaim, MarketModel, MarketWorker
 from moe.jsonrpc import ParamError
 from registry.model_ids import validate_model_id
@@ -82,13 +82,21 @@ def challenge_message(wallet: str, nonce: str) -> str:
     return f"Tenzro expert market \u2014 prove you operate this node.\nwallet: {wallet}\nnonce: {nonce}"
 
 
-def issue_challenge(wallet) -> dict:
-    """``POST /api/auth/challenge``: ``{nonce, message}``. Raises ``MarketError`` 400 / 429."""
+def issue_challenge(wallet, client: str = "?") -> dict:
+    """``POST /api/auth/challenge``: ``{nonce, message}``. Raises ``MarketError`` 400 / 429.
+
+    ``client`` (the caller's address) may ask ``TENZRO_MARKET_CHALLENGE_RATE`` challenges a
+    minute, so one client cannot fill the site-wide ``MAX_CHALLENGES`` and lock every node out
+    of login (issue 24 item 7)."""
     wallet = wallet.strip() if isinstance(wallet, str) else ""
     if not wallet:
         raise MarketError(400, "wallet is required")
     if len(wallet) > MAX_WALLET:
         raise MarketError(400, "that is not a wallet address")
+    limit = int(settings.TENZRO.get("MARKET_CHALLENGE_RATE_PER_MINUTE") or 0)
+    if ratelimit.over_rate("market-challenge", client, limit):
+        raise MarketError(429, f"challenge rate limit of {limit} per minute for this client exceeded; "
+                               f"retry in {ratelimit.retry_after_s()} s")
     now = timezone.now()
     MarketChallenge.objects.filter(created__lt=now - timedelta(seconds=CHALLENGE_TTL_S)).delete()
     if MarketChallenge.objects.count() >= MAX_CHALLENGES:

@@ -323,6 +323,8 @@ TENZRO = {
     # from SECRET_KEY), token lifetime in seconds.
     "MARKET_TOKEN_SECRET": os.environ.get("TENZRO_MARKET_TOKEN_SECRET", ""),
     "MARKET_TOKEN_TTL_S": _env_int("TENZRO_MARKET_TOKEN_TTL", 30 * 86400),
+    # Login challenges one client address may ask per minute (0 = unlimited).
+    "MARKET_CHALLENGE_RATE_PER_MINUTE": _env_int("TENZRO_MARKET_CHALLENGE_RATE", 30),
     # Machine-to-machine secret accepted in X-Kvasir-Service-Token / X-Linkcpp-Service-Token (unset: none).
     "MARKET_SERVICE_TOKEN": os.environ.get("TENZRO_MARKET_SERVICE_TOKEN", ""),
 }

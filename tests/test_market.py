@@ -67,6 +67,20 @@ def test_challenge_cases(client):
     assert client.get("/api/auth/challenge").status_code == 405
 
 
+def test_challenge_rate_is_per_client(client, settings):
+    """One client asking challenges in a loop is refused (429, a message) while another client
+    still logs in; before, only the site-wide bound applied and one client locked out all."""
+    settings.TENZRO = {**settings.TENZRO, "MARKET_CHALLENGE_RATE_PER_MINUTE": 5}
+    w = wallet_of(SigningKey.generate())
+    attacker = {"REMOTE_ADDR": "10.0.0.66"}
+    codes = [post(client, "/api/auth/challenge", {"wallet": w}, **attacker)[0] for _ in range(8)]
+    assert codes[:5] == [200] * 5 and set(codes[5:]) == {429}, codes
+    status, body = post(client, "/api/auth/challenge", {"wallet": w}, **attacker)
+    assert status == 429 and "per minute for this client" in body["error"]
+    assert MarketChallenge.objects.count() == 5
+    login(client)  # the default test client (127.0.0.1) is a different client: it still logs in
+
+
 def test_node_token_signature_nonce_and_replay(client):
     key = SigningKey.generate()
     w = wallet_of(key)
