@@ -319,6 +319,9 @@ TENZRO = {
     # expert must stay above target and cool before its surplus replicas are dropped.
     "REPAIR_INTERVAL_S": _env_int("TENZRO_REPAIR_INTERVAL", 0),
     "REPAIR_RELEASE_GRACE_S": _env_int("TENZRO_REPAIR_RELEASE_GRACE", 600),
+    # Seconds each agent has to answer its repair offer; one that does not is recorded as
+    # declining its rows and the pass ends without it.
+    "REPAIR_OFFER_TIMEOUT_S": _env_float("TENZRO_REPAIR_OFFER_TIMEOUT", 30.0),
     # Expert-coverage market (Kvasir contract §2): HMAC secret of node tokens (default: derived
     # from SECRET_KEY), token lifetime in seconds.
     "MARKET_TOKEN_SECRET": os.environ.get("TENZRO_MARKET_TOKEN_SECRET", ""),
