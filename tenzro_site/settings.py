@@ -284,6 +284,10 @@ TENZRO = {
     "AGENT_HELLO_TIMEOUT_S": 10,
     "BATCH_TIMEOUT_S": _env_float("TENZRO_BATCH_TIMEOUT", 30.0),
     "RPC_RATE_PER_MINUTE": _env_int("TENZRO_RPC_RATE", 6000),
+    # REST heartbeats (registry.heartbeat): provider keys the site has not seen, per client
+    # address per minute (0 = unlimited); experts a key that has served no batch may declare.
+    "NEW_KEY_RATE_PER_MINUTE": _env_int("TENZRO_NEW_KEY_RATE", 4),
+    "PROBATION_HOLDINGS": _env_int("TENZRO_PROBATION_HOLDINGS", 32_768),
     # Admission control (router.admission): requests in one JSON-RPC batch; distributed forwards
     # running at once per site process, how many more may queue and for how many seconds;
     # forward-method calls per client address per minute (0 = unlimited).
