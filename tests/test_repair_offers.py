@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
 
 
 async def test_a_mute_agent_does_not_hold_the_repair_pass(settings):
-    settings.TENZRO = {**settings.TENZRO, "REPAIR_OFFER_TIMEOUT_S": 1.0, "REPAIR_INTERVAL_S": 3600}
+    settings.TENZRO = {**settings.TENZRO, "REPAIR_OFFER_TIMEOUT_S": 3.0, "REPAIR_INTERVAL_S": 3600}
     mute, talker = SigningKey.generate(), SigningKey.generate()
     comms = {}
     for key in (mute, talker):
@@ -42,7 +42,7 @@ async def test_a_mute_agent_does_not_hold_the_repair_pass(settings):
     rp = await asyncio.wait_for(repair.run_pass("test"), 120)
     await talking
     assert rp is not None and rp["status"] == "done", rp
-    assert "did not answer within 1 s" in rp["error"] and provider_id(mute)[:12] in rp["error"]
+    assert "did not answer within 3 s" in rp["error"] and provider_id(mute)[:12] in rp["error"]
     assert provider_id(talker)[:12] not in rp["error"]
 
     # The offer reached the mute agent; its late answer is dropped, and the socket still serves
