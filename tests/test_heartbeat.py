@@ -284,7 +284,11 @@ def test_rest_heartbeat_of_an_unknown_model_or_beyond_the_shape_writes_nothing(c
     assert ok.status_code == 200 and ok.json()["holdings"] == 16
 
 
-def test_rest_heartbeats_from_new_keys_are_rate_limited_per_client_and_capped_on_probation(client, settings):
+def test_rest_heartbeats_from_new_keys_are_rate_limited_per_client_and_capped_on_probation(client, settings,
+                                                                                          monkeypatch):
+    from registry import ratelimit
+
+    monkeypatch.setattr(ratelimit, "window_index", lambda window_s: 1)  # one window for the whole burst
     settings.TENZRO = {**settings.TENZRO, "NEW_KEY_RATE_PER_MINUTE": 3, "PROBATION_HOLDINGS": 100}
     publish_m(num_experts=200, layers=(0, 1))
     keys = [SigningKey.generate() for _ in range(5)]
