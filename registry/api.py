@@ -539,7 +539,7 @@ class HeartbeatView(ApiView):
 
     max_body = 8 * 1024 * 1024
 
-    @extend_schema(request=HeartbeatMessage, responses={200: JSON_OBJECT, 400: ERROR, 413: ERROR},
+    @extend_schema(request=HeartbeatMessage, responses={200: JSON_OBJECT, 400: ERROR, 413: ERROR, 429: ERROR},
                    summary="Apply a signed provider heartbeat (expanded or compact holdings)")
     def post(self, request):
         """Apply the heartbeat; 400 with a message naming the field when refused (a repeated JSON
@@ -556,9 +556,9 @@ class HeartbeatView(ApiView):
             return Response({"error": "heartbeat must be a JSON object {body, signature}", "field": "body"},
                             status=400)
         try:
-            provider = services.ingest_heartbeat(message)
+            provider = services.ingest_heartbeat(message, client=request.META.get("REMOTE_ADDR") or "?")
         except HeartbeatError as exc:
-            return Response({"error": str(exc), "field": exc.field}, status=400)
+            return Response({"error": str(exc), "field": exc.field}, status=exc.status)
         except SignatureError as exc:
             return Response({"error": str(exc), "field": "signature"}, status=400)
         return Response({"provider": provider.provider, "holdings": provider.holdings.count(),

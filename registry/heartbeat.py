@@ -25,6 +25,15 @@ Each ``holdings`` entry is one of two forms (they may be mixed in one list):
 Limits: layer ≤ 100,000, expert ≤ 1,000,000, at most ``MAX_HOLDINGS`` expanded holdings per
 heartbeat. Declaring one (model, layer, expert) twice, in either form, is an error.
 
+Storage admission (issue 24 item 5): a heartbeat names at most ``MAX_MODELS`` models, and
+every (layer, expert) of a model the site knows (published here, or in the seed catalog with a
+known layer map) must be one of that model's expert slots. A REST heartbeat (``client`` given:
+anyone can post one from a fresh key) is held to more: models the site does not know are
+refused; a key the site has never seen counts against ``TENZRO_NEW_KEY_RATE`` new keys per
+client address per minute (HTTP 429 above); and a key that has served no batch yet is on
+probation, declaring at most ``TENZRO_PROBATION_HOLDINGS`` experts (proven keys:
+``MAX_HOLDINGS``). Agent sockets keep the socket's own bounds (one session per key).
+
 Rejected, changing nothing: a bad signature, a timestamp more than ``CLOCK_SKEW_S`` from
 the site's clock, and a timestamp not newer than the last accepted one (replay). The
 holdings set is replaced as a whole in one transaction. Pure expert holders (roles without
@@ -50,11 +59,13 @@ from moe.shardmap import RESIDENCIES, ROLES
 
 
 class HeartbeatError(ValueError):
-    """A heartbeat was refused; ``field`` names the offending part."""
+    """A heartbeat was refused; ``field`` names the offending part; ``status`` is the HTTP
+    status a REST caller gets (400, or 429 over the new-key rate)."""
 
-    def __init__(self, message: str, field: str = "body"):
+    def __init__(self, message: str, field: str = "body", status: int = 400):
         super().__init__(message)
         self.field = field
+        self.status = status
 
 
 def _int(body: dict, field: str, lo: int = 0, hi: int = 2**63 - 1, prefix: str = "") -> int:
@@ -97,6 +108,7 @@ def _socket_addrs(body: dict, field: str) -> list[str]:
 MAX_LAYER = 100_000
 MAX_EXPERT = 1_000_000
 MAX_HOLDINGS = ranges.MAX_VALUES  # bounds the expansion of compact ranges
+MAX_MODELS = 256  # distinct models one heartbeat may name (each costs a shape lookup)
 
 
 def parse_ranges(spec, field: str, hi: int) -> list[int]:
@@ -189,12 +201,64 @@ def _fill_blob_uris(holdings: list[dict]) -> None:
             h["blob_uri"] = known.get((h["model_id"], h["layer"], h["expert"]), "")
 
 
-def ingest(message: dict, expected_provider: str | None = None, now_ms: int | None = None) -> Provider:
+def _model_slots(model_ids: set[str]) -> dict[str, frozenset | None]:
+    """Each model's (layer, expert) slots: the published model's, else the seed catalog's when
+    its layer map is known, else None (a model this site does not know)."""
+    from registry import catalog
+    from registry.models import MoeModel
+
+    out: dict[str, frozenset | None] = {m.model_id: frozenset(m.expert_keys())
+                                        for m in MoeModel.objects.filter(model_id__in=sorted(model_ids))}
+    for model_id in model_ids - out.keys():
+        try:
+            shape = catalog.get(model_id)
+        except catalog.UnknownModelError:
+            out[model_id] = None
+            continue
+        out[model_id] = frozenset(shape.expert_keys()) if shape.is_moe and shape.moe_layers_known else None
+    return out
+
+
+def _admit_storage(provider: str, holdings: list[dict], client: str | None) -> None:
+    """The storage bounds of the module doc; raises ``HeartbeatError`` (400, or 429)."""
+    models = {h["model_id"] for h in holdings}
+    if len(models) > MAX_MODELS:
+        raise HeartbeatError(f"holdings name {len(models)} models; at most {MAX_MODELS}", "holdings")
+    slots = _model_slots(models)
+    for h in holdings:
+        known = slots[h["model_id"]]
+        if known is None:
+            if client is not None:
+                raise HeartbeatError(f"holdings: model {h['model_id'][:80]!r} is neither published on this site nor "
+                                     "in its catalog", "holdings")
+        elif (h["layer"], h["expert"]) not in known:
+            raise HeartbeatError(f"holdings: {h['model_id'][:80]} has no expert slot l{h['layer']}/e{h['expert']}",
+                                 "holdings")
+    if client is None:
+        return
+    from registry import ratelimit
+
+    tenzro = settings.TENZRO
+    row = Provider.objects.filter(provider=provider).values_list("batches_served", flat=True).first()
+    rate = int(tenzro.get("NEW_KEY_RATE_PER_MINUTE") or 0)
+    if row is None and ratelimit.over_rate("new-key", client, rate):
+        raise HeartbeatError(f"too many new provider keys from this client (at most {rate} a minute); "
+                             f"retry in {ratelimit.retry_after_s()} s", "body.provider", status=429)
+    cap = int(tenzro.get("PROBATION_HOLDINGS") or MAX_HOLDINGS) if not row else MAX_HOLDINGS
+    if len(holdings) > cap:
+        raise HeartbeatError(f"holdings: {len(holdings)} experts; a provider that has served no batch yet may "
+                             f"declare at most {cap}", "holdings")
+
+
+def ingest(message: dict, expected_provider: str | None = None, now_ms: int | None = None,
+           client: str | None = None) -> Provider:
     """Verify and apply one signed heartbeat; returns the updated ``Provider``.
 
     ``expected_provider`` (the key proven on the agent socket) must match the body's
-    provider when given. Raises ``HeartbeatError`` (bad structure, stale, replayed,
-    wrong provider) or ``SignatureError``; on any error nothing is written.
+    provider when given. ``client``: the REST caller's address (the stricter storage
+    admission of the module doc); None on agent sockets. Raises ``HeartbeatError`` (bad
+    structure, stale, replayed, wrong provider, storage bounds) or ``SignatureError``; on any
+    error nothing is written.
     """
     if not isinstance(message, dict):
         raise HeartbeatError("heartbeat must be an object with body and signature")
@@ -232,6 +296,7 @@ def ingest(message: dict, expected_provider: str | None = None, now_ms: int | No
         "last_heartbeat": datetime.fromtimestamp(now_ms / 1000, tz=timezone.utc),
         "last_heartbeat_ms": ts,
     }
+    _admit_storage(provider, holdings, client)
     with transaction.atomic():
         _fill_blob_uris(holdings)
         Provider.objects.get_or_create(provider=provider)

@@ -30,7 +30,7 @@ from django.utils import timezone
 from nacl.exceptions import BadSignatureError
 from nacl.signing import VerifyKey
 
-from registry import governance, selectors
+from registry import governance, ratelimit, selectors
 from registry.models import Holding, MarketChallenge, MarketClaim, MarketModel, MarketWorker
 from moe.jsonrpc import ParamError
 from registry.model_ids import validate_model_id
@@ -82,13 +82,21 @@ def challenge_message(wallet: str, nonce: str) -> str:
     return f"Tenzro expert market \u2014 prove you operate this node.\nwallet: {wallet}\nnonce: {nonce}"
 
 
-def issue_challenge(wallet) -> dict:
-    """``POST /api/auth/challenge``: ``{nonce, message}``. Raises ``MarketError`` 400 / 429."""
+def issue_challenge(wallet, client: str = "?") -> dict:
+    """``POST /api/auth/challenge``: ``{nonce, message}``. Raises ``MarketError`` 400 / 429.
+
+    ``client`` (the caller's address) may ask ``TENZRO_MARKET_CHALLENGE_RATE`` challenges a
+    minute, so one client cannot fill the site-wide ``MAX_CHALLENGES`` and lock every node out
+    of login (issue 24 item 7)."""
     wallet = wallet.strip() if isinstance(wallet, str) else ""
     if not wallet:
         raise MarketError(400, "wallet is required")
     if len(wallet) > MAX_WALLET:
         raise MarketError(400, "that is not a wallet address")
+    limit = int(settings.TENZRO.get("MARKET_CHALLENGE_RATE_PER_MINUTE") or 0)
+    if ratelimit.over_rate("market-challenge", client, limit):
+        raise MarketError(429, f"challenge rate limit of {limit} per minute for this client exceeded; "
+                               f"retry in {ratelimit.retry_after_s()} s")
     now = timezone.now()
     MarketChallenge.objects.filter(created__lt=now - timedelta(seconds=CHALLENGE_TTL_S)).delete()
     if MarketChallenge.objects.count() >= MAX_CHALLENGES:
@@ -196,15 +204,30 @@ def _basename(ref: str) -> str:
     return ref.rstrip("/").rsplit("/", 1)[-1]
 
 
+def _seg_number(v) -> int | None:
+    """One segment field as an int: a finite number, or a numeric string (``"4"``, ``" 4.0 "``)
+    as the Kvasir coordinator converts them; None for anything else (bool, "x", NaN, ±inf)."""
+    if isinstance(v, str) and len(v) <= 32:
+        try:
+            v = float(v.strip())
+        except ValueError:
+            return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return int(v) if math.isfinite(v) else None
+
+
 def _segments(raw) -> list[list[int]]:
-    """Keep 3-element arrays of finite numbers (first 256), silently dropping the rest (§1.5)."""
+    """Keep 3-element arrays of finite numbers or numeric strings (first 256), silently dropping
+    the rest (§1.5)."""
     out = []
     for seg in (raw if isinstance(raw, list) else [])[:MAX_SEGMENTS]:
         if not isinstance(seg, list) or len(seg) != 3:
             continue
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in seg):
+        vals = [_seg_number(v) for v in seg]
+        if None in vals:
             continue
-        out.append([int(v) for v in seg])
+        out.append(vals)
     return out
 
 

@@ -58,7 +58,7 @@ def _endpoint(method: str, auth: bool):
 @_endpoint("POST", auth=False)
 def challenge(request, wallet, body):
     """``POST /api/auth/challenge {wallet}`` → ``{nonce, message}``."""
-    return market.issue_challenge(body.get("wallet"))
+    return market.issue_challenge(body.get("wallet"), client=request.META.get("REMOTE_ADDR") or "?")
 
 
 @_endpoint("POST", auth=False)

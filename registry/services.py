@@ -17,9 +17,10 @@ FAILURE_PENALTY = 5
 LATENCY_EWMA_ALPHA = 0.2
 
 
-def ingest_heartbeat(message: dict, expected_provider: str | None = None) -> Provider:
-    """Verify and apply a signed heartbeat (see ``registry.heartbeat.ingest``)."""
-    return heartbeat.ingest(message, expected_provider)
+def ingest_heartbeat(message: dict, expected_provider: str | None = None, client: str | None = None) -> Provider:
+    """Verify and apply a signed heartbeat (see ``registry.heartbeat.ingest``; ``client``: the
+    REST caller's address, for the stricter storage admission of an anonymous post)."""
+    return heartbeat.ingest(message, expected_provider, client=client)
 
 
 class KeyInUse(Exception):

@@ -23,8 +23,6 @@ from registry import repair_service, services as registry_services
 
 log = logging.getLogger("tenzro.repair")
 
-#: Seconds an agent has to answer an offer (fetch and load up to max_repairs blobs).
-OFFER_TIMEOUT_S = 300.0
 
 async def run_pass(source: str = "timer") -> dict | None:
     """Run the current period's pass unless another scheduler already claimed it.
@@ -32,7 +30,12 @@ async def run_pass(source: str = "timer") -> dict | None:
     Returns the recorded pass (``tenzro_moeRepairStatus`` shape) or None when the period
     was already claimed. Agent failures (disconnect, timeout, bad answer) are recorded on the
     pass, each offered row as a decline with the reason; they never fail the pass.
+
+    Each agent has ``TENZRO_REPAIR_OFFER_TIMEOUT`` seconds to answer, all at once: a mute agent
+    costs the pass those seconds, not the period (it waited 300 s before). An agent still
+    pulling when its time is up keeps going; its heartbeats report what it loaded.
     """
+    timeout = float(settings.TENZRO["REPAIR_OFFER_TIMEOUT_S"])
     rp = await database_sync_to_async(repair_service.begin_pass)(source)
     if rp is None:
         return None
@@ -46,7 +49,7 @@ async def run_pass(source: str = "timer") -> dict | None:
             outcome, err = None, ""
             try:
                 _answer, payload = await link.request(provider, {"type": "repair"}, json.dumps(body).encode(),
-                                                      timeout=OFFER_TIMEOUT_S)
+                                                      timeout=timeout)
                 outcome = json.loads(payload)
                 if not isinstance(outcome, dict):
                     raise ValueError("outcome is not an object")

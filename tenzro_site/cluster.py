@@ -277,8 +277,11 @@ class LocalCluster:
         self._lock = f
 
     def _check_port(self) -> None:
-        """Fail before any work when the site's port is taken."""
+        """Fail before any work when the site's port is taken by a live socket. SO_REUSEADDR as
+        the site's listener (Twisted) sets it: TIME-WAIT sockets of a cluster just stopped do
+        not block a restart, a listener still does."""
         with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind(("127.0.0.1", self.port))
             except OSError as exc:

@@ -284,6 +284,10 @@ TENZRO = {
     "AGENT_HELLO_TIMEOUT_S": 10,
     "BATCH_TIMEOUT_S": _env_float("TENZRO_BATCH_TIMEOUT", 30.0),
     "RPC_RATE_PER_MINUTE": _env_int("TENZRO_RPC_RATE", 6000),
+    # REST heartbeats (registry.heartbeat): provider keys the site has not seen, per client
+    # address per minute (0 = unlimited); experts a key that has served no batch may declare.
+    "NEW_KEY_RATE_PER_MINUTE": _env_int("TENZRO_NEW_KEY_RATE", 4),
+    "PROBATION_HOLDINGS": _env_int("TENZRO_PROBATION_HOLDINGS", 32_768),
     # Admission control (router.admission): requests in one JSON-RPC batch; distributed forwards
     # running at once per site process, how many more may queue and for how many seconds;
     # forward-method calls per client address per minute (0 = unlimited).
@@ -319,10 +323,15 @@ TENZRO = {
     # expert must stay above target and cool before its surplus replicas are dropped.
     "REPAIR_INTERVAL_S": _env_int("TENZRO_REPAIR_INTERVAL", 0),
     "REPAIR_RELEASE_GRACE_S": _env_int("TENZRO_REPAIR_RELEASE_GRACE", 600),
+    # Seconds each agent has to answer its repair offer; one that does not is recorded as
+    # declining its rows and the pass ends without it.
+    "REPAIR_OFFER_TIMEOUT_S": _env_float("TENZRO_REPAIR_OFFER_TIMEOUT", 30.0),
     # Expert-coverage market (Kvasir contract §2): HMAC secret of node tokens (default: derived
     # from SECRET_KEY), token lifetime in seconds.
     "MARKET_TOKEN_SECRET": os.environ.get("TENZRO_MARKET_TOKEN_SECRET", ""),
     "MARKET_TOKEN_TTL_S": _env_int("TENZRO_MARKET_TOKEN_TTL", 30 * 86400),
+    # Login challenges one client address may ask per minute (0 = unlimited).
+    "MARKET_CHALLENGE_RATE_PER_MINUTE": _env_int("TENZRO_MARKET_CHALLENGE_RATE", 30),
     # Machine-to-machine secret accepted in X-Kvasir-Service-Token / X-Linkcpp-Service-Token (unset: none).
     "MARKET_SERVICE_TOKEN": os.environ.get("TENZRO_MARKET_SERVICE_TOKEN", ""),
 }

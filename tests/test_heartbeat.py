@@ -8,10 +8,16 @@ from nacl.signing import SigningKey
 
 from moe.identity import SignatureError, provider_id
 from registry.heartbeat import HeartbeatError, ingest
-from registry.models import Holding, Provider
+from registry.models import Holding, MoeModel, Provider
 from tests.conftest import holding, signed_heartbeat, with_repeated_key
 
 pytestmark = pytest.mark.django_db
+
+
+def publish_m(num_experts: int = 8, layers=(0,)) -> None:
+    """A published model "m": REST heartbeats may name only models the site knows."""
+    MoeModel.objects.create(model_id="m", family="qwen3_moe", num_experts=num_experts, top_k=1, hidden_size=8,
+                            expert_d_ff=4, moe_layers=list(layers))
 
 
 def state():
@@ -68,6 +74,7 @@ def test_wrong_provider_on_socket_and_malformed_holdings():
 
 
 def test_http_heartbeat_endpoint(client):
+    publish_m()
     key = SigningKey.generate()
     ok = client.post("/api/v1/providers/heartbeat", signed_heartbeat(key, [holding()]), content_type="application/json")
     assert ok.status_code == 200 and ok.json()["holdings"] == 1
@@ -137,14 +144,15 @@ def test_compact_and_expanded_declaring_one_expert_twice():
 
 
 def test_whole_model_in_compact_form_stays_small():
-    """Kimi K2's 61 layers × 385 slots: one compact entry instead of 23,485 objects."""
+    """Kimi K2's 60 MoE layers (1-60; layer 0 is dense) × 385 slots: one compact entry instead
+    of 23,100 objects."""
     from moe.identity import canonical_json
 
     key = SigningKey.generate()
-    msg = signed_heartbeat(key, [{"model_id": "kimi-k2-instruct", "layers": "1-61", "experts": "0-384"}])
+    msg = signed_heartbeat(key, [{"model_id": "kimi-k2-instruct", "layers": "1-60", "experts": "0-384"}])
     assert len(canonical_json(msg["body"])) < 600
     ingest(msg)
-    assert Holding.objects.count() == 61 * 385
+    assert Holding.objects.count() == 60 * 385
 
 
 def test_provider_fields_round_trip_and_pure_expert_holders(client):
@@ -181,6 +189,7 @@ def test_provider_fields_round_trip_and_pure_expert_holders(client):
 
 
 def test_rest_heartbeat_refuses_replayed_foreign_and_stale_compact_heartbeats(client):
+    publish_m()
     key, other = SigningKey.generate(), SigningKey.generate()
     post = lambda m: client.post("/api/v1/providers/heartbeat", m, content_type="application/json")  # noqa: E731
     msg = signed_heartbeat(key, [{"model_id": "m", "layer": 0, "experts": "0-7"}])
@@ -249,3 +258,53 @@ def test_compact_holdings_round_trip_through_the_parser():
     pow2 = {key(h): h["committed_tps"] for h in parse_holdings(compact_holdings(held, 1))}
     assert pow2 == {key(h): {0: 0, 3: 2, 1000: 512, 1500: 1024}[h["committed_tps"]] for h in held}
     assert all(h["committed_tps"] == 0 for h in parse_holdings(compact_holdings(held, 2)))
+
+
+# ----------------------------------------------------------------- storage admission (issue 24 item 5)
+
+def _post(client, msg, addr="10.9.9.9"):
+    return client.post("/api/v1/providers/heartbeat", msg, content_type="application/json", REMOTE_ADDR=addr)
+
+
+def test_rest_heartbeat_of_an_unknown_model_or_beyond_the_shape_writes_nothing(client):
+    """One 290-byte REST heartbeat from a fresh key declaring layers 0-255 × experts 0-1023 of
+    a model nobody published wrote 262,144 holding rows before."""
+    publish_m(num_experts=8, layers=(1, 2))
+    huge = signed_heartbeat(SigningKey.generate(), [{"model_id": "nobody-publishes-this", "layers": "0-255",
+                                                    "experts": "0-1023"}])
+    r = _post(client, huge)
+    assert r.status_code == 400 and r.json()["field"] == "holdings" and "neither published" in r.json()["error"]
+    outside = signed_heartbeat(SigningKey.generate(), [{"model_id": "m", "layers": "0-255", "experts": "0-1023"}])
+    r = _post(client, outside)
+    assert r.status_code == 400 and "has no expert slot l0/e0" in r.json()["error"]
+    with pytest.raises(HeartbeatError, match="has no expert slot l1/e8"):  # the socket path too
+        ingest(signed_heartbeat(SigningKey.generate(), [{"model_id": "m", "layer": 1, "experts": "0-8"}]))
+    assert not Holding.objects.exists() and not Provider.objects.exists()
+    # The whole shape fits (8 routed experts; no shared slot), and the key serves on.
+    ok = _post(client, signed_heartbeat(SigningKey.generate(), [{"model_id": "m", "layers": "1-2", "experts": "0-7"}]))
+    assert ok.status_code == 200 and ok.json()["holdings"] == 16
+
+
+def test_rest_heartbeats_from_new_keys_are_rate_limited_per_client_and_capped_on_probation(client, settings,
+                                                                                          monkeypatch):
+    from registry import ratelimit
+
+    monkeypatch.setattr(ratelimit, "window_index", lambda window_s: 1)  # one window for the whole burst
+    settings.TENZRO = {**settings.TENZRO, "NEW_KEY_RATE_PER_MINUTE": 3, "PROBATION_HOLDINGS": 100}
+    publish_m(num_experts=200, layers=(0, 1))
+    keys = [SigningKey.generate() for _ in range(5)]
+    codes = [_post(client, signed_heartbeat(k, [holding(expert=0)])).status_code for k in keys]
+    assert codes == [200, 200, 200, 429, 429]
+    r = _post(client, signed_heartbeat(keys[4], [holding(expert=0)]))
+    assert r.status_code == 429 and r.json()["field"] == "body.provider" and "new provider keys" in r.json()["error"]
+    assert _post(client, signed_heartbeat(keys[4], [holding(expert=0)]), addr="10.9.9.10").status_code == 200
+    # A key the site has seen keeps heartbeating past the new-key rate.
+    assert _post(client, signed_heartbeat(keys[0], [holding(expert=1)], ts_ms=int(time.time() * 1000) + 5)
+                 ).status_code == 200
+    # Probation: a key that has served no batch declares at most 100 experts; proven keys more.
+    over = [{"model_id": "m", "layers": "0-1", "experts": "0-50"}]
+    r = _post(client, signed_heartbeat(keys[1], over, ts_ms=int(time.time() * 1000) + 6))
+    assert r.status_code == 400 and "at most 100" in r.json()["error"]
+    Provider.objects.filter(provider=provider_id(keys[1])).update(batches_served=1)
+    r = _post(client, signed_heartbeat(keys[1], over, ts_ms=int(time.time() * 1000) + 7))
+    assert r.status_code == 200 and r.json()["holdings"] == 102

@@ -435,3 +435,73 @@ def test_b64decode_accepts_and_refuses_what_binascii_does():
     for bad in ("ab=c", "abc", "ab\ncd==", "é===", 5):
         with pytest.raises(wire.WireError):
             wire.b64decode(bad, "x")
+
+
+async def _until(pred, deadline_s: float = 60.0) -> None:
+    """Wait (generously) until ``pred()`` holds; the assertion after it says what did not."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    while not pred() and loop.time() < end:
+        await asyncio.sleep(0.05)
+
+
+def test_unfinished_parts_are_bounded_timed_out_and_freed_and_the_holder_serves_on(holder):
+    """Streams sending some parts of a request and never the rest held the holder's memory for
+    good (issue 24 item 4): in-flight bytes are bounded per peer, an idle incomplete request is
+    answered -32600 after the part timeout, and a closed connection frees its streams."""
+    agent, x = holder
+    rows = 12_000
+    big = np.tile(x, (-(-rows // x.shape[0]), 1))[:rows]
+    frames = iroh.request_frames(request(big, range(rows)))
+    assert len(frames) >= 3
+    first = len(frames[0]) - 4  # body bytes the holder counts for a stream's first part
+
+    async def go():
+        server = await iroh.IrohServer(iroh.endpoint_secret(agent.key.encode()), "127.0.0.1:0", agent.execute_rpc,
+                                       agent.status, peer_bytes=first * 3 // 2, total_bytes=first * 4,
+                                       part_timeout_s=5.0).start()
+        client = iroh.IrohHolderClient(timeout=60, bind="127.0.0.1:0")
+        ep = await iroh.bind_endpoint(None, "127.0.0.1:0", [])
+        try:
+            addr = iroh._iroh.EndpointAddr(iroh._iroh.EndpointId.from_string(server.endpoint_id), None, server.addrs)
+            conn = await ep.connect(addr, iroh.ALPN)
+
+            async def partial(n_frames: int):
+                bi = await conn.open_bi()
+                try:
+                    await bi.send().write_all(b"".join(frames[:n_frames]))  # never finished
+                except iroh._iroh.IrohError:
+                    pass  # the holder stopped reading: its answer is still there
+                return bi
+
+            async def answers(bi) -> list[dict]:
+                reader, out = iroh.FrameReader(bi.recv()), []
+                while (body := await reader.next()) is not None:
+                    out.append(json.loads(body))
+                return out
+
+            a = await partial(1)
+            await _until(lambda: server.budget.total == first)
+            b = await partial(1)  # the same peer past its bound: refused at once
+            refused = await asyncio.wait_for(answers(b), 30)
+            timed_out = await asyncio.wait_for(answers(a), 60)  # no second part within 5 s
+            await _until(lambda: server.budget.total == 0)
+            after_timeout = server.budget.total
+            c = await partial(1)
+            await _until(lambda: server.budget.total == first)
+            conn.close(0, b"bye")
+            await _until(lambda: server.budget.total == 0)
+            after_close = server.budget.total
+            del c
+            ans = await client.execute(server.endpoint_id, server.addrs, request(x[:4], [0, 1, 2, 3]))
+            return refused, timed_out, after_timeout, after_close, ans
+        finally:
+            await ep.close()
+            await client.close()
+            await server.close()
+
+    refused, timed_out, after_timeout, after_close, ans = asyncio.run(asyncio.wait_for(go(), 180))
+    assert refused[0]["error"]["code"] == -32005 and "per peer" in refused[0]["error"]["message"], refused
+    assert timed_out[0]["error"]["code"] == -32600 and "incomplete request" in timed_out[0]["error"]["message"]
+    assert after_timeout == 0 and after_close == 0
+    assert ans.rows.shape == (4, 256) and ans.transport == "iroh"  # still serving after all of it

@@ -67,6 +67,23 @@ def test_challenge_cases(client):
     assert client.get("/api/auth/challenge").status_code == 405
 
 
+def test_challenge_rate_is_per_client(client, settings, monkeypatch):
+    """One client asking challenges in a loop is refused (429, a message) while another client
+    still logs in; before, only the site-wide bound applied and one client locked out all."""
+    from registry import ratelimit
+
+    monkeypatch.setattr(ratelimit, "window_index", lambda window_s: 1)  # one window for the whole burst
+    settings.TENZRO = {**settings.TENZRO, "MARKET_CHALLENGE_RATE_PER_MINUTE": 5}
+    w = wallet_of(SigningKey.generate())
+    attacker = {"REMOTE_ADDR": "10.0.0.66"}
+    codes = [post(client, "/api/auth/challenge", {"wallet": w}, **attacker)[0] for _ in range(8)]
+    assert codes[:5] == [200] * 5 and set(codes[5:]) == {429}, codes
+    status, body = post(client, "/api/auth/challenge", {"wallet": w}, **attacker)
+    assert status == 429 and "per minute for this client" in body["error"]
+    assert MarketChallenge.objects.count() == 5
+    login(client)  # the default test client (127.0.0.1) is a different client: it still logs in
+
+
 def test_node_token_signature_nonce_and_replay(client):
     key = SigningKey.generate()
     w = wallet_of(key)
@@ -133,6 +150,18 @@ def test_coverage_validation_and_silent_segment_filter(client, model):
     post(client, "/api/expert-coverage", {"worker_id": "w", "model": "tiny-moe", "segments": [[1, 0, 9]] * 300},
          token=tok)
     assert len(MarketWorker.objects.get(worker_id="w").segments) == 256
+
+
+def test_coverage_numeric_string_segments_count_as_numbers(client, model):
+    """The Kvasir coordinator converts numeric strings; ``[["1","0","4"]]`` counts as ``[1,0,4]``."""
+    _, tok = login(client)
+    segs = [["1", "0", "4"], [" 2 ", "0.0", "8"], ["3", "x", "4"], ["nan", "0", "4"], ["1e999", "0", "1"]]
+    status, _ = post(client, "/api/expert-coverage", {"worker_id": "s", "model": "tiny-moe", "segments": segs},
+                     token=tok)
+    assert status == 200
+    assert MarketWorker.objects.get(worker_id="s").segments == [[1, 0, 4], [2, 0, 8]]
+    segs1 = layer_segments(get(client, "/api/expert-demand?model=tiny", token=tok)[1], 1)
+    assert segs1[0] == {"experts": [0, 4], "replicas": 1, "target": 2, "scarcity": 0.5}
 
 
 def layer_segments(body, layer):

@@ -3,6 +3,7 @@
 running cluster owns."""
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -40,6 +41,35 @@ def test_a_checkpoint_or_model_id_given_twice_is_refused_before_anything_starts(
     with pytest.raises(ClusterError, match="--model-id: .* would both publish as 'same'"):
         LocalCluster([QWEN, DEEPSEEK], holders=1, model_ids=["same", "same"])
     LocalCluster([QWEN, QWEN], holders=1, model_ids=[None, "qwen-again"])  # two ids: allowed
+
+
+def _time_wait_port() -> int:
+    """A 127.0.0.1 port whose listener is closed and whose served connection the server closed
+    first: the kernel keeps that side in FIN-WAIT/TIME-WAIT, as after stopping a cluster."""
+    with socket.socket() as lst:
+        lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        lst.bind(("127.0.0.1", 0))
+        lst.listen()
+        port = lst.getsockname()[1]
+        cli = socket.create_connection(("127.0.0.1", port))
+        conn, _ = lst.accept()
+        conn.close()  # the server side closes first: it is the one left in TIME-WAIT
+        cli.settimeout(30)
+        assert cli.recv(1) == b""
+        cli.close()
+    return port
+
+
+def test_restart_on_a_port_left_in_time_wait_is_allowed_but_a_listener_is_refused():
+    """Rerunning ``tenzro_cluster --port P`` right after stopping one failed "port P ... is not
+    free" while only TIME-WAIT sockets remained (issue 24 item 13)."""
+    port = _time_wait_port()
+    LocalCluster([QWEN], holders=1, port=port)._check_port()
+    with socket.socket() as live:
+        live.bind(("127.0.0.1", 0))
+        live.listen()
+        with pytest.raises(ClusterError, match=f"port {live.getsockname()[1]} on 127.0.0.1 is not free"):
+            LocalCluster([QWEN], holders=1, port=live.getsockname()[1])._check_port()
 
 
 @pytest.mark.cluster

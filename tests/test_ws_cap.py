@@ -122,7 +122,8 @@ def test_agent_holding_100000_experts_heartbeats_below_the_cap(site_factory, tmp
     site = site_factory(1 << 20)
     agent = HolderAgent(AgentConfig(site.url, SigningKey.generate(), tmp_path / "agent", heartbeat_interval=30))
     # 100,000 experts of 100 layers: residency and committed_tps vary per expert, the worst case for ranges.
-    held = [{"model_id": "kimi-k2-instruct", "layer": i // 1000, "expert": i % 1000,
+    # A model the site does not know: a known one (Kimi K2) holds only its 60 × 385 slots.
+    held = [{"model_id": "wide-test-moe", "layer": i // 1000, "expert": i % 1000,
              "residency": "Warm" if (i * 7919) % 3 else "Cold", "committed_tps": (i * 104729) % 5000,
              "blob_uri": "tenzro://blob/" + "ab" * 32} for i in range(100_000)]
     agent.runtime.holdings = lambda: held

@@ -29,6 +29,14 @@ frame, JSON that does not parse, parts that disagree, an unknown method: each is
 a JSON-RPC error frame (-32700, -32600, -32601, -32602) and the stream is finished; a
 connection offering another ALPN fails its handshake.
 
+Memory bounds of the holder's endpoint (issue 24 item 4): the bytes of requests still being
+read are counted per peer (its endpoint id, over all its connections) and in total before each
+frame body is read (``InflightBudget``; ``TENZRO_IROH_PEER_BYTES``, 512 MiB, and
+``TENZRO_IROH_TOTAL_BYTES``, 1 GiB): a frame past either bound is answered with -32005 and the
+stream stopped. A stream that sends no frame for ``TENZRO_IROH_PART_TIMEOUT`` seconds (30) while
+a request is incomplete is answered with -32600 and stopped; a closed connection cancels its
+streams. Either way the bytes are released at once.
+
 Endpoints bind to one address (default ``127.0.0.1:0``) with relays and discovery disabled
 (the ``minimal`` preset): routers dial the direct addresses holders advertise in their
 signed heartbeats. A holder's secret key is derived from its provider seed
@@ -41,9 +49,11 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import hashlib
 import json
 import logging
+import os
 import re
 import secrets
 import struct
@@ -52,7 +62,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from moe import wire
 from moe.messages import AuthRefusal, BatchAnswer, BatchRequest, HolderFault, Rejected, answer_to_batch
 from moe.transports.coalesce import Coalescer
-from moe.jsonrpc import (INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND, PARSE_ERROR,
+from moe.jsonrpc import (BUSY, INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND, PARSE_ERROR,
                               RpcError, error_response, result_response)
 
 try:
@@ -167,8 +177,9 @@ class FrameReader:
     one call per frame instead of two (length, then body) or more.
     """
 
-    def __init__(self, recv):
+    def __init__(self, recv, on_length: Callable[[int], None] | None = None):
         self.recv = recv
+        self.on_length = on_length  # called with each frame's length before its body is read; may raise
         self._data = b""  # bytes read and not yet returned start at self._pos
         self._pos = 0
 
@@ -187,6 +198,8 @@ class FrameReader:
             (n,) = struct.unpack_from("<I", self._data, self._pos)
             if n > MAX_FRAME_BYTES:
                 raise FrameError(f"frame of {n} bytes is over the {MAX_FRAME_BYTES}-byte cap")
+            if self.on_length is not None:
+                self.on_length(n)
             if not await self._fill(4 + n):
                 raise FrameError(f"truncated frame: the stream ended after {len(self._data) - self._pos - 4} of "
                                  f"{n} announced bytes", PARSE_ERROR)
@@ -385,6 +398,82 @@ def answer_frames(rid, params: dict, answer: dict, out: bytes) -> list[bytes]:
     return split_rows(len(tokens), build)
 
 
+def _env_number(name: str, default: float) -> float:
+    """A positive number from the environment (``default`` when unset); raises ``ValueError``
+    naming the variable."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{name} must be a number above 0, got {raw!r}")
+    return value
+
+
+TRIM_BYTES = 32 << 20  # abandoned request bytes after which freed heap pages go back to the system
+CLOSE_TRIM_S = 3.0  # seconds after a connection closes that its freed buffers are trimmed
+
+
+def _trim_heap() -> None:
+    """``malloc_trim(0)`` where glibc has it: frames of 4 MiB are served from the heap once
+    glibc's mmap threshold has grown, and freed heap pages stay in the process until trimmed,
+    so an abandoned request's memory would not leave the holder's RSS."""
+    gc.collect()  # an abandoned stream's frames can sit in reference cycles (its traceback)
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class InflightBudget:
+    """Bytes of requests still being read, per peer and in total, each with its bound.
+
+    ``take`` raises ``FrameError`` (-32005) instead of going past either bound; the caller
+    gives back what it took when its request is read whole or abandoned."""
+
+    def __init__(self, peer_bytes: int, total_bytes: int):
+        self.peer_bytes, self.total_bytes = int(peer_bytes), int(total_bytes)
+        self.by_peer: dict[str, int] = {}
+        self.total = 0
+        self.released = 0  # bytes of abandoned requests given back since the heap was last trimmed
+
+    def take(self, peer: str, n: int) -> None:
+        """Count ``n`` more bytes for ``peer``, or raise ``FrameError`` (nothing counted)."""
+        held = self.by_peer.get(peer, 0)
+        if held + n > self.peer_bytes:
+            raise FrameError(f"this peer has {held} bytes of unfinished requests in flight; the holder takes at "
+                             f"most {self.peer_bytes} per peer (finish or close streams first)", BUSY)
+        if self.total + n > self.total_bytes:
+            raise FrameError(f"the holder has {self.total} bytes of unfinished requests in flight (at most "
+                             f"{self.total_bytes}); retry shortly", BUSY)
+        self.by_peer[peer] = held + n
+        self.total += n
+
+    def give(self, peer: str, n: int, abandoned: bool = False) -> None:
+        """Release ``n`` bytes ``peer`` took; ``abandoned``: their request was never read whole
+        (refused, timed out, cut off), so its memory is garbage now."""
+        if n <= 0:
+            return
+        left = self.by_peer.get(peer, 0) - n
+        if left > 0:
+            self.by_peer[peer] = left
+        else:
+            self.by_peer.pop(peer, None)
+        self.total = max(0, self.total - n)
+        if abandoned:
+            self.released += n
+
+    def trim(self) -> None:
+        """Collect and return freed heap pages to the system once ``TRIM_BYTES`` of abandoned
+        requests were given back (call it once the streams that held them are gone)."""
+        if self.released >= TRIM_BYTES:
+            self.released = 0
+            _trim_heap()
+
+
 class IrohServer:
     """A holder's iroh endpoint serving ``moe/execute`` and ``moe/status`` under ``ALPN``.
 
@@ -392,11 +481,14 @@ class IrohServer:
     ``execute``/``status``: the holder's handlers (errors as ``RpcError``); ``execute_stream``:
     the handler of a coalesced stream's requests (default: ``execute`` on each in turn). Start with
     ``await start()``, stop with ``await close()``. ``endpoint_id`` (64 hex) and ``addrs``
-    (direct ``ip:port`` addresses) are what the holder advertises.
+    (direct ``ip:port`` addresses) are what the holder advertises. ``peer_bytes``,
+    ``total_bytes``, ``part_timeout_s``: the memory bounds of the module doc (default: the
+    ``TENZRO_IROH_*`` variables, else 512 MiB, 1 GiB, 30 s).
     """
 
     def __init__(self, secret: bytes, bind: str, execute: Execute, status: Status,
-                 execute_stream: ExecuteStream | None = None):
+                 execute_stream: ExecuteStream | None = None, peer_bytes: int | None = None,
+                 total_bytes: int | None = None, part_timeout_s: float | None = None):
         self.secret, self.bind = secret, bind
         self.execute, self.status = execute, status
         self.execute_stream = execute_stream
@@ -404,6 +496,9 @@ class IrohServer:
         self.endpoint_id = ""
         self.addrs: list[str] = []
         self._tasks: set[asyncio.Task] = set()
+        self.budget = InflightBudget(peer_bytes or _env_number("TENZRO_IROH_PEER_BYTES", 512 << 20),
+                                     total_bytes or _env_number("TENZRO_IROH_TOTAL_BYTES", 1 << 30))
+        self.part_timeout_s = part_timeout_s or _env_number("TENZRO_IROH_PART_TIMEOUT", 30.0)
 
     async def start(self) -> "IrohServer":
         """Bind and start accepting. Raises ``RuntimeError`` (no wheel) or ``OSError`` (bind)."""
@@ -422,10 +517,11 @@ class IrohServer:
         if self.endpoint is not None:
             await self.endpoint.close()
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _accept(self) -> None:
         while True:
@@ -451,17 +547,34 @@ class IrohServer:
             conn.close(1, b"unsupported ALPN")
             return
         conn.set_max_concurrent_bi_streams(MAX_STREAMS)
-        while True:
-            try:
-                bi = await conn.accept_bi()
-            except _iroh.IrohError:  # the peer closed the connection
-                return
-            self._spawn(self._stream(bi))
+        peer = str(conn.remote_id())
+        streams: set[asyncio.Task] = set()
+        try:
+            while True:
+                try:
+                    bi = await conn.accept_bi()
+                except _iroh.IrohError:  # the peer closed the connection
+                    return
+                task = self._spawn(self._stream(bi, peer))
+                streams.add(task)
+                task.add_done_callback(streams.discard)
+        finally:
+            for task in list(streams):  # nobody can read their answers: free what they hold now
+                task.cancel()
+            # The connection's buffered stream data is dropped once it has drained (a moment
+            # after the close): return those pages to the system then.
+            asyncio.get_running_loop().call_later(CLOSE_TRIM_S, self.budget.trim)
 
-    async def _stream(self, bi) -> None:
+    async def _stream(self, bi, peer: str = "") -> None:
+        try:
+            await self._serve_stream(bi, peer)
+        finally:  # on the next loop turn, when this task and its frames are gone
+            asyncio.get_running_loop().call_soon(self.budget.trim)
+
+    async def _serve_stream(self, bi, peer: str) -> None:
         recv, send = bi.recv(), bi.send()
         try:
-            answer = await self._answer(recv)
+            answer = await self._answer(recv, peer)
         except ConnectionError as exc:
             log.info("iroh stream dropped: %s", exc)
             return
@@ -475,43 +588,60 @@ class IrohServer:
         except _iroh.IrohError as exc:
             log.info("iroh answer not delivered: %s", _msg(exc))
 
-    async def _answer(self, recv):
+    async def _answer(self, recv, peer: str = ""):
         """Read one request (all its parts), or the ``stream_requests`` requests of a coalesced
         stream; return the answer frames (a list), or for a coalesced stream an async iterator
-        of each request's frames as it finishes; errors as an envelope."""
+        of each request's frames as it finishes; errors as an envelope. The bytes read count
+        against ``peer``'s in-flight budget until the reading ends."""
         rid = None
+        held, complete = 0, False
+
+        def take(n: int) -> None:
+            nonlocal held
+            self.budget.take(peer, n)
+            held += n
+
         try:
             groups: list[list[dict]] = []
             requests: list[dict] = []
             want_requests, frames = 1, 0
-            reader = FrameReader(recv)
-            while True:
-                body = await reader.next()
-                if body is None:
-                    break
-                frames += 1
-                if frames > MAX_PARTS:
-                    raise FrameError(f"the stream carries more than {MAX_PARTS} frames")
-                try:
-                    msg = loads_frame(body)
-                except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-                    raise FrameError(f"parse error: {str(exc)[:200]}", PARSE_ERROR) from exc
-                if not isinstance(msg, dict) or not isinstance(msg.get("method"), str):
-                    raise FrameError("expected a JSON-RPC 2.0 request object with a method")
-                rid = msg.get("id") if rid is None else rid
-                if not isinstance(msg.get("params", {}), dict):
-                    raise RpcError(INVALID_PARAMS, "params must be an object", field="params")
-                msg.setdefault("params", {})
-                requests.append(msg)
-                part = msg["params"].get("part")
-                want = part.get("count") if isinstance(part, dict) else 1
-                if len(requests) >= (want if isinstance(want, int) and 1 <= want <= MAX_PARTS else 1):
-                    groups.append(requests)  # all parts of one request read
-                    requests = []
-                    if len(groups) == 1:
-                        want_requests = _stream_requests(groups[0][0]["params"])
-                    if len(groups) >= want_requests:
-                        break  # every request read; anything after them is ignored
+            reader = FrameReader(recv, take)
+            try:
+                while True:
+                    try:
+                        body = await asyncio.wait_for(reader.next(), self.part_timeout_s)
+                    except asyncio.TimeoutError:
+                        raise FrameError(f"incomplete request: no frame for {self.part_timeout_s:g} s after "
+                                         f"{frames} frame(s)") from None
+                    if body is None:
+                        break
+                    frames += 1
+                    if frames > MAX_PARTS:
+                        raise FrameError(f"the stream carries more than {MAX_PARTS} frames")
+                    try:
+                        msg = loads_frame(body)
+                    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+                        raise FrameError(f"parse error: {str(exc)[:200]}", PARSE_ERROR) from exc
+                    if not isinstance(msg, dict) or not isinstance(msg.get("method"), str):
+                        raise FrameError("expected a JSON-RPC 2.0 request object with a method")
+                    rid = msg.get("id") if rid is None else rid
+                    if not isinstance(msg.get("params", {}), dict):
+                        raise RpcError(INVALID_PARAMS, "params must be an object", field="params")
+                    msg.setdefault("params", {})
+                    requests.append(msg)
+                    part = msg["params"].get("part")
+                    want = part.get("count") if isinstance(part, dict) else 1
+                    if len(requests) >= (want if isinstance(want, int) and 1 <= want <= MAX_PARTS else 1):
+                        groups.append(requests)  # all parts of one request read
+                        requests = []
+                        if len(groups) == 1:
+                            want_requests = _stream_requests(groups[0][0]["params"])
+                        if len(groups) >= want_requests:
+                            break  # every request read; anything after them is ignored
+                complete = not requests
+            finally:
+                self.budget.give(peer, held, abandoned=not complete)  # read whole or abandoned: no longer in flight
+                held = 0
             if requests:
                 groups.append(requests)  # an unfinished request: assemble() names what is missing
             if not groups:
@@ -533,6 +663,8 @@ class IrohServer:
         except RpcError as exc:
             await _stop(recv)
             return [pack(error_response(rid, exc))]
+        except ConnectionError:
+            raise  # the peer went away: nobody to answer (``_stream`` logs one line, no traceback)
         except Exception as exc:  # a bug must not take the endpoint down: answer -32603, keep serving
             log.exception("iroh request failed")
             return [pack(error_response(rid, RpcError(INTERNAL_ERROR, f"internal error: {type(exc).__name__}")))]
