@@ -120,9 +120,9 @@ def holder():
     calls = []
     real = agent.execution.execute_stream
 
-    def counted(items):  # every path (whole, streamed, iroh) runs one execute_stream per message
+    def counted(items, *rest):  # every path (whole, streamed, iroh) runs one execute_stream per message
         calls.append(len(items))
-        return real(items)
+        return real(items, *rest)
 
     agent.execution.execute_stream = counted
     return agent, x, calls
@@ -144,7 +144,7 @@ def check(agent, reqs, answers, singles):
         assert np.array_equal(ans.rows, alone.rows)
         verify_receipt(ans.receipt, provider=agent.provider, request_id=req.request_id, model_id=MODEL, layer=LAYER,
                        expert=req.expert, tokens=req.tokens, carrier_kind=req.carrier, carrier=req.payload,
-                       rows=ans.rows)
+                       rows=ans.rows, seal=ans.seal.body if ans.seal else None)
 
 
 def fresh(reqs):
@@ -271,7 +271,7 @@ def test_http_streamed_batch_refused_whole_and_a_holder_without_streaming(holder
     for req, ans in zip(reqs + again, got):
         verify_receipt(ans.receipt, provider=agent.provider, request_id=req.request_id, model_id=MODEL, layer=LAYER,
                        expert=req.expert, tokens=req.tokens, carrier_kind=req.carrier, carrier=req.payload,
-                       rows=ans.rows)
+                       rows=ans.rows, seal=ans.seal.body if ans.seal else None)
 
 
 async def iroh_pair(agent):
@@ -333,7 +333,7 @@ def test_iroh_coalesced_stream_answers_each_request_as_it_finishes(holder, monke
         assert ans.transport == "iroh" and ans.bytes_back > 0
         verify_receipt(ans.receipt, provider=agent.provider, request_id=req.request_id, model_id=MODEL, layer=LAYER,
                        expert=req.expert, tokens=req.tokens, carrier_kind=req.carrier, carrier=req.payload,
-                       rows=ans.rows)
+                       rows=ans.rows, seal=ans.seal.body if ans.seal else None)
 
 
 def test_a_stream_announcing_more_requests_than_it_carries_is_refused(holder):
@@ -400,7 +400,7 @@ def test_socket_batch_frame_is_answered_per_request_and_a_malformed_batch_gets_a
         assert np.array_equal(ans.rows, wire.decode_rows(out, req.output, req.d_model, len(req.tokens)))
         verify_receipt(ans.receipt, provider=agent.provider, request_id=req.request_id, model_id=MODEL, layer=LAYER,
                        expert=req.expert, tokens=req.tokens, carrier_kind=req.carrier, carrier=req.payload,
-                       rows=ans.rows)
+                       rows=ans.rows, seal=ans.seal.body if ans.seal else None)
     bad, _ = wire.unpack_frame(sent[-1])
     assert bad["id"] == "b2" and bad["ok"] is False and "more" not in bad and "nbytes" in bad["message"]
 
