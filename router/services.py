@@ -71,13 +71,13 @@ async def _send_ws_many(link: AgentLink, provider: str, reqs: list[BatchRequest]
     try:
         answer, data = await link.request(provider, header, payload, settings.TENZRO["BATCH_TIMEOUT_S"],
                                           req_id=header["id"], on_part=on_part)
+        back = 4 + len(json.dumps(answer, separators=(",", ":"))) + len(data)
+        if "more" not in answer:  # answered whole
+            return messages.batch_answers(answer, data, reqs, "ws", out, back)
+        stream.part(answer, data, back)  # the last answer (with the seal): its caller is resolved from finish()
+        return stream.finish()
     finally:
         stream.close()  # answers delivered before a break stop waiting for the seal
-    back = 4 + len(json.dumps(answer, separators=(",", ":"))) + len(data)
-    if "more" not in answer:  # answered whole
-        return messages.batch_answers(answer, data, reqs, "ws", out, back)
-    stream.part(answer, data, back)  # the last answer: its caller is resolved from finish()
-    return stream.finish()
 
 
 async def send_to_agent(model_id: str, provider: str, layer: int, expert: int, tokens: list[int],

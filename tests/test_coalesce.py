@@ -181,15 +181,15 @@ def test_http_sends_one_frame_per_holder_and_one_bad_request_fails_alone(holder,
 
 
 def holding_back(agent, expert):
-    """(gate, a stand-in for ``agent.execution._execute_sync`` that holds requests for ``expert`` until the gate opens)."""
+    """(gate, a stand-in for ``agent.execution._execute`` that holds requests for ``expert`` until the gate opens)."""
     import threading
     gate = threading.Event()
-    real = agent.execution._execute_sync
+    real = agent.execution._execute
 
-    def held_back(req, carrier, payload):
+    def held_back(req, carrier, payload, index=None):
         if req["expert"] == expert:
             assert gate.wait(30)
-        return real(req, carrier, payload)
+        return real(req, carrier, payload, index)
     return gate, held_back
 
 
@@ -219,7 +219,7 @@ def test_http_streamed_batch_answers_each_request_as_it_finishes(holder, monkeyp
             monkeypatch.setenv("TENZRO_COALESCE", "0")
             singles = await asyncio.gather(*(client.execute_frame(endpoint, r) for r in fresh(reqs[:-1])))
             monkeypatch.setenv("TENZRO_COALESCE", "1")
-            monkeypatch.setattr(agent.execution, "_execute_sync", held_back)
+            monkeypatch.setattr(agent.execution, "_execute", held_back)
             first, early, got = await first_while_held(lambda r: client.execute_frame(endpoint, r), reqs, gate)
             await asyncio.sleep(0.05)  # the stream's last chunk is read after the last answer
             pooled = sum(len(v) for v in client._idle.values())
@@ -321,7 +321,7 @@ def test_iroh_coalesced_stream_answers_each_request_as_it_finishes(holder, monke
         server, client = await iroh_pair(agent)
         try:
             monkeypatch.setenv("TENZRO_COALESCE", "1")
-            monkeypatch.setattr(agent.execution, "_execute_sync", held_back)
+            monkeypatch.setattr(agent.execution, "_execute", held_back)
             return await first_while_held(lambda r: client.execute(server.endpoint_id, server.addrs, r), reqs, gate)
         finally:
             await client.close()
