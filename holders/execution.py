@@ -197,10 +197,15 @@ class Execution:
             seal = make_seal(self.key, leaves) if leaves is not None and not left else None
             yield messages.batch_part(header.get("id"), _answer(subs[i][0], outcome), more=left > 0, seal=seal)
 
-    async def execute_stream_rpc(self, items: list[tuple[dict, str, bytes]]):
-        """``execute_stream`` for the iroh endpoint: failures as ``RpcError`` (as ``execute_rpc``)."""
-        async for i, outcome in self.execute_stream(items):
+    async def execute_stream_rpc(self, items: list[tuple[dict, str, bytes]], sealed: bool = False):
+        """``execute_stream`` for the iroh endpoint: failures as ``RpcError`` (as ``execute_rpc``).
+        ``sealed``: the items are one message asking for a message receipt: unsigned entries, then
+        ``(None, seal)`` after the last answer (``moe.receipts.make_seal``)."""
+        leaves = [None] * len(items) if sealed else None
+        async for i, outcome in self.execute_stream(items, leaves):
             yield i, RpcError(*_rpc_failure(outcome)) if isinstance(outcome, BaseException) else outcome
+        if leaves is not None:
+            yield None, make_seal(self.key, leaves)
 
     async def execute_rpc(self, req: dict, carrier: str, payload: bytes) -> tuple[dict, bytes]:
         """``execute_request`` for the HTTP and iroh endpoints: its errors as ``RpcError``

@@ -2,7 +2,7 @@
 signature and one router verify, and each batch's receipt still verifies alone once stored.
 
 The format on plain keys and rows; the holder's execute path behind its HTTP ``/frame``
-endpoint (streamed and whole answers), counting ed25519 signs and verifies; a stream that
+endpoint (streamed and whole answers) and its iroh endpoint, counting ed25519 signs and verifies; a stream that
 ends without its seal; the forward storing sealed receipts that ``verify_stored_receipt`` and
 the settlement sampling accept.
 """
@@ -18,11 +18,12 @@ from nacl.signing import SigningKey
 
 from moe import identity, messages, receipts
 from moe.identity import canonical_json, provider_id
-from moe.messages import BatchRequest, MessageSeal, StreamedBatch
+from moe.messages import BatchRequest, HolderFault, MessageSeal, StreamedBatch
 from moe.receipts import (DOMAIN_RECEIPT, ReceiptError, commitment_bytes, make_entry, make_receipt, make_seal,
                           verify_receipt, verify_stored_receipt)
 from moe.transports.http import HttpHolderClient, serve_http
-from tests.test_coalesce import EXPERTS, LAYER, MODEL, holder, requests  # noqa: F401 (the module's agent fixture)
+from router.forward import ForwardConfig, LayerForward
+from tests.test_coalesce import LAYER, MODEL, holder, iroh_pair, requests  # noqa: F401 (the module's agent fixture)
 
 
 def batch(seed: int, n: int = 3, h: int = 16):
@@ -109,52 +110,64 @@ class Count:
 
 
 async def checked(provider, req: BatchRequest, ans) -> dict:
-    """The router's check of one answer (``LayerForward.verified_receipt`` without a forward)."""
-    from router.forward import LayerForward
-    fwd = LayerForward.__new__(LayerForward)
-    fwd.model_id = req.model_id
+    """The router's check of one answer (``LayerForward.verified_receipt``)."""
+    fwd = LayerForward(ForwardConfig(), gate=None, model_id=req.model_id, layer=req.layer, hidden_states=None,
+                       get_view=None, send=None)
     return await fwd.verified_receipt(provider, req, ans)
 
 
-@pytest.mark.parametrize("stream", ["1", "0"])
+@pytest.mark.parametrize("path", ["http-streamed", "http-whole", "iroh"])
 @pytest.mark.parametrize("sealed", ["1", "0"])
-def test_a_coalesced_message_costs_one_signature_and_one_verify(holder, monkeypatch, stream, sealed):  # noqa: F811
+def test_a_coalesced_message_costs_one_signature_and_one_verify(holder, monkeypatch, path, sealed):  # noqa: F811
+    """Every batch of the message verifies and, stored, verifies alone; a request that fails
+    (an expert not held) fails alone and leaves a zero leaf in the seal."""
     agent, x, _ = holder
-    reqs = requests(x)
+    reqs = requests(x, carrier="f32", output="f32", bad_expert=9)
     monkeypatch.setenv("TENZRO_COALESCE", "1")
-    monkeypatch.setenv("TENZRO_STREAM_ANSWERS", stream)
+    monkeypatch.setenv("TENZRO_STREAM_ANSWERS", "0" if path == "http-whole" else "1")
     monkeypatch.setenv("TENZRO_MESSAGE_RECEIPTS", sealed)
     count = Count(monkeypatch)
 
     async def go():
-        server = await serve_http(agent.execution.http_rpc, "127.0.0.1", 0, agent.execution.http_frame,
-                                  agent.execution.http_stream)
-        endpoint = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/rpc"
-        client = HttpHolderClient(30)
+        if path == "iroh":
+            server, client = await iroh_pair(agent)
+            send = lambda r: client.execute(server.endpoint_id, server.addrs, r)  # noqa: E731
+        else:
+            server = await serve_http(agent.execution.http_rpc, "127.0.0.1", 0, agent.execution.http_frame,
+                                      agent.execution.http_stream)
+            endpoint = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/rpc"
+            client = HttpHolderClient(30)
+            send = lambda r: client.execute_frame(endpoint, r)  # noqa: E731
         try:
-            got = await asyncio.gather(*(client.execute_frame(endpoint, r) for r in reqs))
+            got = await asyncio.gather(*(send(r) for r in reqs), return_exceptions=True)
             signs = count.signs
-            kept = await asyncio.gather(*(checked(agent.provider, r, a) for r, a in zip(reqs, got)))
+            kept = await asyncio.gather(*(checked(agent.provider, r, a) for r, a in zip(reqs, got[:-1])))
             return got, signs, kept
         finally:
             await client.close()
-            server.close()
+            if path == "iroh":
+                await server.close()
+            else:
+                server.close()
 
     got, signs, kept = asyncio.run(go())
+    assert isinstance(got[-1], HolderFault)
+    got, reqs = got[:-1], reqs[:-1]
     n = len(reqs)
     if sealed == "1":
         assert signs == 1 and count.verifies == 1
         assert all(a.seal is got[0].seal and receipts.is_entry(a.receipt) for a in got)
-        assert [k["index"] for k in kept] == list(range(n)) and all(len(k["message"]["leaves"]) == n for k in kept)
+        leaves = kept[0]["message"]["leaves"]
+        assert len(leaves) == n + 1 and leaves.count("00" * 32) == 1  # the failed request's leaf
+        assert sorted(k["index"] for k in kept) == [i for i, leaf in enumerate(leaves) if leaf != "00" * 32]
     else:
         assert signs == n and count.verifies == n
         assert all("signature" in k and "message" not in k for k in kept)
-    for req, k in zip(reqs, kept):
-        args = dict(request_id=req.request_id, model_id=MODEL, layer=LAYER, expert=req.expert, tokens=req.tokens,
-                    d_model=req.d_model, carrier_kind=req.carrier, carrier=req.payload)
-        rows = next(a.rows for r, a in zip(reqs, got) if r is req)
+    for req, ans, k in zip(reqs, got, kept):
         proj = np.frombuffer(base64.b64decode(k["sketch"]), "<f8").reshape(len(req.tokens), -1)
-        verify_stored_receipt(k, provider=agent.provider, commitment=commitment_bytes(req.tokens, rows, proj), **args)
+        verify_stored_receipt(k, provider=agent.provider, request_id=req.request_id, model_id=MODEL, layer=LAYER,
+                              expert=req.expert, tokens=req.tokens, d_model=req.d_model, carrier_kind=req.carrier,
+                              carrier=req.payload, commitment=commitment_bytes(req.tokens, ans.rows, proj))
 
 
 def test_answers_of_a_stream_that_ends_without_its_seal_fail_their_receipt_check():
