@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from nacl.signing import SigningKey
 
-from moe import identity, messages, receipts
+from moe import identity, messages, receipts, wire
 from moe.identity import canonical_json, provider_id
 from moe.messages import BatchRequest, HolderFault, MessageSeal, StreamedBatch
 from moe.receipts import (DOMAIN_RECEIPT, ReceiptError, commitment_bytes, make_entry, make_receipt, make_seal,
@@ -196,3 +196,43 @@ def test_answers_of_a_stream_that_ends_without_its_seal_fail_their_receipt_check
             await checked(p, req, ans)
 
     asyncio.run(go())
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.asyncio
+async def test_the_agent_socket_carries_the_seal_on_the_last_streamed_answer(monkeypatch):
+    """``services.send_ws`` asks for a message receipt; the agent's entries come one by one and
+    the seal with the last (``more: false``): every answer verifies once it is in, with one
+    signature verify for the message; an entry whose leaf the seal lacks fails alone."""
+    from router import services
+    from tests.test_agent_socket import authed
+
+    monkeypatch.setenv("TENZRO_COALESCE", "1")
+    monkeypatch.setenv("TENZRO_MESSAGE_RECEIPTS", "1")
+    key = SigningKey.generate()
+    p = provider_id(key)
+    comm = await authed(key)
+    rows = np.random.default_rng(1).standard_normal((4, 32)).astype(np.float32)
+    reqs = [BatchRequest(f"s{i}", "m", 0, i, [i], "f32", rows[i:i + 1].tobytes(), "f32", 32) for i in range(4)]
+    sent = [asyncio.ensure_future(services.send_ws(p, r)) for r in reqs]
+    header, payload = wire.unpack_frame(await comm.receive_from(), wire.MESSAGE_HEADER_MAX)
+    assert header["type"] == "batch" and messages.wants_seal(header) and header["stream"] is True
+    leaves = [None] * 4
+    order = [2, 0, 1, 3]
+    for n, i in enumerate(order):
+        h, data = messages.split_batch(header, payload)[i]
+        out = rows[i:i + 1] * 2
+        entry, leaves[i] = make_entry(key, request_id=h["id"], model_id="m", layer=0, expert=i, tokens=[i],
+                                      carrier_kind="f32", carrier=data, rows=out, blob_hash="b", quant="f32", index=i)
+        if i == 1:
+            leaves[i] = None  # the holder "forgot" this one: its entry is not covered by the seal
+        seal = make_seal(key, leaves) if n == 3 else None
+        answer = (messages.reply(h["id"], token_indices=[i], output="f32", receipt=entry), out.tobytes())
+        await comm.send_to(bytes_data=wire.pack_frame(*messages.batch_part(header["id"], answer, n < 3, seal=seal)))
+    got = await asyncio.wait_for(asyncio.gather(*sent), 5.0)
+    count = Count(monkeypatch)
+    checks = await asyncio.gather(*(checked(p, r, a) for r, a in zip(reqs, got)), return_exceptions=True)
+    assert count.verifies == 1 and all(a.seal is got[0].seal for a in got)
+    assert isinstance(checks[1], ReceiptError) and "does not sign this batch" in str(checks[1])
+    assert all(checks[i]["message"]["signature"] == got[0].seal.body["signature"] for i in (0, 2, 3))
+    await comm.disconnect()
