@@ -36,9 +36,11 @@ Heartbeat holdings go in the compact range form (``compact_holdings``), so any h
 count fits the cap.
 
 Also the router-side request/answer records (``BatchRequest``, ``BatchAnswer``), the two
-holder outcomes a router distinguishes (``HolderFault``, ``AuthRefusal``) and
-``answer_to_batch`` decoding a reply frame. Pure Python + numpy; imports nothing from
-Django and nothing of the planner, so the agent process stays small.
+holder outcomes a router distinguishes (``HolderFault``, ``AuthRefusal``),
+``answer_to_batch`` decoding a reply frame and ``MessageSeal`` (a coalesced message's one
+receipt signature, shared by its answers). Pure Python + numpy (+ ``moe.receipts``, which the
+agent loads anyway); imports nothing from Django and nothing of the planner, so the agent
+process stays small.
 """
 from __future__ import annotations
 
