@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from holders import execution  # noqa: E402
+from machine import int_at_least  # noqa: E402  (this directory is sys.path[0] when run as a script)
 from holders.agent import AgentConfig, HolderAgent  # noqa: E402
 from moe import messages, receipts, wire  # noqa: E402
 from moe.messages import BatchRequest  # noqa: E402
@@ -99,7 +100,7 @@ async def main(args) -> None:
                                       tempfile.mkdtemp(prefix="tenzro-bench-seal-"))) for _ in range(args.holders)]
     experts_of = [[] for _ in agents]
     for i in range(args.batches):
-        e = i % ck.config["num_experts"]
+        e = i
         experts_of[i % args.holders].append(e)
         agents[i % args.holders].runtime.load_expert(MODEL, LAYER, e, load_expert(ck, spec, LAYER, e).to_blob("f32"))
     providers[:] = [a.provider for a in agents]
@@ -156,9 +157,12 @@ async def main(args) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--holders", type=int, default=4)
-    ap.add_argument("--batches", type=int, default=14)
-    ap.add_argument("--rows", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--holders", type=int_at_least(1), default=4)
+    ap.add_argument("--batches", type=int_at_least(1), default=14, help="at most 16 (the fixture's experts)")
+    ap.add_argument("--rows", type=int_at_least(1), default=8)
+    ap.add_argument("--rounds", type=int_at_least(1), default=30)
     ap.add_argument("--stream", choices=["on", "off"], default="on")
-    asyncio.run(main(ap.parse_args()))
+    a = ap.parse_args()
+    if a.batches > 16:
+        ap.error(f"--batches: at most 16 (one batch per expert of the fixture's layer), got {a.batches}")
+    asyncio.run(main(a))
