@@ -169,7 +169,8 @@ def agent_main(port: int, experts: list[int], blob_dir: str, threads: int, ws_si
     threadpool_limits(limits=threads)
     ph = Phases()
     instrument_wire(ph)
-    execution.make_receipt = ph.timed("receipt sign", execution.make_receipt)
+    execution.make_entry = ph.timed("receipt sign", execution.make_entry)
+    execution.make_seal = ph.timed("receipt sign", execution.make_seal)  # a coalesced message's one signature
     # The site is the bench's SocketHub when the ws transport is measured (its socket starts in
     # bench_transports.serve_agent); memory tier only: no disk copies of the experts.
     config = AgentConfig(ws_site or "http://127.0.0.1:9", SigningKey.generate(),
@@ -467,6 +468,7 @@ def main() -> None:
 
     from moe import kernels
     from router import forward as forward_mod
+    from moe import messages
 
     try:
         cpus = parse_cpus(a.cpus)
@@ -475,7 +477,9 @@ def main() -> None:
     os.sched_setaffinity(0, cpus)  # the agents inherit it: every process on the same cores
     router = Phases()
     instrument_wire(router)
-    forward_mod.verify_receipt = router.timed("receipt verify", forward_mod.verify_receipt)
+    for name in ("verify_receipt", "verify_entry", "entry_in_seal"):  # single receipts, message entries
+        setattr(forward_mod, name, router.timed("receipt verify", getattr(forward_mod, name)))
+    messages.verify_seal = router.timed("receipt verify", messages.verify_seal)  # once per coalesced message
     forward_mod.route = router.timed("gate", forward_mod.route)
     forward_mod.combine = router.timed("combine", forward_mod.combine)
 

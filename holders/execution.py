@@ -18,7 +18,7 @@ from nacl.signing import SigningKey
 from moe import messages, methods, wire
 from moe.faults import FaultInjector
 from moe.jsonrpc import EXECUTION_ERROR, INTERNAL_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND, RpcError
-from moe.receipts import make_receipt
+from moe.receipts import make_entry, make_seal
 from moe.runtime import ExpertNotLoaded, ExpertRuntime, RuntimeFault
 
 log = logging.getLogger("tenzro.agent")
@@ -74,12 +74,19 @@ class Execution:
         return (held.blob_hash, held.quant or "f32") if held is not None else ("", "unknown")
 
     def _execute_sync(self, req: dict, carrier: str, payload: bytes) -> tuple[dict, bytes]:
-        """Execute one batch and sign its receipt, in the calling (compute) thread.
+        """Execute one batch and sign its receipt, in the calling (compute) thread (``_execute``
+        with a single receipt). Same returns and errors as ``_execute``, without the leaf."""
+        return self._execute(req, carrier, payload)[:2]
+
+    def _execute(self, req: dict, carrier: str, payload: bytes,
+                 index: int | None = None) -> tuple[dict, bytes, bytes]:
+        """Execute one batch and make its receipt, in the calling (compute) thread: a signed single
+        receipt, or with ``index`` (its position in a sealed message) an unsigned message entry.
 
         ``req``: ``request_id, model_id, layer, expert, token_indices, d_model, output?,
         purpose?`` (``purpose`` other than "serve" is not metered); ``payload`` the carrier
         bytes (``carrier`` "f32", "f16" or "q8_0"). Returns (answer fields ``{rows, d_model,
-        output, token_indices, receipt}``, output bytes). Raises ``RpcError`` (-32602: a bad
+        output, token_indices, receipt}``, output bytes, the receipt's leaf). Raises ``RpcError`` (-32602: a bad
         model_id, layer, expert, d_model or token index, ``methods.execute_key``), ``wire.WireError``,
         ``RuntimeFault`` (``ExpertNotLoaded``, ``DimensionMismatch``, ...) or ``ValueError``.
         """
@@ -103,11 +110,11 @@ class Execution:
         data = wire.encode_rows(out, output)
         sent = out if output == "f32" else wire.decode_rows(data, output, d_model, len(tokens), "outputs")
         blob_hash, quant = self.blob_identity(model_id, layer, expert)
-        receipt = make_receipt(self.key, request_id=req["request_id"], model_id=model_id, layer=layer,
-                               expert=expert, tokens=tokens, carrier_kind=carrier, carrier=payload, rows=sent,
-                               blob_hash=blob_hash, quant=quant)
+        receipt, leaf = make_entry(self.key, request_id=req["request_id"], model_id=model_id, layer=layer,
+                                   expert=expert, tokens=tokens, carrier_kind=carrier, carrier=payload, rows=sent,
+                                   blob_hash=blob_hash, quant=quant, index=index)
         return ({"rows": len(tokens), "d_model": d_model, "output": output, "token_indices": tokens,
-                 "receipt": receipt}, data)
+                 "receipt": receipt}, data, leaf)
 
     async def execute_request(self, req: dict, carrier: str, payload: bytes) -> tuple[dict, bytes]:
         """``_execute_sync`` on the compute pool (socket and HTTP transports): numpy/BLAS
@@ -115,13 +122,17 @@ class Execution:
         return await asyncio.get_running_loop().run_in_executor(self.compute, self._execute_sync, req, carrier,
                                                                 payload)
 
-    async def execute_stream(self, items: list[tuple[dict, str, bytes]]):
+    async def execute_stream(self, items: list[tuple[dict, str, bytes]], leaves: list | None = None):
         """Several batches (``execute_request``'s arguments each) in one hop to the compute pool
         per compute thread (round-robin, so several threads still run them side by side); an
         async iterator of (index, outcome) in the order they finish, the outcome being (answer
         fields, output bytes) or the exception it raised, so one failing request fails only
         itself and each answer can leave before the next batch is done. Under the
-        ``blackhole`` drill it never answers."""
+        ``blackhole`` drill it never answers.
+
+        ``leaves`` (a list of ``len(items)`` Nones): the batches of one sealed message; each
+        success gets an unsigned message entry (its index in ``items``) and its leaf is written
+        to ``leaves[i]`` before its outcome is yielded, for ``make_seal`` once all are in."""
         if self.faults.blackhole:
             await asyncio.Event().wait()
         loop = asyncio.get_running_loop()
@@ -130,7 +141,10 @@ class Execution:
         def run(indices: list[int]) -> None:
             for i in indices:
                 try:
-                    outcome = self._execute_sync(*items[i])
+                    fields, data, leaf = self._execute(*items[i], index=None if leaves is None else i)
+                    outcome = fields, data
+                    if leaves is not None:
+                        leaves[i] = leaf
                 except Exception as exc:  # noqa: BLE001 (each request gets its own answer)
                     outcome = exc
                 try:
@@ -147,38 +161,51 @@ class Execution:
         for _ in range(len(items)):
             yield await done.get()
 
-    async def execute_many(self, items: list[tuple[dict, str, bytes]]) -> list:
-        """``execute_stream``'s outcomes collected in the order of ``items``."""
+    async def execute_many(self, items: list[tuple[dict, str, bytes]], leaves: list | None = None) -> list:
+        """``execute_stream``'s outcomes collected in the order of ``items`` (``leaves`` as there)."""
         out: list = [None] * len(items)
-        async for i, outcome in self.execute_stream(items):
+        async for i, outcome in self.execute_stream(items, leaves):
             out[i] = outcome
         return out
 
     async def execute_batch(self, header: dict, payload: bytes) -> tuple[dict, bytes]:
         """A coalesced ``batch`` message (``messages.split_batch``) through ``execute_many``, each
         request answered on its own (reply with receipt, or failure with a JSON-RPC code: -32004
-        expert not held, -32602 bad request, -32603 a bug). Returns ``messages.batch_reply``'s
-        (header, payload). Raises ``wire.WireError`` when the batch itself is malformed."""
+        expert not held, -32602 bad request, -32603 a bug). A batch asking for a message receipt
+        (``messages.wants_seal``) gets message entries and one seal (``moe.receipts.make_seal``)
+        in the reply. Returns ``messages.batch_reply``'s (header, payload). Raises
+        ``wire.WireError`` when the batch itself is malformed."""
         subs = messages.split_batch(header, payload)
+        leaves = [None] * len(subs) if messages.wants_seal(header) else None
         outcomes = await self.execute_many([({**h, "request_id": h.get("id")}, h.get("carrier", "f32"), data)
-                                            for h, data in subs])
-        return messages.batch_reply(header.get("id"), [_answer(h, o) for (h, _), o in zip(subs, outcomes)])
+                                            for h, data in subs], leaves)
+        return messages.batch_reply(header.get("id"), [_answer(h, o) for (h, _), o in zip(subs, outcomes)],
+                                    seal=None if leaves is None else make_seal(self.key, leaves))
 
     async def stream_batch(self, header: dict, payload: bytes):
         """A coalesced ``batch`` answered request by request as each finishes: an async iterator
-        of ``messages.batch_part`` (header, output bytes), ``more: false`` on the last. Raises
-        ``wire.WireError`` (before yielding anything) when the batch is malformed."""
+        of ``messages.batch_part`` (header, output bytes), ``more: false`` on the last, which
+        carries the message's seal when the batch asks for one (``messages.wants_seal``: the seal
+        needs every leaf, so it goes last). Raises ``wire.WireError`` (before yielding anything)
+        when the batch is malformed."""
         subs = messages.split_batch(header, payload)
         left = len(subs)
+        leaves = [None] * len(subs) if messages.wants_seal(header) else None
         async for i, outcome in self.execute_stream([({**h, "request_id": h.get("id")}, h.get("carrier", "f32"),
-                                                      data) for h, data in subs]):
+                                                      data) for h, data in subs], leaves):
             left -= 1
-            yield messages.batch_part(header.get("id"), _answer(subs[i][0], outcome), more=left > 0)
+            seal = make_seal(self.key, leaves) if leaves is not None and not left else None
+            yield messages.batch_part(header.get("id"), _answer(subs[i][0], outcome), more=left > 0, seal=seal)
 
-    async def execute_stream_rpc(self, items: list[tuple[dict, str, bytes]]):
-        """``execute_stream`` for the iroh endpoint: failures as ``RpcError`` (as ``execute_rpc``)."""
-        async for i, outcome in self.execute_stream(items):
+    async def execute_stream_rpc(self, items: list[tuple[dict, str, bytes]], sealed: bool = False):
+        """``execute_stream`` for the iroh endpoint: failures as ``RpcError`` (as ``execute_rpc``).
+        ``sealed``: the items are one message asking for a message receipt: unsigned entries, then
+        ``(None, seal)`` after the last answer (``moe.receipts.make_seal``)."""
+        leaves = [None] * len(items) if sealed else None
+        async for i, outcome in self.execute_stream(items, leaves):
             yield i, RpcError(*_rpc_failure(outcome)) if isinstance(outcome, BaseException) else outcome
+        if leaves is not None:
+            yield None, make_seal(self.key, leaves)
 
     async def execute_rpc(self, req: dict, carrier: str, payload: bytes) -> tuple[dict, bytes]:
         """``execute_request`` for the HTTP and iroh endpoints: its errors as ``RpcError``

@@ -19,6 +19,11 @@ module says what goes in the headers and in the socket's JSON text messages:
   (``batch_reply``), one answer per request in order, each with its own receipt or error
   (failure codes are JSON-RPC codes on every transport; a malformed batch as a whole gets one
   ``ok: false`` reply); agents still take single ``execute`` frames;
+- a ``batch`` with ``receipts: "message"`` (``batch_frame(seal=True)``) asks for one
+  signature for the whole message (``moe.receipts`` message receipts): each answer's
+  ``receipt`` is then an unsigned entry (``index`` = its request's position) and the reply
+  header (whole) or the last streamed message (``more: false``) carries ``seal``; a holder
+  that ignores the field signs each receipt as before, which the router also accepts;
 - a ``batch`` with ``stream: true`` is answered request by request as each finishes: one
   ``{id, ok: true, answers: [one answer + nbytes], more}`` message each (``batch_part``,
   payload = that answer's output bytes, ``id`` the batch's), ``more: false`` on the last; the
@@ -31,18 +36,22 @@ Heartbeat holdings go in the compact range form (``compact_holdings``), so any h
 count fits the cap.
 
 Also the router-side request/answer records (``BatchRequest``, ``BatchAnswer``), the two
-holder outcomes a router distinguishes (``HolderFault``, ``AuthRefusal``) and
-``answer_to_batch`` decoding a reply frame. Pure Python + numpy; imports nothing from
-Django and nothing of the planner, so the agent process stays small.
+holder outcomes a router distinguishes (``HolderFault``, ``AuthRefusal``),
+``answer_to_batch`` decoding a reply frame and ``MessageSeal`` (a coalesced message's one
+receipt signature, shared by its answers). Pure Python + numpy (+ ``moe.receipts``, which the
+agent loads anyway); imports nothing from Django and nothing of the planner, so the agent
+process stays small.
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 import numpy as np
 
 from moe import wire
+from moe.receipts import ReceiptError, verify_seal
 from moe.ranges import format_ranges
 from moe.jsonrpc import AUTH_REFUSED, INVALID_PARAMS, INVALID_REQUEST
 
@@ -87,16 +96,60 @@ class BatchRequest:
     purpose: str = "serve"
 
 
+class MessageSeal:
+    """Router side of the seal of one coalesced message (``moe.receipts`` message receipts),
+    shared by the answers of its batches. It may arrive after their rows (a streamed message
+    seals on its last answer): ``leaves`` waits for it and checks its signature once for all
+    of them. ``seal``: the seal when it is already in (a whole reply)."""
+
+    def __init__(self, seal: dict | None = None):
+        self.body = seal
+        self._in = asyncio.Event()
+        self._missing = ""
+        self._checked: tuple[str, object] | None = None  # (provider, its leaves or the ReceiptError)
+        if seal is not None:
+            self._in.set()
+
+    def arrive(self, seal) -> None:
+        """The message's seal came in (the first one counts)."""
+        if not self._in.is_set():
+            self.body = seal
+            self._in.set()
+
+    def close(self, why: str) -> None:
+        """The message ended (or broke) without a seal: every waiting batch fails with ``why``."""
+        if not self._in.is_set():
+            self._missing = why
+            self._in.set()
+
+    async def leaves(self, provider: str) -> list[bytes]:
+        """The seal's leaves once it is in and its signature by ``provider`` verified (once per
+        message). Raises ``ReceiptError`` (no seal came, or it does not verify)."""
+        await self._in.wait()
+        if self.body is None:
+            raise ReceiptError(self._missing or "the message carried no seal")
+        if self._checked is None or self._checked[0] != provider:
+            try:
+                self._checked = (provider, verify_seal(self.body, provider))
+            except ReceiptError as exc:
+                self._checked = (provider, exc)
+        if isinstance(self._checked[1], ReceiptError):
+            raise self._checked[1]
+        return self._checked[1]
+
+
 @dataclass
 class BatchAnswer:
     """A holder's answer: rows f32 ``[n, H]`` decoded from ``payload`` (``output`` encoding),
-    the receipt (None for a local call), transport name and bytes each way."""
+    the receipt (None for a local call), transport name and bytes each way; ``seal``: the
+    ``MessageSeal`` of the message it came in when that message asked for one."""
 
     rows: np.ndarray
     receipt: dict | None
     transport: str
     bytes_out: int
     bytes_back: int
+    seal: MessageSeal | None = None
 
 
 # send(holder provider id, holder info or None, request) -> answer; raises HolderFault,
@@ -225,12 +278,20 @@ def failure(req_id, code, message: str) -> dict:
     return {"id": req_id, "ok": False, "code": code, "message": message}
 
 
-def batch_frame(reqs: list[BatchRequest], batch_id: str) -> tuple[dict, bytes]:
+def batch_frame(reqs: list[BatchRequest], batch_id: str, seal: bool = False) -> tuple[dict, bytes]:
     """(header, payload) of one ``batch`` message carrying ``reqs`` to one holder: each
-    request's ``execute`` header with ``nbytes`` (its carrier bytes), payloads concatenated."""
-    return ({"type": "batch", "id": batch_id,
-             "requests": [{**request_header(r), "nbytes": len(r.payload)} for r in reqs]},
-            b"".join(r.payload for r in reqs))
+    request's ``execute`` header with ``nbytes`` (its carrier bytes), payloads concatenated;
+    ``seal`` asks for one message receipt (``receipts: "message"``) instead of one per request."""
+    header = {"type": "batch", "id": batch_id, "requests": [{**request_header(r), "nbytes": len(r.payload)}
+                                                            for r in reqs]}
+    if seal:
+        header["receipts"] = "message"
+    return header, b"".join(r.payload for r in reqs)
+
+
+def wants_seal(header: dict) -> bool:
+    """Holder side: whether a ``batch`` asks for one message receipt (``batch_frame(seal=True)``)."""
+    return header.get("receipts") == "message"
 
 
 def split_batch(header: dict, payload: bytes) -> list[tuple[dict, bytes]]:
@@ -260,18 +321,25 @@ def split_batch(header: dict, payload: bytes) -> list[tuple[dict, bytes]]:
 MAX_BATCH_REQUESTS = 256
 
 
-def batch_reply(batch_id, answers: list[tuple[dict, bytes]]) -> tuple[dict, bytes]:
+def batch_reply(batch_id, answers: list[tuple[dict, bytes]], seal: dict | None = None) -> tuple[dict, bytes]:
     """(header, payload) of a holder's reply to a ``batch``: ``answers`` are (reply or failure
-    header, output bytes) per request in order; each header gains ``nbytes``."""
-    return (reply(batch_id, answers=[{**h, "nbytes": len(b)} for h, b in answers]),
-            b"".join(b for _, b in answers))
+    header, output bytes) per request in order; each header gains ``nbytes``; ``seal`` the
+    message receipt's seal when the batch asked for one."""
+    header = reply(batch_id, answers=[{**h, "nbytes": len(b)} for h, b in answers])
+    if seal is not None:
+        header["seal"] = seal
+    return header, b"".join(b for _, b in answers)
 
 
-def batch_part(batch_id, answer: tuple[dict, bytes], more: bool) -> tuple[dict, bytes]:
+def batch_part(batch_id, answer: tuple[dict, bytes], more: bool, seal: dict | None = None) -> tuple[dict, bytes]:
     """(header, payload) of one streamed answer of a ``stream: true`` batch: ``answer`` is that
-    request's (reply or failure header, output bytes); ``more`` is False on the batch's last."""
+    request's (reply or failure header, output bytes); ``more`` is False on the batch's last,
+    which carries ``seal`` when the batch asked for a message receipt."""
     header, data = answer
-    return reply(batch_id, answers=[{**header, "nbytes": len(data)}], more=bool(more)), data
+    out = reply(batch_id, answers=[{**header, "nbytes": len(data)}], more=bool(more))
+    if seal is not None:
+        out["seal"] = seal
+    return out, data
 
 
 class StreamedBatch:
@@ -284,6 +352,7 @@ class StreamedBatch:
         self.index = {r.request_id: i for i, r in enumerate(reqs)}
         self.outcomes: list = [None] * len(reqs)
         self._total_out = sum(len(r.payload) for r in reqs) or 1
+        self.seal = MessageSeal()  # arrives with the last answer message, when the batch asked for one
 
     def part(self, header: dict, payload: bytes, reply_bytes: int) -> tuple[int, object]:
         """(request index, outcome: ``BatchAnswer`` or the ``HolderFault``/``AuthRefusal``/
@@ -297,10 +366,12 @@ class StreamedBatch:
             raise HolderFault("a streamed batch answer is not one answer to an open request of the batch")
         if a.get("nbytes") != len(payload):
             raise HolderFault(f"streamed answer nbytes {a.get('nbytes')!r} for {len(payload)} payload bytes")
+        if "seal" in header:
+            self.seal.arrive(header["seal"])
         req = self.reqs[i]
         try:
             out = answer_to_batch(a, payload, req, self.transport,
-                                  self.request_bytes * len(req.payload) // self._total_out, reply_bytes)
+                                  self.request_bytes * len(req.payload) // self._total_out, reply_bytes, self.seal)
         except (HolderFault, AuthRefusal, Rejected) as exc:
             out = exc
         self.outcomes[i] = out
@@ -308,8 +379,13 @@ class StreamedBatch:
 
     def finish(self) -> list:
         """Every outcome, a request the stream never answered as a ``HolderFault``."""
+        self.close()
         return [o if o is not None else HolderFault(f"the streamed batch ended without answering request "
                                                     f"{r.request_id}") for r, o in zip(self.reqs, self.outcomes)]
+
+    def close(self) -> None:
+        """The stream is over (also when it broke): answers still waiting for the seal fail."""
+        self.seal.close("the streamed batch ended without a message seal")
 
 
 def refusal(answer: dict, what: str) -> Exception:
@@ -361,6 +437,7 @@ def batch_answers(answer: dict, payload: bytes, reqs: list[BatchRequest], transp
         parts = split_batch_reply(answer, payload, len(reqs))
     except (HolderFault, AuthRefusal, Rejected) as exc:
         return [exc] * len(reqs)
+    seal = MessageSeal(answer["seal"]) if "seal" in answer else None
     total_out = sum(len(r.payload) for r in reqs) or 1
     total_back = sum(len(b) for _, b in parts) or 1
     out = []
@@ -370,15 +447,16 @@ def batch_answers(answer: dict, payload: bytes, reqs: list[BatchRequest], transp
             continue
         try:
             out.append(answer_to_batch(a, data, req, transport, request_bytes * len(req.payload) // total_out,
-                                       reply_bytes * len(data) // total_back))
+                                       reply_bytes * len(data) // total_back, seal))
         except (HolderFault, AuthRefusal, Rejected) as exc:
             out.append(exc)
     return out
 
 
 def answer_to_batch(answer: dict, data: bytes, req: BatchRequest, transport: str, bytes_out: int,
-                    bytes_back: int) -> BatchAnswer:
-    """Decode a holder's reply (header + output bytes) to ``req``; raises ``AuthRefusal``
+                    bytes_back: int, seal: MessageSeal | None = None) -> BatchAnswer:
+    """Decode a holder's reply (header + output bytes) to ``req`` (``seal``: its message's, when
+    it came in a message that asked for one); raises ``AuthRefusal``
     (code -32001), ``Rejected`` (-32602/-32600: the request was malformed), ``HolderFault``
     (another error, wrong tokens, bad rows)."""
     if not answer.get("ok"):
@@ -389,4 +467,4 @@ def answer_to_batch(answer: dict, data: bytes, req: BatchRequest, transport: str
         rows = wire.decode_rows(data, answer.get("output", "f32"), req.d_model, len(req.tokens), field="outputs")
     except wire.WireError as exc:
         raise HolderFault(str(exc)) from exc
-    return BatchAnswer(rows, answer.get("receipt"), transport, bytes_out, bytes_back)
+    return BatchAnswer(rows, answer.get("receipt"), transport, bytes_out, bytes_back, seal)

@@ -22,6 +22,27 @@ token:u32 ‖ k × (index:u32 ‖ value:f32) ‖ p × projection:f64`` (all litt
 commitment = SHA-256 of those bytes. Carrier hash (reference §7.2):
 ``SHA-256(b"tenzro/moe/carrier" ‖ tag ‖ payload)`` with tag 0 = f32, 1 = Q8_0 blocks.
 
+Two signed forms (both verify forever; the router accepts either):
+
+- **Single receipt** (one batch alone): ``signature`` = ed25519 by the provider over
+  ``DOMAIN_RECEIPT ‖ 0x00 ‖ canonical_json(body)`` (``moe.identity``: sorted keys, compact,
+  ASCII, integers and strings only), ``DOMAIN_RECEIPT = b"tenzro/moe/receipt/v2"``, body
+  ``{request_id, model_id, layer, expert, tokens: [u32...], input_hash, commitment, d_model,
+  blob_hash, quant, provider}`` (hashes 64 lowercase hex).
+- **Message receipt** (the batches of one coalesced message, one signature for all): each
+  batch's answer carries an *entry*: the single receipt's fields without ``signature``, plus
+  ``index`` (its request's position in the message). Its *leaf* is
+  ``SHA-256(DOMAIN_RECEIPT ‖ 0x00 ‖ canonical_json(body))``, the digest of exactly the bytes
+  a single receipt would sign. The message's *seal* ``{provider, leaves: [hex64...],
+  signature}`` carries one leaf per request of the message in request order (32 zero bytes
+  for a request that failed) and ``signature`` = ed25519 by the provider over
+  ``DOMAIN_MESSAGE ‖ 0x00 ‖ n:u32 LE ‖ n × leaf:32 bytes``,
+  ``DOMAIN_MESSAGE = b"tenzro/moe/receipt-message/v1"``. The router recomputes a batch's
+  leaf from what it sent and received, checks ``leaves[index]`` equals it and verifies the
+  seal's signature once per message. The stored (*sealed*) form of a batch's receipt is its
+  entry plus ``message: {leaves, signature}``: anyone with the provider's key re-checks it
+  alone (``verify_stored_receipt``), so sampling, audits and disputes stay per batch.
+
 Python + numpy (+ one numba kernel) + PyNaCl; imports nothing from Django.
 """
 from __future__ import annotations
@@ -36,9 +57,11 @@ import numpy as np
 from nacl.signing import SigningKey
 from numba import njit
 
-from moe.identity import SignatureError, provider_id, sign_body, verify_body
+from moe.identity import SignatureError, canonical_json, provider_id, sign, verify
 
 DOMAIN_RECEIPT = b"tenzro/moe/receipt/v2"
+DOMAIN_MESSAGE = b"tenzro/moe/receipt-message/v1"
+NO_LEAF = bytes(32)  # the leaf of a message's request that failed (no entry)
 ACTIVATION_DOMAIN = b"tenzro/moe/activation/v2"
 CARRIER_DOMAIN = b"tenzro/moe/carrier"
 SKETCH_DOMAIN = b"tenzro/moe/sketch"
@@ -126,10 +149,11 @@ def sketch(rows: np.ndarray, input_hash: bytes) -> np.ndarray:
 @njit(cache=True, nogil=True)
 def _top_k_scan(rows, k, out, values):
     """``out`` uint32 ``[n, k]`` ← per row of finite f32 ``rows`` the indices of the k largest
-    |values|, descending, ties to the lower index, and ``values`` f32 ``[n, k]`` ← those values: one pass per row keeping a sorted list of
-    k; a value enters only when strictly larger than the list's last (an equal one has a
-    higher index, so it loses the tie) and moves ahead of strictly smaller ones only. Once
-    the list is full, a span of 16 values none of which beats the list's last is skipped
+    |values|, descending, ties to the lower index, and ``values`` f32 ``[n, k]`` ← those values:
+    one pass per row keeping a sorted list of k; a value enters only when strictly larger than
+    the list's last (an equal one has a higher index, so it loses the tie) and moves ahead of
+    strictly smaller ones only. Once the list is full, a span of 16 values none of which beats
+    the list's last is skipped
     after one branch-free (vectorized) compare."""
     n, h = rows.shape
     mags = np.empty(k, np.float32)
@@ -259,14 +283,19 @@ def _body(*, request_id: str, model_id: str, layer: int, expert: int, tokens: li
             "d_model": int(d_model), "blob_hash": blob_hash, "quant": quant, "provider": provider}
 
 
-def make_receipt(key: SigningKey, *, request_id: str, model_id: str, layer: int, expert: int, tokens: list[int],
-                 carrier_kind: str, carrier: bytes, rows: np.ndarray, blob_hash: str, quant: str) -> dict:
-    """Sign a receipt for one executed batch (holder side).
+def _message_bytes(leaves: list[bytes]) -> bytes:
+    """What a seal signs after its domain: ``n:u32 LE ‖ n × leaf``."""
+    return struct.pack("<I", len(leaves)) + b"".join(leaves)
 
-    ``carrier`` is the exact payload received (kind "f32", "f16" or "q8_0"), ``rows`` f32 ``[n, H]``
-    the output rows exactly as the router will decode them. Returns
-    ``{provider, request_id, input_hash, commitment, d_model, blob_hash, quant, sketch, signature}``
-    (hashes hex, ``sketch`` base64 of f64 LE ``[n, p]``).
+
+def make_entry(key: SigningKey, *, request_id: str, model_id: str, layer: int, expert: int, tokens: list[int],
+               carrier_kind: str, carrier: bytes, rows: np.ndarray, blob_hash: str, quant: str,
+               index: int | None = None) -> tuple[dict, bytes]:
+    """A batch's receipt fields and its leaf (holder side), signed only when ``index`` is None.
+
+    Arguments as ``make_receipt``. ``index`` None: (the single receipt, its leaf). ``index``
+    an int: (the message entry: the same fields with ``index`` instead of ``signature``, its
+    leaf); ``make_seal`` then signs the message's leaves once.
     """
     ih = carrier_hash(carrier_kind, carrier)
     rows = np.ascontiguousarray(rows, dtype=np.float32)
@@ -278,26 +307,96 @@ def make_receipt(key: SigningKey, *, request_id: str, model_id: str, layer: int,
     body = _body(request_id=request_id, model_id=model_id, layer=layer, expert=expert, tokens=tokens,
                  input_hash=ih.hex(), commitment=commit, d_model=rows.shape[1], blob_hash=blob_hash,
                  quant=quant, provider=provider)
-    return {"provider": provider, "request_id": request_id, "input_hash": ih.hex(), "commitment": commit,
-            "d_model": int(rows.shape[1]), "blob_hash": blob_hash, "quant": quant,
-            "sketch": base64.b64encode(np.ascontiguousarray(proj, dtype="<f8").tobytes()).decode(),
-            "signature": sign_body(key, DOMAIN_RECEIPT, body)}
+    out = {"provider": provider, "request_id": request_id, "input_hash": ih.hex(), "commitment": commit,
+           "d_model": int(rows.shape[1]), "blob_hash": blob_hash, "quant": quant,
+           "sketch": base64.b64encode(np.ascontiguousarray(proj, dtype="<f8").tobytes()).decode()}
+    data = DOMAIN_RECEIPT + b"\x00" + canonical_json(body)
+    if index is None:
+        out["signature"] = sign(key, DOMAIN_RECEIPT, data[len(DOMAIN_RECEIPT) + 1:])
+    else:
+        out["index"] = int(index)
+    return out, hashlib.sha256(data).digest()
 
 
-def verify_receipt(receipt: dict | None, *, provider: str, request_id: str, model_id: str, layer: int, expert: int,
-                   tokens: list[int], carrier_kind: str, carrier: bytes, rows: np.ndarray) -> dict:
-    """Check a holder's receipt inline (router side); returns the verified receipt.
+def make_receipt(key: SigningKey, *, request_id: str, model_id: str, layer: int, expert: int, tokens: list[int],
+                 carrier_kind: str, carrier: bytes, rows: np.ndarray, blob_hash: str, quant: str) -> dict:
+    """Sign a single receipt for one executed batch (holder side).
 
-    ``provider`` is the registered key of the holder the batch was sent to; the other
-    arguments are what the router sent (its own request id, tokens and carrier bytes) and
-    the rows it decoded. Checks, in order: present and well formed; signer == ``provider``;
-    request id; ``d_model``; input hash == hash of the sent carrier; sketch shape and
-    agreement with the rows; commitment recomputed from the rows; signature. Raises
-    ``ReceiptError`` naming the first check that failed.
+    ``carrier`` is the exact payload received (kind "f32", "f16" or "q8_0"), ``rows`` f32 ``[n, H]``
+    the output rows exactly as the router will decode them. Returns
+    ``{provider, request_id, input_hash, commitment, d_model, blob_hash, quant, sketch, signature}``
+    (hashes hex, ``sketch`` base64 of f64 LE ``[n, p]``).
     """
+    return make_entry(key, request_id=request_id, model_id=model_id, layer=layer, expert=expert, tokens=tokens,
+                      carrier_kind=carrier_kind, carrier=carrier, rows=rows, blob_hash=blob_hash, quant=quant)[0]
+
+
+def make_seal(key: SigningKey, leaves: list[bytes | None]) -> dict:
+    """The seal of one message (holder side): ``{provider, leaves: [hex], signature}`` over the
+    leaves of its requests in order (None for a request that failed: ``NO_LEAF``)."""
+    leaves = [NO_LEAF if x is None else x for x in leaves]
+    return {"provider": provider_id(key), "leaves": [x.hex() for x in leaves],
+            "signature": sign(key, DOMAIN_MESSAGE, _message_bytes(leaves))}
+
+
+def verify_seal(seal, provider: str) -> list[bytes]:
+    """Check a message seal's shape, signer and signature; returns its leaves (32 bytes each).
+
+    One call per message: each batch's entry is then checked with ``entry_in_seal``. Raises
+    ``ReceiptError`` naming what is wrong.
+    """
+    if not isinstance(seal, dict) or not isinstance(seal.get("leaves"), list) \
+            or not isinstance(seal.get("signature"), str):
+        raise ReceiptError("the message seal is missing or malformed")
+    if seal.get("provider", provider) != provider:
+        raise ReceiptError("the message seal is signed by another key than the provider's registered key")
+    if not seal["leaves"] or not all(isinstance(x, str) and _HEX32.match(x) for x in seal["leaves"]):
+        raise ReceiptError("the message seal's leaves must be 64 hex characters each")
+    leaves = [bytes.fromhex(x) for x in seal["leaves"]]
+    try:
+        verify(provider, DOMAIN_MESSAGE, _message_bytes(leaves), seal["signature"])
+    except SignatureError as exc:
+        raise ReceiptError(f"message seal signature: {exc}") from exc
+    return leaves
+
+
+def entry_in_seal(entry: dict, leaf: bytes, leaves: list[bytes]) -> None:
+    """Check that a batch's ``leaf`` is the seal's leaf at the entry's ``index``; raises ``ReceiptError``."""
+    i = entry.get("index")
+    if type(i) is not int or not 0 <= i < len(leaves):
+        raise ReceiptError(f"receipt.index {i!r} is not a request of the sealed message")
+    if leaf == NO_LEAF or leaves[i] != leaf:
+        raise ReceiptError("the message seal does not sign this batch's receipt")
+
+
+def sealed(entry: dict, seal: dict) -> dict:
+    """The stored form of a message entry: the entry plus ``message: {leaves, signature}``."""
+    return {**entry, "message": {"leaves": list(seal["leaves"]), "signature": seal["signature"]}}
+
+
+def is_entry(receipt) -> bool:
+    """Whether ``receipt`` is a message entry (``index``, no ``signature``): it needs its message's seal."""
+    return isinstance(receipt, dict) and "signature" not in receipt and "index" in receipt
+
+
+def verify_entry(receipt: dict | None, *, provider: str, request_id: str, model_id: str, layer: int, expert: int,
+                 tokens: list[int], carrier_kind: str, carrier: bytes, rows: np.ndarray) -> bytes:
+    """Every check of ``verify_receipt`` but the signature; returns the batch's leaf.
+
+    For a message entry (``is_entry``) the caller then checks the leaf against the message's
+    verified seal (``verify_seal`` once, ``entry_in_seal`` per batch). Raises ``ReceiptError``.
+    """
+    return hashlib.sha256(DOMAIN_RECEIPT + b"\x00" + _checked_body(
+        receipt, provider=provider, request_id=request_id, model_id=model_id, layer=layer, expert=expert,
+        tokens=tokens, carrier_kind=carrier_kind, carrier=carrier, rows=rows)).digest()
+
+
+def _checked_body(receipt, *, provider: str, request_id: str, model_id: str, layer: int, expert: int,
+                  tokens: list[int], carrier_kind: str, carrier: bytes, rows: np.ndarray) -> bytes:
+    """``verify_entry``'s checks; returns the canonical JSON of the signed body."""
     if not isinstance(receipt, dict):
         raise ReceiptError("the holder sent no receipt")
-    for name in ("provider", "request_id", "input_hash", "commitment", "blob_hash", "quant", "sketch", "signature"):
+    for name in ("provider", "request_id", "input_hash", "commitment", "blob_hash", "quant", "sketch"):
         if not isinstance(receipt.get(name), str):
             raise ReceiptError(f"receipt.{name} is missing or not a string")
     if receipt["provider"] != provider:
@@ -330,11 +429,36 @@ def verify_receipt(receipt: dict | None, *, provider: str, request_id: str, mode
         raise ReceiptError("output rows do not match the receipt's sketch")
     if hashlib.sha256(_pack_commitment(tokens, idx, val, theirs)).hexdigest() != receipt["commitment"]:
         raise ReceiptError("output rows do not match the receipt's commitment")
-    body = _body(request_id=request_id, model_id=model_id, layer=layer, expert=expert, tokens=tokens,
-                 input_hash=ih.hex(), commitment=receipt["commitment"], d_model=rows.shape[1],
-                 blob_hash=receipt["blob_hash"], quant=receipt["quant"], provider=provider)
+    return canonical_json(_body(request_id=request_id, model_id=model_id, layer=layer, expert=expert, tokens=tokens,
+                                input_hash=ih.hex(), commitment=receipt["commitment"], d_model=rows.shape[1],
+                                blob_hash=receipt["blob_hash"], quant=receipt["quant"], provider=provider))
+
+
+def verify_receipt(receipt: dict | None, *, provider: str, request_id: str, model_id: str, layer: int, expert: int,
+                   tokens: list[int], carrier_kind: str, carrier: bytes, rows: np.ndarray,
+                   seal: dict | None = None) -> dict:
+    """Check a holder's receipt inline (router side); returns the verified receipt (a message
+    entry in its stored form, ``sealed``).
+
+    ``provider`` is the registered key of the holder the batch was sent to; the other
+    arguments are what the router sent (its own request id, tokens and carrier bytes) and
+    the rows it decoded. Checks, in order: present and well formed; signer == ``provider``;
+    request id; ``d_model``; input hash == hash of the sent carrier; sketch shape and
+    agreement with the rows; commitment recomputed from the rows; then the signature: a
+    single receipt's own, or for a message entry the ``seal`` of its message (required) and
+    its leaf in it. Raises ``ReceiptError`` naming the first check that failed.
+    """
+    body = _checked_body(receipt, provider=provider, request_id=request_id, model_id=model_id, layer=layer,
+                         expert=expert, tokens=tokens, carrier_kind=carrier_kind, carrier=carrier, rows=rows)
+    if is_entry(receipt):
+        if seal is None:
+            raise ReceiptError("a message receipt entry came without its message's seal")
+        entry_in_seal(receipt, hashlib.sha256(DOMAIN_RECEIPT + b"\x00" + body).digest(), verify_seal(seal, provider))
+        return sealed(receipt, seal)
+    if not isinstance(receipt.get("signature"), str):
+        raise ReceiptError("receipt.signature is missing or not a string")
     try:
-        verify_body(provider, DOMAIN_RECEIPT, body, receipt["signature"])
+        verify(provider, DOMAIN_RECEIPT, body, receipt["signature"])
     except SignatureError as exc:
         raise ReceiptError(f"receipt signature: {exc}") from exc
     return receipt
@@ -365,11 +489,13 @@ def verify_stored_receipt(receipt: dict, *, provider: str, request_id: str, mode
 
     ``commitment`` is the canonical commitment bytes that were stored with it. Checks the
     signer, that the carrier hashes to the signed input hash, that the stored rows hash to
-    the signed commitment, the rows' tokens, and the signature over the request identity.
-    A tampered store therefore cannot manufacture a fraud proof. Raises ``ReceiptError``.
+    the signed commitment, the rows' tokens, and the signature over the request identity:
+    a single receipt's own, or for a sealed message entry (``message: {leaves, signature}``)
+    the message's signature over its leaves and this batch's leaf at ``index``. A tampered
+    store therefore cannot manufacture a fraud proof. Raises ``ReceiptError``.
     """
     if not isinstance(receipt, dict) or not all(isinstance(receipt.get(f), str) for f in
-                                                ("provider", "commitment", "signature", "blob_hash", "quant")):
+                                                ("provider", "commitment", "blob_hash", "quant")):
         raise ReceiptError("the stored receipt is malformed")
     if receipt["provider"] != provider:
         raise ReceiptError("the stored receipt is signed by another key than the accused provider's")
@@ -381,10 +507,16 @@ def verify_stored_receipt(receipt: dict, *, provider: str, request_id: str, mode
     toks = parse_commitment_bytes(commitment)[0]
     if toks.tolist() != [int(t) for t in tokens]:
         raise ReceiptError("the stored commitment rows are for other tokens")
-    body = _body(request_id=request_id, model_id=model_id, layer=layer, expert=expert, tokens=tokens,
-                 input_hash=ih.hex(), commitment=receipt["commitment"], d_model=d_model,
-                 blob_hash=receipt["blob_hash"], quant=receipt["quant"], provider=provider)
+    body = canonical_json(_body(request_id=request_id, model_id=model_id, layer=layer, expert=expert, tokens=tokens,
+                                input_hash=ih.hex(), commitment=receipt["commitment"], d_model=d_model,
+                                blob_hash=receipt["blob_hash"], quant=receipt["quant"], provider=provider))
+    if "signature" not in receipt and isinstance(receipt.get("message"), dict):
+        entry_in_seal(receipt, hashlib.sha256(DOMAIN_RECEIPT + b"\x00" + body).digest(),
+                      verify_seal({"provider": provider, **receipt["message"]}, provider))
+        return
+    if not isinstance(receipt.get("signature"), str):
+        raise ReceiptError("the stored receipt is malformed")
     try:
-        verify_body(provider, DOMAIN_RECEIPT, body, receipt["signature"])
+        verify(provider, DOMAIN_RECEIPT, body, receipt["signature"])
     except SignatureError as exc:
         raise ReceiptError(f"stored receipt signature: {exc}") from exc

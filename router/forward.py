@@ -48,7 +48,7 @@ from moe.ffn import combine
 from moe.gating import Gate, Routing, route
 # The request/answer records live with the other messages; re-exported for the forward's callers.
 from moe.messages import AuthRefusal, BatchAnswer, BatchRequest, HolderFault, Rejected, Send  # noqa: F401
-from moe.receipts import ReceiptError, verify_receipt
+from moe.receipts import ReceiptError, entry_in_seal, is_entry, sealed, verify_entry, verify_receipt
 from router.scoreboard import Scoreboard
 from moe.jsonrpc import ParamError
 from registry.planner import DispatchPlan, plan_expert_batches
@@ -317,19 +317,16 @@ class LayerForward:
         try:
             async with asyncio.timeout(self.attempt_timeout_s):  # in this task: wait_for would start one per batch
                 ans = await self.send(provider, info, req)
-            if ans.rows.shape != (len(tokens), d_model):
-                raise HolderFault(f"returned rows of shape {ans.rows.shape}, expected {(len(tokens), d_model)}")
-            try:
-                self.rows.check(expert, tokens)
-            except HolderFault as exc:  # a concurrent answer (a backup's) filled the pairs first
-                self.failures.append({"provider": provider, "expert": expert, "error": str(exc), "fault": False})
-                return "late"
-            if self.verify and ans.transport != "local":
-                # Inline on the loop (a few hundred µs of small numpy calls): a worker thread
-                # would only add GIL hand-offs with the loop, on cores the holders share.
-                verify_receipt(ans.receipt, provider=provider, request_id=req.request_id, model_id=self.model_id,
-                               layer=layer, expert=expert, tokens=tokens, carrier_kind=self.carrier_kind,
-                               carrier=payload, rows=ans.rows)
+                receipt = ans.receipt
+                if ans.rows.shape != (len(tokens), d_model):
+                    raise HolderFault(f"returned rows of shape {ans.rows.shape}, expected {(len(tokens), d_model)}")
+                try:
+                    self.rows.check(expert, tokens)
+                except HolderFault as exc:  # a concurrent answer (a backup's) filled the pairs first
+                    self.failures.append({"provider": provider, "expert": expert, "error": str(exc), "fault": False})
+                    return "late"
+                if self.verify and ans.transport != "local":
+                    receipt = await self.verified_receipt(provider, req, ans)
         except AuthRefusal as exc:
             self.failures.append({"provider": provider, "expert": expert, "error": f"auth refused: {exc}",
                                   "fault": False})
@@ -356,12 +353,26 @@ class LayerForward:
         self.bytes_out += ans.bytes_out
         self.bytes_back += ans.bytes_back
         self.used.add(provider)
-        if ans.receipt is not None:
+        if receipt is not None:
             self.receipts.append({"provider": provider, "expert": expert, "tokens": len(tokens),
-                                  "commitment": ans.receipt["commitment"]})
+                                  "commitment": receipt["commitment"]})
             if self.verify and ans.transport != "local":
-                self.verified.append(VerifiedBatch(provider, req, ans.receipt, ans.rows))
+                self.verified.append(VerifiedBatch(provider, req, receipt, ans.rows))
         return "ok"
+
+    async def verified_receipt(self, provider: str, req: BatchRequest, ans: BatchAnswer) -> dict:
+        """The receipt of ``req``'s remote answer once verified: a single receipt as it came, a
+        message entry in its stored (sealed) form. The rows are checked against it at once
+        (inline on the loop: a few hundred µs of small numpy calls, which a worker thread
+        would only slow with GIL hand-offs); an entry then waits for its message's seal, whose
+        signature is verified once per message (``MessageSeal.leaves``). Raises ``ReceiptError``."""
+        kw = dict(provider=provider, request_id=req.request_id, model_id=self.model_id, layer=req.layer,
+                  expert=req.expert, tokens=req.tokens, carrier_kind=req.carrier, carrier=req.payload, rows=ans.rows)
+        if ans.seal is None or not is_entry(ans.receipt):
+            return verify_receipt(ans.receipt, **kw)
+        leaf = verify_entry(ans.receipt, **kw)
+        entry_in_seal(ans.receipt, leaf, await ans.seal.leaves(provider))
+        return sealed(ans.receipt, ans.seal.body)
 
     def _fault(self, provider: str, expert: int, error: str) -> None:
         self.failures.append({"provider": provider, "expert": expert, "error": error, "fault": True})
@@ -390,9 +401,8 @@ class LayerForward:
             if ans.rows.shape != (len(tokens), self.d_model):
                 raise HolderFault(f"returned rows of shape {ans.rows.shape}")
             if self.verify and ans.transport != "local":
-                await asyncio.to_thread(verify_receipt, ans.receipt, provider=provider, request_id=req.request_id,
-                                        model_id=self.model_id, layer=self.layer, expert=expert, tokens=tokens,
-                                        carrier_kind=self.carrier_kind, carrier=payload, rows=ans.rows)
+                async with asyncio.timeout(self.deadline_s):
+                    await self.verified_receipt(provider, req, ans)
         except (AuthRefusal, Rejected):
             pass
         except (asyncio.TimeoutError, HolderFault, ReceiptError, ConnectionError, ValueError, OSError):

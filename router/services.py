@@ -59,7 +59,7 @@ async def _send_ws_many(link: AgentLink, provider: str, reqs: list[BatchRequest]
     """Outcomes of ``reqs`` sent as one streamed ``batch`` message: each answer goes to
     ``deliver(index, outcome)`` as it arrives (``messages.StreamedBatch``); an agent that
     answers the batch whole is read with ``messages.batch_answers``."""
-    header, payload = messages.batch_frame(reqs, uuid.uuid4().hex)
+    header, payload = messages.batch_frame(reqs, uuid.uuid4().hex, seal=coalesce.message_receipts())
     header["stream"] = coalesce.stream_answers()
     out = 4 + len(json.dumps(header, separators=(",", ":"))) + len(payload)
     stream = messages.StreamedBatch(reqs, "ws", out)
@@ -68,13 +68,16 @@ async def _send_ws_many(link: AgentLink, provider: str, reqs: list[BatchRequest]
         head, data = msg.get("header") or {}, msg.get("payload") or b""
         deliver(*stream.part(head, data, 4 + len(json.dumps(head, separators=(",", ":"))) + len(data)))
 
-    answer, data = await link.request(provider, header, payload, settings.TENZRO["BATCH_TIMEOUT_S"],
-                                      req_id=header["id"], on_part=on_part)
-    back = 4 + len(json.dumps(answer, separators=(",", ":"))) + len(data)
-    if "more" not in answer:  # answered whole
-        return messages.batch_answers(answer, data, reqs, "ws", out, back)
-    stream.part(answer, data, back)  # the last answer: its caller is resolved from finish()
-    return stream.finish()
+    try:
+        answer, data = await link.request(provider, header, payload, settings.TENZRO["BATCH_TIMEOUT_S"],
+                                          req_id=header["id"], on_part=on_part)
+        back = 4 + len(json.dumps(answer, separators=(",", ":"))) + len(data)
+        if "more" not in answer:  # answered whole
+            return messages.batch_answers(answer, data, reqs, "ws", out, back)
+        stream.part(answer, data, back)  # the last answer (with the seal): its caller is resolved from finish()
+        return stream.finish()
+    finally:
+        stream.close()  # answers delivered before a break stop waiting for the seal
 
 
 async def send_to_agent(model_id: str, provider: str, layer: int, expert: int, tokens: list[int],

@@ -120,9 +120,9 @@ def holder():
     calls = []
     real = agent.execution.execute_stream
 
-    def counted(items):  # every path (whole, streamed, iroh) runs one execute_stream per message
+    def counted(items, *rest):  # every path (whole, streamed, iroh) runs one execute_stream per message
         calls.append(len(items))
-        return real(items)
+        return real(items, *rest)
 
     agent.execution.execute_stream = counted
     return agent, x, calls
@@ -144,7 +144,7 @@ def check(agent, reqs, answers, singles):
         assert np.array_equal(ans.rows, alone.rows)
         verify_receipt(ans.receipt, provider=agent.provider, request_id=req.request_id, model_id=MODEL, layer=LAYER,
                        expert=req.expert, tokens=req.tokens, carrier_kind=req.carrier, carrier=req.payload,
-                       rows=ans.rows)
+                       rows=ans.rows, seal=ans.seal.body if ans.seal else None)
 
 
 def fresh(reqs):
@@ -181,15 +181,15 @@ def test_http_sends_one_frame_per_holder_and_one_bad_request_fails_alone(holder,
 
 
 def holding_back(agent, expert):
-    """(gate, a stand-in for ``agent.execution._execute_sync`` that holds requests for ``expert`` until the gate opens)."""
+    """(gate, a stand-in for ``agent.execution._execute`` that holds requests for ``expert`` until the gate opens)."""
     import threading
     gate = threading.Event()
-    real = agent.execution._execute_sync
+    real = agent.execution._execute
 
-    def held_back(req, carrier, payload):
+    def held_back(req, carrier, payload, index=None):
         if req["expert"] == expert:
             assert gate.wait(30)
-        return real(req, carrier, payload)
+        return real(req, carrier, payload, index)
     return gate, held_back
 
 
@@ -219,7 +219,7 @@ def test_http_streamed_batch_answers_each_request_as_it_finishes(holder, monkeyp
             monkeypatch.setenv("TENZRO_COALESCE", "0")
             singles = await asyncio.gather(*(client.execute_frame(endpoint, r) for r in fresh(reqs[:-1])))
             monkeypatch.setenv("TENZRO_COALESCE", "1")
-            monkeypatch.setattr(agent.execution, "_execute_sync", held_back)
+            monkeypatch.setattr(agent.execution, "_execute", held_back)
             first, early, got = await first_while_held(lambda r: client.execute_frame(endpoint, r), reqs, gate)
             await asyncio.sleep(0.05)  # the stream's last chunk is read after the last answer
             pooled = sum(len(v) for v in client._idle.values())
@@ -271,7 +271,7 @@ def test_http_streamed_batch_refused_whole_and_a_holder_without_streaming(holder
     for req, ans in zip(reqs + again, got):
         verify_receipt(ans.receipt, provider=agent.provider, request_id=req.request_id, model_id=MODEL, layer=LAYER,
                        expert=req.expert, tokens=req.tokens, carrier_kind=req.carrier, carrier=req.payload,
-                       rows=ans.rows)
+                       rows=ans.rows, seal=ans.seal.body if ans.seal else None)
 
 
 async def iroh_pair(agent):
@@ -321,7 +321,7 @@ def test_iroh_coalesced_stream_answers_each_request_as_it_finishes(holder, monke
         server, client = await iroh_pair(agent)
         try:
             monkeypatch.setenv("TENZRO_COALESCE", "1")
-            monkeypatch.setattr(agent.execution, "_execute_sync", held_back)
+            monkeypatch.setattr(agent.execution, "_execute", held_back)
             return await first_while_held(lambda r: client.execute(server.endpoint_id, server.addrs, r), reqs, gate)
         finally:
             await client.close()
@@ -333,7 +333,7 @@ def test_iroh_coalesced_stream_answers_each_request_as_it_finishes(holder, monke
         assert ans.transport == "iroh" and ans.bytes_back > 0
         verify_receipt(ans.receipt, provider=agent.provider, request_id=req.request_id, model_id=MODEL, layer=LAYER,
                        expert=req.expert, tokens=req.tokens, carrier_kind=req.carrier, carrier=req.payload,
-                       rows=ans.rows)
+                       rows=ans.rows, seal=ans.seal.body if ans.seal else None)
 
 
 def test_a_stream_announcing_more_requests_than_it_carries_is_refused(holder):
@@ -400,7 +400,7 @@ def test_socket_batch_frame_is_answered_per_request_and_a_malformed_batch_gets_a
         assert np.array_equal(ans.rows, wire.decode_rows(out, req.output, req.d_model, len(req.tokens)))
         verify_receipt(ans.receipt, provider=agent.provider, request_id=req.request_id, model_id=MODEL, layer=LAYER,
                        expert=req.expert, tokens=req.tokens, carrier_kind=req.carrier, carrier=req.payload,
-                       rows=ans.rows)
+                       rows=ans.rows, seal=ans.seal.body if ans.seal else None)
     bad, _ = wire.unpack_frame(sent[-1])
     assert bad["id"] == "b2" and bad["ok"] is False and "more" not in bad and "nbytes" in bad["message"]
 

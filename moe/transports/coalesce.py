@@ -9,7 +9,8 @@ outcomes resolve each caller's future on its own, so one failing sub-request fai
 and each caller keeps its own deadline (cancelling a caller's wait cancels only its future; the
 shared exchange is cancelled when every caller has stopped waiting).
 
-``TENZRO_COALESCE=0`` turns it off (every request alone), for before/after measurements.
+``TENZRO_COALESCE=0`` turns it off (every request alone), for before/after measurements;
+``TENZRO_MESSAGE_RECEIPTS=0`` keeps one signed receipt per request inside a coalesced message.
 Pure asyncio; imports nothing from Django.
 """
 from __future__ import annotations
@@ -33,6 +34,13 @@ def stream_answers() -> bool:
     """Whether a coalesced message asks the holder to answer request by request as each finishes
     (``TENZRO_STREAM_ANSWERS``, default 1; read at each call so a bench can flip it)."""
     return os.environ.get("TENZRO_STREAM_ANSWERS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def message_receipts() -> bool:
+    """Whether a coalesced message asks the holder for one message receipt instead of one signed
+    receipt per request (``TENZRO_MESSAGE_RECEIPTS``, default 1; read at each call so a bench can
+    flip it; ``moe.receipts`` describes both forms)."""
+    return os.environ.get("TENZRO_MESSAGE_RECEIPTS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def enabled() -> bool:

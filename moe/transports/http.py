@@ -263,9 +263,17 @@ class HttpHolderClient:
         ``deliver(index, outcome)`` as its chunk arrives, and the list of every outcome is returned
         (``messages.batch_answers`` when the holder answers the batch whole, as holders without
         streaming do). A request the stream never answered is a ``HolderFault``."""
-        header, payload = messages.batch_frame(reqs, uuid.uuid4().hex)
+        header, payload = messages.batch_frame(reqs, uuid.uuid4().hex, seal=coalesce.message_receipts())
         body = wire.pack_frame({**header, "stream": coalesce.stream_answers()}, payload, wire.MESSAGE_HEADER_MAX)
         stream = messages.StreamedBatch(reqs, "http", len(body))
+        try:
+            return await self._streamed(endpoint, reqs, body, stream, deliver)
+        finally:
+            stream.close()  # a broken exchange: answers already delivered stop waiting for the seal
+
+    async def _streamed(self, endpoint: str, reqs: list[BatchRequest], body: bytes, stream: messages.StreamedBatch,
+                        deliver: Callable[[int, object], None]) -> list:
+        """``_many``'s exchange of the packed ``body``."""
 
         def on_frame(data: bytes) -> None:
             try:

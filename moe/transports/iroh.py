@@ -21,8 +21,12 @@ stream. Each request keeps its own JSON-RPC id and frames (parts as above) and c
 ``stream_requests: n`` in its params; the holder reads the ``n`` requests, executes them
 together (``execute_stream``, one hop to its compute pool) and writes each one's answer frames
 (or its own error frame) under its id as soon as that request finishes, so the router checks the
-first receipts while the holder computes the rest (answers are matched by id, not by order). A stream without ``stream_requests`` is one
-request, as the reference sends; a stream carries at most ``MAX_PARTS`` frames either way.
+first receipts while the holder computes the rest (answers are matched by id, not by order). A
+stream without ``stream_requests`` is one request, as the reference sends; a stream carries at
+most ``MAX_PARTS`` frames either way. Requests that also carry ``receipts: "message"`` get
+unsigned message entries (``moe.receipts``) and, after the last answer, one frame
+``{"id": 0, "result": {"seal": ...}}`` with the stream's single signature (a holder whose
+``execute_stream`` takes no seal flag signs each receipt, which the router accepts as well).
 
 Bad input never takes the holder down: a frame over the cap, a stream that ends inside a
 frame, JSON that does not parse, parts that disagree, an unknown method: each is answered with
@@ -60,7 +64,8 @@ import struct
 from typing import AsyncIterator, Awaitable, Callable
 
 from moe import wire
-from moe.messages import AuthRefusal, BatchAnswer, BatchRequest, HolderFault, Rejected, answer_to_batch
+from moe.messages import AuthRefusal, BatchAnswer, BatchRequest, HolderFault, MessageSeal, Rejected, answer_to_batch
+from moe.transports import coalesce
 from moe.transports.coalesce import Coalescer
 from moe.jsonrpc import (BUSY, INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND, PARSE_ERROR,
                               RpcError, error_response, result_response)
@@ -87,7 +92,9 @@ DOMAIN_ENDPOINT = b"tenzro/moe/iroh-endpoint/v1"
 Execute = Callable[[dict, str, bytes], Awaitable[tuple[dict, bytes]]]
 # execute_stream([(params, carrier kind, carrier bytes), ...]) -> async iterator of (index, outcome) in the
 # order they finish, the outcome (answer fields, output bytes) or the RpcError it failed with (a
-# coalesced stream, executed in one hop; each answer written as soon as it is ready).
+# coalesced stream, executed in one hop; each answer written as soon as it is ready). Called as
+# execute_stream(items, True) for a stream asking for a message receipt: then it also yields
+# (None, seal) after the last answer.
 ExecuteStream = Callable[[list[tuple[dict, str, bytes]]], AsyncIterator[tuple[int, object]]]
 # status() -> the moe/status result.
 Status = Callable[[], Awaitable[dict]]
@@ -694,7 +701,9 @@ class IrohServer:
             if isinstance(a, RpcError):
                 yield [pack(error_response(rid, a))]
         runnable = [(rid, a) for rid, a in zip(ids, assembled) if not isinstance(a, RpcError)]
-        if self.execute_stream is not None:
+        if self.execute_stream is not None and runnable and runnable[0][1][0].get("receipts") == "message":
+            outcomes = self.execute_stream([a for _, a in runnable], True)
+        elif self.execute_stream is not None:
             outcomes = self.execute_stream([a for _, a in runnable])
         else:
             async def one_by_one():
@@ -705,6 +714,9 @@ class IrohServer:
                         yield j, exc
             outcomes = one_by_one()
         async for j, outcome in outcomes:
+            if j is None:  # the message receipt's seal, after every answer
+                yield [pack(result_response(0, {"seal": outcome}))]
+                continue
             rid, a = runnable[j]
             if isinstance(outcome, RpcError):
                 yield [pack(error_response(rid, outcome))]
@@ -741,13 +753,15 @@ def execute_params(req: BatchRequest) -> dict:
             "d_model": req.d_model, "output": req.output}
 
 
-def request_frames(req: BatchRequest, rid: int = 1, stream_requests: int = 1) -> list[bytes]:
+def request_frames(req: BatchRequest, rid: int = 1, stream_requests: int = 1, seal: bool = False) -> list[bytes]:
     """The request frames of ``req`` (split by rows when over the cap) under JSON-RPC id ``rid``;
-    ``stream_requests`` > 1 marks it one of that many requests coalesced on a stream. Raises
-    ``FrameError``."""
+    ``stream_requests`` > 1 marks it one of that many requests coalesced on a stream (``seal``:
+    asking for one message receipt). Raises ``FrameError``."""
     base = execute_params(req)
     if stream_requests > 1:
         base["stream_requests"] = stream_requests
+        if seal:
+            base["receipts"] = "message"
     row = wire.encoded_nbytes(req.carrier, 1, req.d_model)
     field = wire.CARRIER_FIELDS[req.carrier]
 
@@ -901,10 +915,11 @@ class IrohHolderClient:
         holder answers each request as it finishes). Requests whose frames would take the stream
         past ``MAX_PARTS`` go alone."""
         n = len(reqs)
+        sealed = coalesce.message_receipts()
         frames: list[list[bytes]] = []
         for i, r in enumerate(reqs):
             try:
-                frames.append(request_frames(r, i + 1, n))
+                frames.append(request_frames(r, i + 1, n, sealed))
             except FrameError:
                 frames.append([])
         if any(not f for f in frames) or sum(map(len, frames)) > MAX_PARTS:
@@ -913,9 +928,13 @@ class IrohHolderClient:
         got: dict[int, list[dict]] = {}
         back: dict[int, int] = {}
         out: list = [None] * n
+        seal = MessageSeal()
 
         def on_message(a, size: int) -> None:
             i = a.get("id") if isinstance(a, dict) else None
+            if i == 0 and type(i) is int and isinstance(a.get("result"), dict) and "seal" in a["result"]:
+                seal.arrive(a["result"]["seal"])
+                return
             if type(i) is not int or not 1 <= i <= n or out[i - 1] is not None:
                 return  # not one of ours (or a whole-stream error): judged when the stream ends
             mine = got.setdefault(i, [])
@@ -927,12 +946,15 @@ class IrohHolderClient:
             if "result" in a and len(mine) < count:
                 return  # more parts of this answer to come
             try:
-                out[i - 1] = _decode(mine, reqs[i - 1], sum(map(len, frames[i - 1])), back[i])
+                out[i - 1] = _decode(mine, reqs[i - 1], sum(map(len, frames[i - 1])), back[i], seal)
             except (HolderFault, AuthRefusal, Rejected) as exc:
                 out[i - 1] = exc
             deliver(i - 1, out[i - 1])
 
-        answers, _ = await self.call(endpoint_id, addrs, [f for fs in frames for f in fs], on_message)
+        try:
+            answers, _ = await self.call(endpoint_id, addrs, [f for fs in frames for f in fs], on_message)
+        finally:
+            seal.close("the iroh stream ended without a message seal")  # delivered answers stop waiting
         for i in range(n):
             if out[i] is None:
                 err = answers[0].get("error") if len(answers) == 1 else None  # the stream as a whole refused
@@ -941,8 +963,10 @@ class IrohHolderClient:
         return out
 
 
-def _decode(answers: list[dict], req: BatchRequest, bytes_out: int, bytes_back: int) -> BatchAnswer:
-    """``req``'s ``BatchAnswer`` from its answer messages (parts in order, receipt in part 0).
+def _decode(answers: list[dict], req: BatchRequest, bytes_out: int, bytes_back: int,
+            seal: MessageSeal | None = None) -> BatchAnswer:
+    """``req``'s ``BatchAnswer`` from its answer messages (parts in order, receipt in part 0;
+    ``seal``: its stream's message seal when the stream asked for one).
     Raises ``AuthRefusal`` (-32001), ``Rejected`` (-32602/-32600) or ``HolderFault`` (another
     error, parts missing or out of order, wrong rows)."""
     first = answers[0]
@@ -966,4 +990,4 @@ def _decode(answers: list[dict], req: BatchRequest, bytes_out: int, bytes_back: 
             raise HolderFault(str(exc)) from exc
     answer = {"ok": True, "token_indices": tokens, "output": results[0].get("output", "f32"),
               "receipt": results[0].get("receipt")}
-    return answer_to_batch(answer, b"".join(chunks), req, "iroh", bytes_out, bytes_back)
+    return answer_to_batch(answer, b"".join(chunks), req, "iroh", bytes_out, bytes_back, seal)
