@@ -34,7 +34,6 @@ import numpy as np
 
 from moe.activations import sigmoid
 from moe.codec import dumps_safetensors, loads_safetensors
-from moe.compute.blas import BlasPin
 from moe.families import FAMILIES, SUPPORTED_FAMILIES, families_scored
 from moe.jsonrpc import ParamError
 
@@ -373,8 +372,7 @@ def route(gate: Gate, hidden_states: np.ndarray, top_k: int | None = None) -> Ro
     gate has a ``shared_gate`` (qwen2_moe). ``top_k`` defaults to ``gate.top_k``. Raises
     ``ValueError`` when ``hidden_states`` is not 2-D, its width differs from
     ``gate.d_model``, it holds NaN/inf (or the logits overflow), or k is missing or outside
-    ``1..gate.max_top_k``. The products run on one BLAS thread (``BlasPin``): the same
-    logits in the router and in the site's monolithic check whatever their thread counts.
+    ``1..gate.max_top_k``.
     """
     x = np.asarray(hidden_states)
     if x.ndim != 2:
@@ -391,7 +389,7 @@ def route(gate: Gate, hidden_states: np.ndarray, top_k: int | None = None) -> Ro
         top_k = gate.top_k
     k = gate.check_top_k(top_k)
     t = x.shape[0]
-    with np.errstate(over="ignore"), BlasPin.shared():  # overflow reported just below; one BLAS thread
+    with np.errstate(over="ignore"):  # reported just below
         logits = x @ gate.weight.T
         if gate.logit_bias is not None:
             logits += gate.logit_bias
@@ -411,7 +409,6 @@ def route(gate: Gate, hidden_states: np.ndarray, top_k: int | None = None) -> Ro
         if gate.shared_gate is None:
             sw = np.ones((t, 1), dtype=np.float32)
         else:  # qwen2_moe: shared expert scaled by sigmoid(shared_expert_gate · x)
-            with BlasPin.shared():
-                sw = sigmoid(x @ gate.shared_gate.T)
+            sw = sigmoid(x @ gate.shared_gate.T)
         w = np.concatenate([w, sw.astype(np.float32, copy=False)], axis=1)
     return Routing(np.ascontiguousarray(ids), np.ascontiguousarray(w), logits, k, gate.shared_slot)

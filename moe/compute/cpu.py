@@ -1,8 +1,7 @@
 """CPU backend of the compute seam: ``Y = X·Wᵀ`` for dense float32 and GGUF-quantized weights.
 
-- Dense float32: one BLAS GEMM (``x @ w.T``, numpy's OpenBLAS) on one BLAS thread
-  (``moe.compute.blas.BlasPin``: the same bits whatever the process's BLAS thread count),
-  bit-identical to the plain numpy pipeline run single-threaded.
+- Dense float32: one BLAS GEMM (``x @ w.T``, numpy's OpenBLAS), bit-identical to the
+  plain numpy pipeline.
 - Quantized (Q8_0 / Q4_K / Q6_K), batches up to ``native_batch`` rows (default 64 on the AVX-512
   VNNI path, 32 otherwise, measured in ``bench/bench_expert.py --switch``) when the native
   extension is built (``moe.kernels``):
@@ -35,7 +34,6 @@ import numpy as np
 from numba import njit, prange
 
 from moe import kernels
-from moe.compute.blas import BlasPin
 from moe.quant import Q4_K, Q6_K, Q8_0, QUANT_TYPES, QuantizedMatrix
 
 # Batch rows up to which the numba kernel beats decode + GEMM (bench_expert.py).
@@ -299,10 +297,8 @@ class CpuBackend:
                 return kernels.matmul_xt(x, w)
             if not self.native and x.shape[0] <= self.small_batch:
                 return quantized_matmul_xt(np.ascontiguousarray(x, dtype=np.float32), w)
-            with BlasPin.shared():  # one BLAS thread: the bits do not depend on the thread count
-                return x @ _decode_scratch(w).T  # the product is a new array: the buffer is free again
-        with BlasPin.shared():
-            return x @ w.T
+            return x @ _decode_scratch(w).T  # the product is a new array: the buffer is free again
+        return x @ w.T
 
     def warm(self) -> None:
         """Compile (or load from numba's on-disk cache) every quantized kernel on tiny inputs, so
