@@ -457,8 +457,8 @@ def test_unfinished_parts_are_bounded_timed_out_and_freed_and_the_holder_serves_
     first = len(frames[0]) - 4  # body bytes the holder counts for a stream's first part
 
     async def go():
-        server = await iroh.IrohServer(iroh.endpoint_secret(agent.key.encode()), "127.0.0.1:0", agent.execute_rpc,
-                                       agent.status, peer_bytes=first * 3 // 2, total_bytes=first * 4,
+        server = await iroh.IrohServer(iroh.endpoint_secret(agent.key.encode()), "127.0.0.1:0", agent.execution.execute_rpc,
+                                       agent.execution.status, peer_bytes=first * 3 // 2, total_bytes=first * 4,
                                        part_timeout_s=5.0).start()
         client = iroh.IrohHolderClient(timeout=60, bind="127.0.0.1:0")
         ep = await iroh.bind_endpoint(None, "127.0.0.1:0", [])
