@@ -1,6 +1,12 @@
-"""``python manage.py tenzro_demo``: the main job — distributed MoE forwards on real checkpoints."""
+"""``python manage.py tenzro_demo``: the main job — distributed MoE forwards on real checkpoints.
+
+The demo keeps its own state (``$TENZRO_VAR_DIR/demo/``: agent keys, blobs, logs, operator
+token and an SQLite database there), so an operator's ``tenzro_cluster`` in the same checkout
+never sees the demo's providers, models or the holder its failover scene kills.
+"""
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -24,6 +30,26 @@ from registry.selectors import shard_view
 
 FIXTURES = ("qwen3_moe_tiny", "deepseek_v3_tiny")
 
+#: Set in the demo's own process (see :func:`demo_environment`): its settings are the demo's.
+DEMO_MARKER = "TENZRO_DEMO_STATE"
+
+
+def demo_environment(environ: dict, var_dir: Path) -> dict:
+    """The environment the demo runs in: ``var_dir / "demo"`` as ``TENZRO_VAR_DIR``, its own
+    blob dir, and ``TENZRO_DEMO_DATABASE_URL`` (default: SQLite in that dir) as ``DATABASE_URL``;
+    Redis only from ``TENZRO_DEMO_REDIS_URL``, with its own channel prefix and Celery queue. The
+    operator's ``DATABASE_URL``, ``REDIS_URL``, key, blob dir and token never reach it."""
+    demo_dir = Path(var_dir) / "demo"
+    env = {k: v for k, v in environ.items()
+           if k not in {"DATABASE_URL", "REDIS_URL", "TENZRO_BLOB_DIR", "TENZRO_KEY_FILE", "TENZRO_OPERATOR_TOKEN",
+                        "TENZRO_CHANNEL_PREFIX", "TENZRO_CELERY_QUEUE", "TENZRO_TEST_SQLITE_FILE"}}
+    env.update({DEMO_MARKER: "1", "TENZRO_VAR_DIR": str(demo_dir),
+                "DATABASE_URL": environ.get("TENZRO_DEMO_DATABASE_URL") or f"sqlite:///{demo_dir / 'db.sqlite3'}"})
+    if environ.get("TENZRO_DEMO_REDIS_URL"):
+        env.update({"REDIS_URL": environ["TENZRO_DEMO_REDIS_URL"], "TENZRO_CHANNEL_PREFIX": "tenzro-demo",
+                    "TENZRO_CELERY_QUEUE": "tenzro-demo"})
+    return env
+
 
 class Command(BaseCommand):
     help = ("Start the site and holder agents, publish and place real checkpoints' experts (replication 2), "
@@ -40,6 +66,8 @@ class Command(BaseCommand):
                                  "the quantized forward's error against the dense one ('none' to skip; default q4_k_m)")
 
     def handle(self, *args, **opts):
+        if os.environ.get(DEMO_MARKER) != "1":
+            self._exec_in_demo_state(opts)
         t0 = time.perf_counter()
         ckpts = [Path(c) for c in (opts["checkpoint"] or
                                    [settings.BASE_DIR / "tests" / "fixtures" / f for f in FIXTURES])]
@@ -99,6 +127,23 @@ class Command(BaseCommand):
                            generations)
         if not ok:
             sys.exit(1)
+
+    def _exec_in_demo_state(self, opts: dict) -> None:
+        """Replace this process with the same command in the demo's own state (settings are read
+        once per process, so the demo's var dir and database need a fresh one)."""
+        argv = [sys.executable, str(Path(settings.BASE_DIR) / "manage.py"), "tenzro_demo",
+                "--holders", str(opts["holders"]), "--quant", str(opts["quant"])]
+        for c in opts["checkpoint"] or []:
+            argv += ["--checkpoint", str(Path(c).resolve())]
+        if opts["keep_running"]:
+            argv.append("--keep-running")
+        env = demo_environment(dict(os.environ), settings.VAR_DIR)
+        self.stdout.write(f"· demo state in {env['TENZRO_VAR_DIR']} (database {env['DATABASE_URL']}); "
+                          "a tenzro_cluster in this checkout does not see it")
+        self.stdout.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, argv, env)
 
     def _economy_scene(self, cluster: LocalCluster, model_id: str, ckpt: Path, max_forwards: int = 60) -> dict:
         """Receipts economy: forwards of the first MoE layer until the router's secret keeps a
