@@ -1,7 +1,7 @@
 """Router services of the site: gate lookup, ``tenzro_moeForward`` over the holders' transports,
 and the execution methods (``moe.methods``) on the site's own runtime or relayed to an agent.
 
-Transports (DESIGN §6): experts held by the site's own runtime run in process (no wire,
+Transports (docs/DESIGN.md §6): experts held by the site's own runtime run in process (no wire,
 no receipt); with ``TENZRO["DATA_TRANSPORT"]`` ``"iroh"`` a holder advertising an iroh
 endpoint is dialed there (``moe/execute``), with ``"http"`` a holder advertising an HTTP
 endpoint is reached there with binary frames; otherwise, and as the fallback when the

@@ -1,4 +1,4 @@
-"""Django app configuration for ``settlement`` (the receipts economy, DESIGN §7)."""
+"""Django app configuration for ``settlement`` (the receipts economy, docs/DESIGN.md §7)."""
 from django.apps import AppConfig
 
 
