@@ -28,8 +28,8 @@ $(TESTDEPS): requirements-test.txt $(RUNTIME) $(KERNELS)
 
 install: $(RUNTIME) $(KERNELS)
 
+# The demo keeps its own state in var/demo/ (database included): it migrates that itself.
 demo: $(RUNTIME) $(KERNELS)
-	$(BIN)/python manage.py migrate --noinput -v 0
 	$(BIN)/python manage.py tenzro_demo
 
 test: $(TESTDEPS)

@@ -85,7 +85,7 @@ class HolderAgent:
         self.execution = Execution(self.key, self.provider, self.runtime, self.faults, self._compute,
                                    config.compute_threads, self.loader.fetch)
         self.runtime.add_listener(self.session.tier_changed)
-        # Repair (DESIGN §8): passes on the site's offers, and on its own timer without them.
+        # Repair (docs/DESIGN.md §8): passes on the site's offers, and on its own timer without them.
         self.repair = RepairWorker(config.site_base, self.provider, self.runtime, self.store,
                                    interval_s=config.repair_interval_s, release_grace_s=config.repair_release_grace_s)
         self.generation = RoleRunner(config.roles, config.site_base, self.loader.fetch,

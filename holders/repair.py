@@ -1,4 +1,4 @@
-"""The agent's half of the repair pass (DESIGN §8, reference §9): decide for itself.
+"""The agent's half of the repair pass (docs/DESIGN.md §8, reference §9): decide for itself.
 
 On an offer from the site (``{"type": "repair"}`` frame) and on its own timer when no offer
 came for 1.5 intervals (site unreachable, beat down), the agent:

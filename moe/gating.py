@@ -1,4 +1,4 @@
-"""The MoE router (gate), exact in float32, and its self-describing blob (DESIGN §5).
+"""The MoE router (gate), exact in float32, and its self-describing blob (docs/DESIGN.md §5).
 
 Families (config ``model_type``):
 
@@ -170,7 +170,7 @@ class Gate:
         return int(top_k)
 
     def to_blob(self) -> bytes:
-        """Serialize to a canonical safetensors gate blob (DESIGN §5): ``router.weight`` F32
+        """Serialize to a canonical safetensors gate blob (docs/DESIGN.md §5): ``router.weight`` F32
         ``[E, H]``, ``router.bias`` F32 ``[E]`` when present, and ``__metadata__`` strings
         ``family``, ``top_k`` (omitted when None), ``norm_topk_prob`` ("true"/"false"),
         ``routed_scaling_factor`` (shortest round-trip repr), ``n_group``, ``topk_group``,
@@ -200,7 +200,7 @@ class Gate:
     def from_blob(cls, data: bytes) -> Gate:
         """Load a gate blob written by ``to_blob`` (weights may be F32, F16 or BF16).
 
-        A blob without ``family`` metadata is read as the reference system does (DESIGN §5):
+        A blob without ``family`` metadata is read as the reference system does (docs/DESIGN.md §5):
         ``router.bias`` present → sigmoid mode (``deepseek_v3``, no groups, always
         renormalized, ``routed_scaling_factor`` from metadata, default 1.0); absent →
         softmax over the selected logits (``qwen3_moe`` with ``norm_topk_prob`` true, which is

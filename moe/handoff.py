@@ -1,4 +1,4 @@
-"""Prefill/Decode disaggregation on holder agents (issue 12 part 4; DESIGN roles ``Prefill``
+"""Prefill/Decode disaggregation on holder agents (issue 12 part 4; roles ``Prefill``
 "hands off KV cache", ``Decode`` "consumes KV cache", ``PrefillDecode`` both).
 
 An agent with role Prefill runs the prompt through the backbone (weights fetched as blobs,

@@ -1,7 +1,7 @@
 """The JSON-RPC 2.0 vocabulary of every surface: error codes, one error class, the envelope.
 
 Used by the site's ``/rpc`` view, the agent socket, the holder HTTP endpoint and the
-execution methods, so an error reads the same wherever it is raised. Codes (DESIGN §6):
+execution methods, so an error reads the same wherever it is raised. Codes (docs/DESIGN.md §6):
 -32700 parse error, -32600 invalid request, -32601 method not found, -32602 invalid
 params, -32603 internal error, -32000 planning error, -32001 auth refused, -32004
 execution error, -32005 busy (admission control: the router is at capacity or the

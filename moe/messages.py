@@ -1,4 +1,4 @@
-"""The messages of the agent socket and the holder HTTP frames (DESIGN §6), in one place.
+"""The messages of the agent socket and the holder HTTP frames (docs/DESIGN.md §6), in one place.
 
 ``moe.wire`` packs and unpacks a frame (``u32 LE len ‖ JSON header ‖ payload``); this
 module says what goes in the headers and in the socket's JSON text messages:

@@ -1,4 +1,4 @@
-"""Rendezvous (HRW) placement and the repair plan (DESIGN §8, reference §9).
+"""Rendezvous (HRW) placement and the repair plan (docs/DESIGN.md §8, reference §9).
 
 Plain Python (no Django). Every node computes the same ranking from the same shard view,
 so a node acts only on rows naming itself and no node can make a peer allocate memory.
@@ -122,7 +122,7 @@ def plan_repair(
     candidates: Iterable[str] | None = None,
     exclude: Iterable[tuple[int, int, str]] = (),
 ) -> list[RepairRow]:
-    """Rows that bring every expected expert up to its replication target (DESIGN §8).
+    """Rows that bring every expected expert up to its replication target (docs/DESIGN.md §8).
 
     Target: ``policy.max_replication`` for hot experts (any holder ``committed_tps >=
     policy.hot_threshold_tps``), else ``policy.min_replication``; replication counts

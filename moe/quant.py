@@ -40,7 +40,7 @@ How the bit-exactness is kept while staying vectorised:
   stored scales); those few sub-blocks are found afterwards and their search
   is re-run with quant tracking.
 
-Policy (DESIGN section 5, reference section 6): non-finite input raises; an
+Policy (docs/DESIGN.md §5, reference section 6): non-finite input raises; an
 input whose fp16 block scale would overflow (``|x|`` of roughly 8e6 and more
 for Q8_0) raises instead of writing an infinite scale (ggml's
 ``ggml_validate_row_data`` would reject such a block).

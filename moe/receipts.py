@@ -1,4 +1,4 @@
-"""Inline execution receipts: carrier hash, output commitment, signing and verification (DESIGN §7).
+"""Inline execution receipts: carrier hash, output commitment, signing and verification (docs/DESIGN.md §7).
 
 A holder that executed one batch signs, with its provider key, the request identity
 (request id, model, layer, expert, token indices), the SHA-256 of the exact carrier bytes

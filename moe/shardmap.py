@@ -5,7 +5,7 @@ builds a :class:`ShardView`, and hands it to the planner (:mod:`registry.planner
 repair pass (:mod:`moe.placement`). Agents can build the same view from the same data and
 get the same answers, because every ordering here is total (no dependence on input order).
 
-Source: ``DESIGN.md`` §7-§8 and ``reference/tenzro_reference_system.md`` §1.2, with the
+Source: ``docs/DESIGN.md`` §7-§8 and ``reference/tenzro_reference_system.md`` §1.2, with the
 reference's gaps fixed (§14 items 12, 19, 20): replication counts distinct providers, ties
 are broken by reputation and provider id, zero-holder experts are visible when the catalog
 is supplied, and a provider declaring an expert twice counts once.
@@ -67,7 +67,7 @@ def expert_key(item: object, field: str = "expert") -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class ReplicationPolicy:
-    """Replication and repair policy (DESIGN §8; governance-editable through proposals).
+    """Replication and repair policy (docs/DESIGN.md §8; governance-editable through proposals).
 
     Fields: ``min_replication`` (distinct live providers every expert should have),
     ``max_replication`` (target for hot experts, and the upper bound), ``hot_threshold_tps``
@@ -251,7 +251,7 @@ def _dedupe(holdings: list[HoldingInfo]) -> list[HoldingInfo]:
 # A holder inside a view is stored as a compact entry tuple
 #   (residency rank, -committed_tps, provider position, blob_uri)
 # where "provider position" indexes the view's providers sorted by (-reputation, id). Plain
-# tuple order is then exactly the DESIGN §7 order for non-hot experts; hot experts sort with
+# tuple order is then exactly the docs/DESIGN.md §7 order for non-hot experts; hot experts sort with
 # the GPU flag inserted after the rank. HolderInfo objects are made on demand and cached.
 _R, _NT, _P = 0, 1, 2
 
@@ -259,7 +259,7 @@ _R, _NT, _P = 0, 1, 2
 class ShardView:
     """Immutable index of one model's experts over the live (``Active``) providers.
 
-    Build with :meth:`build`. Holder lists are ordered once at build time (DESIGN §7):
+    Build with :meth:`build`. Holder lists are ordered once at build time (docs/DESIGN.md §7):
     Warm < Cold < Evicting; for hot experts GPU holders first; then ``committed_tps``
     descending, ``reputation`` descending, provider id ascending. The order is total, so
     every node computes the same view from the same declarations in any input order.
@@ -414,7 +414,7 @@ class ShardView:
     # -- queries ---------------------------------------------------------------------
 
     def holders(self, layer: int, expert: int, allow_cold: bool = True) -> list[HolderInfo]:
-        """Holders of ``(layer, expert)`` in DESIGN §7 order; ``allow_cold=False`` keeps Warm only.
+        """Holders of ``(layer, expert)`` in docs/DESIGN.md §7 order; ``allow_cold=False`` keeps Warm only.
 
         Unknown experts give ``[]``.
         """

@@ -1,6 +1,6 @@
 """Wire formats of the data plane: activation carriers and binary WebSocket frames.
 
-Frame (DESIGN §6): ``u32 LE header length ‖ JSON header (UTF-8) ‖ raw payload``. The
+Frame (docs/DESIGN.md §6): ``u32 LE header length ‖ JSON header (UTF-8) ‖ raw payload``. The
 payload is a carrier of rows ``[n, d_model]``: ``"f32"`` (little-endian float32),
 ``"f16"`` (IEEE half, round to nearest even; Kvasir's v2f16 rows), ``"q8_0"`` (GGUF Q8_0
 blocks row after row, 34 bytes per 32 values, via ``moe.quant``) or, for outputs only,

@@ -1,4 +1,4 @@
-"""Dense MLP layers split across holders by slices of the intermediate dimension (DESIGN §7).
+"""Dense MLP layers split across holders by slices of the intermediate dimension (docs/DESIGN.md §7).
 
 A SwiGLU MLP ``Y = (silu(X·Wgᵀ) ⊙ (X·Wuᵀ))·Wdᵀ`` is a sum over its intermediate units, so
 with the intermediate range cut into contiguous slices ``s`` (rows of ``Wg``/``Wu``,

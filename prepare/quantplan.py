@@ -1,7 +1,7 @@
 """Quantization plans for expert blobs: presets, the per-projection object, and fallbacks.
 
 A plan names, per projection (``gate_proj``, ``up_proj``, ``down_proj``), a GGUF type or
-``None`` (kept dense). Presets (DESIGN §5, reference system §5.3): ``q4_k_m`` = gate Q4_K,
+``None`` (kept dense). Presets (docs/DESIGN.md §5, reference system §5.3): ``q4_k_m`` = gate Q4_K,
 up Q4_K, down Q6_K; ``q8_0`` / ``q4_k`` / ``q6_k`` = that type for all three; the
 per-projection object ``{"gate": "q4_k", "up": "q4_k", "down": "q6_k"}`` (omitted keys stay
 dense). A projection whose row length (``cols``) is not a multiple of the block size falls

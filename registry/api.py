@@ -5,7 +5,7 @@ the REST view, so both surfaces answer the same shapes. Errors: ``PlanningError`
 -32000 / HTTP 422; ``GovernanceError`` → -32602 / 400 (404 for an unknown proposal,
 409 for a decided one); unknown models → -32602 / 404; signature failures → -32001 / 403.
 Management operations (create, withdraw, operator votes, placement) need the operator
-credential (DESIGN §6): ``Authorization: Bearer <token>``.
+credential (docs/DESIGN.md §6): ``Authorization: Bearer <token>``.
 """
 from __future__ import annotations
 
@@ -420,7 +420,7 @@ class Conflict(exceptions.APIException):
 
 
 class IsOperator(permissions.BasePermission):
-    """Requires ``Authorization: Bearer <operator token>`` (DESIGN §6)."""
+    """Requires ``Authorization: Bearer <operator token>`` (docs/DESIGN.md §6)."""
 
     message = "this endpoint needs the operator credential: Authorization: Bearer <token>"
 

@@ -22,7 +22,7 @@ Where the numbers come from (each entry's ``source`` says which applies to it):
   not reachable; ``source`` names them). A value that could not be confirmed is ``None``
   and its field name is listed in ``unknown``; nothing is guessed.
 
-Conventions (``DESIGN.md`` §1): an expert key is ``(layer, expert)``; the shared expert(s)
+Conventions (``docs/DESIGN.md`` §1): an expert key is ``(layer, expert)``; the shared expert(s)
 of a layer are fused into one extra slot with index ``num_experts`` (width
 ``n_shared_experts × moe_intermediate_size``, combine weight 1.0).
 

@@ -1,4 +1,4 @@
-"""Governance of the replication policy: proposals, votes, quorum, apply, audit (DESIGN §8).
+"""Governance of the replication policy: proposals, votes, quorum, apply, audit (docs/DESIGN.md §8).
 
 The policy in force is the singleton ``registry.models.ReplicationPolicy`` row; it changes
 only when a proposal is applied. Every step writes an ``AuditEntry``.
@@ -6,7 +6,7 @@ only when a proposal is applied. Every step writes an ``AuditEntry``.
 Electorate (who may vote on a proposal), recorded on the proposal when it is opened
 (``Proposal.electorate``) and never recomputed, so a tally reads the same forever:
 
-- ``operator``: the holder of the operator credential (DESIGN §6), one vote, always;
+- ``operator``: the holder of the operator credential (docs/DESIGN.md §6), one vote, always;
 - ``user:<username>``: each active Django staff user at creation (votes in the admin or the
   console). Creating a superuser later changes the electorate of later proposals only;
 - ``provider:<hex64>``: each ``Active`` provider whose reputation is at least

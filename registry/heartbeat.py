@@ -1,4 +1,4 @@
-"""Signed heartbeats: verify, then ingest atomically (DESIGN §2, §6).
+"""Signed heartbeats: verify, then ingest atomically (docs/DESIGN.md §2, §6).
 
 A heartbeat is ``{"body": {...}, "signature": hex}``; the body is signed with the provider's
 ed25519 key under ``identity.DOMAIN_HEARTBEAT`` over its canonical JSON:

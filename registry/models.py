@@ -120,13 +120,13 @@ class MoeModel(models.Model):
 class ReplicationPolicy(models.Model):
     """The policy in force (a singleton, ``pk = 1``), changed only by applying a proposal.
 
-    Replication/repair fields are those of ``moe.shardmap.ReplicationPolicy`` (DESIGN §8);
+    Replication/repair fields are those of ``moe.shardmap.ReplicationPolicy`` (docs/DESIGN.md §8);
     settlement split: ``settlement_holder_share_bps`` (basis points of a holder's charge paid
     to the holder; the network fee is the remaining ``10000 - share``); dispute tolerances
-    (reference §7.5, DESIGN §7): a re-executed row passes when its top-feature overlap is
+    (reference §7.5, docs/DESIGN.md §7): a re-executed row passes when its top-feature overlap is
     ``≥ dispute_min_overlap`` and its relative delta ``≤ dispute_max_rel_delta``; a
     commitment passes when ``≥ dispute_min_rows_passed`` of its rows pass. Receipts economy
-    (DESIGN §7): a verified batch is kept when ``HMAC(router secret, commitment) mod
+    (docs/DESIGN.md §7): a verified batch is kept when ``HMAC(router secret, commitment) mod
     receipt_sample_one_in == 0``; an upheld dispute costs ``dispute_penalty`` reputation and
     ``quarantine_after_upheld`` upheld disputes in a row quarantine the provider for
     ``quarantine_ms``. ``version`` counts applied changes. Read and validate through ``registry.governance``.
@@ -225,6 +225,7 @@ class AuditEntry(models.Model):
 
     class Meta:
         ordering = ["-at", "-id"]
+        verbose_name_plural = "audit entries"
 
     def __str__(self) -> str:
         return f"{self.at:%Y-%m-%d %H:%M:%S} {self.actor} {self.action}"
@@ -287,7 +288,7 @@ class GateBlob(models.Model):
 
 
 class RepairPass(models.Model):
-    """One scheduled repair pass (DESIGN §8): the plan offered to agents and what they did.
+    """One scheduled repair pass (docs/DESIGN.md §8): the plan offered to agents and what they did.
 
     ``period_key`` is the idempotency key ``"<interval_s>:<period>"`` with ``period =
     floor(unix seconds / interval_s)``; its unique constraint makes two beats, a retried task

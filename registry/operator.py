@@ -1,4 +1,4 @@
-"""The operator credential (DESIGN §6): a bearer token for management methods.
+"""The operator credential (docs/DESIGN.md §6): a bearer token for management methods.
 
 ``TENZRO_OPERATOR_TOKEN`` when set; otherwise generated on first use and kept in
 ``$TENZRO_VAR_DIR/operator_token`` (mode 0600) so every process of one site agrees.

@@ -128,7 +128,7 @@ def plan_dispatch(
 ) -> DispatchPlan:
     """Assign every routed (token, expert) pair to exactly one holder.
 
-    Algorithm (DESIGN §7; reference §2 with fixes): group tokens by expert (ascending token
+    Algorithm (docs/DESIGN.md §7; reference §2 with fixes): group tokens by expert (ascending token
     index); the eligible holders are ``view.holders(layer, expert, allow_cold)`` (Warm only
     unless ``allow_cold``); the primary is the first, the backups the rest in order. With
     ``split_threshold`` set, an expert's tokens are cut into contiguous ascending chunks of

@@ -1,4 +1,4 @@
-"""The scheduled repair pass on the site (DESIGN §8): one run per period, plan, record.
+"""The scheduled repair pass on the site (docs/DESIGN.md §8): one run per period, plan, record.
 
 The transport half (offering rows to agent sockets) lives in ``router.repair``; this
 module owns the database side: the idempotency key per period (``RepairPass.period_key``,
@@ -214,7 +214,7 @@ def ensure_beat_schedule() -> None:
     task = PeriodicTask.objects.filter(name=BEAT_TASK_NAME).first()
     if task is None:
         PeriodicTask.objects.create(name=BEAT_TASK_NAME, task=TASK, interval=schedule, kwargs=json.dumps({}),
-                                    description="Repair pass (DESIGN §8): plan from the shard view, offer each "
+                                    description="Repair pass (docs/DESIGN.md §8): plan from the shard view, offer each "
                                                 "agent the rows naming it. One run per period (RepairPass).")
     elif task.interval_id != schedule.id:
         task.interval = schedule

@@ -23,7 +23,7 @@ def live_cutoff():
 
 def live_providers():
     """Active providers whose agent socket is open, whose last heartbeat is fresh and that are
-    not quarantined (``quarantined_until_ms`` in the past: upheld disputes, DESIGN §7)."""
+    not quarantined (``quarantined_until_ms`` in the past: upheld disputes, docs/DESIGN.md §7)."""
     return Provider.objects.filter(status=Provider.Status.ACTIVE, connected=True,
                                    last_heartbeat__gte=live_cutoff(),
                                    quarantined_until_ms__lte=int(time.time() * 1000))

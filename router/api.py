@@ -44,7 +44,7 @@ class PlaceParams(serializers.Serializer):
 
 
 class ForwardParams(serializers.Serializer):
-    """Params of ``tenzro_moeForward`` (DESIGN §6)."""
+    """Params of ``tenzro_moeForward`` (docs/DESIGN.md §6)."""
 
     model_id = serializers.CharField(max_length=200)
     layer = serializers.IntegerField(min_value=0)

@@ -1,4 +1,4 @@
-"""Site side of the agent WebSocket ``/ws/agent/`` (DESIGN §6).
+"""Site side of the agent WebSocket ``/ws/agent/`` (docs/DESIGN.md §6).
 
 Handshake: the site sends ``{"type": "challenge", "nonce": hex}``; the agent answers
 ``{"type": "hello", "provider": hex64, "signature": hex}`` signed over the nonce bytes

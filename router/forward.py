@@ -1,4 +1,4 @@
-"""The router's MoE layer forward over remote holders (DESIGN §7), free of Django.
+"""The router's MoE layer forward over remote holders (docs/DESIGN.md §7), free of Django.
 
 gate locally → per-token routings → planner over the live shard view →
 each planned batch, whole (the transport splits it into frames below the socket cap and

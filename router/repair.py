@@ -1,4 +1,4 @@
-"""The site's repair pass over the agent sockets (DESIGN §8): claim the period, plan, offer.
+"""The site's repair pass over the agent sockets (docs/DESIGN.md §8): claim the period, plan, offer.
 
 ``run_pass`` is what both schedulers run — the Celery task ``holders.repair_pass`` (beat,
 with Redis) and the in-process timer (``ensure_timer``, without Redis). The period claim in

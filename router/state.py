@@ -6,7 +6,7 @@ the forward entry points over it.
 ``router.apps.current()`` returns the process's ``Router`` (made by ``RouterConfig.ready``);
 tests build a fresh one and ``router.apps.install`` it.
 
-Transports (DESIGN §6): experts held by the site's own runtime run in process (no wire,
+Transports (docs/DESIGN.md §6): experts held by the site's own runtime run in process (no wire,
 no receipt); with ``ForwardConfig.transport`` ``"iroh"`` a holder advertising an iroh
 endpoint is dialed there (``moe/execute``), with ``"http"`` a holder advertising an HTTP
 endpoint is reached there with binary frames; otherwise, and as the fallback when the

@@ -1,4 +1,4 @@
-"""Django app configuration for ``settlement`` (the receipts economy, DESIGN §7), and the
+"""Django app configuration for ``settlement`` (the receipts economy, docs/DESIGN.md §7), and the
 accessor of the process's ``settlement.state.Economy``."""
 from __future__ import annotations
 

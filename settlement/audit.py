@@ -1,6 +1,6 @@
 """Pure comparison of committed rows with re-executed rows (disputes; no Django).
 
-Sampling (DESIGN §7, reference §14 fix 1): a verified batch is kept when
+Sampling (docs/DESIGN.md §7, reference §14 fix 1): a verified batch is kept when
 ``int(HMAC-SHA256(router secret, commitment hash)) mod N == 0`` — the holder signs the
 commitment but does not know the router's secret, so it cannot tell which batches are kept.
 

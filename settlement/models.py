@@ -1,4 +1,4 @@
-"""Receipts economy records (DESIGN §7): kept receipt samples, disputes (with fraud proofs), settlements."""
+"""Receipts economy records (docs/DESIGN.md §7): kept receipt samples, disputes (with fraud proofs), settlements."""
 from __future__ import annotations
 
 from django.db import models

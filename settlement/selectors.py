@@ -55,13 +55,17 @@ def get_receipt(key: str) -> dict:
             "audit_state": s.audit_state, "dispute_outcome": dispute_json(d, s) if d is not None else None}
 
 
-def list_disputes(provider: str | None = None, upheld: bool | None = None, limit: int = 100) -> dict:
-    """``tenzro_moeListDisputes``: newest first, ``{disputes: [dispute_json], count}`` (fraud proofs included)."""
+def list_disputes(provider: str | None = None, upheld: bool | None = None, limit: int = 100,
+                  automatic: bool | None = None) -> dict:
+    """``tenzro_moeListDisputes``: newest first, ``{disputes: [dispute_json], count}`` (fraud proofs included).
+    ``automatic``: True keeps the automatic audits only, False the operators' disputes only."""
     qs = Dispute.objects.select_related("sample")
     if provider is not None:
         qs = qs.filter(provider=provider)
     if upheld is not None:
         qs = qs.filter(upheld=upheld)
+    if automatic is not None:
+        qs = qs.filter(automatic=automatic)
     rows = [dispute_json(d, d.sample) for d in qs.order_by("-id")[:limit]]
     return {"disputes": rows, "count": len(rows)}
 

@@ -1,4 +1,4 @@
-"""Receipts economy services (DESIGN §7; reference §7.4–7.6, §8 with the §14 fixes).
+"""Receipts economy services (docs/DESIGN.md §7; reference §7.4–7.6, §8 with the §14 fixes).
 
 - ``record_forward``: after each forward (background), keep the sampled verified batches in
   full (``settlement.audit.is_sampled`` under the router secret) and write one pending

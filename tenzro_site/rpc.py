@@ -2,7 +2,7 @@
 
 Each installed app's ``api`` module may hold ``rpc_methods`` (a ``registry.rpc.MethodTable``);
 ``METHODS`` is their union, collected once at import like ``urls.py`` collects URL patterns.
-Errors (``moe.jsonrpc``, DESIGN §6): -32700 parse error, -32600 invalid request, -32601 method not found,
+Errors (``moe.jsonrpc``, docs/DESIGN.md §6): -32700 parse error, -32600 invalid request, -32601 method not found,
 -32602 invalid params, -32603 internal error, -32000 planning error, -32001 auth refused,
 -32004 execution error, -32005 busy (``router.admission``: batch over ``RPC_MAX_BATCH`` is
 refused whole; forward methods count against the client's forward rate; a single request

@@ -1,6 +1,6 @@
 """Settings for the Tenzro distributed MoE site, driven by environment variables.
 
-One place maps the environment to backends (DESIGN §4):
+One place maps the environment to backends (docs/DESIGN.md §4):
 
 - ``DATABASE_URL``: any dj-database-url URL; default an SQLite file ``db.sqlite3`` in the
   project root (IMMEDIATE transactions, WAL, busy timeout).
@@ -252,7 +252,8 @@ REST_FRAMEWORK = {
 SPECTACULAR_SETTINGS = {
     "TITLE": "Tenzro distributed MoE",
     # Markdown in Swagger UI: the header sits in a code span, or "<token>" is eaten as an HTML tag.
-    "DESCRIPTION": "REST mirror of the JSON-RPC methods at `POST /rpc` (DESIGN §6). Management endpoints "
+    "DESCRIPTION": "REST mirror of the JSON-RPC methods at `POST /rpc` (design: `docs/DESIGN.md` §6 of the "
+                   "source tree). Management endpoints "
                    "(marked with a lock) need the operator credential, `Authorization: Bearer <operator token>`: "
                    "the token is `$TENZRO_VAR_DIR/operator_token` or `TENZRO_OPERATOR_TOKEN`. Click Authorize "
                    "and paste the token alone.",
@@ -309,7 +310,7 @@ TENZRO = {
     # REST mirror throttles per client address (DRF rate strings).
     "API_READ_RATE": os.environ.get("TENZRO_API_READ_RATE", "1200/min"),
     "API_WRITE_RATE": os.environ.get("TENZRO_API_WRITE_RATE", "300/min"),
-    # Data plane of tenzro_moeForward (DESIGN §7): seconds one holder has for one batch before
+    # Data plane of tenzro_moeForward (docs/DESIGN.md §7): seconds one holder has for one batch before
     # its warm backup gets it; "ws" (agent sockets, HTTP fallback), "http" (advertised
     # endpoints with binary frames, socket fallback) or "iroh" (advertised iroh endpoints, then
     # socket, then HTTP); the router's iroh endpoint binds to IROH_BIND; seconds the shard view
@@ -318,7 +319,7 @@ TENZRO = {
     "DATA_TRANSPORT": _env_choice("TENZRO_DATA_TRANSPORT", "ws", ("ws", "http", "iroh")),
     "IROH_BIND": _env_host_port("TENZRO_IROH_BIND", "0.0.0.0:0"),
     "VIEW_CACHE_S": _env_float("TENZRO_VIEW_CACHE", 1.0, zero_ok=True),
-    # Repair pass (DESIGN §8): seconds between passes; 0 = the governance policy's
+    # Repair pass (docs/DESIGN.md §8): seconds between passes; 0 = the governance policy's
     # repair_interval_s (a local cluster or a test sets a short one). Release grace: seconds an
     # expert must stay above target and cool before its surplus replicas are dropped.
     "REPAIR_INTERVAL_S": _env_int("TENZRO_REPAIR_INTERVAL", 0),

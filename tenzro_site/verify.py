@@ -1,4 +1,4 @@
-"""Checking a distributed forward against a reference bundle and the monolithic forward (DESIGN §4)."""
+"""Checking a distributed forward against a reference bundle and the monolithic forward (docs/DESIGN.md §4)."""
 from __future__ import annotations
 
 import time

@@ -142,7 +142,7 @@ def expert_values(cfg: dict, values: dict, layer: int, e: int, fused: bool = Fal
 
 
 def write_reference(path: Path, cfg: dict, values: dict, fused: bool = False, tokens: int = 16, seed: int = 5):
-    """Write ``reference.safetensors`` / ``reference.json`` (DESIGN §4 bundle format) beside a
+    """Write ``reference.safetensors`` / ``reference.json`` (docs/DESIGN.md §4 bundle format) beside a
     checkpoint made by ``make_checkpoint``, computed per token in float64 from the decoded
     values with a second, loop-based reading of each family's MoE block (HF modeling code for
     qwen2_moe / mixtral / glm4_moe; −inf group masking). Returns the MoE layers."""

@@ -163,11 +163,39 @@ def test_prepare_progress_fragment_polls_until_final(client):
 def test_bar_chart_geometry():
     chart = bar_chart("t", [("0", 0, "r0"), ("1", 5, "r1"), ("2", 10, "rok")], width=110, height=100)
     heights = [b.h for b in chart.bars]
-    assert heights[0] == 0 and heights[2] == chart.baseline - 18 and heights[1] == pytest.approx(heights[2] / 2)
+    assert heights[0] == 0 and heights[2] == chart.baseline - 28 and heights[1] == pytest.approx(heights[2] / 2)
     assert all(b.y + b.h == pytest.approx(chart.baseline) for b in chart.bars)
     assert bar_chart("flat", [("0", 0, "")]).bars[0].h == 0
     with pytest.raises(ValueError):
         bar_chart("bad", [("x", -1, "")])
+
+
+def test_bar_chart_labels_clear_the_title_and_stay_inside():
+    """Issue 24 item 15: a full-height bar's value label sat on the title; the last minute label
+    of the settlement chart ran past the right edge."""
+    from tenzro_site.console.charts import CHAR_W, TITLE_H
+
+    chart = bar_chart("Tokens settled per minute", [(f"10:{m:02d}", 1000 + m, "") for m in range(30)],
+                      width=520, tick_every=5)
+    for b in chart.bars:
+        assert b.y - 3 - 10 >= TITLE_H  # the value text (10 px, baseline 3 above the bar) is below the title
+        for text, x, anchor in ((b.label, b.label_x, b.label_anchor), (str(b.value), b.value_x, b.value_anchor)):
+            w = len(text) * CHAR_W
+            left = {"start": x, "middle": x - w / 2, "end": x - w}[anchor]
+            assert 0 <= left and left + w <= chart.width, (text, x, anchor)
+    assert chart.bars[-1].label_anchor == "end" and chart.bars[-1].tick
+
+
+def test_model_names_read_as_english_plurals():
+    """"Audit entrys" in the admin (issue 24 item 15): no consonant + "ys" plural anywhere."""
+    import re
+
+    from django.apps import apps
+
+    bad = [str(m._meta.verbose_name_plural) for m in apps.get_models()
+           if re.search(r"[^aeiou]ys$", str(m._meta.verbose_name_plural))]
+    assert not bad, bad
+    assert AuditEntry._meta.verbose_name_plural == "audit entries"
 
 
 # ---- receipts economy pages --------------------------------------------------------------
@@ -257,6 +285,67 @@ def test_staff_dispute_shows_outcome_and_fraud_proof(client, economy):
     assert "liar-l" in client.get("/disputes/?outcome=upheld").content.decode()
     assert "liar-l" not in client.get("/disputes/?outcome=rejected").content.decode()
     assert client.post("/receipts/moe_receipt:nope/dispute").status_code == 404
+
+
+def test_audits_listed_apart_and_operators_can_still_dispute(client, economy):
+    """Issue 24 item 15: automatic audits are not operators' disputes (/disputes/ listed every
+    audit as a green "rejected" dispute), and a receipt whose audit passed keeps the staff
+    Dispute button; a failed audit already penalized, so it has none."""
+    from asgiref.sync import async_to_sync
+
+    from settlement import services
+    from settlement.models import Dispute
+
+    honest, liar, keys = economy
+    for key in keys["honest"] + keys["liar"]:
+        async_to_sync(services.audit)(key)
+    assert Dispute.objects.filter(automatic=True).count() == 3
+    page = client.get("/disputes/").content.decode()
+    assert "Operators' disputes: 0 upheld, 0 rejected" in page and "2 passed" in page and "1 failed" in page
+    operator_table = page[page.index('id="disputes"'):page.index('id="audits"')]
+    assert "No operator dispute matches." in operator_table and "audit passed" not in operator_table
+    audits_table = page[page.index('id="audits"'):]
+    assert audits_table.count("audit passed") == 2 and audits_table.count("audit failed") == 1
+    assert "audit passed" in client.get("/receipts/").content.decode()
+
+    staff(client)
+    html = client.get(f"/receipts/{keys['honest'][0]}").content.decode()
+    assert 'id="dispute-form"' in html and "automatic audit" in html
+    assert 'id="dispute-form"' not in client.get(f"/receipts/{keys['liar'][0]}").content.decode()
+    rep = Provider.objects.get(provider=honest).reputation
+    r = client.post(f"/receipts/{keys['honest'][0]}/dispute", follow=True)
+    html = r.content.decode()
+    assert "dispute rejected" in html and "operator's dispute" in html, html[html.find('id="dispute"'):][:1500]
+    d = Dispute.objects.get(sample__key=keys["honest"][0])
+    assert not d.automatic and not d.upheld and Dispute.objects.count() == 3
+    assert Provider.objects.get(provider=honest).reputation == rep
+    page = client.get("/disputes/").content.decode()
+    assert "Operators' disputes: 0 upheld, 1 rejected" in page and "1 passed" in page
+    # The failed audit answers its stored outcome: no second penalty, still the audit's record.
+    rep = Provider.objects.get(provider=liar).reputation
+    client.post(f"/receipts/{keys['liar'][0]}/dispute")
+    assert Provider.objects.get(provider=liar).reputation == rep
+    assert Dispute.objects.get(sample__key=keys["liar"][0]).automatic
+
+
+def test_operator_dispute_restores_the_audit_when_it_cannot_run(economy, monkeypatch):
+    from asgiref.sync import async_to_sync
+
+    from settlement import disputes, services
+    from settlement.models import Dispute
+
+    _, _, keys = economy
+    async_to_sync(services.audit)(keys["honest"][0])
+    before = Dispute.objects.get(sample__key=keys["honest"][0])
+
+    async def no_executor(key, automatic=False):
+        raise services.EconomyError(-32004, "no executor holds the blob", "key")
+
+    monkeypatch.setattr(services, "dispute", no_executor)
+    with pytest.raises(services.EconomyError):
+        async_to_sync(disputes.operator_dispute)(keys["honest"][0])
+    after = Dispute.objects.get(sample__key=keys["honest"][0])
+    assert after.automatic and after.created_ms == before.created_ms and after.verification == before.verification
 
 
 def test_anonymous_and_non_staff_cannot_dispute(client, economy):

@@ -207,6 +207,26 @@ def test_every_page_no_console_errors_and_no_5xx(site, page, console_errors):
     assert re.search(r"Tenzro", page.title())
 
 
+def chart_text_problems(page) -> list[str]:
+    """Texts of the page's SVG charts drawn outside their chart or over its title (issue 24 item 15:
+    value labels of full-height bars sat on the title; the last minute label was cut)."""
+    return page.evaluate("""() => {
+        const out = [];
+        for (const svg of document.querySelectorAll("svg.chart")) {
+            const box = svg.getBoundingClientRect();
+            const texts = [...svg.querySelectorAll("text")];
+            const title = texts[0].getBoundingClientRect();
+            for (const t of texts) {
+                const r = t.getBoundingClientRect();
+                if (r.left < box.left - 0.5 || r.right > box.right + 0.5) out.push("outside: " + t.textContent);
+                if (t !== texts[0] && r.top < title.bottom - 0.5 && r.right > title.left && r.left < title.right)
+                    out.push("over the title: " + t.textContent);
+            }
+        }
+        return out;
+    }""")
+
+
 def economy_records() -> dict:
     """Receipts, settlements through the real services (see ``tests.test_console.economy``):
     an honest and a lying holder, every batch kept and settled."""
@@ -239,7 +259,24 @@ def test_dispute_a_receipt_as_staff_and_filter_receipts(site, page, console_erro
     shot(page, "receipt-disputed")
     page.goto(f"{site}/disputes/")
     expect(page.locator("#disputes")).to_contain_text("upheld")
+    expect(page.locator("#audits")).to_contain_text("No automatic audit matches.")
     shot(page, "disputes")
+    # An automatic audit that passed: listed apart, and staff can still dispute the receipt.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asgiref.sync import async_to_sync
+
+    from settlement import services
+    with ThreadPoolExecutor(1) as pool:  # Playwright's loop runs in this thread
+        pool.submit(async_to_sync(services.audit), keys["honest"][0]).result()
+    page.goto(f"{site}/disputes/")
+    expect(page.locator("#audits")).to_contain_text("audit passed")
+    expect(page.locator("#disputes")).not_to_contain_text("audit passed")
+    page.goto(f"{site}/receipts/{keys['honest'][0]}")
+    expect(page.locator("#dispute-outcome")).to_contain_text("automatic audit")
+    page.click("#dispute-form button[name=dispute]")
+    expect(page.locator("#dispute-outcome")).to_contain_text("operator's dispute")
+    expect(page.locator(".messages")).to_contain_text("dispute rejected")
     assert console_errors == [], console_errors
 
 
@@ -258,9 +295,21 @@ def test_economy_pages_no_console_errors_and_no_5xx(site, page, console_errors):
     expect(page.locator("#provider-settlements tbody tr, #provider-settlements tr")).not_to_have_count(0)
     page.goto(f"{site}/settlements/")
     expect(page.locator("svg.chart")).to_be_visible()
+    assert chart_text_problems(page) == []
     expect(page.locator("#per-provider")).to_contain_text("honest-h")
     resp = page.request.get(f"{site}/settlements.csv?provider={honest}")
     assert resp.status == 200 and resp.text().count("\n") == 3  # header + two settlements
     assert page.request.get(f"{site}/settlements.csv?provider=zz").status == 400
     assert page.request.get(f"{site}/receipts/moe_receipt:nope").status == 404
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asgiref.sync import async_to_sync
+
+    from settlement import services
+    with ThreadPoolExecutor(1) as pool:  # a reputation chart at full height (Playwright's loop runs here)
+        pool.submit(async_to_sync(services.audit), keys["liar"][0]).result()
+    page.goto(f"{site}/providers/{liar}")
+    expect(page.locator("svg.chart")).to_be_visible()
+    assert chart_text_problems(page) == []
+    shot(page, "provider-reputation-chart")
     assert console_errors == [], console_errors

@@ -61,21 +61,31 @@ def test_cheat_is_sampled_audited_upheld_and_quarantined(tmp_path):
         rpc(url, "tenzro_moeVoteProposal", {"proposal_id": prop["id"], "approve": True}, tok)
         assert rpc(url, "tenzro_moeReplicationPolicy", {})["result"]["receipt_sample_one_in"] == 1
 
-        with ThreadPoolExecutor(2) as pool:  # both layers at once: the cheat is primary in each
-            first = list(pool.map(lambda layer: forward(info, xs[layer], layer), (0, 1)))
-        assert all(r["forward_id"] for r in first) and first[0]["forward_id"] != first[1]["forward_id"]
-        assert cheat in first[0]["holders"] + first[1]["holders"]
-
         def providers():
             return {p["provider"]: p for p in rpc(url, "tenzro_moeListProviders", {})["result"]["providers"]}
 
-        wait_for(lambda: providers()[cheat]["quarantined_until_ms"] > time.time() * 1000, 180,
-                 "the cheat was not quarantined")
+        def quarantined():
+            return providers()[cheat]["quarantined_until_ms"] > time.time() * 1000
+
+        # Which replica serves an expert depends on warm-up, measured committed_tps and what the
+        # router observed (noisy on a busy machine), so the cheat may serve nothing in a given
+        # forward: keep forwarding both layers until its audited lies quarantine it.
+        forwards: list[dict] = []
+        deadline = time.time() + 300
+        while not quarantined():
+            assert time.time() < deadline, (f"the cheat was not quarantined after {len(forwards)} forwards "
+                                             f"(served in {sum(cheat in f['holders'] for f in forwards)})")
+            with ThreadPoolExecutor(2) as pool:  # both layers at once
+                forwards += pool.map(lambda layer: forward(info, xs[layer], layer), (0, 1))
+            time.sleep(0.5)
+        first = forwards[:2]
+        assert all(r["forward_id"] for r in first) and first[0]["forward_id"] != first[1]["forward_id"]
+        assert any(cheat in f["holders"] for f in forwards)
         upheld = rpc(url, "tenzro_moeListDisputes", {"upheld": True})["result"]["disputes"]
         assert len(upheld) >= 3 and {d["provider"] for d in upheld} == {cheat}
         assert all(d["proof"]["body"]["provider"] == cheat and d["executed_by"] != cheat for d in upheld)
         kept = rpc(url, "tenzro_moeListReceipts", {"provider": cheat, "limit": 1000})["result"]
-        assert kept["count"] >= 3 and all(r["forward_id"] in {f["forward_id"] for f in first}
+        assert kept["count"] >= 3 and all(r["forward_id"] in {f["forward_id"] for f in forwards}
                                           for r in kept["receipts"])
         shard = rpc(url, "tenzro_moeShardMap", {"model_id": MODEL})["result"]
         assert all(h["provider"] != cheat for e in shard["holders"] for h in e["holders"])
@@ -87,7 +97,7 @@ def test_cheat_is_sampled_audited_upheld_and_quarantined(tmp_path):
 
         wait_for(lambda: rpc(url, "tenzro_moeListReceipts", {"limit": 1000})["result"]["receipts"]
                  and all(r["dispute"] for r in rpc(url, "tenzro_moeListReceipts", {"limit": 1000})["result"]
-                         ["receipts"]), 180, "not every kept receipt was audited")
+                         ["receipts"]), 300, "not every kept receipt was audited")
         rejected = rpc(url, "tenzro_moeListDisputes", {"upheld": False})["result"]["disputes"]
         assert rejected and all(d["provider"] in honest for d in rejected)
         assert not [d for d in rpc(url, "tenzro_moeListDisputes", {"upheld": True, "limit": 1000})["result"]

@@ -150,7 +150,7 @@ def _ref_route_softmax(logits, k, norm):
 
 
 def _ref_route_sigmoid(logits, bias, k, n_group, topk_group, norm, scale):
-    """Plain per-token Python version of DESIGN §5's DeepSeek rule (−inf group masking)."""
+    """Plain per-token Python version of docs/DESIGN.md §5's DeepSeek rule (−inf group masking)."""
     e = logits.shape[1]
     size = e // n_group
     ids_out, w_out = [], []

@@ -54,7 +54,7 @@ def prov(name, *holdings, roles=("ExpertHolder",), status="Active", gpu=False, r
 
 
 def order_key(h: HolderInfo, hot: bool):
-    """DESIGN §7 holder order, written independently of the implementation."""
+    """docs/DESIGN.md §7 holder order, written independently of the implementation."""
     return (
         RESIDENCIES.index(h.residency),
         (0 if h.gpu else 1) if hot else 0,

@@ -137,7 +137,7 @@ async def serve_http(handler: Handler, host: str, port: int, frame_handler: Fram
     """Start the holder's HTTP endpoint on ``host:port``; returns the asyncio server (close it to stop).
 
     ``POST /rpc``: JSON-RPC through ``handler``. ``POST /frame`` (when ``frame_handler`` is
-    given): one binary frame (``wire.pack_frame``, DESIGN §6) in, one frame out; errors come
+    given): one binary frame (``wire.pack_frame``, docs/DESIGN.md §6) in, one frame out; errors come
     back as a frame with ``ok: false``. A ``batch`` frame with ``stream: true`` (when
     ``stream_handler`` is given) is answered request by request: ``Transfer-Encoding: chunked``,
     one answer frame per chunk as each request finishes, so the router checks the first receipts

@@ -1,6 +1,6 @@
 """iroh QUIC transport of the data plane: a holder's ``tenzro/moe`` endpoint and the router's client.
 
-Protocol (reference §11.1, DESIGN §6): ALPN ``tenzro/moe``; one JSON-RPC 2.0 round trip per
+Protocol (reference §11.1, docs/DESIGN.md §6): ALPN ``tenzro/moe``; one JSON-RPC 2.0 round trip per
 bidirectional stream; frames ``u32 LE length ‖ UTF-8 JSON`` of at most ``MAX_FRAME_BYTES``
 (4 MiB) in each direction, and each side finishes its send half. Methods ``moe/execute``
 (the reference's ``ExpertExecuteRequest``: ``hidden_states`` base64 f32 or ``hidden_q8``

@@ -7,10 +7,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: Width of one character of the charts' 10 px text, a little over the real average, so a
+#: label kept inside the view box by this estimate is inside it when drawn.
+CHAR_W = 6.2
+TITLE_H = 14.0  # the title's line; value labels start below it
+
 
 @dataclass(frozen=True)
 class Bar:
-    """One bar: ``label`` under it, ``value`` above it, and its rectangle ``x, y, w, h``."""
+    """One bar: ``label`` under it, ``value`` above it, and its rectangle ``x, y, w, h``.
+
+    ``label_x`` / ``value_x`` with ``label_anchor`` / ``value_anchor`` (SVG ``text-anchor``)
+    place the two texts centred on the bar, shifted inwards at the chart's edges."""
 
     label: str
     value: int | float
@@ -20,6 +28,20 @@ class Bar:
     h: float
     cls: str = ""
     tick: bool = True  # draw the label under the bar (dense series label every n-th bar)
+    label_x: float = 0.0
+    label_anchor: str = "middle"
+    value_x: float = 0.0
+    value_anchor: str = "middle"
+
+
+def _text_x(centre: float, text: str, width: float, pad: float = 2.0) -> tuple[float, str]:
+    """(x, text-anchor) for ``text`` centred on ``centre``, kept within ``[pad, width - pad]``."""
+    half = len(text) * CHAR_W / 2
+    if centre + half > width - pad:
+        return round(width - pad, 2), "end"
+    if centre - half < pad:
+        return pad, "start"
+    return round(centre, 2), "middle"
 
 
 @dataclass(frozen=True)
@@ -40,13 +62,15 @@ def bar_chart(title: str, data: list[tuple[str, int | float, str]], x_label: str
     """Lay out ``data`` (``(label, value >= 0, css class)`` in display order) as vertical bars.
 
     Bars share the plot width evenly with a 20 % gap; heights scale linearly so that the
-    largest value fills the plot (an all-zero series draws flat bars). ``tick_every``: label
+    largest value fills the plot (an all-zero series draws flat bars); the plot starts below
+    the title and one line of value labels, and labels stay inside the view box. ``tick_every``: label
     every n-th bar only, counted from the last (dense time series). Raises ``ValueError`` for a
     negative or non-finite value, or ``tick_every`` < 1.
     """
     if tick_every < 1:
         raise ValueError(f"tick_every must be >= 1, got {tick_every!r}")
-    top, bottom, left, right = 18.0, 28.0, 8.0, 8.0
+    # Top: the title's line plus one line for the value over a full-height bar.
+    top, bottom, left, right = TITLE_H + 14.0, 28.0, 8.0, 8.0
     plot_h = height - top - bottom
     peak = 0.0
     for label, value, _cls in data:
@@ -58,8 +82,11 @@ def bar_chart(title: str, data: list[tuple[str, int | float, str]], x_label: str
     bars = []
     for i, (label, value, cls) in enumerate(data):
         h = plot_h * (float(value) / peak) if peak else 0.0
-        bars.append(Bar(label=str(label), value=value, x=round(left + i * slot + slot * 0.1, 2),
-                        y=round(top + plot_h - h, 2), w=round(slot * 0.8, 2), h=round(h, 2), cls=cls,
-                        tick=(len(data) - 1 - i) % tick_every == 0))
+        x, w = round(left + i * slot + slot * 0.1, 2), round(slot * 0.8, 2)
+        label_x, label_anchor = _text_x(x + w / 2, str(label), width)
+        value_x, value_anchor = _text_x(x + w / 2, str(value), width)
+        bars.append(Bar(label=str(label), value=value, x=x, y=round(top + plot_h - h, 2), w=w, h=round(h, 2),
+                        cls=cls, tick=(len(data) - 1 - i) % tick_every == 0, label_x=label_x,
+                        label_anchor=label_anchor, value_x=value_x, value_anchor=value_anchor))
     return BarChart(title=title, width=width, height=height, baseline=top + plot_h, bars=tuple(bars),
                     x_label=x_label, y_label=y_label)

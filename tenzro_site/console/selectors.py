@@ -17,6 +17,7 @@ from moe.content import BlobError
 from registry.models import AuditEntry, Holding, MoeModel, Proposal, Provider
 from settlement import selectors as settlement_selectors
 from settlement import services as settlement_services
+from settlement.disputes import operator_can_dispute
 from settlement.models import Dispute, ReceiptSample, Settlement
 from settlement.services import EconomyError
 from tenzro_site.console.charts import BarChart, bar_chart
@@ -204,9 +205,12 @@ def receipts(model_id: str | None = None, provider: str | None = None, layer: in
     provider's display name, "" when unknown)."""
     rows = settlement_selectors.list_receipts(model_id=model_id or None, provider=provider or None, layer=layer,
                                               expert=expert, limit=limit)["receipts"]
-    names = _names({r["provider"] for r in rows})
-    for r in rows:
-        r["name"] = names.get(r["provider"], "")
+    _named(rows)
+    audited = set(Dispute.objects.filter(sample__key__in=[r["key"] for r in rows], automatic=True)
+                  .values_list("sample__key", flat=True))
+    for r in rows:  # the list's badge: "audit passed" / "audit failed" apart from operators' disputes
+        r["outcome"] = None if r["dispute"] is None else \
+            {"automatic": r["key"] in audited, "disputed": r["dispute"] == "upheld"}
     models = list(ReceiptSample.objects.order_by("model_id").values_list("model_id", flat=True).distinct())
     return {"rows": rows, "models": models, "limit": limit}
 
@@ -234,7 +238,8 @@ def signature_status(s: ReceiptSample) -> dict:
 def receipt_detail(key: str) -> dict | None:
     """One kept receipt, or None when unknown: ``settlement.selectors.get_receipt`` (header,
     signed receipt, commitment rows, dispute outcome) plus ``signature`` (``signature_status``),
-    ``name`` of the provider and ``settlement`` (its forward's settlement with this provider, or None)."""
+    ``name`` of the provider, ``settlement`` (its forward's settlement with this provider, or None)
+    and ``can_dispute`` (an operator may dispute it: ``settlement.disputes.operator_can_dispute``)."""
     try:
         r = settlement_selectors.get_receipt(key)
     except EconomyError:
@@ -243,18 +248,32 @@ def receipt_detail(key: str) -> dict | None:
     r["signature"] = signature_status(s)
     r["name"] = _names([s.provider]).get(s.provider, "")
     r["settlement"] = Settlement.objects.filter(forward_id=s.forward_id, provider=s.provider).first()
+    r["can_dispute"] = operator_can_dispute(r["dispute_outcome"])
     return r
 
 
-def disputes(provider: str | None = None, upheld: bool | None = None, limit: int = 200) -> dict:
-    """Disputes newest first (``tenzro_moeListDisputes`` rows with their fraud proofs):
-    ``{rows: [dispute_json + {name}], upheld: n, rejected: n}`` (counts over all disputes)."""
-    rows = settlement_selectors.list_disputes(provider=provider or None, upheld=upheld, limit=limit)["disputes"]
+def _named(rows: list[dict]) -> list[dict]:
+    """``rows`` with each provider's ``name`` added (in place)."""
     names = _names({r["provider"] for r in rows})
     for r in rows:
         r["name"] = names.get(r["provider"], "")
-    counts = dict(Dispute.objects.order_by().values_list("upheld").annotate(n=Count("id")))
-    return {"rows": rows, "upheld": counts.get(True, 0), "rejected": counts.get(False, 0)}
+    return rows
+
+
+def disputes(provider: str | None = None, upheld: bool | None = None, limit: int = 200) -> dict:
+    """Operators' disputes and automatic audits apart, newest first (``tenzro_moeListDisputes``
+    rows with their fraud proofs and the provider's ``name``): ``{rows, audits, upheld, rejected,
+    audits_failed, audits_passed}``; the counts are over all records, unfiltered."""
+    rows = settlement_selectors.list_disputes(provider=provider or None, upheld=upheld, limit=limit,
+                                              automatic=False)["disputes"]
+    audits = settlement_selectors.list_disputes(provider=provider or None, upheld=upheld, limit=limit,
+                                                automatic=True)["disputes"]
+    _named(rows + audits)
+    counts = dict(((auto, up), n) for auto, up, n in Dispute.objects.order_by().values_list("automatic", "upheld")
+                  .annotate(n=Count("id")))
+    return {"rows": rows, "audits": audits, "upheld": counts.get((False, True), 0),
+            "rejected": counts.get((False, False), 0), "audits_failed": counts.get((True, True), 0),
+            "audits_passed": counts.get((True, False), 0)}
 
 
 def _settlement_qs(model_id: str | None = None, provider: str | None = None, forward_id: str | None = None):
@@ -337,7 +356,7 @@ def provider_economy(provider: str, limit: int = 20) -> dict:
     return {"quarantined": p.quarantined_until_ms > int(time.time() * 1000),
             "quarantined_until": p.quarantined_until_ms,
             "receipts": receipts(provider=provider, limit=limit)["rows"],
-            "disputes": disputes(provider=provider, limit=limit)["rows"],
+            "disputes": _named(settlement_selectors.list_disputes(provider=provider, limit=limit)["disputes"]),
             "settlements": list(Settlement.objects.filter(provider=provider).order_by("-id")[:limit]),
             "paid": paid, "reputation_chart": chart}
 

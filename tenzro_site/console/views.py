@@ -18,6 +18,7 @@ from django.views.decorators.http import require_POST
 
 from registry import governance
 from settlement import services as settlement_services
+from settlement.disputes import operator_dispute
 from tenzro_site.console import forms, selectors
 
 
@@ -173,17 +174,19 @@ def receipt(request, key: str):
 @require_POST
 @staff_required
 def receipt_dispute(request, key: str):
-    """``POST /receipts/<key>/dispute``: run the dispute (``settlement.services.dispute``:
-    re-verify, re-execute on another copy of the blob, compare, apply once) and show the outcome.
+    """``POST /receipts/<key>/dispute``: run the operator's dispute (``settlement.disputes.
+    operator_dispute``: re-verify, re-execute on another copy of the blob, compare, apply once)
+    and show the outcome.
 
-    It runs inline in this request (a re-execution of one batch); a receipt already disputed
-    answers its stored outcome. An ``EconomyError`` (no executor, store does not verify) is
-    shown as a message and changes nothing.
+    It runs inline in this request (a re-execution of one batch); a receipt whose automatic
+    audit passed is re-checked as the operator's dispute, any other disputed receipt answers
+    its stored outcome. An ``EconomyError`` (no executor, store does not verify) is shown as a
+    message and changes nothing.
     """
     if selectors.receipt_detail(key) is None:
         raise Http404(f"no kept receipt {key}")
     try:
-        out = async_to_sync(settlement_services.dispute)(key)
+        out = async_to_sync(operator_dispute)(key)
     except settlement_services.EconomyError as exc:
         messages.error(request, f"dispute not run ({exc.data['field']}): {exc.message}")
     else:

@@ -18,7 +18,7 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("--checkpoint", required=True)
-        parser.add_argument("--reference", required=True, help="reference.safetensors (DESIGN §4)")
+        parser.add_argument("--reference", required=True, help="reference.safetensors (docs/DESIGN.md §4)")
         parser.add_argument("--holders", type=int, default=4)
         parser.add_argument("--model-id", default=None)
         parser.add_argument("--json", action="store_true", help="last line: one JSON object with every layer")
