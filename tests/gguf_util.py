@@ -44,11 +44,13 @@ def _raw(c: Checkpoint, name: str):
 
 
 def write_fixture_gguf(src: Path, out: Path, *, tokenizer=None, chat_template: str | None = None,
-                       kv_b_split: bool = True) -> Path:
+                       kv_b_split: bool = True, expert_quant: dict[str, str] | None = None) -> Path:
     """Write checkpoint ``src`` as the GGUF ``out`` (source dtypes kept; permutations as llama.cpp).
 
     ``tokenizer``: an optional ``tokenizers.Tokenizer`` (byte-level BPE) written as a ``gpt2``
-    vocabulary; ``chat_template`` as ``tokenizer.chat_template``.
+    vocabulary; ``chat_template`` as ``tokenizer.chat_template``; ``expert_quant`` maps
+    ``gate``/``up``/``down`` to a ggml type name for the routed expert stacks (Q8_0, Q4_K, Q6_K
+    by ``moe.quant``, the reference bytes; other types by gguf-py).
     """
     import gguf
 
@@ -142,6 +144,19 @@ def write_fixture_gguf(src: Path, out: Path, *, tokenizer=None, chat_template: s
         for proj, items in stacks.items():
             items.sort()
             assert [e for e, _ in items] == list(range(n_exp))
+            qname = (expert_quant or {}).get(proj)
+            if qname:
+                from gguf import GGMLQuantizationType
+                from gguf.quants import quantize as gguf_quantize
+
+                from moe.quant import quantize
+
+                qt = GGMLQuantizationType[qname.upper()]
+                mats = [c.read(n) for _, n in items]
+                q = [quantize(m, qname.lower()) if qname.upper() in ("Q8_0", "Q4_K", "Q6_K")
+                     else gguf_quantize(m, qt) for m in mats]
+                w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", np.stack(q), raw_dtype=qt)
+                continue
             arrays = [_raw(c, n) for _, n in items]
             w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", np.stack([a for a, _ in arrays]),
                          raw_dtype=arrays[0][1])
