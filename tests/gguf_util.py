@@ -177,7 +177,7 @@ def add_tokenizer(w, tok) -> None:
     import json
 
     data = json.loads(tok.to_str())
-    vocab = data["model"]["vocab"]
+    vocab = tok.get_vocab(with_added_tokens=True)
     tokens = [None] * len(vocab)
     for t, i in vocab.items():
         tokens[i] = t
@@ -194,3 +194,24 @@ def add_tokenizer(w, tok) -> None:
         if a["content"] == "<|endoftext|>":
             w.add_eos_token_id(a["id"])
     w.add_add_bos_token(False)
+
+
+CORPUS = ("the quick brown fox jumps over the lazy dog. experts hold the weights and the router "
+          "gates every token to the experts it needs; holders run the feed forward layers. "
+          "Hello, world! A mixture of experts model routes each token to a few experts. ") * 20
+
+
+def train_tokenizer(vocab_size: int = 256):
+    """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``CORPUS`` (deterministic): the
+    characters of the corpus, merges up to ``vocab_size - 1`` and ``<|endoftext|>`` last, so
+    it fits the fixtures' 256-row embeddings."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 1, show_progress=False, special_tokens=[])
+    tok.train_from_iterator([CORPUS], trainer)
+    tok.add_special_tokens(["<|endoftext|>"])
+    assert tok.get_vocab_size() <= vocab_size
+    return tok
