@@ -28,8 +28,8 @@ _SPLITS = {
              r"|\s+(?!\S)|\s+",
     "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+",
-    "deepseek-v3": r"\p{N}{1,3}|[一-龥぀-ゟ゠-ヿ]+|[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?"
-                   r"[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "deepseek-v3": r"\p{N}{1,3}|[一-龥぀-ゟ゠-ヿ]+|[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+"
+                   r"|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
 _SPLITS["llama3"] = _SPLITS["llama-bpe"]
 CONTROL, USER_DEFINED = 3, 4
@@ -81,7 +81,8 @@ def tokenizer_from_gguf(meta: Mapping):
         for j, m in enumerate(_list(meta, "tokenizer.ggml.merges", None)):
             parts = m.split(" ")
             if len(parts) != 2:
-                raise GgufTokenizerError(f"GGUF tokenizer.ggml.merges[{j}]={m!r} is not two pieces", "tokenizer.ggml.merges")
+                raise GgufTokenizerError(f"GGUF tokenizer.ggml.merges[{j}]={m!r} is not two pieces",
+                                         "tokenizer.ggml.merges")
             merges.append((parts[0], parts[1]))
         tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
         split = _SPLITS.get(meta.get("tokenizer.ggml.pre"), _GPT2_SPLIT)
