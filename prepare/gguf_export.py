@@ -155,10 +155,11 @@ def add_metadata(w, cfg: ModelConfig, hf: dict) -> None:
         w.add_rope_dimension_count(rope)
 
 
-def add_tokenizer(w, tokenizer_json: str) -> str | None:
+def add_tokenizer(w, tokenizer_json: str, n_vocab: int = 0) -> str | None:
     """Write a byte-level BPE ``tokenizers`` JSON as a ``gpt2`` vocabulary. Returns a note
     when the tokenizer is of another kind (then no vocabulary is written: llama.cpp needs one
-    of its own kinds, and a wrong one would tokenize differently)."""
+    of its own kinds, and a wrong one would tokenize differently). Ids up to ``n_vocab`` that
+    the tokenizer does not use are written as unused ``[PADi]`` tokens."""
     data = json.loads(tokenizer_json)
     model = data.get("model") or {}
     pre = json.dumps(data.get("pre_tokenizer"))
@@ -167,7 +168,7 @@ def add_tokenizer(w, tokenizer_json: str) -> str | None:
     vocab = dict(model["vocab"])
     for a in data.get("added_tokens") or []:
         vocab[a["content"]] = a["id"]
-    n = max(vocab.values()) + 1
+    n = max(max(vocab.values()) + 1, n_vocab)  # llama.cpp wants one token per embedding row
     tokens = [f"[PAD{i}]" for i in range(n)]
     types = [5] * n  # unused until named
     for t, i in vocab.items():
@@ -213,9 +214,11 @@ def write_gguf(model: ExportModel, out: str | Path) -> dict:
     add_metadata(w, cfg, model.config)
     notes: dict[str, str] = {}
     if model.tokenizer_json:
-        note = add_tokenizer(w, model.tokenizer_json)
+        note = add_tokenizer(w, model.tokenizer_json, cfg.vocab_size or 0)
         if note:
             notes["tokenizer"] = note
+    else:  # no vocabulary: the model takes token ids (llama.cpp's "none" kind)
+        w.add_tokenizer_model("none")
     if model.chat_template:
         w.add_chat_template(model.chat_template)
     bb = model.backbone

@@ -103,7 +103,7 @@ def write_fixture_gguf(src: Path, out: Path, *, tokenizer=None, chat_template: s
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         w.add_rope_dimension_count(rope)
     if tokenizer is not None:
-        add_tokenizer(w, tokenizer)
+        add_tokenizer(w, tokenizer, cfg["vocab_size"])
     if chat_template is not None:
         w.add_chat_template(chat_template)
 
@@ -172,16 +172,19 @@ def _pair(c: Checkpoint, name: str):
     return (a,) if dt is None else (a, None, dt)
 
 
-def add_tokenizer(w, tok) -> None:
-    """Write a byte-level BPE ``tokenizers.Tokenizer`` as a ``gpt2`` GGUF vocabulary."""
+def add_tokenizer(w, tok, n_vocab: int | None = None) -> None:
+    """Write a byte-level BPE ``tokenizers.Tokenizer`` as a ``gpt2`` GGUF vocabulary, padded
+    with unused ``[PADi]`` tokens to ``n_vocab`` (llama.cpp wants one token per embedding row)."""
     import json
 
     data = json.loads(tok.to_str())
     vocab = tok.get_vocab(with_added_tokens=True)
-    tokens = [None] * len(vocab)
+    tokens = [None] * max(len(vocab), n_vocab or 0)
+    for i in range(len(vocab), len(tokens)):
+        tokens[i] = f"[PAD{i}]"
     for t, i in vocab.items():
         tokens[i] = t
-    types = [1] * len(tokens)
+    types = [1] * len(vocab) + [5] * (len(tokens) - len(vocab))
     for a in data.get("added_tokens", []):
         types[a["id"]] = 3 if a["special"] else 4
     merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
