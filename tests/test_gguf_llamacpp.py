@@ -1,0 +1,136 @@
+"""llama.cpp as the oracle (issue 23): the fixtures written as GGUF (gguf-py, llama.cpp's
+converter conventions), quantized by llama.cpp itself (``llama_model_quantize``: Q8_0 and
+Q4_K_M), run by llama.cpp (llama-cpp-python) and by us from the same file: greedy ids over 4
+token-id prompts and prompt-logit cosine per family × quant; and a model published here with
+``--quant q4_k_m`` and written by ``export_gguf`` loads in llama.cpp and agrees with us.
+
+Skipped when ``llama_cpp`` is not installed (its sdist builds llama.cpp from source).
+``python tests/test_gguf_llamacpp.py`` prints the agreement table.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+if __name__ == "__main__":  # the table script: run from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+from moe.backbone.decode import Generator, Sampling  # noqa: E402
+from prepare.gguf import GgufCheckpoint  # noqa: E402
+from tests.conftest import DEEPSEEK, MIXTRAL, QWEN, QWEN2  # noqa: E402
+from tests.gguf_util import train_tokenizer, write_fixture_gguf  # noqa: E402
+from tests.test_gguf import in_process  # noqa: E402
+
+FAMILIES = {"qwen3_moe": QWEN, "qwen2_moe": QWEN2, "mixtral": MIXTRAL, "deepseek_v3": DEEPSEEK}
+FTYPES = {"Q8_0": 7, "Q4_K_M": 15}  # llama.h LLAMA_FTYPE_MOSTLY_Q8_0 / _Q4_K_M
+NEW_TOKENS = 12
+
+
+def prompts(ref_dir: Path, vocab: int = 256) -> list[list[int]]:
+    """The reference prompt and three seeded random ones (token ids)."""
+    from safetensors.numpy import load_file
+
+    ref = load_file(str(ref_dir / "generation_reference.safetensors"))["input_ids"][0].tolist()
+    rng = np.random.default_rng(23)
+    return [ref] + [rng.integers(0, min(vocab, 147), size=n).tolist() for n in (8, 12, 16)]
+
+
+def llama_quantize(src: Path, dst: Path, ftype: int) -> Path:
+    """``llama_model_quantize`` (llama.cpp's own quantizer, its type mix for the preset)."""
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = 1
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    assert rc == 0, f"llama_model_quantize returned {rc}"
+    return dst
+
+
+def llama_generate(path: Path, prompt_sets: list[list[int]], n_new: int = NEW_TOKENS):
+    """llama.cpp's (prompt logits ``[T, V]``, greedy new ids) per prompt."""
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_batch=64, n_ubatch=64, logits_all=True,
+                          n_threads=1, verbose=False)
+    out = []
+    for p in prompt_sets:
+        llm.reset()
+        llm.eval(p)
+        logits = np.array(llm.scores[:len(p)], dtype=np.float32)
+        ids = []
+        for _ in range(n_new):
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            ids.append(tok)
+            llm.eval([tok])
+        out.append((logits, ids))
+    llm.close()
+    return out
+
+
+def our_generate(path: Path, ref_dir: Path, prompt_sets: list[list[int]], n_new: int = NEW_TOKENS):
+    """Ours on the same file (backbone and experts as imported; in process: the distributed
+    forward equals it bit for bit with the f32 carrier, see tests/test_gguf_cluster.py)."""
+    bb, mlp, _ = in_process(GgufCheckpoint(path), ref_dir)
+    seqs = Generator(bb, mlp, Sampling(max_new_tokens=n_new)).run([np.asarray(p) for p in prompt_sets],
+                                                                  keep_logits=True)
+    return [(s.prompt_logits, s.output) for s in seqs]
+
+
+def agreement(ours, theirs) -> dict:
+    """``ids_equal`` (prompts whose greedy ids agree) and the mean per-position logit cosine."""
+    eq = sum(a[1] == b[1] for a, b in zip(ours, theirs))
+    cos = []
+    for (la, _), (lb, _) in zip(ours, theirs):
+        num = (la * lb).sum(-1)
+        cos.append(float(np.mean(num / (np.linalg.norm(la, axis=-1) * np.linalg.norm(lb, axis=-1)))))
+    return {"ids_equal": int(eq), "prompts": len(ours), "logit_cosine": float(np.mean(cos))}
+
+
+def family_row(tmp: Path, fam: str, quant: str) -> dict:
+    src = FAMILIES[fam]
+    base = write_fixture_gguf(src, tmp / f"{fam}.gguf", tokenizer=train_tokenizer())
+    path = llama_quantize(base, tmp / f"{fam}-{quant}.gguf", FTYPES[quant]) if quant != "BF16" else base
+    ps = prompts(src)
+    return {"family": fam, "quant": quant, **agreement(our_generate(path, src, ps), llama_generate(path, ps))}
+
+
+@pytest.mark.parametrize("quant", ["BF16", "Q8_0", "Q4_K_M"])
+@pytest.mark.parametrize("fam", list(FAMILIES))
+def test_llama_cpp_agrees_with_us_on_the_same_file(tmp_path, fam, quant):
+    row = family_row(tmp_path, fam, quant)
+    assert row["ids_equal"] >= 3, row
+    assert row["logit_cosine"] >= (0.999 if quant == "BF16" else 0.99), row
+
+
+@pytest.mark.django_db(transaction=True)
+def test_exported_q4_k_m_model_runs_in_llama_cpp(tmp_path):
+    from django.core.management import call_command
+
+    from prepare.backbone import publish_backbone
+    from prepare.services import publish_checkpoint
+
+    publish_checkpoint(QWEN2, "q2", quant="q4_k_m")
+    publish_backbone(QWEN2, "q2")
+    out = tmp_path / "q2.gguf"
+    call_command("export_gguf", "--model-id", "q2", "--out", str(out))
+    ps = prompts(QWEN2)
+    row = agreement(our_generate(out, QWEN2, ps), llama_generate(out, ps))
+    assert row["ids_equal"] >= 3 and row["logit_cosine"] >= 0.99, row
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        print(f"llama-cpp-python {llama_cpp.__version__}")
+        print(f"{'family':<12} {'quant':<7} {'ids equal':>9} {'logit cosine':>13}")
+        for fam in FAMILIES:
+            for quant in ("BF16", "Q8_0", "Q4_K_M"):
+                r = family_row(Path(d), fam, quant)
+                print(f"{fam:<12} {quant:<7} {r['ids_equal']:>5}/{r['prompts']:<3} {r['logit_cosine']:>13.6f}")
+                sys.stdout.flush()
+        print(json.dumps({"done": True}))
