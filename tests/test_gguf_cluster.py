@@ -38,3 +38,25 @@ def test_cluster_serves_a_gguf_file_with_its_tokenizer(tmp_path):
         rendered = "user: the quick brown fox\nassistant:"
         assert chat["usage"]["prompt_tokens"] == len(tok.encode(rendered).ids)
         assert isinstance(chat["choices"][0]["message"]["content"], str)
+
+
+def test_cluster_executes_the_files_quantized_blocks(tmp_path):
+    """Q4_K/Q6_K stacks kept as blocks on the holders: the cluster's greedy ids equal ours in
+    process on the same file's (dequantized) weights."""
+    import numpy as np
+
+    from moe.backbone.decode import Generator, Sampling
+    from prepare.gguf import GgufCheckpoint
+    from tests.conftest import QWEN
+    from tests.test_gguf import in_process
+
+    path = write_fixture_gguf(QWEN, tmp_path / "qwen3_q4km.gguf", expert_quant={"gate": "Q4_K", "up": "Q4_K",
+                                                                                "down": "Q6_K"})
+    bb, mlp, ref = in_process(GgufCheckpoint(path), QWEN)
+    prompt = ref["input_ids"][0].tolist()
+    want = Generator(bb, mlp, Sampling(max_new_tokens=8)).run([np.asarray(prompt)])[0].output
+    with running_cluster(tmp_path, [path], holders=2) as (info, _):
+        r = httpx.post(f"{info['url']}/v1/completions", json={
+            "model": info["model_id"], "prompt": prompt, "max_tokens": 8, "temperature": 0, "carrier": "f32"},
+            timeout=120).json()
+        assert r["choices"][0]["token_ids"] == want
