@@ -33,24 +33,26 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _raw(c: Checkpoint, name: str):
-    """(array, ggml raw dtype or None): BF16 kept as bf16 bits, else float32."""
+def _raw(c: Checkpoint, name: str, f32: bool = False):
+    """(array, ggml raw dtype or None): BF16 kept as bf16 bits (unless ``f32``), else float32."""
     from gguf import GGMLQuantizationType
 
     info = c.info(name)
-    if info.dtype == "BF16":
+    if info.dtype == "BF16" and not f32:
         return np.frombuffer(c.read_bytes(name), "<u2").reshape(info.shape).copy(), GGMLQuantizationType.BF16
     return c.read(name).astype(np.float32), None
 
 
 def write_fixture_gguf(src: Path, out: Path, *, tokenizer=None, chat_template: str | None = None,
-                       kv_b_split: bool = True, expert_quant: dict[str, str] | None = None) -> Path:
+                       kv_b_split: bool = True, expert_quant: dict[str, str] | None = None,
+                       f32: bool = False) -> Path:
     """Write checkpoint ``src`` as the GGUF ``out`` (source dtypes kept; permutations as llama.cpp).
 
     ``tokenizer``: an optional ``tokenizers.Tokenizer`` (byte-level BPE) written as a ``gpt2``
     vocabulary; ``chat_template`` as ``tokenizer.chat_template``; ``expert_quant`` maps
     ``gate``/``up``/``down`` to a ggml type name for the routed expert stacks (Q8_0, Q4_K, Q6_K
-    by ``moe.quant``, the reference bytes; other types by gguf-py).
+    by ``moe.quant``, the reference bytes; other types by gguf-py); ``f32`` writes every
+    tensor as F32 (bf16 values widened exactly).
     """
     import gguf
 
@@ -107,10 +109,10 @@ def write_fixture_gguf(src: Path, out: Path, *, tokenizer=None, chat_template: s
     if chat_template is not None:
         w.add_chat_template(chat_template)
 
-    w.add_tensor("token_embd.weight", *_pair(c, "model.embed_tokens.weight"))
-    w.add_tensor("output_norm.weight", *_pair(c, "model.norm.weight"))
+    w.add_tensor("token_embd.weight", *_pair(c, f32, "model.embed_tokens.weight"))
+    w.add_tensor("output_norm.weight", *_pair(c, f32, "model.norm.weight"))
     if c.has("lm_head.weight"):
-        w.add_tensor("output.weight", *_pair(c, "lm_head.weight"))
+        w.add_tensor("output.weight", *_pair(c, f32, "lm_head.weight"))
     n_exp = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
     for layer in range(cfg["num_hidden_layers"]):
         pre = f"model.layers.{layer}."
@@ -124,7 +126,7 @@ def write_fixture_gguf(src: Path, out: Path, *, tokenizer=None, chat_template: s
                 continue
             if ".shared_expert." in leaf or ".shared_experts." in leaf:
                 proj = _PROJ[leaf.split(".")[-2]]
-                w.add_tensor(f"blk.{layer}.ffn_{proj}_shexp.weight", *_pair(c, name))
+                w.add_tensor(f"blk.{layer}.ffn_{proj}_shexp.weight", *_pair(c, f32, name))
                 continue
             if leaf == "self_attn.kv_b_proj.weight":
                 a = c.read(name)
@@ -140,7 +142,7 @@ def write_fixture_gguf(src: Path, out: Path, *, tokenizer=None, chat_template: s
                 a = c.read(name)
                 w.add_tensor(f"blk.{layer}.{_ATTN[leaf]}", _permute(a, heads if "q_proj" in leaf else kv))
                 continue
-            w.add_tensor(f"blk.{layer}.{_ATTN[leaf]}", *_pair(c, name))
+            w.add_tensor(f"blk.{layer}.{_ATTN[leaf]}", *_pair(c, f32, name))
         for proj, items in stacks.items():
             items.sort()
             assert [e for e, _ in items] == list(range(n_exp))
@@ -157,7 +159,7 @@ def write_fixture_gguf(src: Path, out: Path, *, tokenizer=None, chat_template: s
                      else gguf_quantize(m, qt) for m in mats]
                 w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", np.stack(q), raw_dtype=qt)
                 continue
-            arrays = [_raw(c, n) for _, n in items]
+            arrays = [_raw(c, n, f32) for _, n in items]
             w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", np.stack([a for a, _ in arrays]),
                          raw_dtype=arrays[0][1])
     w.write_header_to_file()
@@ -167,8 +169,12 @@ def write_fixture_gguf(src: Path, out: Path, *, tokenizer=None, chat_template: s
     return out
 
 
-def _pair(c: Checkpoint, name: str):
-    a, dt = _raw(c, name)
+def _pair(c: Checkpoint, f32: bool, name: str):
+    """add_tensor args: norms, vectors and routers F32 (as llama.cpp's converter), else the source dtype."""
+    if len(c.info(name).shape) == 1 or name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight",
+                                                          "shared_expert_gate.weight")):
+        return (c.read(name).astype(np.float32),)
+    a, dt = _raw(c, name, f32)
     return (a,) if dt is None else (a, None, dt)
 
 
