@@ -162,3 +162,29 @@ if __name__ == "__main__":
                       f"{r['logit_cosine']:>13.6f}")
                 sys.stdout.flush()
         print(json.dumps({"done": True}))
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K_M"])
+def test_cluster_serves_llama_cpp_quantized_qwen2_like_llama_cpp(tmp_path, quant):
+    """Issue 23's bar: the qwen2-MoE fixture written by gguf-py, quantized by llama.cpp, served by
+    ``tenzro_cluster --checkpoint FILE.gguf --holders 2``: ``/v1/completions`` greedy ids (12 new
+    tokens, token-id prompts) equal ours in process on the same file exactly (f32 carrier), and
+    llama.cpp's; prompt-logit cosine and teacher-forced agreement as above."""
+    import httpx
+
+    from tests.cluster_util import running_cluster
+
+    base = write_fixture_gguf(QWEN2, tmp_path / "src.gguf", tokenizer=train_tokenizer(), f32=True)
+    path = llama_quantize(base, tmp_path / f"qwen2_moe-{quant.lower()}.gguf", FTYPES[quant])
+    ps = prompts(QWEN2)
+    ours = our_generate(path, QWEN2, ps)
+    theirs = llama_generate(path, ps, forced=[o[1] for o in ours])
+    with running_cluster(tmp_path, [path], holders=2) as (info, _):
+        served = [httpx.post(f"{info['url']}/v1/completions", json={
+            "model": info["model_id"], "prompt": p, "max_tokens": NEW_TOKENS, "temperature": 0, "carrier": "f32"},
+            timeout=120).json()["choices"][0]["token_ids"] for p in ps]
+    assert served == [o[1] for o in ours]
+    row = agreement(ours, theirs)
+    print(f"cluster qwen2_moe {quant}", row)
+    assert row["forced_agreement"] >= 0.9 and row["logit_cosine"] >= 0.999 and row["ids_equal"] >= 2, row
