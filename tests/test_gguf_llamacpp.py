@@ -188,3 +188,52 @@ def test_cluster_serves_llama_cpp_quantized_qwen2_like_llama_cpp(tmp_path, quant
     row = agreement(ours, theirs)
     print(f"cluster qwen2_moe {quant}", row)
     assert row["forced_agreement"] >= 0.9 and row["logit_cosine"] >= 0.999 and row["ids_equal"] >= 2, row
+
+
+def _vocab_file(path: Path, meta_writer) -> Path:
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(32)
+    w.add_head_count(2)
+    meta_writer(w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _ours_and_llama(path: Path):
+    from prepare.gguf import parse_gguf_header
+    from prepare.gguf_tokenizer import tokenizer_from_gguf
+
+    data = path.read_bytes()
+    meta, _ = parse_gguf_header(lambda o, n: data[o:o + n], len(data), str(path))
+    return tokenizer_from_gguf(meta), llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+
+
+def test_vocabularies_tokenize_like_llama_cpp(tmp_path):
+    from tests.gguf_util import add_tokenizer
+    from tests.test_gguf_tokenizer import TEXTS, _spm_meta
+
+    ours, llm = _ours_and_llama(_vocab_file(tmp_path / "gpt2.gguf", lambda w: add_tokenizer(w, train_tokenizer(), 256)))
+    for text in [*TEXTS, "dog<|endoftext|>"]:
+        assert ours.encode(text).ids == llm.tokenize(text.encode(), add_bos=False, special=True), text
+    m = _spm_meta()
+
+    def spm(w):
+        w.add_tokenizer_model("llama")
+        w.add_token_list(m["tokenizer.ggml.tokens"])
+        w.add_token_scores(m["tokenizer.ggml.scores"])
+        w.add_token_types(m["tokenizer.ggml.token_type"])
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+
+    ours, llm = _ours_and_llama(_vocab_file(tmp_path / "spm.gguf", spm))
+    for text in ["Hello world", "Hé", "Hello  world\nHello", "wor ld Hellod", " Hello"]:
+        ids = llm.tokenize(text.encode(), add_bos=True, special=False)
+        assert ours.encode(text).ids == ids, text
+        assert ours.decode(ids) == llm.detokenize(ids).decode() == text
