@@ -18,6 +18,7 @@ llama.cpp's layout conventions undone here (``convert_hf_to_gguf.py`` / ``conver
   (transposed) and ``attn_v_b`` ``[heads, v, kv_lora_rank]``; rejoined per head (older files
   keep ``attn_kv_b`` whole);
 * qwen2moe's shared-expert gate ``ffn_gate_inp_shexp`` may be 1-D ``[H]``: read as ``[1, H]``;
+* older Mixtral files keep one tensor per expert, ``blk.{L}.ffn_{gate,up,down}.{e}.weight``: read as such;
 * no ``output.weight``: the embeddings are tied.
 
 Expert projections keep the file's bytes for the types the holders execute (Q8_0, Q4_K,
@@ -238,6 +239,8 @@ _SHEXP = {"gate_proj": "ffn_gate_shexp.weight", "up_proj": "ffn_up_shexp.weight"
           "down_proj": "ffn_down_shexp.weight"}
 _MIXTRAL = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+_OLD_EXPERT = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
+_OLD_PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 
 
 @dataclass(frozen=True)
@@ -348,6 +351,10 @@ class GgufCheckpoint:
                     leaf = (f"experts.{e}.{_MIXTRAL[proj]}.weight" if family == "mixtral"
                             else f"experts.{e}.{proj}.weight")
                     out[moe + leaf] = _Source("slab", g, g.shape[1:], e)
+            elif (old := _OLD_EXPERT.match(suffix)) is not None:  # llama.cpp's pre-stack Mixtral layout
+                proj, e = _OLD_PROJ[old.group(1)], int(old.group(2))
+                leaf = f"experts.{e}.{_MIXTRAL[proj]}.weight" if family == "mixtral" else f"experts.{e}.{proj}.weight"
+                out[moe + leaf] = _Source("plain", g, g.shape)
             elif suffix in _SHEXP.values():
                 proj = next(p for p, s in _SHEXP.items() if s == suffix)
                 shared = "shared_expert" if family == "qwen2_moe" else "shared_experts"

@@ -45,14 +45,15 @@ def _raw(c: Checkpoint, name: str, f32: bool = False):
 
 def write_fixture_gguf(src: Path, out: Path, *, tokenizer=None, chat_template: str | None = None,
                        kv_b_split: bool = True, expert_quant: dict[str, str] | None = None,
-                       f32: bool = False) -> Path:
+                       f32: bool = False, stacked: bool = True) -> Path:
     """Write checkpoint ``src`` as the GGUF ``out`` (source dtypes kept; permutations as llama.cpp).
 
     ``tokenizer``: an optional ``tokenizers.Tokenizer`` (byte-level BPE) written as a ``gpt2``
     vocabulary; ``chat_template`` as ``tokenizer.chat_template``; ``expert_quant`` maps
     ``gate``/``up``/``down`` to a ggml type name for the routed expert stacks (Q8_0, Q4_K, Q6_K
     by ``moe.quant``, the reference bytes; other types by gguf-py); ``f32`` writes every
-    tensor as F32 (bf16 values widened exactly).
+    tensor as F32 (bf16 values widened exactly); ``stacked`` False writes one tensor per expert
+    (``blk.{L}.ffn_{gate,up,down}.{e}.weight``, llama.cpp's older Mixtral layout).
     """
     import gguf
 
@@ -158,6 +159,10 @@ def write_fixture_gguf(src: Path, out: Path, *, tokenizer=None, chat_template: s
                 q = [quantize(m, qname.lower()) if qname.upper() in ("Q8_0", "Q4_K", "Q6_K")
                      else gguf_quantize(m, qt) for m in mats]
                 w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", np.stack(q), raw_dtype=qt)
+                continue
+            if not stacked:
+                for e, n in items:
+                    w.add_tensor(f"blk.{layer}.ffn_{proj}.{e}.weight", *_pair(c, f32, n))
                 continue
             arrays = [_raw(c, n, f32) for _, n in items]
             w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", np.stack([a for a, _ in arrays]),

@@ -34,6 +34,7 @@ def gguf_dir(tmp_path_factory):
     for fam, src in FAMILIES.items():
         write_fixture_gguf(src, d / f"{fam}.gguf")
     write_fixture_gguf(DEEPSEEK, d / "deepseek_v3_kvb.gguf", kv_b_split=False)
+    write_fixture_gguf(MIXTRAL, d / "mixtral_old.gguf", stacked=False)
     return d
 
 
@@ -57,9 +58,9 @@ def in_process(c, ref_dir):
     return build_backbone(c.config, w), mlp, load_file(str(ref_dir / "generation_reference.safetensors"))
 
 
-@pytest.mark.parametrize("fam", [*FAMILIES, "deepseek_v3_kvb"])
+@pytest.mark.parametrize("fam", [*FAMILIES, "deepseek_v3_kvb", "mixtral_old"])
 def test_every_tensor_reads_back_exactly(gguf_dir, fam):
-    src = FAMILIES[fam.removesuffix("_kvb")]
+    src = FAMILIES[fam.removesuffix("_kvb").removesuffix("_old")]
     g, h = open_checkpoint(gguf_dir / f"{fam}.gguf"), Checkpoint(src)
     assert isinstance(g, GgufCheckpoint)
     assert g.names() == h.names()
