@@ -12,8 +12,9 @@ Kinds (``tokenizer.ggml.model``), as llama.cpp's ``llama-vocab.cpp`` reads them:
   as ``▁`` with a prefix space unless ``tokenizer.ggml.add_space_prefix`` is false;
 * ``none`` (or no tokens): no tokenizer, the model takes token ids.
 
-Token types (``tokenizer.ggml.token_type``) 3 (control) and 4 (user-defined) become added
-tokens (control ones special, skipped when decoding); ``tokenizer.ggml.add_bos_token`` (default
+Token types (``tokenizer.ggml.token_type``) 3 (control), 4 (user-defined) and 5 (unused: the
+converter's ``[PADi]`` fillers) become added tokens (control and unused ones special: skipped
+when decoding, as llama.cpp prints nothing for them); ``tokenizer.ggml.add_bos_token`` (default
 true for ``llama``, false for ``gpt2``) prepends ``bos_token_id`` when encoding.
 
 Pure Python (``tokenizers``); imports nothing from Django.
@@ -31,8 +32,7 @@ _SPLITS = {
     "deepseek-v3": r"\p{N}{1,3}|[一-龥぀-ゟ゠-ヿ]+|[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+"
                    r"|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
-_SPLITS["llama3"] = _SPLITS["llama-bpe"]
-CONTROL, USER_DEFINED = 3, 4
+CONTROL, USER_DEFINED, UNUSED = 3, 4, 5
 
 
 class GgufTokenizerError(ValueError):
@@ -85,7 +85,8 @@ def tokenizer_from_gguf(meta: Mapping):
                                          "tokenizer.ggml.merges")
             merges.append((parts[0], parts[1]))
         tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
-        split = _SPLITS.get(meta.get("tokenizer.ggml.pre"), _GPT2_SPLIT)
+        pre = meta.get("tokenizer.ggml.pre")
+        split = _SPLITS.get("llama-bpe" if pre == "llama3" else pre, _GPT2_SPLIT)
         from tokenizers import Regex
 
         tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -114,8 +115,8 @@ def tokenizer_from_gguf(meta: Mapping):
                                         + ([decoders.Strip(" ", 1, 0)]
                                            if meta.get("tokenizer.ggml.add_space_prefix", True) else []))
         add_bos_default = True
-    added = [AddedToken(t, special=types[i] == CONTROL, normalized=False)
-             for i, t in enumerate(tokens) if types[i] in (CONTROL, USER_DEFINED) and vocab.get(t) == i]
+    added = [AddedToken(t, special=types[i] != USER_DEFINED, normalized=False)
+             for i, t in enumerate(tokens) if types[i] in (CONTROL, USER_DEFINED, UNUSED) and vocab.get(t) == i]
     tok.add_special_tokens([a for a in added if a.special])
     tok.add_tokens([a for a in added if not a.special])
     bos = meta.get("tokenizer.ggml.bos_token_id")
