@@ -14,6 +14,7 @@ with the checkpoint's chat template (text, a few KB) when it ships one (GGUF:
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from moe.backbone.weights import BACKBONE_KEY  # the key the site reads
@@ -66,7 +67,8 @@ def publish_backbone(checkpoint: str | Path, model_id: str) -> dict:
     (already published) ``MoeModel`` ``model_id``. Idempotent.
 
     Returns the record ``{"blobs": {group: hash}, "nbytes": {group: n}, "tokenizer": hash | None,
-    "chat_template": {template, special_tokens} | None}`` (``prepare.chat.read_chat_template``).
+    "chat_template": {template, special_tokens} | None}`` (``prepare.chat.read_chat_template``),
+    plus ``"gguf_vocab"`` (hash of the JSON of a GGUF file's ``tokenizer.ggml.*`` keys) for a GGUF.
     Raises ``CheckpointError``, ``prepare.chat.ChatTemplateError`` and ``MoeModel.DoesNotExist``.
     """
     from django.conf import settings
@@ -81,10 +83,13 @@ def publish_backbone(checkpoint: str | Path, model_id: str) -> dict:
         for group, names in backbone_groups(ckpt).items():
             data = group_blob(ckpt, names)
             blobs[group], sizes[group] = store.put(data), len(data)
+        gguf_vocab = None
         if hasattr(ckpt, "tokenizer_json"):  # GGUF: vocabulary and template from the file's metadata
             text = ckpt.tokenizer_json()
             tokenizer = store.put(text.encode()) if text is not None else None
             chat = ckpt.chat_template()
+            vocab = ckpt.vocab_metadata()
+            gguf_vocab = store.put(json.dumps(vocab, sort_keys=True).encode()) if vocab else None
         else:
             tok = Path(checkpoint) / "tokenizer.json" if not is_url(str(checkpoint)) and Path(checkpoint).is_dir() \
                 else None
@@ -94,6 +99,8 @@ def publish_backbone(checkpoint: str | Path, model_id: str) -> dict:
         if hasattr(ckpt, "close"):
             ckpt.close()
     record = {"blobs": blobs, "nbytes": sizes, "tokenizer": tokenizer, "chat_template": chat}
+    if gguf_vocab is not None:  # the file's own tokenizer.ggml.* keys, so export_gguf writes them back verbatim
+        record["gguf_vocab"] = gguf_vocab
     model = MoeModel.objects.get(model_id=model_id)
     model.config = {**model.config, BACKBONE_KEY: record}
     model.save(update_fields=["config"])

@@ -490,6 +490,13 @@ class GgufCheckpoint:
         tok = tokenizer_from_gguf(self.metadata)
         return None if tok is None else tok.to_str()
 
+    def vocab_metadata(self) -> dict:
+        """The file's ``tokenizer.ggml.*`` keys as they are (for a verbatim export), or {}
+        without a vocabulary."""
+        if self.metadata.get("tokenizer.ggml.model") in (None, "none"):
+            return {}
+        return {k: v for k, v in self.metadata.items() if k.startswith("tokenizer.ggml.")}
+
     def chat_template(self) -> dict | None:
         """``{"template", "special_tokens"}`` from ``tokenizer.chat_template`` (special tokens
         ``bos_token``/``eos_token``/… named by their ids), or None without one."""

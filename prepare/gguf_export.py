@@ -58,7 +58,8 @@ class ExportModel:
     ``"F16"`` / ``"F32"``, float32 array); ``gates``: MoE layer → ``Gate``; ``expert``:
     ``(layer, expert) -> (ExpertWeights, blob dense dtype)`` (expert ``num_experts`` = the
     shared one); ``dense``: layer → ``ExpertWeights`` of a dense MLP; ``tokenizer_json`` and
-    ``chat_template`` (text) or None.
+    ``chat_template`` (text) or None; ``gguf_vocab``: the ``tokenizer.ggml.*`` keys of the GGUF
+    file the model came from (written back verbatim, any vocabulary kind) or None.
     """
 
     config: dict
@@ -68,6 +69,7 @@ class ExportModel:
     dense: dict[int, ExpertWeights] = field(default_factory=dict)
     tokenizer_json: str | None = None
     chat_template: str | None = None
+    gguf_vocab: dict | None = None
 
 
 def _bf16_bits(a: np.ndarray) -> np.ndarray:
@@ -188,6 +190,28 @@ def add_tokenizer(w, tokenizer_json: str, n_vocab: int = 0) -> str | None:
     return None
 
 
+def add_vocab_metadata(w, vocab: dict) -> None:
+    """Write ``tokenizer.ggml.*`` keys as a GGUF file had them: strings, bools, token ids as
+    u32, and the arrays (``tokens``/``merges`` strings, ``scores`` f32, ``token_type`` i32)."""
+    from gguf import GGUFValueType
+
+    for key, v in sorted(vocab.items()):
+        if isinstance(v, bool):
+            w.add_bool(key, v)
+        elif isinstance(v, int):
+            w.add_uint32(key, v)
+        elif isinstance(v, float):
+            w.add_float32(key, v)
+        elif isinstance(v, str):
+            w.add_string(key, v)
+        elif isinstance(v, list) and key.endswith(".scores"):
+            w.add_key_value(key, [float(x) for x in v], GGUFValueType.ARRAY, sub_type=GGUFValueType.FLOAT32)
+        elif isinstance(v, list) and key.endswith(".token_type"):
+            w.add_key_value(key, [int(x) for x in v], GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
+        elif isinstance(v, list):
+            w.add_array(key, v)
+
+
 def _stack(mats: list, what: str, notes: dict, dtypes: set[str]):
     """(array, raw ggml dtype name or None) of one projection over every routed expert."""
     kinds = {m.qtype if isinstance(m, QuantizedMatrix) else "dense" for m in mats}
@@ -213,7 +237,9 @@ def write_gguf(model: ExportModel, out: str | Path) -> dict:
     w = gguf.GGUFWriter(str(out), ARCH_OF[fam])
     add_metadata(w, cfg, model.config)
     notes: dict[str, str] = {}
-    if model.tokenizer_json:
+    if model.gguf_vocab:
+        add_vocab_metadata(w, model.gguf_vocab)
+    elif model.tokenizer_json:
         note = add_tokenizer(w, model.tokenizer_json, cfg.vocab_size or 0)
         if note:
             notes["tokenizer"] = note

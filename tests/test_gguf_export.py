@@ -72,6 +72,7 @@ def test_export_carries_the_tokenizer_and_template(tmp_path, capsys):
     text = "Hello, world! the experts hold the router."
     assert back.encode(text).ids == tok.encode(text).ids
     assert g.chat_template()["template"] == "{{ messages[0].content }}"
+    assert g.vocab_metadata() == GgufCheckpoint(path).vocab_metadata()  # the file's keys, verbatim
 
 
 def test_export_refuses_an_unpublished_model(tmp_path):

@@ -56,7 +56,8 @@ def gather(model_id: str, store: BlobStore) -> ExportModel:
     chat = record.get("chat_template") or {}
     return ExportModel(config=model.config, backbone=backbone, gates=gates, expert=expert, dense=dense,
                        tokenizer_json=store.get(tok).decode() if tok else None,
-                       chat_template=chat.get("template"))
+                       chat_template=chat.get("template"),
+                       gguf_vocab=json.loads(store.get(record["gguf_vocab"])) if record.get("gguf_vocab") else None)
 
 
 class Command(BaseCommand):
