@@ -199,6 +199,24 @@ class ModelConfig:
         cfg._check_groups(count_key)
         return cfg
 
+    @classmethod
+    def from_gguf(cls, metadata: Mapping, *, vocab_size: int | None = None,
+                  tied: bool = False) -> "ModelConfig":
+        """Read the metadata of a llama.cpp GGUF file (``{key: value}``, arrays as lists).
+
+        The metadata is first translated to the ``config.json`` it stands for
+        (:func:`hf_config_from_gguf`, architectures in :data:`GGUF_ARCHITECTURES`), then read
+        by :meth:`from_hf`. ``vocab_size`` (the embedding's rows) is used when the file names
+        none; ``tied`` says the file has no ``output.weight`` (tied embeddings). Raises
+        ``ConfigError`` whose ``key`` is the GGUF key (e.g. ``general.architecture``).
+        """
+        hf = hf_config_from_gguf(metadata, vocab_size=vocab_size, tied=tied)
+        try:
+            return cls.from_hf(hf)
+        except ConfigError as exc:
+            key = gguf_key_of(str(metadata.get("general.architecture")), exc.key)
+            raise ConfigError(f"GGUF metadata {key!r}: {exc}", key) from None
+
     def _check_groups(self, count_key: str) -> None:
         """Refuse group-limited routing that cannot work (values known only)."""
         e, k, ng, tg = self.num_experts, self.top_k, self.n_group, self.topk_group
@@ -276,3 +294,139 @@ def is_moe_layer(c, layer: int) -> bool:
     if c.family in _DENSE_WIDTH:
         return True
     return layer >= c.first_k_dense_replace and layer % c.moe_layer_freq == 0
+
+
+# --------------------------------------------------------------------------------------
+# GGUF metadata (llama.cpp ``convert_hf_to_gguf.py`` / ``gguf-py`` ``Keys.LLM``)
+
+GGUF_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "deepseek2": "deepseek_v3",
+                      "llama": "mixtral"}
+_GGUF_HF_ARCH = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM", "mixtral": "MixtralForCausalLM"}
+# config.json key -> GGUF key (``{arch}`` filled in), for error messages and the translation.
+_GGUF_KEYS = {
+    "hidden_size": "{arch}.embedding_length", "num_hidden_layers": "{arch}.block_count",
+    "num_attention_heads": "{arch}.attention.head_count", "num_key_value_heads": "{arch}.attention.head_count_kv",
+    "rms_norm_eps": "{arch}.attention.layer_norm_rms_epsilon", "max_position_embeddings": "{arch}.context_length",
+    "rope_theta": "{arch}.rope.freq_base", "intermediate_size": "{arch}.feed_forward_length",
+    "num_experts_per_tok": "{arch}.expert_used_count", "num_experts": "{arch}.expert_count",
+    "num_local_experts": "{arch}.expert_count", "n_routed_experts": "{arch}.expert_count",
+    "moe_intermediate_size": "{arch}.expert_feed_forward_length",
+    "shared_expert_intermediate_size": "{arch}.expert_shared_feed_forward_length",
+    "head_dim": "{arch}.attention.key_length", "n_shared_experts": "{arch}.expert_shared_count",
+    "first_k_dense_replace": "{arch}.leading_dense_block_count",
+    "routed_scaling_factor": "{arch}.expert_weights_scale", "norm_topk_prob": "{arch}.expert_weights_norm",
+    "n_group": "{arch}.expert_group_count", "topk_group": "{arch}.expert_group_used_count",
+    "q_lora_rank": "{arch}.attention.q_lora_rank", "kv_lora_rank": "{arch}.attention.kv_lora_rank",
+    "qk_rope_head_dim": "{arch}.rope.dimension_count", "qk_nope_head_dim": "{arch}.attention.key_length_mla",
+    "v_head_dim": "{arch}.attention.value_length_mla", "vocab_size": "{arch}.vocab_size",
+    "scoring_func": "{arch}.expert_gating_func", "rope_scaling": "{arch}.rope.scaling.type",
+}
+
+
+def gguf_key_of(arch: str, hf_key: str) -> str:
+    """The GGUF metadata key that ``config.json`` key ``hf_key`` is translated from (itself
+    when there is none, e.g. ``general.architecture``)."""
+    return _GGUF_KEYS.get(hf_key, hf_key).format(arch=arch)
+
+
+def hf_config_from_gguf(metadata: Mapping, *, vocab_size: int | None = None, tied: bool = False) -> dict:
+    """The ``config.json`` (a dict) that GGUF ``metadata`` describes, for ``ModelConfig.from_hf``.
+
+    Architectures (``general.architecture``): ``qwen3moe`` → ``qwen3_moe`` (llama.cpp always
+    renormalises the top-k: ``norm_topk_prob`` true), ``qwen2moe`` → ``qwen2_moe`` (never
+    renormalises), ``deepseek2`` → ``deepseek_v3`` (sigmoid gating only: MLA sizes from
+    ``key_length_mla``/``value_length_mla`` when present, else the pre-MLA
+    ``key_length``/``value_length``; ``head_count_kv`` of llama.cpp's MQA view is ignored),
+    ``llama`` with ``llama.expert_count`` > 0 → ``mixtral``. Rope scaling: none, ``linear``
+    or ``yarn`` (DeepSeek's ``yarn_log_multiplier`` = 0.1 × ``mscale_all_dim``).
+
+    Raises ``ConfigError`` naming the GGUF key for an unknown architecture, a dense ``llama``,
+    a per-layer (array) value where one number is needed, a gating function or rope scaling
+    we do not reproduce.
+    """
+    if not isinstance(metadata, Mapping):
+        raise ConfigError("GGUF metadata must be a mapping of keys to values", "metadata")
+    arch = metadata.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ConfigError(f"GGUF general.architecture={arch!r} is not supported; supported: "
+                          f"{', '.join(GGUF_ARCHITECTURES)} (llama only with experts)", "general.architecture")
+    family = GGUF_ARCHITECTURES[arch]
+
+    def get(hf_key: str, default=None):
+        key = gguf_key_of(arch, hf_key)
+        v = metadata.get(key, default)
+        if isinstance(v, (list, tuple)):
+            raise ConfigError(f"GGUF metadata {key!r} is a per-layer array {list(v)[:8]}...; only one value "
+                              "for every layer is supported", key)
+        return v
+
+    c: dict = {"model_type": family, "architectures": [_GGUF_HF_ARCH[family]]}
+    for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+              "max_position_embeddings", "rope_theta", "intermediate_size", "num_experts_per_tok", "vocab_size"):
+        if (v := get(k)) is not None:
+            c[k] = v
+    if "vocab_size" not in c and vocab_size is not None:
+        c["vocab_size"] = vocab_size
+    c["tie_word_embeddings"] = bool(tied)
+    experts = get("num_experts")
+    if family == "mixtral":
+        if not experts:
+            raise ConfigError("GGUF llama.expert_count is absent or 0: a dense llama model has no experts to serve",
+                              "llama.expert_count")
+        c["num_local_experts"] = experts
+    elif family == "deepseek_v3":
+        c["n_routed_experts"] = experts
+    else:
+        c["num_experts"] = experts
+    if family != "mixtral":
+        c["moe_intermediate_size"] = get("moe_intermediate_size")
+    if family in ("qwen3_moe", "mixtral") and get("head_dim") is not None:
+        c["head_dim"] = get("head_dim")
+    if family == "qwen3_moe":
+        c["norm_topk_prob"] = True  # llama.cpp's qwen3moe graph always renormalises
+    if family == "qwen2_moe":
+        c["norm_topk_prob"] = False  # and qwen2moe's never does
+        c["shared_expert_intermediate_size"] = get("shared_expert_intermediate_size") or 0
+    if family == "deepseek_v3":
+        gating = get("scoring_func", 1)
+        if gating != 2:
+            raise ConfigError(f"GGUF {arch}.expert_gating_func={gating!r}: only 2 (sigmoid, DeepSeek V3 / Kimi K2) "
+                              "is supported; softmax-gated DeepSeek V2 is not", f"{arch}.expert_gating_func")
+        c["scoring_func"] = "sigmoid"
+        c["num_key_value_heads"] = c.get("num_attention_heads")  # MLA: the MQA head count is llama.cpp's view
+        for k in ("n_shared_experts", "first_k_dense_replace", "routed_scaling_factor", "n_group", "topk_group",
+                  "q_lora_rank", "kv_lora_rank"):
+            if (v := get(k)) is not None:
+                c[k] = v
+        c["norm_topk_prob"] = bool(get("norm_topk_prob", False))
+        rope = get("qk_rope_head_dim")
+        c["qk_rope_head_dim"] = rope
+        key_mla = metadata.get(f"{arch}.attention.key_length_mla")
+        if key_mla is not None:
+            c["qk_nope_head_dim"] = key_mla - (rope or 0)
+            c["v_head_dim"] = metadata.get(f"{arch}.attention.value_length_mla")
+        else:  # files from before llama.cpp's MLA split
+            key_len = metadata.get(f"{arch}.attention.key_length")
+            c["qk_nope_head_dim"] = None if key_len is None else key_len - (rope or 0)
+            c["v_head_dim"] = metadata.get(f"{arch}.attention.value_length")
+        c["rope_interleave"] = True
+    scaling = metadata.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        factor = metadata.get(f"{arch}.rope.scaling.factor")
+        if scaling == "linear":
+            c["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+        elif scaling == "yarn":
+            rs = {"rope_type": "yarn", "factor": factor,
+                  "original_max_position_embeddings": metadata.get(f"{arch}.rope.scaling.original_context_length")}
+            for hk, gk in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+                if (v := metadata.get(f"{arch}.rope.scaling.{gk}")) is not None:
+                    rs[hk] = v
+            log_mul = metadata.get(f"{arch}.rope.scaling.yarn_log_multiplier")
+            if family == "deepseek_v3" and log_mul:
+                rs["mscale_all_dim"] = rs["mscale"] = log_mul / 0.1
+            c["rope_scaling"] = rs
+        else:
+            raise ConfigError(f"GGUF {arch}.rope.scaling.type={scaling!r} is not supported (none, linear, yarn)",
+                              f"{arch}.rope.scaling.type")
+    return c

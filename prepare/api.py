@@ -28,7 +28,8 @@ class PrepareParams(serializers.Serializer):
     """Params of ``tenzro_moePrepareExperts`` (reference system §5.6, plus the source)."""
 
     model_id = serializers.CharField(max_length=200)
-    checkpoint = serializers.CharField(max_length=1000, help_text="checkpoint directory on the site, or http(s) URL")
+    checkpoint = serializers.CharField(max_length=1000, help_text=(
+        "checkpoint directory or GGUF file on the site, or http(s) URL (a .gguf URL is read by Range requests)"))
     revision = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
     layer = serializers.IntegerField(min_value=0, required=False)
     layers = serializers.ListField(child=serializers.IntegerField(min_value=0), required=False, allow_empty=False)

@@ -7,17 +7,21 @@ blob in its source dtype (BF16/F16/F32; FP8 weights are decoded with their block
 F32). Groups: ``embed`` (``model.embed_tokens.weight``), ``layer.{L}`` (tensors under
 ``model.layers.{L}.`` that are not the MLP), ``head`` (``model.norm.weight`` and
 ``lm_head.weight`` when not tied), and ``tokenizer`` (the raw ``tokenizer.json`` when the
-checkpoint ships one). The blob hashes are recorded in ``MoeModel.config['tenzro_backbone']``,
-with the checkpoint's chat template (text, a few KB) when it ships one.
+checkpoint ships one; for a GGUF file, built from its ``tokenizer.ggml.*`` metadata by
+``prepare.gguf_tokenizer``). The blob hashes are recorded in ``MoeModel.config['tenzro_backbone']``,
+with the checkpoint's chat template (text, a few KB) when it ships one (GGUF:
+``tokenizer.chat_template``). Any source ``prepare.remote.open_checkpoint`` opens works.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from moe.backbone.weights import BACKBONE_KEY  # the key the site reads
 from prepare.chat import read_chat_template
 from moe.codec import dumps_safetensors
 from prepare.checkpoint import Checkpoint
+from prepare.remote import is_url, open_checkpoint
 
 _NATIVE = ("BF16", "F16", "F32")
 
@@ -63,7 +67,8 @@ def publish_backbone(checkpoint: str | Path, model_id: str) -> dict:
     (already published) ``MoeModel`` ``model_id``. Idempotent.
 
     Returns the record ``{"blobs": {group: hash}, "nbytes": {group: n}, "tokenizer": hash | None,
-    "chat_template": {template, special_tokens} | None}`` (``prepare.chat.read_chat_template``).
+    "chat_template": {template, special_tokens} | None}`` (``prepare.chat.read_chat_template``),
+    plus ``"gguf_vocab"`` (hash of the JSON of a GGUF file's ``tokenizer.ggml.*`` keys) for a GGUF.
     Raises ``CheckpointError``, ``prepare.chat.ChatTemplateError`` and ``MoeModel.DoesNotExist``.
     """
     from django.conf import settings
@@ -71,16 +76,31 @@ def publish_backbone(checkpoint: str | Path, model_id: str) -> dict:
     from moe.blobs import BlobStore
     from registry.models import MoeModel
 
-    ckpt = Checkpoint(checkpoint)
-    store = BlobStore(settings.TENZRO["BLOB_DIR"])
-    blobs, sizes = {}, {}
-    for group, names in backbone_groups(ckpt).items():
-        data = group_blob(ckpt, names)
-        blobs[group], sizes[group] = store.put(data), len(data)
-    tok = Path(checkpoint) / "tokenizer.json" if Path(checkpoint).is_dir() else None
-    record = {"blobs": blobs, "nbytes": sizes,
-              "tokenizer": store.put(tok.read_bytes()) if tok is not None and tok.is_file() else None,
-              "chat_template": read_chat_template(checkpoint)}
+    ckpt = open_checkpoint(checkpoint)
+    try:
+        store = BlobStore(settings.TENZRO["BLOB_DIR"])
+        blobs, sizes = {}, {}
+        for group, names in backbone_groups(ckpt).items():
+            data = group_blob(ckpt, names)
+            blobs[group], sizes[group] = store.put(data), len(data)
+        gguf_vocab = None
+        if hasattr(ckpt, "tokenizer_json"):  # GGUF: vocabulary and template from the file's metadata
+            text = ckpt.tokenizer_json()
+            tokenizer = store.put(text.encode()) if text is not None else None
+            chat = ckpt.chat_template()
+            vocab = ckpt.vocab_metadata()
+            gguf_vocab = store.put(json.dumps(vocab, sort_keys=True).encode()) if vocab else None
+        else:
+            tok = Path(checkpoint) / "tokenizer.json" if not is_url(str(checkpoint)) and Path(checkpoint).is_dir() \
+                else None
+            tokenizer = store.put(tok.read_bytes()) if tok is not None and tok.is_file() else None
+            chat = read_chat_template(checkpoint) if not is_url(str(checkpoint)) else None
+    finally:
+        if hasattr(ckpt, "close"):
+            ckpt.close()
+    record = {"blobs": blobs, "nbytes": sizes, "tokenizer": tokenizer, "chat_template": chat}
+    if gguf_vocab is not None:  # the file's own tokenizer.ggml.* keys, so export_gguf writes them back verbatim
+        record["gguf_vocab"] = gguf_vocab
     model = MoeModel.objects.get(model_id=model_id)
     model.config = {**model.config, BACKBONE_KEY: record}
     model.save(update_fields=["config"])

@@ -216,9 +216,15 @@ def _run(job: PrepareJob, ckpt, spec: MoeSpec, plan, progress) -> PrepareJob:
             try:
                 job.current_tensor = ", ".join(expert_sources(ckpt, spec, layer, e))[:500]
                 job.save(update_fields=["current_tensor", "updated"])
-                w = load_expert(ckpt, spec, layer, e)
-                dtype = source_dtype(ckpt, spec, layer, e)
+                if hasattr(ckpt, "load_expert_blocks"):  # GGUF: the file's blocks, kept as they are
+                    names = spec.expert_tensor_names(layer, e)
+                    w, decoded = ckpt.load_expert_blocks(names, f"layer {layer} expert {e}")
+                    dtype = ckpt.blob_dtype(names)
+                else:
+                    w, decoded = load_expert(ckpt, spec, layer, e), {}
+                    dtype = source_dtype(ckpt, spec, layer, e)
                 wq, fallbacks = quantize_expert(w, plan, f"layer {layer} expert {e}")
+                fallbacks = {**decoded, **fallbacks}
                 blob = wq.to_blob(dtype, {f"{k}.fallback": v for k, v in fallbacks.items()})
                 h = store.put(blob)
                 tag = blob_quant_tag(wq, dtype)

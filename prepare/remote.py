@@ -49,8 +49,18 @@ def is_url(source) -> bool:
 
 
 def open_checkpoint(source: str | Path, revision: str | None = None, **kw) -> Checkpoint:
-    """``HttpCheckpoint`` for an http(s) URL, else the local ``Checkpoint``. Raises
-    ``CheckpointError`` as they do."""
+    """The checkpoint at ``source``: a ``prepare.gguf.GgufCheckpoint`` for a ``.gguf`` file
+    (local, or an http(s) URL read by Range requests), ``HttpCheckpoint`` for another http(s)
+    URL, else the local ``Checkpoint``. Raises ``CheckpointError`` as they do."""
+    from prepare.gguf import GgufCheckpoint, is_gguf
+
+    if is_gguf(source):
+        if is_url(source):
+            if revision:
+                raise CheckpointError(f"{source}: revision is not understood for a GGUF file URL; "
+                                      "put the commit in the URL (.../resolve/<commit>/file.gguf)")
+            return GgufCheckpoint(str(source), http_file=HttpFile(str(source), **kw))
+        return GgufCheckpoint(source)
     if is_url(source):
         return HttpCheckpoint(str(source), revision=revision, **kw)
     return Checkpoint(source)
@@ -245,3 +255,37 @@ class HttpCheckpoint(Checkpoint):
 
     def __repr__(self) -> str:
         return f"HttpCheckpoint({self.base!r}, shards={len(self.shards)}, revision={self.revision!r})"
+
+
+class HttpFile(HttpCheckpoint):
+    """One file behind an http(s) URL read by Range requests (a GGUF file), with the
+    retries, size, Content-Range and ETag checks of ``HttpCheckpoint``; nothing else is
+    fetched. ``size()`` is the file's size; ``read(offset, length)`` exactly those bytes.
+    Raises ``CheckpointError`` as ``HttpCheckpoint`` does."""
+
+    def __init__(self, url: str, token: str | None = None, retries: int = 4, backoff: float = 0.25,
+                 timeout: float = 30.0, transport: httpx.BaseTransport | None = None, **_ignored):
+        self.path = self.base = url
+        self.revision = None
+        self.retries, self.backoff = retries, backoff
+        self.cache_dir = None
+        self.requests = 0
+        token = token or os.environ.get("HF_TOKEN")
+        self._client = httpx.Client(timeout=timeout, follow_redirects=True, transport=transport,
+                                    headers={"Authorization": f"Bearer {token}"} if token else {})
+        self._headers, self._sizes, self._prefix, self._etags = {}, {}, {}, {}
+        self.config, self._weight_map, self.shards = {}, None, [url]
+
+    def _pin(self, resp: httpx.Response) -> None:  # the URL names the file (and its commit) already
+        pass
+
+    def size(self) -> int:
+        """Total size of the file in bytes (one ranged read of its first 8 bytes)."""
+        return self._shard_size(self.base)
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Exactly ``length`` bytes at ``offset`` (one Range GET)."""
+        return self._read_range(self.base, offset, length) if length else b""
+
+    def __repr__(self) -> str:
+        return f"HttpFile({self.base!r})"

@@ -14,7 +14,7 @@ from prepare.jobs import JobParamError, create_job, run_job
 from prepare.layouts import spec_from_config
 from prepare.models import PrepareJob
 from registry.models import ExpertBlob
-from prepare.remote import is_url
+from prepare.remote import is_url, open_checkpoint
 from registry.models import MoeModel
 
 
@@ -84,7 +84,7 @@ def publish_dense(checkpoint: str | Path, model_id: str, parts: int) -> MoeModel
     """
     from prepare.dense import dense_model_id, split_dense
 
-    ckpt = Checkpoint(checkpoint)
+    ckpt = open_checkpoint(checkpoint)
     layers = dense_layers(ckpt)
     if not layers:
         return None
@@ -102,7 +102,7 @@ def publish_dense(checkpoint: str | Path, model_id: str, parts: int) -> MoeModel
             "family": "dense", "num_experts": parts, "top_k": parts, "n_shared_experts": 0,
             "hidden_size": int(ckpt.config.get("hidden_size", 0)), "expert_d_ff": d_ff // parts,
             "moe_layers": layers, "config": {"dense_of": model_id, "parts": parts},
-            "source": str(Path(checkpoint).resolve())})
+            "source": str(checkpoint) if is_url(str(checkpoint)) else str(Path(checkpoint).resolve())})
         ExpertBlob.objects.filter(model_id=mid).exclude(layer__in=layers).delete()
         for layer, s, h, n in rows:
             ExpertBlob.objects.update_or_create(model_id=mid, layer=layer, expert=s,

@@ -27,7 +27,8 @@ from django.core.management import call_command
 
 from moe.transports import iroh
 from moe.identity import load_or_create_key, provider_id
-from prepare.checkpoint import Checkpoint, CheckpointError
+from prepare.checkpoint import CheckpointError
+from prepare.remote import open_checkpoint
 from prepare.backbone import publish_backbone
 from prepare.services import default_model_id, publish_checkpoint, publish_dense
 from registry.models import Provider
@@ -142,7 +143,7 @@ class LocalCluster:
         model, wait for full coverage. Nothing shared is written before the checks pass."""
         for ckpt in self.checkpoints:
             try:
-                Checkpoint(ckpt)
+                open_checkpoint(ckpt)
             except CheckpointError as exc:
                 raise ClusterError(f"--checkpoint: {exc}") from None
         self._check_port()

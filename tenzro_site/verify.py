@@ -11,6 +11,7 @@ from threadpoolctl import threadpool_limits
 from moe import wire
 from moe.ffn import expert_forward, moe_layer_forward
 from prepare.checkpoint import Checkpoint
+from prepare.remote import open_checkpoint
 from prepare.layouts import load_expert, load_gate, spec_from_config
 from prepare.quantplan import parse_quant_plan, quantize_expert
 
@@ -71,7 +72,7 @@ def verify_layers(rpc, model_id: str, checkpoint: str | Path, reference: str | P
     experts and must still match exactly; the error against the reference is reported (and
     ``max_rel_err_vs_dense``, against the dense monolithic forward), not held to 1e-5.
     """
-    ckpt = Checkpoint(checkpoint)
+    ckpt = open_checkpoint(checkpoint)
     tensors, layers = reference_layers(reference)
     rows = []
     for layer in layers:
@@ -119,7 +120,7 @@ def verify_dense_layers(rpc, model_id: str, checkpoint: str | Path, reference: s
     from prepare.dense import split_dense, split_forward
     from prepare.services import dense_layers, load_dense
 
-    ckpt = Checkpoint(checkpoint)
+    ckpt = open_checkpoint(checkpoint)
     tensors, moe = reference_layers(reference)
     x = tensors[f"layer{moe[0]}.hidden_states"].astype(np.float32)
     rows = []

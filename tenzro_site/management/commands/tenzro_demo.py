@@ -65,6 +65,11 @@ def row_checks(r: dict) -> str:
     return f"{vs_dense:>17} {r['ms']:>7.1f}  {exact:<21}  {vs_ref}"
 
 
+def _ref_dir(checkpoint: Path) -> Path:
+    """Where a checkpoint's reference bundles live: the directory, or a GGUF file's directory."""
+    return checkpoint if checkpoint.is_dir() else checkpoint.parent
+
+
 class Command(BaseCommand):
     help = ("Start the site and holder agents, publish and place real checkpoints' experts (replication 2), "
             "run a distributed forward of every MoE layer, compare with transformers and the monolithic "
@@ -72,7 +77,8 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("--checkpoint", action="append", default=None,
-                            help="checkpoint directory with reference.safetensors (default: the shipped fixtures)")
+                            help="checkpoint directory (or GGUF file) with reference.safetensors beside it "
+                                 "(default: the shipped fixtures)")
         parser.add_argument("--holders", type=int, default=4)
         parser.add_argument("--keep-running", action="store_true", help="leave the cluster up until Ctrl-C")
         parser.add_argument("--quant", default="q4_k_m",
@@ -86,8 +92,9 @@ class Command(BaseCommand):
         ckpts = [Path(c) for c in (opts["checkpoint"] or
                                    [settings.BASE_DIR / "tests" / "fixtures" / f for f in FIXTURES])]
         for c in ckpts:
-            if not (c / "reference.safetensors").is_file():
-                raise CommandError(f"--checkpoint {c}: no reference.safetensors beside the checkpoint")
+            if not (_ref_dir(c) / "reference.safetensors").is_file():
+                raise CommandError(f"--checkpoint {c}: no reference.safetensors beside the checkpoint "
+                                   "(a GGUF file: in its directory)")
         try:
             plan = parse_quant_plan(opts["quant"])
         except QuantPlanError as exc:
@@ -116,14 +123,14 @@ class Command(BaseCommand):
             t_up = time.perf_counter()
             for (ckpt, _, q), model_id in zip(runs, cluster.model_ids):
                 view = shard_view(model_id).to_json()
-                rows = verify_layers(cluster.rpc, model_id, ckpt, ckpt / "reference.safetensors", q)
+                rows = verify_layers(cluster.rpc, model_id, ckpt, _ref_dir(ckpt) / "reference.safetensors", q)
                 results.append((model_id, view, rows))
                 if dense_model_id(model_id) in cluster.dense_ids:
                     dense += [(model_id, r) for r in verify_dense_layers(
-                        cluster.rpc, model_id, ckpt, ckpt / "reference.safetensors", cluster.dense_parts)]
+                        cluster.rpc, model_id, ckpt, _ref_dir(ckpt) / "reference.safetensors", cluster.dense_parts)]
             economy = self._economy_scene(cluster, cluster.model_ids[0], ckpts[0])
             for (ckpt, _, q), model_id in zip(runs, cluster.model_ids):
-                ref = ckpt / "generation_reference.safetensors"
+                ref = _ref_dir(ckpt) / "generation_reference.safetensors"
                 if q is None and ref.is_file():
                     generations.append(verify_generation(cluster.rpc, model_id, ref, "f32"))
             failover = self._failover_scene(cluster, cluster.model_ids[0], ckpts[0])
@@ -163,7 +170,7 @@ class Command(BaseCommand):
         """Receipts economy: forwards of the first MoE layer until the router's secret keeps a
         batch (about 1 in ``receipt_sample_one_in``), the automatic audit of that receipt, and
         the settlements of every forward the demo ran (the failover scene runs after this)."""
-        tensors = load_file(str(ckpt / "reference.safetensors"))
+        tensors = load_file(str(_ref_dir(ckpt) / "reference.safetensors"))
         layer = min(int(k[len("layer"):].split(".")[0]) for k in tensors if k.endswith(".hidden_states"))
         x = tensors[f"layer{layer}.hidden_states"].astype(np.float32)
         one_in = cluster.rpc("tenzro_moeReplicationPolicy", {})["receipt_sample_one_in"]
@@ -243,7 +250,7 @@ class Command(BaseCommand):
     def _failover_scene(self, cluster: LocalCluster, model_id: str, ckpt: Path) -> dict:
         """Kill the busiest primary holder of the first MoE layer in the middle of that layer's
         forward: the backups take over and the output must equal the no-fault output exactly."""
-        tensors = load_file(str(ckpt / "reference.safetensors"))
+        tensors = load_file(str(_ref_dir(ckpt) / "reference.safetensors"))
         layer = min(int(k[len("layer"):].split(".")[0]) for k in tensors if k.endswith(".hidden_states"))
         x = tensors[f"layer{layer}.hidden_states"].astype(np.float32)
         params = {"model_id": model_id, "layer": layer, "d_model": int(x.shape[1]), "carrier": "f32",

@@ -1,0 +1,319 @@
+"""Writing a published model as a GGUF file llama.cpp loads (``manage.py export_gguf``).
+
+The inverse of ``prepare.gguf``: metadata in llama.cpp's keys for the architecture
+(``qwen3_moe`` → ``qwen3moe``, ``qwen2_moe`` → ``qwen2moe``, ``deepseek_v3`` → ``deepseek2``,
+``mixtral`` → ``llama``), the backbone under GGUF names (llama Q/K rows permuted for
+llama.cpp's rope, DeepSeek's ``kv_b_proj`` split into ``attn_k_b``/``attn_v_b``), each MoE
+layer's router (``ffn_gate_inp``, ``exp_probs_b``, ``ffn_gate_inp_shexp``, F32), its routed
+experts stacked per projection as ``ffn_{gate,up,down}_exps`` in their blob types (Q8_0 /
+Q4_K / Q6_K blocks as they are; dense ones as BF16/F16 when every blob of the stack is that
+dtype, else F32), the shared expert as ``ffn_*_shexp``, DeepSeek's leading dense MLPs as
+``ffn_{gate,up,down}``, and the vocabulary (byte-level BPE tokenizers as ``gpt2``) and chat
+template when the model has them. A stack whose experts have different block types is
+written F32 (decoded) and reported.
+
+The writer is gguf-py's ``GGUFWriter``; this module is Django-free (the command gathers the
+blobs).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from moe.config import GGUF_ARCHITECTURES, ModelConfig, is_moe_layer
+from moe.ffn import PROJECTIONS, ExpertWeights
+from moe.gating import Gate
+from moe.quant import QuantizedMatrix
+
+ARCH_OF = {family: arch for arch, family in GGUF_ARCHITECTURES.items()}
+_SUFFIX = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+           "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+           "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+           "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+           "self_attn.o_proj.weight": "attn_output.weight", "self_attn.o_proj.bias": "attn_output.bias",
+           "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+           "self_attn.q_a_proj.weight": "attn_q_a.weight", "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+           "self_attn.q_b_proj.weight": "attn_q_b.weight",
+           "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+           "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight"}
+_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+_GGML = {"q8_0": "Q8_0", "q4_k": "Q4_K", "q6_k": "Q6_K"}
+
+
+class ExportError(ValueError):
+    """The model cannot be written as GGUF; the message names what is missing or unsupported."""
+
+
+@dataclass
+class ExportModel:
+    """What a GGUF export needs, gathered by the caller.
+
+    ``config``: the model's ``config.json`` dict; ``backbone``: HF name → (dtype ``"BF16"`` /
+    ``"F16"`` / ``"F32"``, float32 array); ``gates``: MoE layer → ``Gate``; ``expert``:
+    ``(layer, expert) -> (ExpertWeights, blob dense dtype)`` (expert ``num_experts`` = the
+    shared one); ``dense``: layer → ``ExpertWeights`` of a dense MLP; ``tokenizer_json`` and
+    ``chat_template`` (text) or None; ``gguf_vocab``: the ``tokenizer.ggml.*`` keys of the GGUF
+    file the model came from (written back verbatim, any vocabulary kind) or None.
+    """
+
+    config: dict
+    backbone: dict[str, tuple[str, np.ndarray]]
+    gates: dict[int, Gate]
+    expert: Callable[[int, int], tuple[ExpertWeights, str]]
+    dense: dict[int, ExpertWeights] = field(default_factory=dict)
+    tokenizer_json: str | None = None
+    chat_template: str | None = None
+    gguf_vocab: dict | None = None
+
+
+def _bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 → bf16 bit patterns (round to nearest even; exact for bf16-sourced values)."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _add(w, name: str, a: np.ndarray, dtype: str = "F32") -> None:
+    from gguf import GGMLQuantizationType
+
+    if dtype == "BF16" and a.ndim >= 2:
+        w.add_tensor(name, _bf16_bits(a), raw_dtype=GGMLQuantizationType.BF16)
+    elif dtype == "F16" and a.ndim >= 2:
+        w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float16))
+    else:  # norms and vectors stay F32, as llama.cpp's converter writes them
+        w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+
+
+def _permute(a: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf ``LlamaModel.permute`` (HF rotate-half rows → llama.cpp's interleaved rope)."""
+    return a.reshape(n_head, 2, a.shape[0] // n_head // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
+def add_metadata(w, cfg: ModelConfig, hf: dict) -> None:
+    """Write ``cfg``'s shape in llama.cpp's keys for its architecture (as its converter does)."""
+    fam = cfg.family
+    w.add_block_count(cfg.need("num_hidden_layers"))
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.need("hidden_size"))
+    if hf.get("intermediate_size"):
+        w.add_feed_forward_length(int(hf["intermediate_size"]))
+    w.add_head_count(cfg.need("num_attention_heads"))
+    w.add_head_count_kv(1 if fam == "deepseek_v3" else cfg.num_key_value_heads)
+    w.add_rope_freq_base(float(cfg.rope.get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.need("num_experts"))
+    w.add_expert_used_count(cfg.need("top_k"))
+    if cfg.vocab_size:
+        w.add_vocab_size(cfg.vocab_size)
+    rt = cfg.rope.get("rope_type", "default")
+    if rt == "linear":
+        from gguf import RopeScalingType
+
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(cfg.rope["factor"]))
+    elif rt == "yarn":
+        from gguf import RopeScalingType
+
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(cfg.rope["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(cfg.rope["original_max_position_embeddings"]))
+        if fam == "deepseek_v3" and cfg.rope.get("mscale_all_dim"):
+            w.add_rope_scaling_yarn_log_mul(0.1 * float(cfg.rope["mscale_all_dim"]))
+    elif rt != "default":
+        raise ExportError(f"rope_type {rt!r} has no GGUF equivalent here (default, linear, yarn)")
+    if fam == "qwen3_moe":
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    if fam in ("qwen3_moe", "qwen2_moe", "deepseek_v3"):
+        w.add_expert_feed_forward_length(cfg.need("moe_intermediate_size"))
+    if fam == "qwen2_moe" and cfg.shared_expert_intermediate_size:
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if fam == "mixtral":
+        w.add_rope_dimension_count(cfg.head_dim)
+    if fam == "deepseek_v3":
+        from gguf import ExpertGatingFuncType
+
+        rank, rope = cfg.need("kv_lora_rank"), cfg.need("qk_rope_head_dim")
+        w.add_leading_dense_block_count(cfg.first_k_dense_replace or 0)
+        if cfg.q_lora_rank:
+            w.add_q_lora_rank(cfg.q_lora_rank)
+        w.add_kv_lora_rank(rank)
+        w.add_key_length(rank + rope)
+        w.add_value_length(rank)
+        w.add_key_length_mla(cfg.need("qk_nope_head_dim") + rope)
+        w.add_value_length_mla(cfg.need("v_head_dim"))
+        w.add_expert_shared_count(cfg.n_shared_experts or 0)
+        w.add_expert_weights_scale(float(cfg.routed_scaling_factor or 1.0))
+        if cfg.norm_topk_prob:
+            w.add_expert_weights_norm(True)
+        w.add_expert_group_count(cfg.n_group or 1)
+        w.add_expert_group_used_count(cfg.topk_group or 1)
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        w.add_rope_dimension_count(rope)
+
+
+def add_tokenizer(w, tokenizer_json: str, n_vocab: int = 0) -> str | None:
+    """Write a byte-level BPE ``tokenizers`` JSON as a ``gpt2`` vocabulary. Returns a note
+    when the tokenizer is of another kind (then no vocabulary is written: llama.cpp needs one
+    of its own kinds, and a wrong one would tokenize differently). Ids up to ``n_vocab`` that
+    the tokenizer does not use are written as unused ``[PADi]`` tokens."""
+    data = json.loads(tokenizer_json)
+    model = data.get("model") or {}
+    pre = json.dumps(data.get("pre_tokenizer"))
+    if model.get("type") != "BPE" or "ByteLevel" not in pre:
+        return f"tokenizer of kind {model.get('type')!r} without a byte-level pre-tokenizer is not exported"
+    vocab = dict(model["vocab"])
+    for a in data.get("added_tokens") or []:
+        vocab[a["content"]] = a["id"]
+    n = max(max(vocab.values()) + 1, n_vocab)  # llama.cpp wants one token per embedding row
+    tokens = [f"[PAD{i}]" for i in range(n)]
+    types = [5] * n  # unused until named
+    for t, i in vocab.items():
+        tokens[i], types[i] = t, 1
+    for a in data.get("added_tokens") or []:
+        types[a["id"]] = 3 if a.get("special") else 4
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2" if "\\p{N}|" in pre else "default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []])
+    for a in data.get("added_tokens") or []:
+        if a.get("special") and a["content"] in ("<|endoftext|>", "</s>", "<|im_end|>", "<｜end▁of▁sentence｜>"):
+            w.add_eos_token_id(a["id"])
+            break
+    w.add_add_bos_token(False)
+    return None
+
+
+def add_vocab_metadata(w, vocab: dict) -> None:
+    """Write ``tokenizer.ggml.*`` keys as a GGUF file had them: strings, bools, token ids as
+    u32, and the arrays (``tokens``/``merges`` strings, ``scores`` f32, ``token_type`` i32)."""
+    from gguf import GGUFValueType
+
+    for key, v in sorted(vocab.items()):
+        if isinstance(v, bool):
+            w.add_bool(key, v)
+        elif isinstance(v, int):
+            w.add_uint32(key, v)
+        elif isinstance(v, float):
+            w.add_float32(key, v)
+        elif isinstance(v, str):
+            w.add_string(key, v)
+        elif isinstance(v, list) and key.endswith(".scores"):
+            w.add_key_value(key, [float(x) for x in v], GGUFValueType.ARRAY, sub_type=GGUFValueType.FLOAT32)
+        elif isinstance(v, list) and key.endswith(".token_type"):
+            w.add_key_value(key, [int(x) for x in v], GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
+        elif isinstance(v, list):
+            w.add_array(key, v)
+
+
+def _stack(mats: list, what: str, notes: dict, dtypes: set[str]):
+    """(array, raw ggml dtype name or None) of one projection over every routed expert."""
+    kinds = {m.qtype if isinstance(m, QuantizedMatrix) else "dense" for m in mats}
+    if len(kinds) == 1 and kinds != {"dense"}:
+        q = kinds.pop()
+        return np.stack([m.blocks for m in mats]), _GGML[q]
+    if kinds != {"dense"}:
+        notes[what] = f"experts have different types {sorted(kinds)}: written F32 (decoded)"
+    arr = np.stack([m.dequantize() if isinstance(m, QuantizedMatrix) else m for m in mats])
+    return arr, (dtypes.pop() if len(dtypes) == 1 and kinds == {"dense"} else "F32")
+
+
+def write_gguf(model: ExportModel, out: str | Path) -> dict:
+    """Write ``model`` to ``out`` (module docstring). Returns a report ``{"tensors": n,
+    "notes": {what: note}}``. Raises ``ExportError`` for an architecture llama.cpp has no
+    MoE graph of here, a missing gate, expert or backbone tensor."""
+    import gguf
+
+    cfg = ModelConfig.from_hf(model.config)
+    fam = cfg.family
+    if fam not in ARCH_OF:
+        raise ExportError(f"model family {fam!r} has no GGUF architecture here; supported: {', '.join(ARCH_OF)}")
+    w = gguf.GGUFWriter(str(out), ARCH_OF[fam])
+    add_metadata(w, cfg, model.config)
+    notes: dict[str, str] = {}
+    if model.gguf_vocab:
+        add_vocab_metadata(w, model.gguf_vocab)
+    elif model.tokenizer_json:
+        note = add_tokenizer(w, model.tokenizer_json, cfg.vocab_size or 0)
+        if note:
+            notes["tokenizer"] = note
+    else:  # no vocabulary: the model takes token ids (llama.cpp's "none" kind)
+        w.add_tokenizer_model("none")
+    if model.chat_template:
+        w.add_chat_template(model.chat_template)
+    bb = model.backbone
+    if "model.embed_tokens.weight" not in bb:
+        raise ExportError("the published backbone has no model.embed_tokens.weight")
+    for hf_name, gname in _GLOBAL.items():
+        if hf_name in bb:
+            dt, a = bb[hf_name]
+            _add(w, gname, a, dt)
+    heads, kv_heads = cfg.need("num_attention_heads"), cfg.num_key_value_heads
+    e_count = cfg.need("num_experts")
+    for layer in range(cfg.need("num_hidden_layers")):
+        pre = f"model.layers.{layer}."
+        for hf_name in sorted(n for n in bb if n.startswith(pre)):
+            leaf, (dt, a) = hf_name[len(pre):], bb[hf_name]
+            if leaf == "self_attn.kv_b_proj.weight":
+                nope, v = cfg.need("qk_nope_head_dim"), cfg.need("v_head_dim")
+                kvb = a.reshape(heads, nope + v, a.shape[-1])
+                _add(w, f"blk.{layer}.attn_k_b.weight", np.ascontiguousarray(kvb[:, :nope].transpose(0, 2, 1)), dt)
+                _add(w, f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(kvb[:, nope:]), dt)
+                continue
+            if leaf not in _SUFFIX:
+                raise ExportError(f"backbone tensor {hf_name!r} has no GGUF name here")
+            if fam == "mixtral" and leaf in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+                a = _permute(a, heads if "q_proj" in leaf else kv_heads)
+            _add(w, f"blk.{layer}.{_SUFFIX[leaf]}", a, dt)
+        if not is_moe_layer(cfg, layer):
+            d = model.dense.get(layer)
+            if d is None:
+                raise ExportError(f"layer {layer} is a dense MLP layer and no dense weights were published for it")
+            for proj in PROJECTIONS:
+                _add(w, f"blk.{layer}.ffn_{_PROJ[proj]}.weight", _dense(getattr(d, proj)), "F32")
+            continue
+        gate = model.gates.get(layer)
+        if gate is None:
+            raise ExportError(f"layer {layer}: no published gate")
+        _add(w, f"blk.{layer}.ffn_gate_inp.weight", gate.weight)
+        if gate.correction_bias is not None:
+            _add(w, f"blk.{layer}.exp_probs_b.bias", gate.correction_bias)
+        if gate.shared_gate is not None:
+            _add(w, f"blk.{layer}.ffn_gate_inp_shexp.weight", gate.shared_gate)
+        experts, dtypes = [], set()
+        for e in range(e_count):
+            ew, dt = model.expert(layer, e)
+            experts.append(ew)
+            dtypes.add(dt.upper())
+        for proj in PROJECTIONS:
+            name = f"blk.{layer}.ffn_{_PROJ[proj]}_exps.weight"
+            arr, raw = _stack([getattr(x, proj) for x in experts], name, notes, set(dtypes))
+            if raw in _GGML.values():
+                w.add_tensor(name, arr, raw_dtype=gguf.GGMLQuantizationType[raw])
+            else:
+                _add(w, name, arr, raw)
+        if (cfg.n_shared_experts or 0) > 0:
+            sw, dt = model.expert(layer, e_count)
+            for proj in PROJECTIONS:
+                m = getattr(sw, proj)
+                name = f"blk.{layer}.ffn_{_PROJ[proj]}_shexp.weight"
+                if isinstance(m, QuantizedMatrix):
+                    w.add_tensor(name, m.blocks, raw_dtype=gguf.GGMLQuantizationType[_GGML[m.qtype]])
+                else:
+                    _add(w, name, m, dt.upper())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    n = len(w.tensors[0]) if w.tensors else 0
+    w.close()
+    return {"tensors": n, "notes": notes}
+
+
+def _dense(m) -> np.ndarray:
+    return m.dequantize() if isinstance(m, QuantizedMatrix) else m
