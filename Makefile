@@ -22,8 +22,11 @@ $(KERNELS): native/_kernels.c native/setup.py native/pyproject.toml $(RUNTIME)
 	$(BIN)/python -m pip install -q ./native || echo "tenzro_kernels did not build: quantized matmuls use the numba path"
 	touch $@
 
+# llama-cpp-python (the GGUF tests' oracle) compiles llama.cpp: on every core, without its
+# multimodal library, tests and examples.
 $(TESTDEPS): requirements-test.txt $(RUNTIME) $(KERNELS)
-	$(BIN)/python -m pip install -q -r requirements-test.txt
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" \
+	  $(BIN)/python -m pip install -q -r requirements-test.txt
 	touch $@
 
 install: $(RUNTIME) $(KERNELS)
