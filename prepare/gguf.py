@@ -216,7 +216,7 @@ def decode_tensor(raw: bytes, t: int, shape: tuple[int, ...], name: str) -> np.n
 
 
 # blk.{L}.<suffix> -> HF name under model.layers.{L}. (the MLP ones are per family below)
-_ATTN = {
+BLOCK_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
@@ -329,13 +329,13 @@ class GgufCheckpoint:
             moe = pre + ("block_sparse_moe." if family == "mixtral" else "mlp.")
             if suffix in ("attn_q.weight", "attn_k.weight") and family == "mixtral":
                 n = heads if suffix == "attn_q.weight" else kv_heads
-                out[pre + _ATTN[suffix]] = _Source("permute", g, g.shape, n)
+                out[pre + BLOCK_TENSORS[suffix]] = _Source("permute", g, g.shape, n)
             elif suffix == "ffn_gate_inp.weight":
                 out[moe + "gate.weight"] = _Source("plain", g, g.shape)
             elif suffix == "ffn_gate_inp_shexp.weight":
-                out[pre + _ATTN[suffix]] = _Source("row", g, (1, g.shape[-1]))
-            elif suffix in _ATTN:
-                out[pre + _ATTN[suffix]] = _Source("plain", g, g.shape)
+                out[pre + BLOCK_TENSORS[suffix]] = _Source("row", g, (1, g.shape[-1]))
+            elif suffix in BLOCK_TENSORS:
+                out[pre + BLOCK_TENSORS[suffix]] = _Source("plain", g, g.shape)
             elif suffix == "attn_k_b.weight":
                 v = t.get(f"blk.{layer}.attn_v_b.weight")
                 if v is None or len(g.shape) != 3 or len(v.shape) != 3:

@@ -28,18 +28,14 @@ from moe.config import GGUF_ARCHITECTURES, ModelConfig, is_moe_layer
 from moe.ffn import PROJECTIONS, ExpertWeights
 from moe.gating import Gate
 from moe.quant import QuantizedMatrix
+from prepare.gguf import BLOCK_TENSORS
 
 ARCH_OF = {family: arch for arch, family in GGUF_ARCHITECTURES.items()}
-_SUFFIX = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-           "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
-           "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
-           "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
-           "self_attn.o_proj.weight": "attn_output.weight", "self_attn.o_proj.bias": "attn_output.bias",
-           "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-           "self_attn.q_a_proj.weight": "attn_q_a.weight", "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
-           "self_attn.q_b_proj.weight": "attn_q_b.weight",
-           "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
-           "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight"}
+# The backbone's per-block tensors: the reader's table inverted, less what the export writes
+# itself (dense MLPs, routers and DeepSeek's kv_b, which llama.cpp splits into k_b / v_b).
+_WRITTEN_ELSEWHERE = {"ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "attn_kv_b.weight",
+                      "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "exp_probs_b.bias"}
+_SUFFIX = {hf: g for g, hf in BLOCK_TENSORS.items() if g not in _WRITTEN_ELSEWHERE}
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 _PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
