@@ -40,8 +40,8 @@ from moe.backbone import BackboneError
 from moe.backbone.decode import Sampling
 from prepare.chat import ChatTemplateError, plain_chat
 from router.forward import ForwardError
-from router.generate import (MAX_STOP_IDS, NoBackbone, ServedModel, check_size, decode_text, encode_prompts, generate,
-                              served_models, served_model)
+from router.generate import (MAX_STOP_IDS, NoBackbone, ServedModel, check_capacity, check_size, decode_text,
+                              encode_prompts, generate, served_models, served_model)
 from moe.runtime import GateNotLoaded
 
 
@@ -256,6 +256,10 @@ async def _run(served: ServedModel, body: dict, prompt, chat: bool):
             choice(i, o, f) for i, (o, f) in enumerate(zip(res["output_ids"], res["finish_reasons"]))],
             "usage": {"prompt_tokens": res["prompt_tokens"], "completion_tokens": done,
                       "total_tokens": res["prompt_tokens"] + done}, "timings_ms": res["timings_ms"]})
+    try:  # a full queue answers 429 now, not inside a 200 stream
+        check_capacity(served, len(ids))
+    except Busy as exc:
+        raise _generation_error(exc) from exc
     return StreamingHttpResponse(_stream(served, ids, sampling, carrier, base, chat, include_usage, fields),
                                  content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
