@@ -182,6 +182,11 @@ class ModelScheduler:
             request.cancelled = True
             self._cond.notify()
 
+    def counts(self) -> tuple[int, int]:
+        """(sequences waiting, sequences running) now."""
+        with self._cond:
+            return len(self._waiting), len(self._running)
+
     def idle(self) -> bool:
         """No sequence waits or runs."""
         with self._cond:
