@@ -390,7 +390,7 @@ def route(gate: Gate, hidden_states: np.ndarray, top_k: int | None = None) -> Ro
         top_k = gate.top_k
     k = gate.check_top_k(top_k)
     t = x.shape[0]
-    with np.errstate(over="ignore"):  # reported just below
+    with np.errstate(over="ignore", invalid="ignore"):  # reported just below
         logits = rowwise.matmul_xt(x, gate.weight)  # batch-invariant rows
         if gate.logit_bias is not None:
             logits += gate.logit_bias
