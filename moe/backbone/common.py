@@ -305,12 +305,14 @@ class Backbone(ABC):
         for c, n in zip(caches, lens):
             c.length += n
         h = rms_norm(h, self.w["model.norm.weight"], self.eps)
-        out: list[np.ndarray | None] = []
+        # One LM-head product over every sequence's wanted rows (row-invariant, so sharing it
+        # changes no bits), split back per sequence.
+        spans, picks = [], []
         for i in range(len(seqs)):
             want = select[i] if select is not None else ("all" if all_logits else "last")
-            if want == "none":
-                out.append(None)
-                continue
-            rows = h[bounds[i]:bounds[i + 1]] if want == "all" else h[bounds[i + 1] - 1:bounds[i + 1]]
-            out.append(linear(rows, self.lm_head))
-        return out
+            lo = bounds[i] if want == "all" else bounds[i + 1] - 1
+            spans.append(None if want == "none" else (sum(len(p) for p in picks), bounds[i + 1] - lo))
+            if want != "none":
+                picks.append(np.arange(lo, bounds[i + 1]))
+        logits = linear(h[np.concatenate(picks)], self.lm_head) if picks else None
+        return [None if sp is None else logits[sp[0]:sp[0] + sp[1]] for sp in spans]
