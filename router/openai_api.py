@@ -287,13 +287,12 @@ async def _stream(served: ServedModel, prompts: list[list[int]], sampling: Sampl
     texts = [""] * len(prompts)
 
     def on_tokens(seqs):
-        snap = [(id(s), list(s.output), s.finish_reason) for s in seqs]
+        snap = [(s.index, list(s.output), s.finish_reason) for s in seqs]  # index: the prompt's position
         loop.call_soon_threadsafe(queue.put_nowait, ("tokens", snap))
 
     task = asyncio.ensure_future(generate(served.model_id, prompts, sampling, carrier, on_tokens=on_tokens,
                                           **(fields or {})))
     task.add_done_callback(lambda t: queue.put_nowait(("done", None)))
-    order: dict[int, int] = {}
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(i: int, delta_text: str, ids: list[int], finish) -> str:
@@ -309,8 +308,7 @@ async def _stream(served: ServedModel, prompts: list[list[int]], sampling: Sampl
             kind, snap = await queue.get()
             if kind == "done":
                 break
-            for key, output, finish in snap:
-                i = order.setdefault(key, len(order))
+            for i, output, finish in snap:
                 new = output[sent[i]:]
                 full = _text_of(served, output)
                 delta = full[len(texts[i]):] if full.startswith(texts[i]) else full

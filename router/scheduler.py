@@ -87,7 +87,7 @@ class Request:
         self.stats, self.keep_logits, self.on_tokens = stats, keep_logits, on_tokens
         seed = sampling.seed
         self.seqs = [Sequence(np.asarray(p, dtype=np.int64), None,
-                              np.random.default_rng(None if seed is None else seed + i))
+                              np.random.default_rng(None if seed is None else seed + i), index=i)
                      for i, p in enumerate(prompts)]
         self.future: asyncio.Future | None = None
         self.cancelled = False
