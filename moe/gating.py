@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moe import rowwise
 from moe.activations import sigmoid
 from moe.codec import dumps_safetensors, loads_safetensors
 from moe.families import FAMILIES, SUPPORTED_FAMILIES, families_scored
@@ -389,8 +390,8 @@ def route(gate: Gate, hidden_states: np.ndarray, top_k: int | None = None) -> Ro
         top_k = gate.top_k
     k = gate.check_top_k(top_k)
     t = x.shape[0]
-    with np.errstate(over="ignore"):  # reported just below
-        logits = x @ gate.weight.T
+    with np.errstate(over="ignore", invalid="ignore"):  # reported just below
+        logits = rowwise.matmul_xt(x, gate.weight)  # batch-invariant rows
         if gate.logit_bias is not None:
             logits += gate.logit_bias
     if not np.isfinite(logits).all():
@@ -409,6 +410,6 @@ def route(gate: Gate, hidden_states: np.ndarray, top_k: int | None = None) -> Ro
         if gate.shared_gate is None:
             sw = np.ones((t, 1), dtype=np.float32)
         else:  # qwen2_moe: shared expert scaled by sigmoid(shared_expert_gate · x)
-            sw = sigmoid(x @ gate.shared_gate.T)
+            sw = sigmoid(rowwise.matmul_xt(x, gate.shared_gate))
         w = np.concatenate([w, sw.astype(np.float32, copy=False)], axis=1)
     return Routing(np.ascontiguousarray(ids), np.ascontiguousarray(w), logits, k, gate.shared_slot)

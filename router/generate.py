@@ -3,8 +3,10 @@ MoE layer goes through the distributed forward (``router.state.Router.forward``:
 receipts, settlement records) and each dense MLP layer through the dense split
 (``Router.dense_forward``).
 
-The numpy backbone runs in a worker thread; its per-layer MLP calls are coroutines put
-back on the caller's event loop, so holder traffic keeps flowing while the thread waits.
+Every generation's sequences run in the model's continuous-batching scheduler
+(``router.scheduler``): one worker thread per model steps all running sequences together,
+its per-layer MLP calls are coroutines put back on the event loop, so holder traffic keeps
+flowing while the thread waits.
 Hidden states stay numpy arrays from the backbone to the holders' wire and back (no JSON,
 no base64 inside the process).
 """
@@ -12,8 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 import uuid
 from dataclasses import dataclass
 
@@ -24,9 +24,9 @@ from django.conf import settings
 from router import services
 from router.apps import current
 from router.forward import ForwardResult
-from router.state import ForwardOutcomes, Router
+from router.scheduler import Request, kv_reservation, scheduler_for
 from moe.backbone import Backbone, BackboneError
-from moe.backbone.decode import Generator, Sampling, Sequence
+from moe.backbone.decode import Sampling, Sequence
 from moe.backbone.weights import BACKBONE_KEY, load_backbone
 from prepare.chat import ChatTemplate, ChatTemplateError
 from prepare.dense import dense_model_id
@@ -150,44 +150,6 @@ class LayerStats:
                 "wire": {"bytes_out": self.bytes_out, "bytes_back": self.bytes_back}}
 
 
-class GenerationCancelled(Exception):
-    """The generation's caller went away (its task was cancelled): the worker thread stops."""
-
-
-def distributed_mlp(router: Router, served: ServedModel, loop: asyncio.AbstractEventLoop, carrier: str,
-                    stats: LayerStats, gen_id: str, fallback: bool = True, outcomes: ForwardOutcomes | None = None,
-                    cancelled: threading.Event | None = None):
-    """The backbone's ``mlp(layer, x f32 [T, H]) -> f32 [T, H]`` callback for a worker thread:
-    MoE layers by ``router.forward``, dense layers by ``router.dense_forward``, run on ``loop``
-    with the arrays themselves; with ``fallback`` the site's replica serves batches every
-    remote holder failed; ``outcomes``: where the forwards' holder outcomes and settlement
-    records gather (None: recorded per forward); ``cancelled``: once set, the next layer call
-    raises ``GenerationCancelled`` (a thread cannot be stopped from outside).
-
-    Raises ``BackboneError`` for a layer that is neither, ``GenerationCancelled``, and whatever
-    the forward raises (``ForwardError``, ``GateNotLoaded``)."""
-    steps: dict[int, int] = {}
-
-    def mlp(layer: int, x: np.ndarray) -> np.ndarray:
-        if cancelled is not None and cancelled.is_set():
-            raise GenerationCancelled(f"generation {gen_id} cancelled: its caller went away")
-        if layer in served.moe_layers:
-            coro = router.forward(served.model_id, layer, x, carrier=carrier, fallback=fallback, outcomes=outcomes)
-        elif layer in served.dense_layers:
-            coro = router.dense_forward(served.model_id, layer, x, carrier=carrier, fallback=fallback,
-                                        outcomes=outcomes)
-        else:
-            raise BackboneError(f"layer {layer} of {served.model_id!r} has neither published experts nor dense "
-                                f"slices")
-        res = asyncio.run_coroutine_threadsafe(coro, loop).result()
-        step = steps.get(layer, 0)
-        steps[layer] = step + 1
-        stats.add(f"{gen_id}/{step}/{layer}", res, step)
-        return res.output
-
-    return mlp
-
-
 def encode_prompts(served: ServedModel, prompt, field: str = "input_ids") -> list[np.ndarray]:
     """Prompts as id arrays: text (one string or a list) through the tokenizer, or ids (one
     list or a list of lists). Raises ``BackboneError`` naming ``field``, the parameter the
@@ -245,6 +207,13 @@ def check_size(served: ServedModel, prompts: list[np.ndarray], sampling: Samplin
         if p.size >= context:
             raise BackboneError(f"{where}: the prompt has {p.size} tokens; the context holds {context} with room "
                                 f"for one new token", prompt_field)
+    budget = int(limits.get("GEN_KV_BUDGET_BYTES", 4 << 30))
+    for p in prompts:
+        need = kv_reservation(served.backbone, int(p.size), sampling.max_new_tokens)
+        if need > budget:
+            raise BackboneError(f"{tokens_field}: a sequence of {p.size} prompt and {sampling.max_new_tokens} new "
+                                f"tokens may hold {need} bytes of KV cache, over this site's budget of {budget} "
+                                f"(TENZRO_KV_BUDGET_BYTES)", tokens_field)
     if len(sampling.stop) > MAX_STOP_IDS:
         raise BackboneError(f"stop: {len(sampling.stop)} stop ids; at most {MAX_STOP_IDS}", "stop")
     for i, t in enumerate(sampling.stop):
@@ -257,48 +226,51 @@ def decode_text(served: ServedModel, ids: list[int]) -> str | None:
     return served.tokenizer.decode(ids) if served.tokenizer is not None else None
 
 
+def check_capacity(served: ServedModel, prompts: int = 1) -> None:
+    """Raise ``Busy`` (HTTP 429 / -32005 with ``retry_after_s``) when ``prompts`` more
+    sequences would overflow the model's scheduler queue (``TENZRO_GEN_QUEUE``): the
+    streaming endpoint asks before its 200 goes out. Called on the event loop."""
+    scheduler_for(current(), served).capacity_check(prompts)
+
+
 async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "auto", return_logits: bool = False,
                    on_tokens=None, fallback: bool = True, prompt_field: str = "input_ids",
                    tokens_field: str = "max_new_tokens") -> dict:
     """``tenzro_moeGenerate``: prefill and decode ``prompt`` (see ``encode_prompts``) on the
-    published backbone with distributed MLP layers.
+    published backbone with distributed MLP layers, every sequence batched with the others
+    of the model in its scheduler (``router.scheduler``: one distributed forward per layer
+    per step for all running sequences; prompts prefilled in chunks).
 
     ``carrier``: of every layer forward, ``auto`` being ``GENERATION_AUTO_CARRIER``.
-    ``on_tokens(list[Sequence])`` is called from the worker thread as tokens are chosen.
-    ``fallback`` (default on): the site's fallback replica (``router.fallback``) runs
+    ``on_tokens(list[Sequence])`` is called from the scheduler's worker thread as tokens are
+    chosen. ``fallback`` (default on): the site's fallback replica (``router.fallback``) runs
     batches that every remote holder failed. ``prompt_field``/``tokens_field``: the caller's
     names of the prompt and of ``max_new_tokens``, named by size errors (``check_size``).
-    Cancelling the awaiting task stops the worker thread at its next layer.
+    Cancelling the awaiting task makes the sequences leave at the next step.
     Returns ``{model_id, output_ids ([ids] for one prompt, [[ids], …] for several), text?,
     finish_reasons, prompt_logits? (f32 array [T, vocab]; one prompt only), forward_ids
-    (one per distributed layer forward: generation/step/layer), layers (batches, receipts,
-    failures, transports, wire), timings_ms, tokens_per_s}``. Raises ``NoBackbone``,
-    ``BackboneError`` and the forward's errors.
+    (one per distributed layer forward the generation took part in: generation/step/layer),
+    layers (batches, receipts, failures, transports, wire of those forwards, shared with the
+    step's other sequences), timings_ms (queued, prefill, decode, total), tokens_per_s}``.
+    Raises ``NoBackbone``, ``BackboneError``, ``Busy`` (queue full) and the forward's errors.
     """
-    t0 = time.perf_counter()
     served = await database_sync_to_async(served_model)(model_id)
     prompts = encode_prompts(served, prompt, prompt_field)
     check_size(served, prompts, sampling, prompt_field, tokens_field)
     if return_logits and len(prompts) != 1:
         raise BackboneError("return_logits needs exactly one prompt", "return_logits")
     stats = LayerStats()
-    gen_id = uuid.uuid4().hex[:12]
-    loop = asyncio.get_running_loop()
-    # Holder outcomes and settlement records of every layer forward go to the DB together
-    # (every few seconds and at the end), not once per layer and step (ForwardOutcomes).
-    router = current()
-    outcomes = ForwardOutcomes(router)
-    cancelled = threading.Event()
-    gen = Generator(served.backbone, distributed_mlp(router, served, loop, generation_carrier(carrier), stats,
-                                                     gen_id, fallback, outcomes, cancelled), sampling)
+    req = Request(uuid.uuid4().hex[:12], prompts, sampling, generation_carrier(carrier), fallback, stats,
+                  keep_logits=return_logits, on_tokens=on_tokens)
+    scheduler = scheduler_for(current(), served)
+    scheduler.submit(req)
     try:
-        seqs: list[Sequence] = await asyncio.to_thread(gen.run, prompts, return_logits, on_tokens)
-    except asyncio.CancelledError:  # the client went away (Django cancels the view): stop computing
-        cancelled.set()
+        seqs: list[Sequence] = await req.future
+    except asyncio.CancelledError:  # the client went away (Django cancels the view): free the slot
+        scheduler.cancel(req)
         raise
-    finally:
-        outcomes.close()
-    total = (time.perf_counter() - t0) * 1e3
+    timings = req.timings
+    total = timings["total"]
     new = sum(len(s.output) for s in seqs)
     decode_tokens = new - len(seqs)
     single = not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)))
@@ -306,11 +278,10 @@ async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "au
     result = {"model_id": model_id, "output_ids": outs[0] if single else outs,
               "finish_reasons": [s.finish_reason for s in seqs], "forward_ids": stats.forward_ids,
               "layers": stats.to_json(), "prompt_tokens": int(sum(p.size for p in prompts)),
-              "timings_ms": {"prefill": round(gen.timings["prefill_ms"], 3),
-                             "decode": round(gen.timings["decode_ms"], 3), "total": round(total, 3)},
+              "timings_ms": timings,
               "tokens_per_s": round(new / (total / 1e3), 3) if total > 0 else None,
-              "decode_tokens_per_s": (round(decode_tokens / (gen.timings["decode_ms"] / 1e3), 3)
-                                      if gen.timings["decode_ms"] > 0 else None)}
+              "decode_tokens_per_s": (round(decode_tokens / (timings["decode"] / 1e3), 3)
+                                      if timings["decode"] > 0 else None)}
     if served.tokenizer is not None:
         texts = [decode_text(served, o) for o in outs]
         result["text"] = texts[0] if single else texts

@@ -40,8 +40,8 @@ from moe.backbone import BackboneError
 from moe.backbone.decode import Sampling
 from prepare.chat import ChatTemplateError, plain_chat
 from router.forward import ForwardError
-from router.generate import (MAX_STOP_IDS, NoBackbone, ServedModel, check_size, decode_text, encode_prompts, generate,
-                              served_models, served_model)
+from router.generate import (MAX_STOP_IDS, NoBackbone, ServedModel, check_capacity, check_size, decode_text,
+                              encode_prompts, generate, served_models, served_model)
 from moe.runtime import GateNotLoaded
 
 
@@ -256,6 +256,10 @@ async def _run(served: ServedModel, body: dict, prompt, chat: bool):
             choice(i, o, f) for i, (o, f) in enumerate(zip(res["output_ids"], res["finish_reasons"]))],
             "usage": {"prompt_tokens": res["prompt_tokens"], "completion_tokens": done,
                       "total_tokens": res["prompt_tokens"] + done}, "timings_ms": res["timings_ms"]})
+    try:  # a full queue answers 429 now, not inside a 200 stream
+        check_capacity(served, len(ids))
+    except Busy as exc:
+        raise _generation_error(exc) from exc
     return StreamingHttpResponse(_stream(served, ids, sampling, carrier, base, chat, include_usage, fields),
                                  content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -283,13 +287,12 @@ async def _stream(served: ServedModel, prompts: list[list[int]], sampling: Sampl
     texts = [""] * len(prompts)
 
     def on_tokens(seqs):
-        snap = [(id(s), list(s.output), s.finish_reason) for s in seqs]
+        snap = [(s.index, list(s.output), s.finish_reason) for s in seqs]  # index: the prompt's position
         loop.call_soon_threadsafe(queue.put_nowait, ("tokens", snap))
 
     task = asyncio.ensure_future(generate(served.model_id, prompts, sampling, carrier, on_tokens=on_tokens,
                                           **(fields or {})))
     task.add_done_callback(lambda t: queue.put_nowait(("done", None)))
-    order: dict[int, int] = {}
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(i: int, delta_text: str, ids: list[int], finish) -> str:
@@ -305,8 +308,7 @@ async def _stream(served: ServedModel, prompts: list[list[int]], sampling: Sampl
             kind, snap = await queue.get()
             if kind == "done":
                 break
-            for key, output, finish in snap:
-                i = order.setdefault(key, len(order))
+            for i, output, finish in snap:
                 new = output[sent[i]:]
                 full = _text_of(served, output)
                 delta = full[len(texts[i]):] if full.startswith(texts[i]) else full

@@ -80,6 +80,9 @@ class Router:
         # Backbones loaded by ``router.generate.served_model``, by published content.
         self.models: dict[tuple, object] = {}
         self.models_lock = threading.Lock()
+        # Continuous-batching schedulers (router.scheduler.scheduler_for), by (served model, event loop).
+        self.schedulers: dict[tuple, object] = {}
+        self.schedulers_lock = threading.Lock()
         self.metrics = ServingMetrics()
 
     @property

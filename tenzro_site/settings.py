@@ -303,6 +303,12 @@ TENZRO = {
     "GEN_MAX_PROMPTS": _env_int("TENZRO_GEN_MAX_PROMPTS", 64),
     "GEN_MAX_PROMPT_TOKENS": _env_int("TENZRO_GEN_MAX_PROMPT_TOKENS", 8192),
     "GEN_MAX_NEW_TOKENS": _env_int("TENZRO_GEN_MAX_NEW_TOKENS", 8192),
+    # The per-model scheduler (router.scheduler): prompt rows per step, KV cache bytes of all
+    # running sequences, sequences in a step, and sequences that may wait for admission.
+    "GEN_PREFILL_CHUNK": _env_int("TENZRO_PREFILL_CHUNK", 512),
+    "GEN_KV_BUDGET_BYTES": _env_int("TENZRO_KV_BUDGET_BYTES", 4 << 30),
+    "GEN_MAX_RUNNING": _env_int("TENZRO_GEN_MAX_RUNNING", 64),
+    "GEN_QUEUE": _env_int("TENZRO_GEN_QUEUE", 256),
     # Providers need this reputation (new ones start at 500) to vote on policy proposals.
     "GOVERNANCE_MIN_VOTER_REPUTATION": _env_int("TENZRO_GOVERNANCE_MIN_REPUTATION", 600),
     # tenzro_moePlanDispatch: split one expert's batch across warm replicas above this many tokens.

@@ -182,6 +182,40 @@ def test_openai_errors(cluster, path, body, status, param):
     assert r.status_code == status and r.json()["error"]["param"] == param, r.text
 
 
+def test_concurrent_clients_get_their_solo_tokens(cluster):
+    """Batch invariance on a real cluster (issue 21): twelve greedy ``/v1/completions`` (and
+    a ``tenzro_moeGenerate``) sent at once share the scheduler's steps, and each gets exactly
+    the tokens it gets alone; none fails."""
+    import asyncio
+
+    url = cluster["url"]
+    rng = np.random.default_rng(21)
+    prompts = [[int(t) for t in rng.integers(0, 256, size=int(rng.integers(3, 14)))] for _ in range(12)]
+
+    def body(p):
+        return {"model": "qwen3-moe-tiny", "prompt": p, "max_tokens": 10, "temperature": 0}
+
+    solo = [httpx.post(f"{url}/v1/completions", json=body(p), timeout=120).json()["choices"][0]["token_ids"]
+            for p in prompts]
+    alone_rpc = rpc(cluster["rpc"], "tenzro_moeGenerate", {"model_id": "qwen3-moe-tiny", "input_ids": prompts[0],
+                                                           "max_new_tokens": 10})["result"]["output_ids"]
+    assert alone_rpc == solo[0]
+
+    async def together():
+        async with httpx.AsyncClient(timeout=300) as client:
+            calls = [client.post(f"{url}/v1/completions", json=body(p)) for p in prompts]
+            calls.append(client.post(cluster["rpc"], json={"jsonrpc": "2.0", "id": 1, "method": "tenzro_moeGenerate",
+                                                           "params": {"model_id": "qwen3-moe-tiny",
+                                                                      "input_ids": prompts[0],
+                                                                      "max_new_tokens": 10}}))
+            return await asyncio.gather(*calls)
+
+    answers = asyncio.run(together())
+    assert [a.status_code for a in answers] == [200] * 13
+    assert [a.json()["choices"][0]["token_ids"] for a in answers[:12]] == solo
+    assert answers[12].json()["result"]["output_ids"] == solo[0]
+
+
 def test_fallback_replica_serves_when_every_holder_is_gone(cluster):
     """Runs last: SIGKILL every agent; the site's fallback replica serves every batch."""
     import os

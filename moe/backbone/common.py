@@ -13,6 +13,7 @@ from typing import Callable
 
 import numpy as np
 
+from moe import rowwise
 from moe.config import ModelConfig
 
 F32 = np.float32
@@ -44,8 +45,9 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
-    """``x · wᵀ (+ b)``: ``x`` float32 ``[N, in]``, ``w`` ``[out, in]`` → float32 ``[N, out]``."""
-    y = x @ w.T
+    """``x · wᵀ (+ b)``: ``x`` float32 ``[N, in]``, ``w`` ``[out, in]`` → float32 ``[N, out]``,
+    row-invariant (``moe.rowwise.matmul_xt``: a row's result does not depend on ``N``)."""
+    y = rowwise.matmul_xt(x, w)
     return y + b if b is not None else y
 
 
@@ -149,18 +151,22 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: n
     and ``v`` ``[Tk, Hkv, Dv]`` for positions ``0..Tk-1`` (grouped-query: each KV head
     serves ``Hq / Hkv`` query heads). Key ``j`` is visible to query at position ``p`` when
     ``j ≤ p`` (and ``j > p - sliding_window`` when given). Returns float32 ``[Tq, Hq, Dv]``.
+
+    Each query runs on its own against exactly its visible keys (no mask over a longer
+    key range): its result depends on its position and the cache alone, not on how many
+    queries share the call, so a prompt prefilled in chunks or whole, alone or beside
+    other sequences, gives the same bits (batch invariance).
     """
     hq, hkv = q.shape[1], k.shape[1]
     if hq != hkv:
         k = np.repeat(k, hq // hkv, axis=1)
         v = np.repeat(v, hq // hkv, axis=1)
-    scores = np.einsum("qhd,khd->hqk", q, k).astype(F32) * F32(scaling)
-    keys = np.arange(k.shape[0])
-    mask = keys[None, :] > q_positions[:, None]
-    if sliding_window:
-        mask |= keys[None, :] <= q_positions[:, None] - sliding_window
-    scores = np.where(mask[None], F32(-np.inf), scores)
-    return np.einsum("hqk,khd->qhd", softmax(scores), v).astype(F32)
+    out = np.empty((q.shape[0], hq, v.shape[2]), dtype=F32)
+    for i, p in enumerate(q_positions.tolist()):
+        lo = max(0, p - sliding_window + 1) if sliding_window else 0
+        scores = np.einsum("hd,khd->hk", q[i], k[lo:p + 1]).astype(F32) * F32(scaling)
+        out[i] = np.einsum("hk,khd->hd", softmax(scores), v[lo:p + 1])
+    return out
 
 
 class KVCache:
@@ -255,19 +261,29 @@ class Backbone(ABC):
         """An empty cache for one sequence."""
         return KVCache(self.num_layers)
 
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one position adds to a sequence's ``KVCache`` (all layers, float32): what the
+        scheduler reserves against ``TENZRO_KV_BUDGET_BYTES``. Families override it; this
+        default assumes a key and a value of ``hidden_size`` per layer."""
+        return self.num_layers * 2 * self.hidden_size * 4
+
     @abstractmethod
     def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
         """Self-attention of ``layer`` for one sequence's new rows ``h`` float32 ``[T, H]`` at
         ``positions`` ``[T]``; appends to ``cache`` and returns float32 ``[T, H]``."""
 
     def forward(self, seqs: list[np.ndarray], caches: list[KVCache], mlp: MlpFn,
-                all_logits: bool = False) -> list[np.ndarray]:
+                all_logits: bool = False, select: list[str] | None = None) -> list[np.ndarray | None]:
         """Run new token ids of each sequence (``seqs[i]`` int ``[T_i]``) through the model.
 
         ``caches[i]`` holds sequence ``i``'s earlier positions and is extended. Returns per
         sequence float32 logits ``[T_i, vocab]`` when ``all_logits`` else ``[1, vocab]``
-        (the last position). Raises ``BackboneError`` (field ``input_ids``) for an id out of
-        the vocabulary or a sequence past ``max_position_embeddings``.
+        (the last position); ``select[i]`` (``"all"``, ``"last"`` or ``"none"``: None, no LM
+        head; a prompt chunk before the last) overrides that per sequence. Every row's math
+        is row-invariant (``linear``, ``causal_attention``, per-row norms): a sequence's
+        logits do not depend on the other sequences of the call. Raises ``BackboneError``
+        (field ``input_ids``) for an id out of the vocabulary or a sequence past
+        ``max_position_embeddings``.
         """
         for ids, cache in zip(seqs, caches):
             if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
@@ -289,8 +305,14 @@ class Backbone(ABC):
         for c, n in zip(caches, lens):
             c.length += n
         h = rms_norm(h, self.w["model.norm.weight"], self.eps)
-        out = []
+        # One LM-head product over every sequence's wanted rows (row-invariant, so sharing it
+        # changes no bits), split back per sequence.
+        spans, picks = [], []
         for i in range(len(seqs)):
-            rows = h[bounds[i]:bounds[i + 1]] if all_logits else h[bounds[i + 1] - 1:bounds[i + 1]]
-            out.append(linear(rows, self.lm_head))
-        return out
+            want = select[i] if select is not None else ("all" if all_logits else "last")
+            lo = bounds[i] if want == "all" else bounds[i + 1] - 1
+            spans.append(None if want == "none" else (sum(len(p) for p in picks), bounds[i + 1] - lo))
+            if want != "none":
+                picks.append(np.arange(lo, bounds[i + 1]))
+        logits = linear(h[np.concatenate(picks)], self.lm_head) if picks else None
+        return [None if sp is None else logits[sp[0]:sp[0] + sp[1]] for sp in spans]

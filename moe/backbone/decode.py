@@ -72,8 +72,9 @@ def next_token(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int
 
 @dataclass
 class Sequence:
-    """One sequence being generated: ``prompt`` ids, ``output`` ids, its cache, its RNG, and
-    ``finish_reason`` (None while running, ``"stop"`` or ``"length"``)."""
+    """One sequence being generated: ``prompt`` ids, ``output`` ids, its cache, its RNG,
+    ``finish_reason`` (None while running, ``"stop"`` or ``"length"``) and ``index`` (its
+    prompt's position in the request: a scheduler's sequences gain tokens in any order)."""
 
     prompt: np.ndarray
     cache: KVCache
@@ -82,6 +83,7 @@ class Sequence:
     finish_reason: str | None = None
     prompt_logits: np.ndarray | None = None
     next_id: int | None = None
+    index: int = 0
 
 
 class Generator:
@@ -118,7 +120,8 @@ class Generator:
                                     f"{self.backbone.max_position} with room for one new token", "input_ids")
         seed = self.sampling.seed
         seqs = [Sequence(np.asarray(p, dtype=np.int64), self.backbone.new_cache(),
-                         np.random.default_rng(None if seed is None else seed + i)) for i, p in enumerate(prompts)]
+                         np.random.default_rng(None if seed is None else seed + i), index=i)
+                for i, p in enumerate(prompts)]
         t0 = time.perf_counter()
         logits = self.backbone.forward([s.prompt for s in seqs], [s.cache for s in seqs], self.mlp,
                                        all_logits=keep_logits)

@@ -49,6 +49,10 @@ class DeepseekV3Backbone(Backbone):
             mscale = 0.1 * float(params["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
             self.scaling *= mscale * mscale
 
+    def kv_bytes_per_token(self) -> int:
+        """The latent and the rope key of every layer, float32."""
+        return self.num_layers * (self.kv_lora_rank + self.rope) * 4
+
     def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
         p = f"model.layers.{layer}.self_attn."
         w = self.w

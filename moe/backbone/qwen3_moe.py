@@ -33,6 +33,10 @@ class GqaBackbone(Backbone):
         self.scaling = self.head_dim ** -0.5
         self.sliding_window = config.sliding_window
 
+    def kv_bytes_per_token(self) -> int:
+        """Rotated ``k`` and ``v`` of every KV head, every layer, float32."""
+        return self.num_layers * 2 * self.n_kv * self.head_dim * 4
+
     def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
         p = f"model.layers.{layer}.self_attn."
         w = self.w

@@ -1,7 +1,7 @@
 """CPU backend of the compute seam: ``Y = X·Wᵀ`` for dense float32 and GGUF-quantized weights.
 
-- Dense float32: one BLAS GEMM (``x @ w.T``, numpy's OpenBLAS), bit-identical to the
-  plain numpy pipeline.
+- Dense float32: BLAS GEMMs of a fixed row-block shape (``moe.rowwise.matmul_xt``, numpy's
+  OpenBLAS), so each row's result is the same whatever the batch's size (batch invariance).
 - Quantized (Q8_0 / Q4_K / Q6_K), batches up to ``native_batch`` rows (default 64 on the AVX-512
   VNNI path, 32 otherwise, measured in ``bench/bench_expert.py --switch``) when the native
   extension is built (``moe.kernels``):
@@ -33,7 +33,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from moe import kernels
+from moe import kernels, rowwise
 from moe.quant import Q4_K, Q6_K, Q8_0, QUANT_TYPES, QuantizedMatrix
 
 # Batch rows up to which the numba kernel beats decode + GEMM (bench_expert.py).
@@ -298,7 +298,7 @@ class CpuBackend:
             if not self.native and x.shape[0] <= self.small_batch:
                 return quantized_matmul_xt(np.ascontiguousarray(x, dtype=np.float32), w)
             return x @ _decode_scratch(w).T  # the product is a new array: the buffer is free again
-        return x @ w.T
+        return rowwise.matmul_xt(x, w)  # each row independent of the batch's size (issue 21)
 
     def warm(self) -> None:
         """Compile (or load from numba's on-disk cache) every quantized kernel on tiny inputs, so

@@ -1,0 +1,99 @@
+"""Concurrent clients of ``/v1/completions`` on a real cluster: continuous batching (issue 21).
+
+Usage:  .venv/bin/python bench/bench_concurrency.py [--requests 32] [--clients 16] [--tokens 24]
+        [--holders 3] [--checkpoint tests/fixtures/qwen3_moe_tiny] [--json]
+
+Starts ``manage.py tenzro_cluster`` with ``--holders`` agents on the checkpoint, then sends
+``--requests`` completions (greedy, ``--tokens`` new tokens, token-id prompts of 4..16 ids)
+two ways: one client at a time (the
+baseline, each request's solo tokens), then ``--clients`` concurrent clients. Reports output
+tokens/s of both, their ratio (issue goal ≥ 6× at 16 clients), p50/p99 latency, errors, and
+how many concurrent requests got exactly their solo tokens (goal: all).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.cluster_util import running_cluster  # noqa: E402
+
+
+async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], tokens: int) -> tuple[list, float]:
+    """(token ids, seconds) of one greedy completion."""
+    t0 = time.perf_counter()
+    r = await client.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": tokens,
+                                                         "temperature": 0}, timeout=600)
+    r.raise_for_status()
+    return r.json()["choices"][0]["token_ids"], time.perf_counter() - t0
+
+
+async def run(url: str, model: str, prompts: list[list[int]], tokens: int, clients: int) -> dict:
+    """Send ``prompts`` with ``clients`` concurrent workers; per-request tokens, latencies, errors."""
+    queue = list(enumerate(prompts))
+    out: dict[int, list] = {}
+    lat, errors = [], []
+
+    async def worker(client):
+        while queue:
+            i, p = queue.pop(0)
+            try:
+                ids, s = await one(client, url, model, p, tokens)
+                out[i] = ids
+                lat.append(s)
+            except Exception as exc:  # counted, not fatal: the bench reports errors
+                errors.append(f"{type(exc).__name__}: {str(exc)[:120]}")
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=clients + 4)) as client:
+        await asyncio.gather(*(worker(client) for _ in range(clients)))
+    wall = time.perf_counter() - t0
+    new = sum(len(v) for v in out.values())
+    return {"clients": clients, "wall_s": round(wall, 3), "tokens": new, "tokens_per_s": round(new / wall, 2),
+            "p50_s": round(statistics.median(lat), 3) if lat else None,
+            "p99_s": round(float(np.percentile(lat, 99)), 3) if lat else None, "errors": errors, "ids": out}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--holders", type=int, default=3)
+    ap.add_argument("--checkpoint", default=str(ROOT / "tests/fixtures/qwen3_moe_tiny"))
+    ap.add_argument("--model", default="qwen3-moe-tiny")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(0, 256, size=int(rng.integers(4, 17)))] for _ in range(a.requests)]
+    with tempfile.TemporaryDirectory() as tmp, running_cluster(Path(tmp), [Path(a.checkpoint)],
+                                                               holders=a.holders) as (info, _proc):
+        url = info["url"]
+        asyncio.run(run(url, a.model, prompts[:2], a.tokens, 1))  # warm: JIT, connections, caches
+        solo = asyncio.run(run(url, a.model, prompts, a.tokens, 1))
+        many = asyncio.run(run(url, a.model, prompts, a.tokens, a.clients))
+    same = sum(1 for i, ids in many["ids"].items() if solo["ids"].get(i) == ids)
+    ratio = round(many["tokens_per_s"] / solo["tokens_per_s"], 2) if solo["tokens_per_s"] else None
+    for r in (solo, many):
+        print(f"clients {r['clients']:>3}: {r['tokens']} tokens in {r['wall_s']} s = {r['tokens_per_s']} tok/s, "
+              f"p50 {r['p50_s']} s, p99 {r['p99_s']} s, errors {len(r['errors'])}")
+    print(f"ratio {ratio}x; {same}/{len(many['ids'])} concurrent requests equal their solo tokens")
+    if a.json:
+        print(json.dumps({"solo": {k: v for k, v in solo.items() if k != "ids"},
+                          "concurrent": {k: v for k, v in many.items() if k != "ids"},
+                          "ratio": ratio, "equal_to_solo": same, "requests": a.requests}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,416 @@
+"""Continuous batching of whole-model generation (issue 21 items 1–3): one ``ModelScheduler``
+per served model and event loop, kept by the process's ``router.state.Router``.
+
+Every sequence of every generation (``tenzro_moeGenerate``, ``/v1/completions``,
+``/v1/chat/completions``, streamed or not) waits in the scheduler's queue, is admitted when
+its KV cache fits the budget, and from then on takes part in every step until it finishes:
+one step runs the backbone once over the rows of all running sequences, so each MoE layer
+is ONE distributed forward (``Router.forward``) for all of them (per distinct carrier and
+fallback choice), and sixteen clients share each layer's round trip instead of paying
+sixteen. Sequences join and leave between steps; each keeps its own sampling (temperature,
+top-k, top-p, seed, stop ids, max tokens).
+
+Prompts are prefilled in chunks: a step carries one row per decoding sequence plus at most
+``TENZRO_PREFILL_CHUNK`` prompt rows (oldest prompt first), so a long prompt does not freeze
+the others' streams. The backbone's math is row-invariant (``moe.rowwise``), so a
+sequence's tokens do not depend on its neighbours or on how its prompt was chunked.
+
+Memory and admission: a sequence reserves ``(prompt + max_new_tokens) × bytes per token`` of
+KV cache (``Backbone.kv_bytes_per_token``); it waits while the running sequences'
+reservations and its own exceed ``TENZRO_KV_BUDGET_BYTES`` or ``TENZRO_GEN_MAX_RUNNING``
+sequences run; with ``TENZRO_GEN_QUEUE`` sequences waiting a new request gets ``Busy``
+(HTTP 429 / -32005 with ``retry_after_s``). A cancelled request (its client went away) leaves
+at the next step and frees its reservation.
+
+The step loop runs in one worker thread per scheduler (started when work arrives, ended
+when none is left); the layer forwards are coroutines run on the scheduler's event loop,
+so holder traffic and other requests keep flowing while the thread computes.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from django.conf import settings
+
+from moe.backbone import BackboneError
+from moe.backbone.decode import Sampling, Sequence, next_token
+from router.admission import Busy
+from router.forward import ForwardResult
+from router.state import ForwardOutcomes, Router
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """``prefill_chunk``: prompt rows per step (≥ 1); ``kv_budget``: bytes of KV cache the
+    running sequences may reserve; ``max_running``: sequences in a step; ``queue``: sequences
+    that may wait for admission (beyond it: ``Busy``)."""
+
+    prefill_chunk: int = 512
+    kv_budget: int = 4 << 30
+    max_running: int = 64
+    queue: int = 256
+
+    @classmethod
+    def from_settings(cls) -> "SchedulerConfig":
+        """From ``settings.TENZRO`` (``GEN_PREFILL_CHUNK``, ``GEN_KV_BUDGET_BYTES``,
+        ``GEN_MAX_RUNNING``, ``GEN_QUEUE``; README "Configuration")."""
+        t = settings.TENZRO
+        return cls(max(1, int(t.get("GEN_PREFILL_CHUNK", 512))), max(0, int(t.get("GEN_KV_BUDGET_BYTES", 4 << 30))),
+                   max(1, int(t.get("GEN_MAX_RUNNING", 64))), max(0, int(t.get("GEN_QUEUE", 256))))
+
+
+def kv_reservation(backbone, prompt_tokens: int, max_new_tokens: int) -> int:
+    """Bytes of KV cache a sequence of ``prompt_tokens`` may grow to with ``max_new_tokens``
+    more (capped at the context)."""
+    positions = min(prompt_tokens + max_new_tokens, backbone.max_position)
+    return positions * backbone.kv_bytes_per_token()
+
+
+class Request:
+    """One generation submitted to a scheduler: its sequences (``moe.backbone.decode.Sequence``,
+    one per prompt), sampling, ``carrier`` and ``fallback`` of its layer forwards, ``stats``
+    (an object with ``add(label, ForwardResult, step)``: ``router.generate.LayerStats``),
+    ``keep_logits`` (prompt logits wanted), ``on_tokens(list[Sequence])`` (called from the
+    worker thread with the sequences that gained a token), and ``future`` (on the scheduler's
+    loop: the sequences when all finished, or the exception that ended them).
+    ``timings`` (ms): ``queued`` (submission → admission of the last sequence), ``prefill``
+    (submission → every first token), ``decode`` (→ finish)."""
+
+    def __init__(self, gen_id: str, prompts: list[np.ndarray], sampling: Sampling, carrier: str, fallback: bool,
+                 stats, keep_logits: bool = False, on_tokens=None):
+        self.gen_id, self.sampling, self.carrier, self.fallback = gen_id, sampling, carrier, fallback
+        self.stats, self.keep_logits, self.on_tokens = stats, keep_logits, on_tokens
+        seed = sampling.seed
+        self.seqs = [Sequence(np.asarray(p, dtype=np.int64), None,
+                              np.random.default_rng(None if seed is None else seed + i), index=i)
+                     for i, p in enumerate(prompts)]
+        self.future: asyncio.Future | None = None
+        self.cancelled = False
+        self.step = 0  # steps this request took part in (the LayerStats step index)
+        self.t0 = time.perf_counter()
+        self.t_admitted = self.t_first = self.t_done = None
+
+    @property
+    def timings(self) -> dict:
+        """Milliseconds: ``queued``, ``prefill`` (to every first token), ``decode``, ``total``."""
+        def ms(a, b):
+            return round((b - a) * 1e3, 3) if a is not None and b is not None else 0.0
+
+        return {"queued": ms(self.t0, self.t_admitted), "prefill": ms(self.t0, self.t_first),
+                "decode": ms(self.t_first, self.t_done), "total": ms(self.t0, self.t_done)}
+
+
+@dataclass(eq=False)
+class _Slot:
+    """A sequence in the scheduler: its request, prompt rows already in the cache, KV bytes
+    reserved, when its last token came, its prompt logits so far."""
+
+    request: Request
+    seq: Sequence
+    reserved: int
+    fed: int = 0
+    last_token_at: float | None = None
+    logits: list = field(default_factory=list)
+
+
+class ModelScheduler:
+    """The continuous-batching scheduler of one served model (``router.generate.ServedModel``)
+    on one event loop (module docstring). ``submit`` (on the loop) queues a ``Request`` and
+    raises ``Busy`` when the queue is full; ``cancel`` makes its sequences leave at the next
+    step. ``steps`` counts steps run, ``step_sizes`` keeps the rows of the last 1,000 steps
+    (tests, benches)."""
+
+    def __init__(self, router: Router, served, loop: asyncio.AbstractEventLoop):
+        self.router, self.served, self.loop = router, served, loop
+        self.model_id = served.model_id
+        self.outcomes = ForwardOutcomes(router)
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[_Slot] = collections.deque()
+        self._running: list[_Slot] = []
+        self._reserved = 0
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+        self.step_sizes: collections.deque[tuple[int, int]] = collections.deque(maxlen=1000)  # (sequences, rows)
+        self._m = router.metrics
+
+    # -- the loop's side -----------------------------------------------------------------------
+
+    def capacity_check(self, sequences: int = 1) -> None:
+        """Raise ``Busy`` when ``sequences`` more would overflow the waiting queue."""
+        config = SchedulerConfig.from_settings()
+        with self._cond:
+            waiting = len(self._waiting)
+        if waiting + sequences > config.queue and (waiting or sequences > config.max_running):
+            raise Busy(f"the router is busy: {waiting} sequences wait for model {self.model_id!r} "
+                       f"(TENZRO_GEN_QUEUE {config.queue})", "capacity", 1.0)
+
+    def submit(self, request: Request) -> None:
+        """Queue ``request``'s sequences (called on the scheduler's loop; sets
+        ``request.future``). Raises ``Busy`` when the waiting queue is full and
+        ``BackboneError`` (field ``max_new_tokens``) when one sequence alone needs more KV
+        cache than the whole budget."""
+        config = SchedulerConfig.from_settings()
+        bb = self.served.backbone
+        slots = []
+        for seq in request.seqs:
+            need = kv_reservation(bb, int(seq.prompt.size), request.sampling.max_new_tokens)
+            if need > config.kv_budget:
+                raise BackboneError(f"max_new_tokens: the sequence may grow to {need} bytes of KV cache, over this "
+                                    f"site's budget of {config.kv_budget} (TENZRO_KV_BUDGET_BYTES)", "max_new_tokens")
+            seq.cache = bb.new_cache()
+            slots.append(_Slot(request, seq, need))
+        request.future = self.loop.create_future()
+        with self._cond:
+            if len(self._waiting) + len(slots) > config.queue and (self._waiting or len(slots) > config.max_running):
+                raise Busy(f"the router is busy: {len(self._waiting)} sequences wait for model {self.model_id!r} "
+                           f"(TENZRO_GEN_QUEUE {config.queue})", "capacity", 1.0)
+            self._waiting.extend(slots)
+            self._m.waiting.labels(self.model_id).set(len(self._waiting))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"scheduler-{self.model_id}", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def cancel(self, request: Request) -> None:
+        """Make ``request``'s sequences leave at the next step (its client went away)."""
+        with self._cond:
+            request.cancelled = True
+            self._cond.notify()
+
+    def counts(self) -> tuple[int, int]:
+        """(sequences waiting, sequences running) now."""
+        with self._cond:
+            return len(self._waiting), len(self._running)
+
+    def idle(self) -> bool:
+        """No sequence waits or runs."""
+        with self._cond:
+            return not self._waiting and not self._running
+
+    # -- the worker thread ---------------------------------------------------------------------
+
+    def _settle(self, request: Request, result=None, exc: BaseException | None = None) -> None:
+        """Hand ``request``'s end to its future on the loop (ignored once the future is done)."""
+        fut = request.future
+
+        def done():
+            if fut is not None and not fut.done():
+                if exc is not None:
+                    fut.set_exception(exc)
+                else:
+                    fut.set_result(result)
+
+        try:
+            self.loop.call_soon_threadsafe(done)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    def _drop(self, request: Request, exc: BaseException | None, outcome: str) -> None:
+        """Remove every slot of ``request`` (caller holds the lock), release its reservations
+        and settle it with ``exc`` (None: cancelled, nothing to hand back)."""
+        for slot in [s for s in self._running if s.request is request]:
+            self._running.remove(slot)
+            self._reserved -= slot.reserved
+        for slot in [s for s in self._waiting if s.request is request]:
+            self._waiting.remove(slot)
+        self._m.requests.labels(self.model_id, outcome).inc()
+        if exc is not None:
+            self._settle(request, exc=exc)
+
+    def _admit(self, config: SchedulerConfig) -> None:
+        """Move waiting slots to running, first come first served, while they fit (lock held).
+        One sequence always runs when none does (its own need was checked at submit)."""
+        while self._waiting:
+            slot = self._waiting[0]
+            if self._running and (len(self._running) >= config.max_running
+                                  or self._reserved + slot.reserved > config.kv_budget):
+                break
+            self._waiting.popleft()
+            self._running.append(slot)
+            self._reserved += slot.reserved
+            req = slot.request
+            if not any(s.request is req for s in self._waiting):
+                req.t_admitted = time.perf_counter()
+
+    def _run(self) -> None:
+        while True:
+            config = SchedulerConfig.from_settings()
+            with self._cond:
+                for req in {s.request for s in list(self._running) + list(self._waiting) if s.request.cancelled}:
+                    self._drop(req, None, "cancelled")
+                self._admit(config)
+                m = self._m
+                m.waiting.labels(self.model_id).set(len(self._waiting))
+                m.running.labels(self.model_id).set(len(self._running))
+                m.kv_budget.set(config.kv_budget)
+                if not self._running:
+                    self._thread = None
+                    m.kv_bytes.labels(self.model_id).set(0)
+                    break
+                batch = self._plan(config)
+            try:
+                self._step(batch)
+            except BaseException as exc:  # a layer forward failed: every sequence of the step ends with it
+                with self._cond:
+                    for req in {s.request for s, _ in batch}:
+                        self._drop(req, exc if isinstance(exc, Exception) else RuntimeError(str(exc)), "error")
+                if not isinstance(exc, Exception):
+                    raise
+        try:
+            self.loop.call_soon_threadsafe(self.outcomes.flush)
+        except RuntimeError:
+            pass
+
+    def _plan(self, config: SchedulerConfig) -> list[tuple[_Slot, np.ndarray]]:
+        """This step's rows (lock held): the last token of each decoding slot, then prompt
+        chunks of prefilling slots in admission order within ``prefill_chunk`` rows."""
+        batch, budget = [], config.prefill_chunk
+        for slot in self._running:
+            p = slot.seq.prompt
+            if slot.fed >= p.size:
+                batch.append((slot, np.array([slot.seq.output[-1]], dtype=np.int64)))
+            elif budget > 0:
+                n = min(budget, p.size - slot.fed)
+                batch.append((slot, p[slot.fed:slot.fed + n]))
+                budget -= n
+        return batch
+
+    def _mlp(self, batch: list[tuple[_Slot, np.ndarray]]):
+        """The backbone's ``mlp(layer, x)`` for one step: one distributed forward per layer for
+        each (carrier, fallback) group of rows (one group unless requests differ), run on the
+        loop; each request's ``stats`` records the forwards it took part in."""
+        served, router = self.served, self.router
+        groups: dict[tuple[str, bool], list[int]] = {}
+        requests: dict[tuple[str, bool], list[Request]] = {}
+        row = 0
+        for slot, ids in batch:
+            key = (slot.request.carrier, slot.request.fallback)
+            groups.setdefault(key, []).extend(range(row, row + ids.size))
+            if slot.request not in requests.setdefault(key, []):
+                requests[key].append(slot.request)
+            row += ids.size
+        index = {k: np.asarray(v, dtype=np.int64) for k, v in groups.items()}
+
+        def call(layer: int, x: np.ndarray, carrier: str, fallback: bool):
+            if layer in served.moe_layers:
+                return router.forward(served.model_id, layer, x, carrier=carrier, fallback=fallback,
+                                      outcomes=self.outcomes)
+            if layer in served.dense_layers:
+                return router.dense_forward(served.model_id, layer, x, carrier=carrier, fallback=fallback,
+                                            outcomes=self.outcomes)
+            raise BackboneError(f"layer {layer} of {served.model_id!r} has neither published experts nor dense "
+                                f"slices")
+
+        async def run_all(layer: int, x: np.ndarray) -> list[ForwardResult]:
+            if len(index) == 1:
+                (carrier, fallback), = index
+                return [await call(layer, x, carrier, fallback)]
+            return list(await asyncio.gather(*(call(layer, np.ascontiguousarray(x[ix]), c, f)
+                                               for (c, f), ix in index.items())))
+
+        def mlp(layer: int, x: np.ndarray) -> np.ndarray:
+            results = asyncio.run_coroutine_threadsafe(run_all(layer, x), self.loop).result()
+            if len(results) == 1:
+                out = results[0].output
+            else:
+                out = np.empty_like(x)
+                for ix, res in zip(index.values(), results):
+                    out[ix] = res.output
+            for key, res in zip(index, results):
+                for req in requests[key]:
+                    req.stats.add(f"{req.gen_id}/{req.step}/{layer}", res, req.step)
+            return out
+
+        return mlp
+
+    def _step(self, batch: list[tuple[_Slot, np.ndarray]]) -> None:
+        """Run one step over ``batch`` and hand out its tokens and finished requests."""
+        t0 = time.perf_counter()
+        bb = self.served.backbone
+        select = []
+        for slot, ids in batch:
+            last = slot.fed + ids.size >= slot.seq.prompt.size  # decode rows, or a prompt's final chunk
+            keep = slot.request.keep_logits and slot.fed < slot.seq.prompt.size
+            select.append("all" if keep else "last" if last else "none")
+        logits = bb.forward([ids for _, ids in batch], [s.seq.cache for s, _ in batch], self._mlp(batch),
+                            select=select)
+        now = time.perf_counter()
+        rows = int(sum(ids.size for _, ids in batch))
+        self.steps += 1
+        self.step_sizes.append((len(batch), rows))
+        m, model = self._m, self.model_id
+        m.step_rows.labels(model).observe(rows)
+        m.step_seconds.labels(model).observe(now - t0)
+        advanced: dict[int, list[Sequence]] = {}
+        reqs: dict[int, Request] = {}
+        prompt_rows = 0
+        for (slot, ids), lg in zip(batch, logits):
+            req, seq = slot.request, slot.seq
+            reqs[id(req)] = req
+            prefilling = slot.fed < seq.prompt.size
+            if prefilling:
+                slot.fed += ids.size
+                prompt_rows += ids.size
+                if req.keep_logits:
+                    slot.logits.append(lg)
+                if slot.fed < seq.prompt.size:
+                    continue
+                if req.keep_logits:
+                    seq.prompt_logits = np.concatenate(slot.logits)
+                    slot.logits = []
+            tok = next_token(lg[-1], req.sampling, seq.rng)
+            seq.output.append(tok)
+            if tok in req.sampling.stop:
+                seq.finish_reason = "stop"
+            elif len(seq.output) >= req.sampling.max_new_tokens or seq.cache.length + 1 > bb.max_position:
+                seq.finish_reason = "length"
+            if slot.last_token_at is None:
+                m.ttft.labels(model).observe(now - req.t0)
+            else:
+                m.itl.labels(model).observe(now - slot.last_token_at)
+            slot.last_token_at = now
+            advanced.setdefault(id(req), []).append(seq)
+        m.tokens.labels(model).inc(sum(len(v) for v in advanced.values()))
+        if prompt_rows:
+            m.prompt_tokens.labels(model).inc(prompt_rows)
+        finished, done_slots = [], [slot for slot, _ in batch if slot.seq.finish_reason is not None]
+        for key, req in reqs.items():
+            req.step += 1
+            if key in advanced and req.on_tokens is not None and not req.cancelled:
+                try:
+                    req.on_tokens(advanced[key])
+                except Exception:  # a consumer's callback must not stop the others' step
+                    pass
+            if req.t_first is None and all(s.output for s in req.seqs):
+                req.t_first = now
+            if all(s.finish_reason is not None for s in req.seqs):
+                req.t_done = now
+                finished.append(req)
+        with self._cond:
+            for slot in done_slots:  # a finished sequence leaves now, its request's others run on
+                if slot in self._running:
+                    self._running.remove(slot)
+                    self._reserved -= slot.reserved
+            for req in finished:
+                self._m.requests.labels(model, "ok").inc()
+                self._settle(req, result=req.seqs)
+            m.kv_bytes.labels(model).set(sum(s.seq.cache.nbytes for s in self._running))
+
+
+def scheduler_for(router: Router, served, loop: asyncio.AbstractEventLoop | None = None) -> ModelScheduler:
+    """The scheduler of ``served`` on ``loop`` (default: the running loop), made on first use
+    and kept in ``router.schedulers``; schedulers of closed loops are forgotten."""
+    loop = loop or asyncio.get_running_loop()
+    key = (id(served), id(loop))
+    with router.schedulers_lock:
+        for k in [k for k, s in router.schedulers.items() if s.loop.is_closed() and s.idle()]:
+            del router.schedulers[k]
+        sched = router.schedulers.get(key)
+        if sched is None or sched.served is not served or sched.loop is not loop:
+            sched = router.schedulers[key] = ModelScheduler(router, served, loop)
+        return sched
