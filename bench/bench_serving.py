@@ -188,7 +188,16 @@ def table(results: dict[str, list[dict]]) -> list[str]:
     return lines
 
 
-def main() -> None:
+def mode_list(text: str) -> list[str]:
+    """An argparse ``type``: a comma list of ``MODES``, returned in ``MODES`` order (in-process
+    loads the experts into the site, so it runs last)."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(MODES)}, got {text!r}")
+    return sorted(set(modes), key=MODES.index)
+
+
+def main(argv: list[str] | None = None) -> None:
     """Parse the flags, start the cluster, run aiperf per mode and concurrency, print the table."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -198,21 +207,19 @@ def main() -> None:
     ap.add_argument("--prompt", type=int_at_least(1), default=32, help="prompt tokens per request (default 32)")
     ap.add_argument("--tokens", type=int_at_least(1), default=24, help="output tokens per request (default 24)")
     ap.add_argument("--holders", type=int_at_least(1), default=3, help="holder agents (default 3)")
-    ap.add_argument("--modes", default=",".join(MODES), help="comma list of distributed, in-process (default both)")
+    ap.add_argument("--modes", type=mode_list, default=list(MODES),
+                    help="comma list of distributed, in-process (default both)")
     ap.add_argument("--cpus", default=None, help="CPU set of the site, its agents and aiperf (default: this "
                                                  "process's affinity), e.g. 0-1")
     ap.add_argument("--aiperf", default=None, help="aiperf executable (default: $TENZRO_AIPERF, "
                                                    ".venv-bench/bin/aiperf, PATH)")
     ap.add_argument("--artifacts", default=None, help="keep aiperf's artifacts in this directory")
     ap.add_argument("--json", action="store_true", help="also print one JSON object")
-    a = ap.parse_args()
-    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    if not modes or any(m not in MODES for m in modes):
-        ap.error(f"--modes: expected a comma list of {', '.join(MODES)}, got {a.modes!r}")
-    modes.sort(key=MODES.index)  # in-process loads the experts into the site: it runs last
+    a = ap.parse_args(argv)
     ctx = json.loads((QWEN / "config.json").read_text())["max_position_embeddings"]
     if a.prompt + a.tokens > ctx:
-        ap.error(f"--prompt + --tokens is {a.prompt + a.tokens}, over the fixture's context of {ctx} positions")
+        ap.error(f"argument --tokens: --prompt + --tokens is {a.prompt + a.tokens}, over the fixture's context "
+                 f"of {ctx} positions")
     try:
         cpus = parse_cpus(a.cpus)
     except ValueError as exc:
@@ -231,7 +238,7 @@ def main() -> None:
                              extra=("--model-id", MODEL)) as (info, _proc):
             print(f"cluster of {a.holders} holders up in {time.perf_counter() - started:.0f} s at {info['url']}; "
                   f"aiperf {aiperf}; CPUs {cpus}", flush=True)
-            for mode in modes:
+            for mode in a.modes:
                 if mode == "in-process":
                     n = load_experts_on_site(info["url"], info["operator_token"])
                     print(f"in-process: {n} experts loaded into the site's runtime", flush=True)
