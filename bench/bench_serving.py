@@ -30,7 +30,9 @@ after one warm-up request per mode. Reported: output tokens/s, TTFT and inter-to
 p50/p99 (ms), errors, tokens/s relative to C=1 of the same mode, and distributed ÷
 in-process tokens/s. ``cpu``: the CPU model and the SIMD path of the quantized kernels.
 
-Prints a table, and with ``--json`` one JSON object last. aiperf's own artifacts (per-request
+Per run it also prints what the site's own ``/metrics`` said (aiperf scrapes it during the
+run): holder batches, the worst per-holder p99 and failed batches. Prints a table, and with
+``--json`` one JSON object last. aiperf's own artifacts (per-request
 records, its scrape of the site's ``/metrics``) are kept under ``--artifacts`` when given.
 """
 from __future__ import annotations
@@ -114,14 +116,15 @@ def warm_up(url: str, tokens: int) -> None:
 
 
 def run_aiperf(aiperf: str, url: str, tokenizer: Path, concurrency: int, requests: int, prompt: int, tokens: int,
-               out: Path) -> dict:
-    """One aiperf profile; returns its ``profile_export_aiperf.json`` (``SystemExit`` when it failed)."""
+               out: Path) -> tuple[dict, dict | None]:
+    """One aiperf profile; returns its ``profile_export_aiperf.json`` and its scrape of the site's
+    ``/metrics`` (None when absent); ``SystemExit`` when it failed."""
     cmd = [aiperf, "profile", "--model", MODEL, "--url", url, "--endpoint-type", "completions", "--streaming",
            "--tokenizer", str(tokenizer), "--use-server-token-count",
            "--synthetic-input-tokens-mean", str(prompt), "--synthetic-input-tokens-stddev", "0",
            "--output-tokens-mean", str(tokens), "--output-tokens-stddev", "0", "--extra-inputs", "temperature:0",
            "--concurrency", str(concurrency), "--request-count", str(requests), "--random-seed", "1",
-           "--artifact-dir", str(out), "--ui-type", "none"]
+           "--artifact-dir", str(out), "--ui-type", "none", "--no-gpu-telemetry"]
     # Offline by construction: anything but loopback goes to a closed port and fails.
     env = {**os.environ, "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
            "NO_PROXY": "127.0.0.1,localhost", "HF_HUB_DISABLE_TELEMETRY": "1", "DO_NOT_TRACK": "1"}
@@ -131,11 +134,30 @@ def run_aiperf(aiperf: str, url: str, tokenizer: Path, concurrency: int, request
     if rc != 0 or not export.exists():
         tail = (out.parent / f"{out.name}.log").read_text(errors="replace")[-3000:]
         raise SystemExit(f"aiperf exited with {rc} (concurrency {concurrency}):\n{tail}")
-    return json.loads(export.read_text())
+    server = out / "server_metrics_export.json"
+    return json.loads(export.read_text()), json.loads(server.read_text()) if server.exists() else None
 
 
-def summarize(report: dict, concurrency: int) -> dict:
-    """The numbers this bench reports from one aiperf export."""
+def holder_stats(server: dict | None) -> dict:
+    """Per provider ``{batches, p50_ms, p99_ms, failures}`` from aiperf's scrape of the site's
+    ``/metrics`` during the run (``server_metrics_export.json``; "local": experts the site ran)."""
+    metrics = (server or {}).get("metrics") or {}
+    out: dict[str, dict] = {}
+    for s in (metrics.get("tenzro_holder_batch_seconds") or {}).get("series", []):
+        st = s.get("stats") or {}
+        p50, p99 = st.get("p50_estimate"), st.get("p99_estimate")
+        out[s["labels"]["provider"][:12]] = {"batches": int(st.get("count") or 0), "failures": 0,
+                                             "p50_ms": None if p50 is None else round(p50 * 1e3, 1),
+                                             "p99_ms": None if p99 is None else round(p99 * 1e3, 1)}
+    failures = metrics.get("tenzro_holder_batch_failures") or metrics.get("tenzro_holder_batch_failures_total") or {}
+    for s in failures.get("series", []):
+        row = out.setdefault(s["labels"]["provider"][:12], {"batches": 0, "p50_ms": None, "p99_ms": None})
+        row["failures"] = int((s.get("stats") or {}).get("total") or 0)  # increase during the run
+    return out
+
+
+def summarize(report: dict, concurrency: int, server: dict | None = None) -> dict:
+    """The numbers this bench reports from one aiperf export (and its scrape of ``/metrics``)."""
     def stat(name: str, key: str) -> float | None:
         v = (report.get(name) or {}).get(key)
         return None if v is None else round(float(v), 2)
@@ -144,7 +166,8 @@ def summarize(report: dict, concurrency: int) -> dict:
     return {"concurrency": concurrency, "requests": int(stat("request_count", "avg") or 0), "errors": errors,
             "tokens_per_s": stat("output_token_throughput", "avg"),
             "ttft_ms": {"p50": stat("time_to_first_token", "p50"), "p99": stat("time_to_first_token", "p99")},
-            "itl_ms": {"p50": stat("inter_token_latency", "p50"), "p99": stat("inter_token_latency", "p99")}}
+            "itl_ms": {"p50": stat("inter_token_latency", "p50"), "p99": stat("inter_token_latency", "p99")},
+            "holders": holder_stats(server)}
 
 
 def cpu_description() -> str:
@@ -245,12 +268,16 @@ def main(argv: list[str] | None = None) -> None:
                 warm_up(info["url"], a.tokens)
                 results[mode] = []
                 for c in a.concurrency:
-                    report = run_aiperf(aiperf, info["url"], model, c, c * a.requests_per_client, a.prompt, a.tokens,
-                                        arts / f"{mode}-c{c}")
-                    row = summarize(report, c)
+                    report, server = run_aiperf(aiperf, info["url"], model, c, c * a.requests_per_client, a.prompt,
+                                                a.tokens, arts / f"{mode}-c{c}")
+                    row = summarize(report, c, server)
                     results[mode].append(row)
+                    hs = row["holders"].values()
                     print(f"{mode} C={c}: {row['tokens_per_s']} tok/s, TTFT p50 {row['ttft_ms']['p50']} ms, "
-                          f"ITL p50 {row['itl_ms']['p50']} ms, {row['errors']} errors", flush=True)
+                          f"ITL p50 {row['itl_ms']['p50']} ms, {row['errors']} errors; holder batches "
+                          f"{sum(h['batches'] for h in hs)}, worst p99 "
+                          f"{max((h['p99_ms'] or 0 for h in hs), default=0)} ms, "
+                          f"{sum(h['failures'] for h in hs)} failed (site /metrics)", flush=True)
     print()
     print(f"cpu: {cpu_description()}; CPUs {cpus} shared by the site, {a.holders} agents and aiperf")
     print(f"workload: /v1/completions streamed, greedy, {a.prompt} prompt + {a.tokens} output tokens, "

@@ -92,3 +92,14 @@ def test_bench_serving_tokenizer_is_bytes_and_table_has_ratios(bench_serving):
                                                                           {**row, "tokens_per_s": 50.0}]})
     dist4 = next(x for x in lines if x.startswith("distributed") and x.split()[1] == "4").split()
     assert dist4[5] == "4.00" and dist4[-1] == "0.80" and dist4[-2] == "2.50"  # ×C=1, p99/p50, dist÷in
+
+
+def test_bench_serving_reads_holder_numbers_from_aiperfs_scrape_of_metrics(bench_serving):
+    server = {"metrics": {
+        "tenzro_holder_batch_seconds": {"series": [{"labels": {"provider": "a" * 64},
+                                                    "stats": {"count": 10, "p50_estimate": 0.015, "p99_estimate": 0.1}}]},
+        "tenzro_holder_batch_failures": {"series": [{"labels": {"provider": "b" * 64}, "stats": {"total": 3.0}}]}}}
+    assert bench_serving.holder_stats(server) == {
+        "a" * 12: {"batches": 10, "failures": 0, "p50_ms": 15.0, "p99_ms": 100.0},
+        "b" * 12: {"batches": 0, "failures": 3, "p50_ms": None, "p99_ms": None}}
+    assert bench_serving.holder_stats(None) == {}
