@@ -19,7 +19,8 @@ from django.views.decorators.http import require_POST
 from registry import governance
 from router.apps import current
 from settlement import services as settlement_services
-from tenzro_site.console import forms, selectors, serving as serving_selectors
+from tenzro_site.console import forms, selectors
+from tenzro_site.console import serving as serving_selectors
 
 
 def staff_required(view):
