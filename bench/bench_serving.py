@@ -1,8 +1,8 @@
 """The OpenAI endpoints under many clients, measured by a third-party load generator (aiperf).
 
 Usage:  .venv/bin/python bench/bench_serving.py [--concurrency 1,4,16,64] [--requests-per-client 2]
-        [--prompt 32] [--tokens 24] [--holders 3] [--modes distributed,in-process] [--cpus 0-1]
-        [--aiperf .venv-bench/bin/aiperf] [--artifacts DIR] [--json]
+        [--prompt 32] [--tokens 24] [--holders 3] [--endpoint completions|chat]
+        [--modes distributed,in-process] [--cpus 0-1] [--aiperf .venv-bench/bin/aiperf] [--artifacts DIR] [--json]
 
 Load generator: NVIDIA's ``aiperf`` (PyPI ``aiperf==0.13.0``, ``requirements-bench.txt``), run as
 a separate program from its own virtual environment (``make bench`` creates ``.venv-bench``):
@@ -59,6 +59,7 @@ from tests.conftest import QWEN  # noqa: E402
 
 MODEL = "qwen3-moe-tiny"
 MODES = ("distributed", "in-process")
+CHAT_OVERHEAD = 16  # bytes the plain chat rendering ("user: …\nassistant:") adds to a prompt, rounded up
 
 
 def byte_tokenizer_json() -> str:
@@ -116,10 +117,10 @@ def warm_up(url: str, tokens: int) -> None:
 
 
 def run_aiperf(aiperf: str, url: str, tokenizer: Path, concurrency: int, requests: int, prompt: int, tokens: int,
-               out: Path) -> tuple[dict, dict | None]:
+               out: Path, endpoint: str = "completions") -> tuple[dict, dict | None]:
     """One aiperf profile; returns its ``profile_export_aiperf.json`` and its scrape of the site's
     ``/metrics`` (None when absent); ``SystemExit`` when it failed."""
-    cmd = [aiperf, "profile", "--model", MODEL, "--url", url, "--endpoint-type", "completions", "--streaming",
+    cmd = [aiperf, "profile", "--model", MODEL, "--url", url, "--endpoint-type", endpoint, "--streaming",
            "--tokenizer", str(tokenizer), "--use-server-token-count",
            "--synthetic-input-tokens-mean", str(prompt), "--synthetic-input-tokens-stddev", "0",
            "--output-tokens-mean", str(tokens), "--output-tokens-stddev", "0", "--extra-inputs", "temperature:0",
@@ -230,6 +231,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt", type=int_at_least(1), default=32, help="prompt tokens per request (default 32)")
     ap.add_argument("--tokens", type=int_at_least(1), default=24, help="output tokens per request (default 24)")
     ap.add_argument("--holders", type=int_at_least(1), default=3, help="holder agents (default 3)")
+    ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                    help="/v1/completions (default) or /v1/chat/completions (the plain chat rendering adds "
+                         "its role prefix to each prompt)")
     ap.add_argument("--modes", type=mode_list, default=list(MODES),
                     help="comma list of distributed, in-process (default both)")
     ap.add_argument("--cpus", default=None, help="CPU set of the site, its agents and aiperf (default: this "
@@ -240,9 +244,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", action="store_true", help="also print one JSON object")
     a = ap.parse_args(argv)
     ctx = json.loads((QWEN / "config.json").read_text())["max_position_embeddings"]
-    if a.prompt + a.tokens > ctx:
+    chat = CHAT_OVERHEAD if a.endpoint == "chat" else 0
+    if a.prompt + a.tokens > ctx - chat:
         ap.error(f"argument --tokens: --prompt + --tokens is {a.prompt + a.tokens}, over the fixture's context "
-                 f"of {ctx} positions")
+                 f"of {ctx} positions" + (f" less {chat} for the chat rendering" if chat else ""))
     try:
         cpus = parse_cpus(a.cpus)
     except ValueError as exc:
@@ -269,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
                 results[mode] = []
                 for c in a.concurrency:
                     report, server = run_aiperf(aiperf, info["url"], model, c, c * a.requests_per_client, a.prompt,
-                                                a.tokens, arts / f"{mode}-c{c}")
+                                                a.tokens, arts / f"{mode}-c{c}", a.endpoint)
                     row = summarize(report, c, server)
                     results[mode].append(row)
                     hs = row["holders"].values()
@@ -280,12 +285,14 @@ def main(argv: list[str] | None = None) -> None:
                           f"{sum(h['failures'] for h in hs)} failed (site /metrics)", flush=True)
     print()
     print(f"cpu: {cpu_description()}; CPUs {cpus} shared by the site, {a.holders} agents and aiperf")
-    print(f"workload: /v1/completions streamed, greedy, {a.prompt} prompt + {a.tokens} output tokens, "
+    path = "/v1/chat/completions" if a.endpoint == "chat" else "/v1/completions"
+    print(f"workload: {path} streamed, greedy, {a.prompt} prompt + {a.tokens} output tokens, "
           f"{a.requests_per_client} requests per client; model {MODEL} (byte-level tokenizer)")
     for line in table(results):
         print(line)
     if a.json:
-        print(json.dumps({"cpu": cpu_description(), "cpus": cpus, "holders": a.holders, "prompt": a.prompt,
+        print(json.dumps({"cpu": cpu_description(), "cpus": cpus, "holders": a.holders, "endpoint": a.endpoint,
+                          "prompt": a.prompt,
                           "tokens": a.tokens, "requests_per_client": a.requests_per_client, "results": results}))
 
 
