@@ -41,6 +41,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -116,25 +117,43 @@ def warm_up(url: str, tokens: int) -> None:
     r.raise_for_status()
 
 
+class RunFailed(Exception):
+    """One aiperf run did not finish (it failed, or the site stopped answering)."""
+
+
 def run_aiperf(aiperf: str, url: str, tokenizer: Path, concurrency: int, requests: int, prompt: int, tokens: int,
-               out: Path, endpoint: str = "completions") -> tuple[dict, dict | None]:
+               out: Path, endpoint: str = "completions", request_timeout: float = 300.0,
+               startup_s: float = 120.0) -> tuple[dict, dict | None]:
     """One aiperf profile; returns its ``profile_export_aiperf.json`` and its scrape of the site's
-    ``/metrics`` (None when absent); ``SystemExit`` when it failed."""
+    ``/metrics`` (None when absent). A request unanswered after ``request_timeout`` s is an
+    error; aiperf still running ``startup_s`` after every round of requests could have timed
+    out is killed (its whole process group: it forks services). Raises ``RunFailed``."""
     cmd = [aiperf, "profile", "--model", MODEL, "--url", url, "--endpoint-type", endpoint, "--streaming",
            "--tokenizer", str(tokenizer), "--use-server-token-count",
            "--synthetic-input-tokens-mean", str(prompt), "--synthetic-input-tokens-stddev", "0",
            "--output-tokens-mean", str(tokens), "--output-tokens-stddev", "0", "--extra-inputs", "temperature:0",
            "--concurrency", str(concurrency), "--request-count", str(requests), "--random-seed", "1",
-           "--artifact-dir", str(out), "--ui-type", "none", "--no-gpu-telemetry"]
+           "--artifact-dir", str(out), "--ui-type", "none", "--no-gpu-telemetry",
+           "--request-timeout-seconds", f"{request_timeout:g}"]
     # Offline by construction: anything but loopback goes to a closed port and fails.
     env = {**os.environ, "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
            "NO_PROXY": "127.0.0.1,localhost", "HF_HUB_DISABLE_TELEMETRY": "1", "DO_NOT_TRACK": "1"}
+    limit = request_timeout * -(-requests // concurrency) + startup_s
     with open(out.parent / f"{out.name}.log", "wb") as log:
-        rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(limit)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            if proc.poll() is None or rc is None:
+                stop_group(proc)
     export = out / "profile_export_aiperf.json"
+    if rc is None:
+        raise RunFailed(f"aiperf still running after {limit:.0f} s: the site stopped answering")
     if rc != 0 or not export.exists():
-        tail = (out.parent / f"{out.name}.log").read_text(errors="replace")[-3000:]
-        raise SystemExit(f"aiperf exited with {rc} (concurrency {concurrency}):\n{tail}")
+        tail = (out.parent / f"{out.name}.log").read_text(errors="replace")[-2000:]
+        raise RunFailed(f"aiperf exited with {rc}:\n{tail}")
     server = out / "server_metrics_export.json"
     return json.loads(export.read_text()), json.loads(server.read_text()) if server.exists() else None
 
@@ -155,6 +174,21 @@ def holder_stats(server: dict | None) -> dict:
         row = out.setdefault(s["labels"]["provider"][:12], {"batches": 0, "p50_ms": None, "p99_ms": None})
         row["failures"] = int((s.get("stats") or {}).get("total") or 0)  # increase during the run
     return out
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM ``proc``'s process group, SIGKILL it 10 s later if anything still runs."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(10)
+            if sig == signal.SIGTERM:
+                time.sleep(1)  # its forked services leave after the controller
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def summarize(report: dict, concurrency: int, server: dict | None = None) -> dict:
@@ -234,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
                     help="/v1/completions (default) or /v1/chat/completions (the plain chat rendering adds "
                          "its role prefix to each prompt)")
+    ap.add_argument("--request-timeout", type=int_at_least(1), default=300,
+                    help="seconds before aiperf counts an unanswered request as an error (default 300)")
     ap.add_argument("--modes", type=mode_list, default=list(MODES),
                     help="comma list of distributed, in-process (default both)")
     ap.add_argument("--cpus", default=None, help="CPU set of the site, its agents and aiperf (default: this "
@@ -256,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     os.sched_setaffinity(0, cpus)  # inherited by the cluster, its agents and aiperf
 
     results: dict[str, list[dict]] = {}
+    failed: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as t:
         tmp = Path(t)
         arts = Path(a.artifacts) if a.artifacts else tmp / "aiperf"
@@ -273,8 +310,14 @@ def main(argv: list[str] | None = None) -> None:
                 warm_up(info["url"], a.tokens)
                 results[mode] = []
                 for c in a.concurrency:
-                    report, server = run_aiperf(aiperf, info["url"], model, c, c * a.requests_per_client, a.prompt,
-                                                a.tokens, arts / f"{mode}-c{c}", a.endpoint)
+                    try:
+                        report, server = run_aiperf(aiperf, info["url"], model, c, c * a.requests_per_client,
+                                                    a.prompt, a.tokens, arts / f"{mode}-c{c}", a.endpoint,
+                                                    a.request_timeout)
+                    except RunFailed as exc:  # the site is likely wedged: the mode's higher C would be too
+                        print(f"{mode} C={c}: FAILED: {exc}", flush=True)
+                        failed[mode] = f"C={c}: {str(exc).splitlines()[0]}"
+                        break
                     row = summarize(report, c, server)
                     results[mode].append(row)
                     hs = row["holders"].values()
@@ -290,10 +333,13 @@ def main(argv: list[str] | None = None) -> None:
           f"{a.requests_per_client} requests per client; model {MODEL} (byte-level tokenizer)")
     for line in table(results):
         print(line)
+    for mode, why in failed.items():
+        print(f"{mode}: stopped at {why}")
     if a.json:
         print(json.dumps({"cpu": cpu_description(), "cpus": cpus, "holders": a.holders, "endpoint": a.endpoint,
                           "prompt": a.prompt,
-                          "tokens": a.tokens, "requests_per_client": a.requests_per_client, "results": results}))
+                          "tokens": a.tokens, "requests_per_client": a.requests_per_client, "results": results,
+                          "failed": failed}))
 
 
 if __name__ == "__main__":

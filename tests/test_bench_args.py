@@ -103,3 +103,17 @@ def test_bench_serving_reads_holder_numbers_from_aiperfs_scrape_of_metrics(bench
         "a" * 12: {"batches": 10, "failures": 0, "p50_ms": 15.0, "p99_ms": 100.0},
         "b" * 12: {"batches": 0, "failures": 3, "p50_ms": None, "p99_ms": None}}
     assert bench_serving.holder_stats(None) == {}
+
+
+def test_bench_serving_kills_a_hung_aiperf_and_its_children(bench_serving, tmp_path):
+    """A load generator stuck on a wedged site is killed with every process it forked."""
+    fake = tmp_path / "aiperf"
+    pids = tmp_path / "pids"
+    fake.write_text(f"#!/bin/sh\nsleep 600 & echo $! > {pids}\nsleep 600\n")
+    fake.chmod(0o755)
+    with pytest.raises(bench_serving.RunFailed, match="still running"):
+        bench_serving.run_aiperf(str(fake), "http://127.0.0.1:9", tmp_path, 1, 1, 8, 8, tmp_path / "out",
+                                 request_timeout=1, startup_s=1)
+    child = int(pids.read_text())
+    from tests.cluster_util import pid_alive
+    assert not pid_alive(child)
