@@ -20,11 +20,11 @@ tokens) and counts output tokens from the server's ``usage`` (``--use-server-tok
 Requests: ``/v1/completions``, streamed, ``temperature`` 0, ``max_tokens`` ``--tokens`` (the
 fixture has no EOS: every request gets them all).
 
-Two modes, same site process, same workload, same cores (the site, its agents and aiperf are
-pinned to ``--cpus``; the agents stay up in both modes): ``distributed``, a ``tenzro_cluster``
-of ``--holders`` agents (replication 2) holding every expert; ``in-process``, then every
-expert loaded into the site's own runtime (``tenzro_moeExpertLoad`` without a provider), so
-each MoE layer runs in the site process (transport "local") and no batch leaves it. Per mode
+Two modes, same workload, same cores (the site, its agents and aiperf are pinned to
+``--cpus``), each on a fresh ``tenzro_cluster`` of ``--holders`` agents (replication 2):
+``distributed``, the agents hold every expert; ``in-process``, every expert is also loaded
+into the site's own runtime (``tenzro_moeExpertLoad`` without a provider), so each MoE layer
+runs in the site process (transport "local") and no batch leaves it (the idle agents stay up). Per mode
 and concurrency C: aiperf sends ``C * --requests-per-client`` requests keeping C in flight,
 after one warm-up request per mode. Reported: output tokens/s, TTFT and inter-token latency
 p50/p99 (ms), errors, tokens/s relative to C=1 of the same mode, and distributed ÷
@@ -298,12 +298,16 @@ def main(argv: list[str] | None = None) -> None:
         arts = Path(a.artifacts) if a.artifacts else tmp / "aiperf"
         arts.mkdir(parents=True, exist_ok=True)
         model = bench_model(tmp)
-        started = time.perf_counter()
-        with running_cluster(tmp, [model], holders=a.holders, env=env_for(tmp), timeout=600,
-                             extra=("--model-id", MODEL)) as (info, _proc):
-            print(f"cluster of {a.holders} holders up in {time.perf_counter() - started:.0f} s at {info['url']}; "
-                  f"aiperf {aiperf}; CPUs {cpus}", flush=True)
-            for mode in a.modes:
+        for mode in a.modes:
+            # A fresh cluster per mode: nothing one mode left running (threads of finished or
+            # cancelled generations, background recording) lands on the other's numbers.
+            run_dir = tmp / mode
+            run_dir.mkdir()
+            started = time.perf_counter()
+            with running_cluster(run_dir, [model], holders=a.holders, env=env_for(run_dir), timeout=600,
+                                 extra=("--model-id", MODEL)) as (info, _proc):
+                print(f"{mode}: cluster of {a.holders} holders up in {time.perf_counter() - started:.0f} s at "
+                      f"{info['url']}; aiperf {aiperf}; CPUs {cpus}", flush=True)
                 if mode == "in-process":
                     n = load_experts_on_site(info["url"], info["operator_token"])
                     print(f"in-process: {n} experts loaded into the site's runtime", flush=True)
