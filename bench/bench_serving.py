@@ -152,8 +152,10 @@ def run_aiperf(aiperf: str, url: str, tokenizer: Path, concurrency: int, request
     if rc is None:
         raise RunFailed(f"aiperf still running after {limit:.0f} s: the site stopped answering")
     if rc != 0 or not export.exists():
-        tail = (out.parent / f"{out.name}.log").read_text(errors="replace")[-2000:]
-        raise RunFailed(f"aiperf exited with {rc}:\n{tail}")
+        errors = [ln for ln in (out.parent / f"{out.name}.log").read_text(errors="replace").splitlines()
+                  if " ERROR " in ln]
+        raise RunFailed(f"aiperf exited with {rc}: {errors[-1].strip() if errors else 'no error logged'} "
+                        f"(log {out.parent / out.name}.log)")
     server = out / "server_metrics_export.json"
     return json.loads(export.read_text()), json.loads(server.read_text()) if server.exists() else None
 
