@@ -2,7 +2,7 @@
 
 Usage:  .venv/bin/python bench/bench_serving.py [--concurrency 1,4,16,64] [--requests-per-client 2]
         [--prompt 32] [--tokens 24] [--holders 3] [--endpoint completions|chat]
-        [--modes distributed,in-process] [--cpus 0-1] [--aiperf .venv-bench/bin/aiperf] [--artifacts DIR] [--json]
+        [--modes distributed,in-process] [--request-timeout 120] [--cpus 0-1] [--aiperf PATH] [--artifacts DIR] [--json]
 
 Load generator: NVIDIA's ``aiperf`` (PyPI ``aiperf==0.13.0``, ``requirements-bench.txt``), run as
 a separate program from its own virtual environment (``make bench`` creates ``.venv-bench``):
@@ -122,7 +122,7 @@ class RunFailed(Exception):
 
 
 def run_aiperf(aiperf: str, url: str, tokenizer: Path, concurrency: int, requests: int, prompt: int, tokens: int,
-               out: Path, endpoint: str = "completions", request_timeout: float = 300.0,
+               out: Path, endpoint: str = "completions", request_timeout: float = 120.0,
                startup_s: float = 120.0) -> tuple[dict, dict | None]:
     """One aiperf profile; returns its ``profile_export_aiperf.json`` and its scrape of the site's
     ``/metrics`` (None when absent). A request unanswered after ``request_timeout`` s is an
@@ -270,8 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
                     help="/v1/completions (default) or /v1/chat/completions (the plain chat rendering adds "
                          "its role prefix to each prompt)")
-    ap.add_argument("--request-timeout", type=int_at_least(1), default=300,
-                    help="seconds before aiperf counts an unanswered request as an error (default 300)")
+    ap.add_argument("--request-timeout", type=int_at_least(1), default=120,
+                    help="seconds before aiperf counts an unanswered request as an error (default 120)")
     ap.add_argument("--modes", type=mode_list, default=list(MODES),
                     help="comma list of distributed, in-process (default both)")
     ap.add_argument("--cpus", default=None, help="CPU set of the site, its agents and aiperf (default: this "
