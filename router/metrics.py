@@ -92,5 +92,7 @@ class ServingMetrics:
         open pages do not crowd the history)."""
         now = time.time() if now is None else now
         if not self.history or now - self.history[-1][0] >= min_interval_s:
-            self.history.append((now, self.snapshot()))
+            # ``_created`` timestamps are a third of the samples and no chart reads them.
+            snap = {k: v for k, v in self.snapshot().items() if not k.endswith("_created")}
+            self.history.append((now, snap))
         return list(self.history)
