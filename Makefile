@@ -5,6 +5,10 @@ BIN := $(VENV)/bin
 RUNTIME := $(VENV)/.runtime-installed
 TESTDEPS := $(VENV)/.test-installed
 KERNELS := $(VENV)/.kernels-installed
+# The load generator of bench/bench_serving.py (aiperf) lives in its own venv: it pins
+# prometheus-client apart from the site's and pulls packages neither the site nor its tests need.
+BENCHVENV := .venv-bench
+BENCHDEPS := $(BENCHVENV)/.installed
 
 .PHONY: demo test serve worker beat bench install clean
 
@@ -50,8 +54,13 @@ worker: $(RUNTIME)
 beat: $(RUNTIME)
 	$(BIN)/celery -A tenzro_site beat -l info
 
-bench: $(TESTDEPS)
+$(BENCHDEPS): requirements-bench.txt
+	$(PY) -m venv $(BENCHVENV)
+	$(BENCHVENV)/bin/python -m pip install -q -r requirements-bench.txt
+	touch $@
+
+bench: $(TESTDEPS) $(BENCHDEPS)
 	@for f in bench/bench_*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
 
 clean:
-	rm -rf var db.sqlite3
+	rm -rf var db.sqlite3 $(BENCHVENV)

@@ -7,12 +7,18 @@ renders ``exposition()``; the console's Serving page reads ``snapshot()``.
 """
 from __future__ import annotations
 
+import time
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 # Seconds: TTFT and inter-token latency from loopback (ms) to WAN holders (seconds).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+# Snapshots kept for the console's live charts: 150 at >= 2 s apart is five minutes.
+HISTORY_LEN = 150
+HISTORY_INTERVAL_S = 2.0
 
 
 class ServingMetrics:
@@ -49,6 +55,7 @@ class ServingMetrics:
                                         ["provider"], buckets=LATENCY_BUCKETS, registry=r)
         self.holder_failures = Counter("tenzro_holder_batch_failures", "Holder batches that failed or timed out",
                                        ["provider"], registry=r)
+        self.history: deque[tuple[float, dict]] = deque(maxlen=HISTORY_LEN)
 
     def holder_batch(self, provider: str, seconds: float, ok: bool) -> None:
         """One batch sent to ``provider``: its round trip in seconds when ``ok``, else a failure."""
@@ -56,6 +63,16 @@ class ServingMetrics:
             self.holder_latency.labels(provider).observe(seconds)
         else:
             self.holder_failures.labels(provider).inc()
+
+    def holder_outcomes(self, failures: list[dict], latencies_ms: dict[str, list[float]]) -> None:
+        """One forward's holder outcomes (as ``LayerForward`` reports them): each latency (ms,
+        per provider) a successful batch, each failure with ``fault`` a failed one."""
+        for provider, values in latencies_ms.items():
+            for ms in values:
+                self.holder_batch(provider, ms / 1e3, True)
+        for f in failures:
+            if f.get("fault"):
+                self.holder_batch(f["provider"], 0.0, False)
 
     def exposition(self) -> bytes:
         """The Prometheus text exposition of every metric (``Content-Type: CONTENT_TYPE``)."""
@@ -68,3 +85,14 @@ class ServingMetrics:
             for s in family.samples:
                 out.setdefault(s.name, []).append({"labels": dict(s.labels), "value": s.value})
         return out
+
+    def sample(self, now: float | None = None, min_interval_s: float = HISTORY_INTERVAL_S) -> list[tuple[float, dict]]:
+        """The history of ``(unix time, snapshot())`` pairs, oldest first, after appending a
+        fresh snapshot when the last one is ``min_interval_s`` old (readers poll: several
+        open pages do not crowd the history)."""
+        now = time.time() if now is None else now
+        if not self.history or now - self.history[-1][0] >= min_interval_s:
+            # ``_created`` timestamps are a third of the samples and no chart reads them.
+            snap = {k: v for k, v in self.snapshot().items() if not k.endswith("_created")}
+            self.history.append((now, snap))
+        return list(self.history)

@@ -326,6 +326,7 @@ class Router:
                 res = await fwd.run()
         except ForwardError as exc:
             failures = exc.data.get("failures", [])
+            self.metrics.holder_outcomes(failures, {})
             if outcomes is not None:
                 outcomes.add(failures, {}, None)
             else:
@@ -336,6 +337,7 @@ class Router:
             raise
         res.forward_id = uuid.uuid4().hex
         record = ForwardRecord(res.forward_id, fwd.model_id, fwd.layer, res.verified)
+        self.metrics.holder_outcomes(res.failures, res.latencies_ms)
         if outcomes is not None:
             outcomes.add(res.failures, res.latencies_ms, record)
         else:

@@ -38,6 +38,7 @@ api_v1 = [
 urlpatterns = [
     path("", include("tenzro_site.console.urls")),
     path("healthz", views.healthz, name="healthz"),
+    path("metrics", views.metrics, name="metrics"),
     path("rpc", rpc_view, name="rpc"),
     path("v1/completions", openai_api.completions, name="openai-completions"),
     path("v1/chat/completions", openai_api.chat_completions, name="openai-chat-completions"),

@@ -1,11 +1,13 @@
-"""Site health check (the console pages live in ``tenzro_site.console``)."""
+"""Site health check and Prometheus metrics (the console pages live in ``tenzro_site.console``)."""
 from __future__ import annotations
 
 from django.conf import settings
 from django.db import DatabaseError
-from django.http import JsonResponse
+from django.http import HttpResponse, JsonResponse
+from django.views.decorators.http import require_GET
 
 from registry import selectors
+from router.apps import current
 from tenzro_site.celery import cached_queue_workers
 
 
@@ -28,3 +30,18 @@ def healthz(request):
                                     "prepare jobs, settlements and sweeps are not running")
             body["status"] = "degraded"
     return JsonResponse({"ok": True, **body})
+
+
+@require_GET
+def metrics(request):
+    """``GET /metrics``: Prometheus text exposition of this site process's serving metrics
+    (``router.metrics.ServingMetrics``: sequences running and waiting, tokens, TTFT and
+    inter-token histograms, step rows and time, KV cache use, holder batch latency and
+    failures per provider).
+
+    Unauthenticated, like the console's read-only pages that show the same numbers: it
+    names providers and timings, nothing secret. Operators who want it private scrape it on
+    a private interface or block the path at their proxy. Each site process has its own
+    numbers: scrape every process."""
+    m = current().metrics
+    return HttpResponse(m.exposition(), content_type=m.CONTENT_TYPE)

@@ -18,7 +18,7 @@ from tests.conftest import QWEN, holding, signed_heartbeat
 
 pytestmark = pytest.mark.django_db
 
-PAGES = ["/", "/governance/", "/providers/", "/coverage/", "/coverage/m", "/prepare/"]
+PAGES = ["/", "/governance/", "/providers/", "/coverage/", "/coverage/m", "/prepare/", "/serving/"]
 
 
 def two_providers() -> tuple[str, str]:

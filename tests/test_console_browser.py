@@ -189,7 +189,7 @@ def test_every_page_no_console_errors_and_no_5xx(site, page, console_errors):
     provider = Provider.objects.get(name="gpu-a").provider
     pages = {"overview": "/", "governance": "/governance/", "providers": "/providers/",
              "provider": f"/providers/{provider}", "coverage-index": "/coverage/", "coverage-m": "/coverage/m",
-             "prepare": "/prepare/", "login": "/login/"}
+             "prepare": "/prepare/", "serving": "/serving/", "login": "/login/"}
     for name, path in pages.items():
         for q in ODD:
             resp = page.goto(site + path + q)
@@ -313,3 +313,31 @@ def test_economy_pages_no_console_errors_and_no_5xx(site, page, console_errors):
     assert chart_text_problems(page) == []
     shot(page, "provider-reputation-chart")
     assert console_errors == [], console_errors
+
+
+def test_serving_charts_update_without_reload(site, page, console_errors):
+    from router.apps import install
+    from router.state import Router
+
+    router = Router()  # fresh metrics: the page starts from zero
+    previous = install(router)
+    try:
+        page.goto(f"{site}/serving/")
+        expect(page.locator("header.top nav a.current")).to_have_text("Serving")
+        panel = page.locator("#serving-panel")
+        expect(panel).to_have_attribute("data-tokens", "0")
+        page.evaluate("window.__sameDocument = true")  # gone if the page reloads
+        m = router.metrics
+        m.running.labels("q").set(2)
+        m.tokens.labels("q").inc(48)
+        for _ in range(48):
+            m.itl.labels("q").observe(0.03)
+        m.holder_outcomes([], {"holder-a": [15.0, 25.0]})
+        expect(panel).to_have_attribute("data-tokens", "48")
+        expect(page.locator("svg[aria-label='Output tokens/s'] polyline")).not_to_have_count(0)
+        expect(page.locator("#serving-holders")).to_contain_text("holder-a")
+        assert page.evaluate("window.__sameDocument") is True
+        shot(page, "serving")
+    finally:
+        install(previous)
+    assert console_errors == []

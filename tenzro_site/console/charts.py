@@ -90,3 +90,69 @@ def bar_chart(title: str, data: list[tuple[str, int | float, str]], x_label: str
                         label_anchor=label_anchor, value_x=value_x, value_anchor=value_anchor))
     return BarChart(title=title, width=width, height=height, baseline=top + plot_h, bars=tuple(bars),
                     x_label=x_label, y_label=y_label)
+
+
+@dataclass(frozen=True)
+class Line:
+    """One series of a line chart: ``name``, its css class, SVG ``points`` ("x,y x,y …" per
+    run of known values: a gap splits the series) and its ``last`` value (None: unknown)."""
+
+    name: str
+    cls: str
+    points: tuple[str, ...]
+    last: float | None
+
+
+@dataclass(frozen=True)
+class LineChart:
+    """A line chart ready to draw: ``width`` × ``height`` view box, ``baseline`` y of the axis,
+    ``top`` y of the ``peak`` value, first and last x labels."""
+
+    title: str
+    width: int
+    height: int
+    baseline: float
+    top: float
+    peak: float
+    lines: tuple[Line, ...]
+    first_label: str
+    last_label: str
+    y_label: str
+
+
+def line_chart(title: str, labels: list[str], series: list[tuple[str, list[float | None], str]],
+               y_label: str = "", width: int = 360, height: int = 140) -> LineChart:
+    """Lay out ``series`` (``(name, values, css class)``, one value or None per ``labels``
+    entry, oldest first) as polylines sharing a y scale from 0 to the largest value. A None
+    value is a gap. Raises ``ValueError`` for a negative or non-finite value or a series
+    whose length is not ``len(labels)``."""
+    top, bottom, left, right = 18.0, 20.0, 8.0, 8.0
+    plot_h, plot_w = height - top - bottom, width - left - right
+    peak = 0.0
+    for name, values, _cls in series:
+        if len(values) != len(labels):
+            raise ValueError(f"series {name!r} has {len(values)} values for {len(labels)} labels")
+        for v in values:
+            if v is not None and (not v >= 0 or v == float("inf")):
+                raise ValueError(f"series {name!r}: values must be finite and >= 0, got {v!r}")
+            if v is not None:
+                peak = max(peak, float(v))
+    step = plot_w / (len(labels) - 1) if len(labels) > 1 else 0.0
+    lines = []
+    for name, values, cls in series:
+        runs, run = [], []
+        for i, v in enumerate(values):
+            if v is None:
+                if run:
+                    runs.append(" ".join(run))
+                run = []
+                continue
+            y = top + plot_h - (plot_h * float(v) / peak if peak else 0.0)
+            run.append(f"{round(left + i * step, 2)},{round(y, 2)}")
+        if run:
+            runs.append(" ".join(run))
+        last = values[-1] if values else None
+        lines.append(Line(name=name, cls=cls, points=tuple(runs), last=None if last is None else round(last, 2)))
+    return LineChart(title=title, width=width, height=height, baseline=top + plot_h, top=top, peak=round(peak, 2),
+                     lines=tuple(lines), first_label=labels[0] if labels else "",
+                     last_label=labels[-1] if labels else "", y_label=y_label)

@@ -28,6 +28,7 @@ NAV: tuple[NavItem, ...] = (
     NavItem("disputes", "Disputes", "console-disputes"),
     NavItem("settlements", "Settlements", "console-settlements"),
     NavItem("prepare", "Prepare jobs", "prepare-jobs"),
+    NavItem("serving", "Serving", "console-serving"),
 )
 
 

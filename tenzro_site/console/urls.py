@@ -24,5 +24,7 @@ urlpatterns = [
     path("receipts/<path:key>", views.receipt, name="console-receipt"),
     path("disputes/", views.disputes, name="console-disputes"),
     path("settlements/", views.settlements, name="console-settlements"),
+    path("serving/", views.serving, name="console-serving"),
+    path("serving/panel", views.serving_panel, name="console-serving-panel"),
     path("settlements.csv", views.settlements_csv, name="console-settlements-csv"),
 ]

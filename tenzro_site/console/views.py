@@ -17,9 +17,11 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
 from registry import governance
+from router.apps import current
 from settlement import services as settlement_services
 from settlement.disputes import operator_dispute
 from tenzro_site.console import forms, selectors
+from tenzro_site.console import serving as serving_selectors
 
 
 def staff_required(view):
@@ -238,3 +240,21 @@ def settlements_csv(request):
     resp = StreamingHttpResponse((writer.writerow(r) for r in rows), content_type="text/csv; charset=utf-8")
     resp["Content-Disposition"] = 'attachment; filename="settlements.csv"'
     return resp
+
+
+SERVING_POLL_S = 2  # the panel polls as often as ServingMetrics keeps a snapshot
+
+
+def serving(request):
+    """``/serving/``: live charts of this site process's serving metrics (the panel polls itself)."""
+    return render(request, "console/serving.html", _serving_context())
+
+
+def serving_panel(request):
+    """``/serving/panel``: the Serving page's charts and holder table (htmx polls it every 2 s)."""
+    return render(request, "console/_serving_panel.html", _serving_context())
+
+
+def _serving_context() -> dict:
+    return {"nav_section": "serving", "s": serving_selectors.serving_state(current().metrics.sample()),
+            "poll_s": SERVING_POLL_S, "window_s": serving_selectors.WINDOW_S}
