@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moe import kernels
+from moe import kernels, rowwise
 from moe.compute.cpu import CpuBackend
 from moe.quant import QuantizedMatrix, quantize
 
@@ -235,7 +235,9 @@ def test_cpu_backend_switches_to_decode_and_blas_above_native_batch():
     small = np.random.default_rng(4).standard_normal((4, 256), dtype=np.float32)
     np.testing.assert_array_equal(b.matmul_xt(small, m), kernels.matmul_xt(small, m))
     big = np.random.default_rng(4).standard_normal((5, 256), dtype=np.float32)
-    np.testing.assert_array_equal(b.matmul_xt(big, m), big @ m.dequantize().T)
+    # Above it: decoded, then the dense path's row-invariant product (moe.rowwise).
+    np.testing.assert_array_equal(b.matmul_xt(big, m), rowwise.matmul_xt(big, m.dequantize()))
+    np.testing.assert_array_equal(b.matmul_xt(big, m)[:1], b.matmul_xt(np.repeat(big[:1], 5, 0), m)[:1])
 
 
 def test_native_batch_default_follows_the_simd_path(monkeypatch):

@@ -9,7 +9,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from moe import compute, methods, quant, wire
+from moe import compute, methods, quant, rowwise, wire
 from moe.compute.cpu import CpuBackend, dequantize_matrix, quantized_matmul_xt
 from moe.ffn import ExpertWeights, expert_forward
 from moe.gating import Gate
@@ -420,11 +420,16 @@ def test_quantized_expert_forward_through_the_seam():
     np.testing.assert_allclose(expert_forward(q, x), ref, rtol=0, atol=atol)
 
 
-def test_dense_seam_is_bit_identical_to_numpy():
+def test_dense_seam_is_row_invariant_and_numpy_close():
+    """The dense seam is ``moe.rowwise.matmul_xt`` (each row's bits independent of its batch,
+    issue 21), within float rounding of numpy's ``x @ w.T``."""
     e, x = expert(2), rows(7)
     g, u = x @ e.gate_proj.T, x @ e.up_proj.T
     ref = (g / (np.float32(1) + np.exp(-g)) * u) @ e.down_proj.T
-    np.testing.assert_array_equal(compute.backend().matmul_xt(x, e.gate_proj), g)
+    np.testing.assert_array_equal(compute.backend().matmul_xt(x, e.gate_proj), rowwise.matmul_xt(x, e.gate_proj))
+    np.testing.assert_array_equal(compute.backend().matmul_xt(x[:1], e.gate_proj),
+                                  compute.backend().matmul_xt(x, e.gate_proj)[:1])
+    np.testing.assert_allclose(compute.backend().matmul_xt(x, e.gate_proj), g, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(expert_forward(e, x), ref, rtol=1e-6, atol=1e-7)
 
 

@@ -297,7 +297,9 @@ class CpuBackend:
                 return kernels.matmul_xt(x, w)
             if not self.native and x.shape[0] <= self.small_batch:
                 return quantized_matmul_xt(np.ascontiguousarray(x, dtype=np.float32), w)
-            return x @ _decode_scratch(w).T  # the product is a new array: the buffer is free again
+            # Decoded, the same row-invariant product as a dense weight (the product is a new
+            # array: the decode buffer is free again).
+            return rowwise.matmul_xt(x, _decode_scratch(w))
         return rowwise.matmul_xt(x, w)  # each row independent of the batch's size (issue 21)
 
     def warm(self) -> None:
