@@ -210,7 +210,7 @@ def decode_tensor(raw: bytes, t: int, shape: tuple[int, ...], name: str) -> np.n
 
     try:
         out = gguf_dequantize(np.frombuffer(raw, np.uint8), GGMLQuantizationType(t))
-    except (ValueError, NotImplementedError) as exc:
+    except (ValueError, NotImplementedError) as exc:  # gguf-py has no decoder for this type
         raise CheckpointError(f"tensor {name!r}: ggml type {ggml_type_name(t)} cannot be decoded ({exc})") from None
     return np.asarray(out, dtype=np.float32).reshape(shape)
 

@@ -75,6 +75,18 @@ def rpc(url: str, method: str, params: dict, token: str | None = None, timeout: 
                       headers=headers, timeout=timeout).json()
 
 
+def wait_for(cond, timeout: float, what: str, poll_s: float = 0.5):
+    """Poll ``cond()`` until it returns something truthy (returned) or ``timeout`` seconds pass
+    (``AssertionError`` naming ``what``): a generous deadline, never a fixed sleep."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(poll_s)
+    raise AssertionError(f"{what} within {timeout} s")
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process id still runs (zombies count as gone)."""
     try:

@@ -31,7 +31,7 @@ from moe.ffn import expert_forward
 from moe.gating import route
 from prepare.checkpoint import Checkpoint
 from prepare.layouts import load_expert, load_gate, spec_from_config
-from tests.cluster_util import blackhole_agent, env_for, rpc, running_cluster
+from tests.cluster_util import blackhole_agent, env_for, rpc, running_cluster, wait_for
 from tests.conftest import QWEN, REDIS_URL, needs_services
 
 pytestmark = pytest.mark.cluster
@@ -75,13 +75,11 @@ def reference_without(x, experts_gone):
 
 def wait_gone(info, provider, timeout=60.0):
     """Wait until the site's shard map no longer lists ``provider`` (its socket closed)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+    def gone():
         shard = rpc(info["rpc"], "tenzro_moeShardMap", {"model_id": MODEL})["result"]
-        if all(h["provider"] != provider for e in shard["holders"] for h in e["holders"]):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{provider[:12]}… still listed {timeout} s after it was killed")
+        return all(h["provider"] != provider for e in shard["holders"] for h in e["holders"])
+
+    wait_for(gone, timeout, f"{provider[:12]}… left the shard map after it was killed", poll_s=0.2)
 
 
 TRANSPORTS = {"ws": (), "iroh": ("--agent-iroh",)}

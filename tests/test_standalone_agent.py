@@ -9,12 +9,11 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
 from moe.identity import load_or_create_key, provider_id
-from tests.cluster_util import ROOT, env_for, rpc, running_cluster, stop
+from tests.cluster_util import ROOT, env_for, rpc, running_cluster, stop, wait_for
 from tests.conftest import QWEN
 
 SITE_PACKAGES = ("django", "registry", "router", "prepare", "settlement", "tenzro_site")
@@ -46,16 +45,14 @@ def test_python_m_holders_joins_a_cluster_without_importing_the_site(tmp_path):
                                      "--key", str(key_path), "--blob-dir", str(tmp_path / "standalone-blobs"),
                                      "--name", "standalone", "--heartbeat-interval", "2"],
                                     cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
+            def connected():
+                if proc.poll() is not None:
+                    pytest.fail(f"the agent exited ({proc.returncode}): {err_path.read_text()[-3000:]}")
+                listed = rpc(info["rpc"], "tenzro_moeListProviders", {})["result"]["providers"]
+                return any(p["provider"] == provider and p["connected"] for p in listed)
+
             try:
-                deadline = time.time() + 120
-                connected = False
-                while not connected:
-                    listed = rpc(info["rpc"], "tenzro_moeListProviders", {})["result"]["providers"]
-                    connected = any(p["provider"] == provider and p["connected"] for p in listed)
-                    if not connected and (time.time() > deadline or proc.poll() is not None):
-                        pytest.fail(f"the agent was never listed as connected (exit {proc.poll()}): "
-                                    f"{err_path.read_text()[-3000:]}")
-                    time.sleep(0.5)
+                wait_for(connected, 120, "the standalone agent listed as connected")
             finally:
                 stop(proc, 20)
     log = err_path.read_text()
