@@ -101,7 +101,7 @@ class HolderAgent:
         """The heartbeat's endpoint fields (the iroh endpoint exists only while ``run()`` serves it)."""
         return {"http_endpoint": self.config.http_endpoint,
                 "iroh_endpoint_id": self.iroh.endpoint_id if self.iroh else "",
-                "iroh_addrs": list(self.iroh.addrs) if self.iroh else [],
+                "iroh_addrs": (list(self.config.advertise_iroh) or list(self.iroh.addrs)) if self.iroh else [],
                 "moe_gpu": bool(self.backend.gpu)}
 
     def stop(self) -> None:

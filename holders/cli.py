@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import argparse
 import sys
@@ -78,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--http-port", type=int, default=None,
                         help="also serve POST /rpc (tenzro_moeExecute, moe/status) on this port and advertise it")
     parser.add_argument("--http-host", default="127.0.0.1", help="address the HTTP endpoint binds and advertises")
+    parser.add_argument("--advertise-http", default="", metavar="URL",
+                        help="the URL routers dial for the HTTP endpoint (behind NAT, a port forward or a proxy), "
+                             "e.g. http://203.0.113.7:9000 (/rpc is added); needs --http-port "
+                             "(default http://HTTP-HOST:HTTP-PORT/rpc)")
     parser.add_argument("--iroh", action="store_true",
                         help="also serve moe/execute and moe/status over iroh QUIC (ALPN tenzro/moe) and advertise "
                              "the endpoint id (derived from --key) and its direct addresses")
@@ -85,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="IP address and port the iroh endpoint binds, IPv6 in brackets "
                              "(default 127.0.0.1:0, a free port; relays are off, "
                              "so routers dial the addresses this binds)")
+    parser.add_argument("--advertise-iroh", action="append", default=None, metavar="IP:PORT",
+                        help="a direct address routers dial for the iroh endpoint instead of the bound one "
+                             "(a port forward, a proxy); repeatable; needs --iroh")
     parser.add_argument("--blas-threads", type=int, default=1,
                         help="BLAS threads per matmul (default 1: batches run concurrently, and several "
                              "spinning BLAS pools on shared cores made a 48-token forward ~40x slower)")
@@ -115,6 +123,38 @@ def default_heartbeat_interval() -> float:
         raise CliError(f"TENZRO_HEARTBEAT_INTERVAL must be a whole number of seconds, got {raw!r}") from None
 
 
+def check_advertise_http(url: str) -> str:
+    """``--advertise-http``'s URL, checked: ``http(s)://host[:port][/path]`` with no query or
+    fragment. Raises ``CliError`` naming the flag."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise CliError(f"--advertise-http {url!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise CliError(f"--advertise-http must be an http(s)://HOST[:PORT] URL, got {url!r}")
+    if parts.query or parts.fragment:
+        raise CliError(f"--advertise-http must not carry a query or fragment, got {url!r}")
+    if port == 0:
+        raise CliError(f"--advertise-http: port 0 cannot be dialed, got {url!r}")
+    return url
+
+
+def check_socket_addr(flag: str, addr: str) -> str:
+    """``IP:PORT`` (IPv6 in brackets, port 1..65535) as iroh dials it. Raises ``CliError`` naming ``flag``."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise CliError(f"{flag} must be IP:PORT with a port 1..65535, got {addr!r}")
+    bracketed = host.startswith("[") and host.endswith("]")
+    if ":" in host and not bracketed:
+        raise CliError(f"{flag}: write an IPv6 address in brackets, [{host}]:{port}")
+    try:
+        ipaddress.ip_address(host[1:-1] if bracketed else host)
+    except ValueError:
+        raise CliError(f"{flag}: the host must be an IP address (iroh dials socket addresses), got {host!r}") from None
+    return addr
+
+
 def config_from(opts: dict, key: SigningKey, blob_dir: str | Path, interval: float, iroh_bind: str | None,
                 fault: Fault | None) -> AgentConfig:
     """The ``AgentConfig`` of parsed and checked flags (``opts``: ``vars`` of ``build_parser``'s
@@ -124,6 +164,8 @@ def config_from(opts: dict, key: SigningKey, blob_dir: str | Path, interval: flo
                        heartbeat_interval=interval, roles=("ExpertHolder", opts["role"]),
                        memory_budget=opts["budget"], disk_dir=opts["disk_dir"],
                        http_port=opts["http_port"], http_host=opts["http_host"], iroh_bind=iroh_bind,
+                       advertise_http=opts.get("advertise_http") or "",
+                       advertise_iroh=tuple(opts.get("advertise_iroh") or ()),
                        fault=fault, price_per_input_token=opts["price_per_input_token"],
                        minimum_price=opts["minimum_price"])
 
@@ -171,6 +213,15 @@ def _run(opts: dict) -> int:
     threadpool_limits(limits=opts["blas_threads"])
     if opts["http_port"] is not None and not 0 < opts["http_port"] < 65536:
         raise CliError("--http-port must be between 1 and 65535")
+    if opts["advertise_http"]:
+        if opts["http_port"] is None:
+            raise CliError("--advertise-http needs --http-port (without it no HTTP endpoint is served)")
+        check_advertise_http(opts["advertise_http"])
+    if opts["advertise_iroh"]:
+        if not opts["iroh"]:
+            raise CliError("--advertise-iroh needs --iroh (without it no iroh endpoint is served)")
+        for addr in opts["advertise_iroh"]:
+            check_socket_addr("--advertise-iroh", addr)
     if opts["http_port"] is not None:
         probe_bind("--http-host / --http-port", opts["http_host"], opts["http_port"], socket.SOCK_STREAM)
     for name in ("price_per_input_token", "minimum_price"):

@@ -28,7 +28,11 @@ class AgentConfig:
     the memory tier (None: ``$TENZRO_MEMORY_BUDGET`` or 60% of available memory).
     ``disk_dir``: the disk tier (None: ``<blob_dir>/tier``). ``http_port`` / ``http_host``:
     also serve ``POST /rpc`` and ``POST /frame`` there and advertise it (None: off).
-    ``iroh_bind``: ``host:port`` of an iroh QUIC endpoint (None: off). ``compute_threads``:
+    ``advertise_http``: the HTTP endpoint's URL as routers should dial it (behind NAT, a port
+    forward or a proxy; "" advertises ``http://http_host:http_port/rpc``).
+    ``iroh_bind``: ``host:port`` of an iroh QUIC endpoint (None: off). ``advertise_iroh``:
+    ``ip:port`` direct addresses routers should dial for the iroh endpoint instead of the
+    bound ones (empty: the bound ones). ``compute_threads``:
     threads running batches (decode, FFN, encode, receipt); one per core is plenty.
     ``fault``: a drill fault (``moe.faults``; None: off). ``price_per_input_token`` /
     ``minimum_price``: advertised pricing, signed in every heartbeat.
@@ -48,7 +52,9 @@ class AgentConfig:
     disk_dir: str | Path | None = None
     http_port: int | None = None
     http_host: str = "127.0.0.1"
+    advertise_http: str = ""
     iroh_bind: str | None = None
+    advertise_iroh: tuple[str, ...] = ()
     compute_threads: int = 1
     fault: Fault | None = None
     price_per_input_token: int = 10
@@ -64,8 +70,14 @@ class AgentConfig:
 
     @property
     def http_endpoint(self) -> str:
-        """The advertised HTTP endpoint, ``http://host:port/rpc``, or "" when off."""
-        return f"http://{self.http_host}:{self.http_port}/rpc" if self.http_port else ""
+        """The advertised HTTP endpoint: ``advertise_http`` (its path ``/rpc`` added when it has
+        none), else ``http://host:port/rpc``; "" when off."""
+        if not self.http_port:
+            return ""
+        if self.advertise_http:
+            base = self.advertise_http.rstrip("/")
+            return base if base.endswith("/rpc") else base + "/rpc"
+        return f"http://{self.http_host}:{self.http_port}/rpc"
 
     @property
     def tier_dir(self) -> Path:

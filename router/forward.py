@@ -28,7 +28,10 @@ Deadline semantics (issue 15): a holder that misses the deadline is not abandone
 holder gets the batch and the first one keeps its request until ``attempt_timeout_s``; the
 first verified answer wins. So a forward does not fail when every holder is merely slow
 (a cold first call), and a black hole costs one deadline. A holder that missed the deadline
-while another answered counts as a fault. With a ``scoreboard``
+while another answered counts as a fault. With a scoreboard, a holder's deadline follows its
+observed p99 round trip (``Scoreboard.deadline_s``; ``deadline_s`` is then the ceiling), so a
+stalled holder on a 1 ms link is hedged within a second, and one 100 ms away is not hedged on
+every batch (issue 22). With a ``scoreboard``
 (``router.scoreboard.Scoreboard``) the planner orders holders by what this router observed,
 every outcome is recorded there, and unproven or half-open backups of a proven primary get
 hedged probes (copies with purpose "selftest" whose answers never enter the forward).
@@ -414,7 +417,7 @@ class LayerForward:
 
     async def run_batch(self, batch, tokens: list[int]) -> None:
         """Send ``tokens`` of a planned batch to its primary; each time the newest request
-        passes the deadline, or a request faults, the next warm backup not excluded gets it
+        passes its holder's deadline (``holder_deadline``: from the holder's observed p99), or a request faults, the next warm backup not excluded gets it
         too, while the earlier requests keep running; the first verified answer wins. A
         holder that faulted, or missed the deadline while another answered, is excluded for
         the rest of the forward."""
@@ -431,23 +434,25 @@ class LayerForward:
                     sb.probes.add(task)  # a probe outlives its forward: keep it referenced
                     task.add_done_callback(sb.probes.discard)
         loop = asyncio.get_running_loop()
-        inflight: dict[asyncio.Task, tuple[str, float]] = {}
+        inflight: dict[asyncio.Task, tuple[str, float, float]] = {}  # task → (provider, sent, due)
         try:
             while True:
-                if not inflight or (queue and loop.time() - max(s for _, s in inflight.values()) >= self.deadline_s):
+                newest = max(inflight.values(), key=lambda v: v[1]) if inflight else None
+                if newest is None or (queue and loop.time() >= newest[2]):
                     while queue and queue[0][0] in self.excluded:
                         queue.pop(0)
                     if not queue and not inflight:
                         return
                     if queue:
                         provider, info = queue.pop(0)
+                        now = loop.time()
                         inflight[loop.create_task(self.attempt(provider, info, batch.expert, tokens, payload))] = \
-                            (provider, loop.time())
-                newest = max(s for _, s in inflight.values())
-                wait = max(0.0, newest + self.deadline_s - loop.time()) if queue else None
+                            (provider, now, now + self.holder_deadline(provider))
+                        newest = max(inflight.values(), key=lambda v: v[1])
+                wait = max(0.0, newest[2] - loop.time()) if queue else None
                 done, _ = await asyncio.wait(inflight, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    provider, _ = inflight.pop(task)
+                    provider, _, _ = inflight.pop(task)
                     outcome = task.result()
                     if outcome in ("ok", "late"):
                         return
@@ -455,14 +460,20 @@ class LayerForward:
                         self.excluded.add(provider)
         finally:
             now = loop.time()
-            for task, (provider, started) in inflight.items():
+            for task, (provider, started, due) in inflight.items():
                 if task.done():  # finished alongside the winner: its outcome is already recorded
                     continue
                 task.cancel()
-                if now - started >= self.deadline_s:  # a backup answered while this one was past its deadline
+                if now >= due:  # a backup answered while this one was past its deadline
                     self.excluded.add(provider)
                     self._timed_out(provider, batch.expert, started,
-                                    f"no answer within the {self.deadline_s:g} s deadline")
+                                    f"no answer within its {due - started:.3g} s deadline")
+
+    def holder_deadline(self, provider: str) -> float:
+        """Seconds ``provider`` has before the batch's next backup gets a copy: from its observed
+        p99 (``Scoreboard.deadline_s``), at most ``deadline_s``; ``deadline_s`` without a scoreboard."""
+        sb = self.scoreboard
+        return sb.deadline_s(provider, self.deadline_s) if sb is not None else self.deadline_s
 
     async def plan_round(self, todo: dict[int, list[int]]) -> DispatchPlan:
         """Plan the outstanding pairs ``{expert: [tokens]}`` over the live view without the

@@ -11,6 +11,7 @@ import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 # Seconds: TTFT and inter-token latency from loopback (ms) to WAN holders (seconds).
@@ -21,18 +22,46 @@ HISTORY_LEN = 150
 HISTORY_INTERVAL_S = 2.0
 
 
+class HolderRttCollector:
+    """Per-holder round trips read from a ``router.scoreboard.Scoreboard`` at each scrape (no
+    per-batch cost): ``tenzro_holder_rtt_seconds`` (the least recent round trip: the path's
+    RTT plus the least compute) and ``tenzro_holder_p99_seconds`` (the p99 its deadline
+    follows), per provider."""
+
+    def __init__(self, scoreboard):
+        self.scoreboard = scoreboard
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        rtt = GaugeMetricFamily("tenzro_holder_rtt_seconds", "Least recent holder round trip (path RTT plus least "
+                                "compute)", labels=["provider"])
+        p99 = GaugeMetricFamily("tenzro_holder_p99_seconds", "p99 of recent holder round trips (deadline basis)",
+                                labels=["provider"])
+        for provider, (r, p, n) in sorted(self.scoreboard.latency_record().items()):
+            if n:
+                rtt.add_metric([provider], r / 1e3)
+                p99.add_metric([provider], p / 1e3)
+        yield rtt
+        yield p99
+
+
 class ServingMetrics:
     """Counters, gauges and histograms of the serving path (names prefixed ``tenzro_``).
 
     Sequences: ``running`` / ``waiting`` gauges per model; tokens generated and prompt tokens
     prefilled (counters); time to first token and inter-token latency (histograms, seconds);
-    rows per scheduler step (histogram); KV cache bytes in use and budget (gauges). Holders:
-    batch latency (histogram, seconds) and failures (counter) per provider.
+    rows per scheduler step (histogram); where a step's time goes (``step_timeline``:
+    router compute, wire wait of a micro-batch, router idle, seconds; micro-batches per step);
+    KV cache bytes in use and budget (gauges). Holders: batch latency (histogram, seconds)
+    and failures (counter) per provider; with ``scoreboard`` also each holder's RTT and p99
+    (``HolderRttCollector``).
     """
 
     CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-    def __init__(self):
+    def __init__(self, scoreboard=None):
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.running = Gauge("tenzro_sequences_running", "Sequences in the running batch", ["model"], registry=r)
         self.waiting = Gauge("tenzro_sequences_waiting", "Sequences queued for admission", ["model"], registry=r)
@@ -55,7 +84,26 @@ class ServingMetrics:
                                         ["provider"], buckets=LATENCY_BUCKETS, registry=r)
         self.holder_failures = Counter("tenzro_holder_batch_failures", "Holder batches that failed or timed out",
                                        ["provider"], registry=r)
+        self.step_compute = Histogram("tenzro_step_compute_seconds", "Router compute of one scheduler step "
+                                      "(attention, norms, gating, LM head; summed over micro-batches)", ["model"],
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.step_wire = Histogram("tenzro_step_wire_seconds", "Time one micro-batch of a step waited on its layer "
+                                   "forwards (wire and holders)", ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.step_idle = Histogram("tenzro_step_idle_seconds", "Wall time of a step the router did not compute "
+                                   "(waiting on holders)", ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.microbatches = Histogram("tenzro_step_microbatches", "Micro-batches in flight per scheduler step",
+                                      ["model"], buckets=(1, 2, 3, 4, 6, 8, 16), registry=r)
+        if scoreboard is not None:
+            r.register(HolderRttCollector(scoreboard))
         self.history: deque[tuple[float, dict]] = deque(maxlen=HISTORY_LEN)
+
+    def step_timeline(self, model: str, entry: dict) -> None:
+        """One scheduler step's timeline (``router.scheduler.ModelScheduler.timeline`` entry:
+        ``compute``, ``wire``, ``idle`` in ms and ``microbatches``)."""
+        self.step_compute.labels(model).observe(entry["compute"] / 1e3)
+        self.step_wire.labels(model).observe(entry["wire"] / 1e3)
+        self.step_idle.labels(model).observe(entry["idle"] / 1e3)
+        self.microbatches.labels(model).observe(entry["microbatches"])
 
     def holder_batch(self, provider: str, seconds: float, ok: bool) -> None:
         """One batch sent to ``provider``: its round trip in seconds when ``ok``, else a failure."""

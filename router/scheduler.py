@@ -25,13 +25,25 @@ at the next step and frees its reservation.
 The step loop runs in one worker thread per scheduler (started when work arrives, ended
 when none is left); the layer forwards are coroutines run on the scheduler's event loop,
 so holder traffic and other requests keep flowing while the thread computes.
+
+Micro-batch overlap (issue 22): with holders across the internet each MoE layer of a step
+waits one round trip. A step therefore splits its sequences into up to
+``TENZRO_GEN_MICROBATCHES`` micro-batches (whole requests each) that run the backbone at
+once, each in its own thread: while micro-batch A's expert rows are on the wire, B's
+attention, norms and gating run (DeepSeek's two-micro-batch overlap, vLLM's dual-batch
+overlap). Each micro-batch makes its own layer forwards, so each holder gets one message
+per layer per micro-batch. ``OverlapModel`` picks the count from what earlier steps
+measured (per-layer wait on the forward, per-sequence compute). Rows are row-invariant, so
+the split changes no token.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,20 +60,69 @@ from router.state import ForwardOutcomes, Router
 class SchedulerConfig:
     """``prefill_chunk``: prompt rows per step (≥ 1); ``kv_budget``: bytes of KV cache the
     running sequences may reserve; ``max_running``: sequences in a step; ``queue``: sequences
-    that may wait for admission (beyond it: ``Busy``)."""
+    that may wait for admission (beyond it: ``Busy``); ``microbatches``: most micro-batches
+    of one step in flight at once (1: no overlap)."""
 
     prefill_chunk: int = 512
     kv_budget: int = 4 << 30
     max_running: int = 64
     queue: int = 256
+    microbatches: int = 4
 
     @classmethod
     def from_settings(cls) -> "SchedulerConfig":
         """From ``settings.TENZRO`` (``GEN_PREFILL_CHUNK``, ``GEN_KV_BUDGET_BYTES``,
-        ``GEN_MAX_RUNNING``, ``GEN_QUEUE``; README "Configuration")."""
+        ``GEN_MAX_RUNNING``, ``GEN_QUEUE``, ``GEN_MICROBATCHES``; README "Configuration")."""
         t = settings.TENZRO
         return cls(max(1, int(t.get("GEN_PREFILL_CHUNK", 512))), max(0, int(t.get("GEN_KV_BUDGET_BYTES", 4 << 30))),
-                   max(1, int(t.get("GEN_MAX_RUNNING", 64))), max(0, int(t.get("GEN_QUEUE", 256))))
+                   max(1, int(t.get("GEN_MAX_RUNNING", 64))), max(0, int(t.get("GEN_QUEUE", 256))),
+                   max(1, int(t.get("GEN_MICROBATCHES", 4))))
+
+
+class OverlapModel:
+    """How many micro-batches a step keeps in flight, from what earlier steps measured.
+
+    ``observe(wait_ms, compute_ms, layers, sequences)`` takes one micro-batch's time blocked
+    on its layer forwards (wire and holders) and its own backbone compute (attention, norms,
+    gating, LM head), kept as EWMAs of the wait per layer ``W`` and of the compute per layer
+    and sequence ``c``. ``count(cap, units, sequences)``: with ``n`` sequences in ``M``
+    micro-batches, while one waits ``W`` the other ``M − 1`` compute ``(M − 1)·n·c / M``; the
+    smallest ``M`` whose compute covers the wait, at most ``cap`` and ``units`` (requests: a
+    request's sequences stay together). No split while the wait is under 10 % of the step's
+    compute (nothing to hide: each split only adds a message per holder per layer) or before
+    anything was measured.
+    """
+
+    ALPHA = 0.3
+
+    def __init__(self):
+        self.wait_ms: float | None = None  # per layer
+        self.compute_ms: float | None = None  # per layer and sequence
+        self._lock = threading.Lock()
+
+    def observe(self, wait_ms: float, compute_ms: float, layers: int, sequences: int) -> None:
+        """One micro-batch's measured times (ms) over ``layers`` forwards and ``sequences``."""
+        if layers <= 0 or sequences <= 0:
+            return
+        w, c = wait_ms / layers, compute_ms / layers / sequences
+        with self._lock:
+            self.wait_ms = w if self.wait_ms is None else (1 - self.ALPHA) * self.wait_ms + self.ALPHA * w
+            self.compute_ms = c if self.compute_ms is None else (1 - self.ALPHA) * self.compute_ms + self.ALPHA * c
+
+    def count(self, cap: int, units: int, sequences: int) -> int:
+        """Micro-batches for a step of ``sequences`` in ``units`` requests (class docstring)."""
+        with self._lock:
+            w, c = self.wait_ms, self.compute_ms
+        most = max(1, min(cap, units))
+        if most == 1 or w is None or c is None or c <= 0:
+            return 1
+        total = sequences * c
+        if w < 0.1 * total:
+            return 1
+        for m in range(2, most + 1):
+            if (m - 1) * total / m >= w:
+                return m
+        return most
 
 
 def kv_reservation(backbone, prompt_tokens: int, max_new_tokens: int) -> int:
@@ -136,6 +197,10 @@ class ModelScheduler:
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.step_sizes: collections.deque[tuple[int, int]] = collections.deque(maxlen=1000)  # (sequences, rows)
+        # Per step: {wall, compute, wire, idle (ms), microbatches, rows} (benches, tests).
+        self.timeline: collections.deque[dict] = collections.deque(maxlen=1000)
+        self.overlap = OverlapModel()
+        self._pool: ThreadPoolExecutor | None = None  # micro-batches after the first
         self._m = router.metrics
 
     # -- the loop's side -----------------------------------------------------------------------
@@ -254,7 +319,7 @@ class ModelScheduler:
                     break
                 batch = self._plan(config)
             try:
-                self._step(batch)
+                self._step(batch, config)
             except BaseException as exc:  # a layer forward failed: every sequence of the step ends with it
                 with self._cond:
                     for req in {s.request for s, _ in batch}:
@@ -328,8 +393,91 @@ class ModelScheduler:
 
         return mlp
 
-    def _step(self, batch: list[tuple[_Slot, np.ndarray]]) -> None:
-        """Run one step over ``batch`` and hand out its tokens and finished requests."""
+    @staticmethod
+    def _split(batch: list[tuple[_Slot, np.ndarray]], count: int) -> list[list[int]]:
+        """Indices of ``batch`` in ``count`` micro-batches of whole requests, contiguous in
+        first-seen request order, balanced by rows (fewer when there are fewer requests)."""
+        units: dict[int, list[int]] = {}
+        for i, (slot, _) in enumerate(batch):
+            units.setdefault(id(slot.request), []).append(i)
+        groups = list(units.values())
+        count = max(1, min(count, len(groups)))
+        if count == 1:
+            return [list(range(len(batch)))]
+        rows = [sum(int(batch[i][1].size) for i in g) for g in groups]
+        total, parts, acc = sum(rows), [[]], 0
+        for k, (g, r) in enumerate(zip(groups, rows)):
+            left = len(groups) - k  # requests not placed yet, this one included
+            if parts[-1] and len(parts) < count and (acc >= total * len(parts) / count or left <= count - len(parts)):
+                parts.append([])
+            parts[-1].extend(g)
+            acc += r
+        return parts
+
+    def _micro(self, part: list[tuple[_Slot, np.ndarray]], select: list[str]) -> tuple[list, float, float, int]:
+        """Run the backbone over one micro-batch: (logits, wall ms, ms blocked on layer forwards,
+        forwards made)."""
+        t0 = time.perf_counter()
+        inner = self._mlp(part)
+        waited, calls = [0.0], [0]
+
+        def mlp(layer: int, x: np.ndarray) -> np.ndarray:
+            t = time.perf_counter()
+            try:
+                return inner(layer, x)
+            finally:
+                waited[0] += time.perf_counter() - t
+                calls[0] += 1
+
+        logits = self.served.backbone.forward([ids for _, ids in part], [s.seq.cache for s, _ in part], mlp,
+                                              select=select)
+        return logits, (time.perf_counter() - t0) * 1e3, waited[0] * 1e3, calls[0]
+
+    def _forward(self, batch: list[tuple[_Slot, np.ndarray]], select: list[str], count: int) -> tuple[list, dict]:
+        """The step's logits in ``batch`` order, its micro-batches run at once (the first on this
+        thread), and the step's timeline entry (ms: ``compute`` summed over micro-batches,
+        ``wire`` a micro-batch's mean wait on its forwards, ``idle`` the wall the router did
+        not compute); the first micro-batch error is raised after all ended."""
+        parts = self._split(batch, count)
+        runs = [([batch[i] for i in p], [select[i] for i in p]) for p in parts]
+        t0 = time.perf_counter()
+        if len(runs) > 1:
+            if self._pool is None or self._pool._max_workers < len(runs) - 1:
+                self._pool = ThreadPoolExecutor(max_workers=max(3, len(runs) - 1),
+                                                thread_name_prefix=f"microbatch-{self.model_id}")
+            futures = [self._pool.submit(self._micro, p, s) for p, s in runs[1:]]
+            results, error = [], None
+            try:
+                results.append(self._micro(*runs[0]))
+            except BaseException as exc:  # wait for the others before the step ends with it
+                error = exc
+            for f in futures:
+                try:
+                    results.append(f.result())
+                except BaseException as exc:
+                    error = error or exc
+            if error is not None:
+                raise error
+        else:
+            results = [self._micro(*runs[0])]
+        wall = (time.perf_counter() - t0) * 1e3
+        logits: list = [None] * len(batch)
+        compute = wire = 0.0
+        for p, (lg, ms, waited, calls) in zip(parts, results):
+            for i, out in zip(p, lg):
+                logits[i] = out
+            compute += ms - waited
+            wire += waited
+            self.overlap.observe(waited, ms - waited, calls, len(p))
+        entry = {"wall": round(wall, 3), "compute": round(compute, 3), "wire": round(wire / len(parts), 3),
+                 "idle": round(max(0.0, wall - compute), 3), "microbatches": len(parts),
+                 "rows": int(sum(ids.size for _, ids in batch))}
+        return logits, entry
+
+    def _step(self, batch: list[tuple[_Slot, np.ndarray]], config: SchedulerConfig | None = None) -> None:
+        """Run one step over ``batch`` (in micro-batches, ``OverlapModel``) and hand out its
+        tokens and finished requests."""
+        config = config or SchedulerConfig.from_settings()
         t0 = time.perf_counter()
         bb = self.served.backbone
         select = []
@@ -337,15 +485,17 @@ class ModelScheduler:
             last = slot.fed + ids.size >= slot.seq.prompt.size  # decode rows, or a prompt's final chunk
             keep = slot.request.keep_logits and slot.fed < slot.seq.prompt.size
             select.append("all" if keep else "last" if last else "none")
-        logits = bb.forward([ids for _, ids in batch], [s.seq.cache for s, _ in batch], self._mlp(batch),
-                            select=select)
+        count = self.overlap.count(config.microbatches, len({id(s.request) for s, _ in batch}), len(batch))
+        logits, entry = self._forward(batch, select, count)
         now = time.perf_counter()
-        rows = int(sum(ids.size for _, ids in batch))
+        rows = entry["rows"]
         self.steps += 1
         self.step_sizes.append((len(batch), rows))
+        self.timeline.append(entry)
         m, model = self._m, self.model_id
         m.step_rows.labels(model).observe(rows)
         m.step_seconds.labels(model).observe(now - t0)
+        m.step_timeline(model, entry)
         advanced: dict[int, list[Sequence]] = {}
         reqs: dict[int, Request] = {}
         prompt_rows = 0

@@ -19,6 +19,12 @@ orders an expert's holders by observation instead (issue 15 item 2):
 A *hedged probe* is a copy of a batch whose proven primary also has it: its answer never
 enters the forward (the primary's does), so a probe that stalls costs no forward any time.
 
+**Latency record** (issue 22): each holder's last ``LATENCY_WINDOW`` verified round trips
+give its p99 (``p99_ms``: the basis of its deadline, ``deadline_s``) and its minimum, the
+round trip with the least queueing, i.e. the path's RTT plus the least compute
+(``rtt_ms``, as TCP's and BBR's min-RTT filters estimate a path). Holders otherwise equal
+are ordered nearest first.
+
 The state is per router process on purpose: it changes on every batch (a database write per
 batch would cost more than the batch), latency is a property of this router's path to the
 holder, and a new process relearns it within one deadline per holder. What must outlive the
@@ -27,10 +33,11 @@ the database by ``registry.services.record_holder_outcomes`` as before.
 """
 from __future__ import annotations
 
+import collections
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 PROBATION_SUCCESSES = 4
@@ -38,6 +45,10 @@ COOLDOWN_S = 2.0
 MAX_COOLDOWN_S = 120.0
 PROBE_INTERVAL_S = 0.5
 EWMA_ALPHA = 0.2
+LATENCY_WINDOW = 128  # verified round trips kept per holder for its p99 and min RTT
+DEADLINE_SAMPLES = 16  # round trips seen before a holder's deadline follows its p99
+DEADLINE_P99_FACTOR = 3.0  # a holder's deadline: this × its p99 ...
+DEADLINE_FLOOR_S = 1.0  # ... but never under this (a loss retransmit, a GC pause), nor over the site's
 
 _RESIDENCY = {"Warm": 0, "Cold": 1}
 _TIERS = {"proven": 0, "probation": 1, "half_open": 2, "open": 3}
@@ -57,6 +68,18 @@ class HolderStats:
     open_until: float = 0.0
     probing: bool = False
     last_probe: float = -math.inf
+    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=LATENCY_WINDOW))
+
+    def p99_ms(self) -> float | None:
+        """The 99th percentile of the recent round trips (ms; nearest rank), None before any."""
+        if not self.recent:
+            return None
+        xs = sorted(self.recent)
+        return xs[min(len(xs) - 1, math.ceil(0.99 * len(xs)) - 1)]
+
+    def rtt_ms(self) -> float | None:
+        """The least recent round trip (ms): the path's RTT plus the least compute; None before any."""
+        return min(self.recent) if self.recent else None
 
     def to_json(self) -> dict:
         """Counts and EWMAs as a JSON object (latency and throughput rounded)."""
@@ -104,6 +127,7 @@ class Scoreboard:
             s.open_until = 0.0
             s.success_rate = _ewma(s.success_rate, 1.0)
             s.latency_ms = _ewma(s.latency_ms, float(latency_ms))
+            s.recent.append(float(latency_ms))
             if latency_ms > 0:
                 s.rows_per_s = _ewma(s.rows_per_s, rows * 1e3 / latency_ms)
 
@@ -156,6 +180,8 @@ class Scoreboard:
         with self._lock:
             stats = [self._stats.get(h.provider) for h in holders]
             tiers = [_TIERS[self._state(s)] for s in stats]
+            # Rounded to 5 ms: jitter between equally near holders must not reorder them each call.
+            rtts = [None if s is None or not s.recent else 5 * round(s.rtt_ms() / 5) for s in stats]
         lats = [s.latency_ms for s in stats if s is not None and s.latency_ms is not None]
         fast = 2 * min(lats) + 50.0 if lats else math.inf
 
@@ -164,9 +190,27 @@ class Scoreboard:
             lat = s.latency_ms if s is not None else None
             bucket = 0 if lat is None or lat <= fast else 1 + int(math.log2(lat / fast))
             rate = 0 if s is None or s.success_rate >= 0.9 else 1
-            return (_RESIDENCY.get(h.residency, 2), tiers[i], rate, bucket, -int(h.reputation), i)
+            near = rtts[i] if rtts[i] is not None else math.inf  # equal otherwise: the nearer first
+            return (_RESIDENCY.get(h.residency, 2), tiers[i], rate, bucket, -int(h.reputation), near, i)
 
         return [holders[i] for i in sorted(range(len(holders)), key=key)]
+
+    def deadline_s(self, provider: str, ceiling_s: float) -> float:
+        """Seconds ``provider`` has for one request before its backup gets a copy:
+        ``DEADLINE_P99_FACTOR`` × its observed p99, at least ``DEADLINE_FLOOR_S`` and at most
+        ``ceiling_s`` (the site's ``BATCH_DEADLINE_S``); ``ceiling_s`` until
+        ``DEADLINE_SAMPLES`` round trips were seen."""
+        with self._lock:
+            s = self._stats.get(provider)
+            p99 = s.p99_ms() if s is not None and len(s.recent) >= DEADLINE_SAMPLES else None
+        if p99 is None:
+            return ceiling_s
+        return min(ceiling_s, max(DEADLINE_FLOOR_S, DEADLINE_P99_FACTOR * p99 / 1e3))
+
+    def latency_record(self) -> dict[str, tuple[float | None, float | None, int]]:
+        """``{provider: (rtt ms, p99 ms, round trips kept)}`` of every holder seen (metrics)."""
+        with self._lock:
+            return {p: (s.rtt_ms(), s.p99_ms(), len(s.recent)) for p, s in self._stats.items()}
 
     def failed_recently(self, provider: str) -> bool:
         """Open or half-open: no real batch should be dealt to it while others can take it."""
@@ -192,6 +236,9 @@ class Scoreboard:
 
     def snapshot(self) -> dict:
         """``{provider: {state, successes, faults, consecutive_faults, success_rate, latency_ms,
-        rows_per_s}}`` for status pages and benchmarks."""
+        rows_per_s, rtt_ms, p99_ms}}`` for status pages and benchmarks."""
         with self._lock:
-            return {p: {"state": self._state(s), **s.to_json()} for p, s in sorted(self._stats.items())}
+            return {p: {"state": self._state(s), **s.to_json(),
+                        "rtt_ms": None if not s.recent else round(s.rtt_ms(), 3),
+                        "p99_ms": None if not s.recent else round(s.p99_ms(), 3)}
+                    for p, s in sorted(self._stats.items())}

@@ -83,7 +83,7 @@ class Router:
         # Continuous-batching schedulers (router.scheduler.scheduler_for), by (served model, event loop).
         self.schedulers: dict[tuple, object] = {}
         self.schedulers_lock = threading.Lock()
-        self.metrics = ServingMetrics()
+        self.metrics = ServingMetrics(self.scoreboard)
 
     @property
     def config(self) -> ForwardConfig:

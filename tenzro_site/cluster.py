@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable
+from urllib.parse import urlsplit
 
 import httpx
 from django.conf import settings
@@ -59,6 +60,21 @@ def _die_with_parent() -> None:
         pass
 
 
+def check_agent_site(url: str) -> str:
+    """``--agent-site``'s URL, checked as the agents check ``--site``: ``http(s)://host[:port]``
+    with a valid port. Raises ``ClusterError`` naming the flag."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ClusterError(f"--agent-site {url!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
+        raise ClusterError(f"--agent-site must be an http(s)://HOST[:PORT] URL the agents can dial, got {url!r}")
+    if parts.path.strip("/") or parts.query or parts.fragment:
+        raise ClusterError(f"--agent-site must be the site's base URL without a path or query, got {url!r}")
+    return url
+
+
 def free_port() -> int:
     """An unused TCP port on 127.0.0.1."""
     with socket.socket() as s:
@@ -80,14 +96,17 @@ class LocalCluster:
     None = the policy's). ``agent_faults``:
     ``{agent index: "corrupt:P" | "stall:S"}`` drill faults (``holder_agent --fault``). ``roles``: agent ``i``
     starts with ``--role roles[i % len(roles)]`` (``Prefill``, ``Decode`` or ``PrefillDecode``,
-    the default). Raises ``ClusterError``.
+    the default). ``agent_site``: the URL the agents dial instead of the site's own (a reverse
+    proxy or latency emulator in front of it; the site still listens on ``port``).
+    Raises ``ClusterError``.
     """
 
     def __init__(self, checkpoints: list[str | Path], holders: int = 4, port: int = 0, replication: int = 2,
                  heartbeat_interval: int = 5, say: Callable[[str], None] | None = None,
                  model_ids: list[str | None] | None = None, quants: list | None = None,
                  agent_http: bool = False, agent_iroh: bool = False, dense_parts: int = 2, repair_interval: int | None = None,
-                 agent_faults: dict[int, str] | None = None, roles: list[str] | None = None):
+                 agent_faults: dict[int, str] | None = None, roles: list[str] | None = None,
+                 agent_site: str | None = None):
         if not 1 <= holders <= MAX_LOCAL_HOLDERS:
             raise ClusterError(f"--holders must be between 1 and {MAX_LOCAL_HOLDERS} on one machine, got {holders}")
         if port and not 0 < port < 65536:
@@ -126,6 +145,9 @@ class LocalCluster:
         self.say = say or (lambda s: None)
         self.url = f"http://127.0.0.1:{self.port}"
         self.rpc_url = f"{self.url}/rpc"
+        if agent_site:
+            check_agent_site(agent_site)
+        self.agent_site = agent_site or self.url
         self.log_dir = settings.VAR_DIR / "logs"
         self.site: subprocess.Popen | None = None
         self.agents: list[tuple[str, subprocess.Popen]] = []
@@ -184,7 +206,7 @@ class LocalCluster:
         for i, pid in enumerate(ids):
             key_path = settings.VAR_DIR / "keys" / f"agent-{i}.key"
             proc = self._spawn(f"agent-{i}", [sys.executable, "-m", "holders",  # the standalone agent
-                                              "--site", self.url, "--key", str(key_path), "--name", f"agent-{i}",
+                                              "--site", self.agent_site, "--key", str(key_path), "--name", f"agent-{i}",
                                               "--blob-dir", str(settings.VAR_DIR / "agents" / f"agent-{i}" / "blobs"),
                                               "--heartbeat-interval", str(self.heartbeat_interval),
                                               "--role", self.roles[i % len(self.roles)]]

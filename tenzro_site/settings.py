@@ -309,6 +309,9 @@ TENZRO = {
     "GEN_KV_BUDGET_BYTES": _env_int("TENZRO_KV_BUDGET_BYTES", 4 << 30),
     "GEN_MAX_RUNNING": _env_int("TENZRO_GEN_MAX_RUNNING", 64),
     "GEN_QUEUE": _env_int("TENZRO_GEN_QUEUE", 256),
+    # Micro-batches of one step in flight at once (router.scheduler): while one's expert rows are on
+    # the wire the next one's attention runs; the count follows observed wait and compute, up to this.
+    "GEN_MICROBATCHES": _env_int("TENZRO_GEN_MICROBATCHES", 4),
     # Providers need this reputation (new ones start at 500) to vote on policy proposals.
     "GOVERNANCE_MIN_VOTER_REPUTATION": _env_int("TENZRO_GOVERNANCE_MIN_REPUTATION", 600),
     # tenzro_moePlanDispatch: split one expert's batch across warm replicas above this many tokens.

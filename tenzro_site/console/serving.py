@@ -64,15 +64,25 @@ def _window_start(history: list[tuple[float, dict]], i: int, window_s: float) ->
     return j
 
 
+def _gauge_ms(snap: dict, name: str, provider: str) -> float | None:
+    """Gauge ``name`` of ``provider`` in ms (one decimal), None when absent."""
+    for s in snap.get(name, ()):
+        if s["labels"].get("provider") == provider:
+            return round(s["value"] * 1e3, 1)
+    return None
+
+
 def serving_state(history: list[tuple[float, dict]], window_s: float = WINDOW_S) -> dict:
     """The Serving page's numbers from ``history``.
 
     Returns ``{samples, now, charts: [LineChart], rows: BarChart, holders: [{provider,
-    batches, p50_ms, p99_ms, failures}], kv: {bytes, budget}, totals: {tokens, prompt_tokens,
+    batches, p50_ms, p99_ms, failures, rtt_ms, deadline_p99_ms}], kv: {bytes, budget}, totals: {tokens, prompt_tokens,
     requests: {outcome: n}}}``. Time series have one point per snapshot after the first:
     sequences running and waiting, output tokens/s, TTFT and inter-token p50/p99 (ms, over
     ``window_s`` before the point; gaps without tokens), KV cache MiB. Step rows and holder
-    latencies cover the whole history; holder failures count since the process started.
+    latencies cover the whole history; holder failures count since the process started; a
+    holder's RTT (its least recent round trip) and the p99 its deadline follows are the
+    router scoreboard's now (``router.metrics.HolderRttCollector``).
     """
     n = len(history)
     now_t, now = history[-1] if history else (0.0, {})
@@ -112,7 +122,8 @@ def serving_state(history: list[tuple[float, dict]], window_s: float = WINDOW_S)
         below = rows[le]
     holders = []
     providers = {s["labels"]["provider"] for name in ("tenzro_holder_batch_seconds_count",
-                                                       "tenzro_holder_batch_failures_total")
+                                                       "tenzro_holder_batch_failures_total",
+                                                       "tenzro_holder_rtt_seconds")
                  for s in now.get(name, ())}
     for p in sorted(providers):
         d = _delta(_buckets(now, "tenzro_holder_batch_seconds", provider=p),
@@ -121,7 +132,9 @@ def serving_state(history: list[tuple[float, dict]], window_s: float = WINDOW_S)
         holders.append({"provider": p, "batches": round(max(d.values(), default=0)),
                         "p50_ms": None if p50 is None else round(p50 * 1e3, 1),
                         "p99_ms": None if p99 is None else round(p99 * 1e3, 1),
-                        "failures": round(_total(now, "tenzro_holder_batch_failures_total", provider=p))})
+                        "failures": round(_total(now, "tenzro_holder_batch_failures_total", provider=p)),
+                        "rtt_ms": _gauge_ms(now, "tenzro_holder_rtt_seconds", p),
+                        "deadline_p99_ms": _gauge_ms(now, "tenzro_holder_p99_seconds", p)})
     requests: dict[str, int] = {}
     for s in now.get("tenzro_requests_total", ()):
         requests[s["labels"]["outcome"]] = requests.get(s["labels"]["outcome"], 0) + round(s["value"])

@@ -42,6 +42,9 @@ class Command(BaseCommand):
         parser.add_argument("--agent-iroh", action="store_true",
                             help="agents also serve moe/execute over iroh QUIC on 127.0.0.1 (--iroh) and advertise it; "
                                  "routers use it with TENZRO_DATA_TRANSPORT=iroh")
+        parser.add_argument("--agent-site", default=None, metavar="URL",
+                            help="the site URL the agents dial (a reverse proxy or a latency emulator in front of "
+                                 "the site, e.g. bench/wan.py's); default the site's own http://127.0.0.1:PORT")
         parser.add_argument("--model-id", action="append", default=None,
                             help="model id per checkpoint (default: from the directory name)")
         parser.add_argument("--repair-interval", type=int, default=None, metavar="S",
@@ -81,7 +84,7 @@ class Command(BaseCommand):
                                    quants=[plan.to_json() if plan else None] * len(opts["checkpoint"]),
                                    agent_http=opts["agent_http"], agent_iroh=opts["agent_iroh"],
                                    repair_interval=opts["repair_interval"],
-                                   agent_faults=faults, roles=opts["agent_role"])
+                                   agent_faults=faults, roles=opts["agent_role"], agent_site=opts["agent_site"])
             cluster.start()
             for sig in (signal.SIGINT, signal.SIGTERM):  # ready: the next signal ends the wait below
                 signal.signal(sig, lambda *_: stop.set())
