@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from holders.config import AgentConfig
@@ -32,12 +33,13 @@ from moe import compute, messages, wire
 from moe.blobs import BlobStore
 from moe.content import BlobError
 from moe.faults import FaultInjector
-from moe.handoff import FRAME_ROLES, HandoffError, RoleRunner
-from moe.identity import provider_id
-from moe.jsonrpc import RpcError
+from moe.handoff import FRAME_ROLES, PEER_CHUNK, HandoffError, RoleRunner, kv_chunk_message
+from moe.identity import DOMAIN_KV_HANDOFF, provider_id, sign
+from moe.jsonrpc import INVALID_PARAMS, RpcError
+from moe.messages import HolderFault
 from moe.runtime import ExpertRuntime, RuntimeFault
 from moe.transports import iroh
-from moe.transports.http import serve_http
+from moe.transports.http import HttpHolderClient, serve_http
 from websockets.exceptions import ConnectionClosed
 
 __all__ = ["AgentConfig", "AuthRefused", "HeartbeatTooLarge", "HolderAgent", "KeyInUse", "ws_url"]
@@ -90,6 +92,8 @@ class HolderAgent:
                                    interval_s=config.repair_interval_s, release_grace_s=config.repair_release_grace_s)
         self.generation = RoleRunner(config.roles, config.site_base, self.loader.fetch,
                                      lambda: self.session.max_message)
+        self._peer_http: HttpHolderClient | None = None  # KV handoffs sent peer to peer (kv_send)
+        self._peer_iroh: iroh.IrohHolderClient | None = None
         # Compile while connecting (what is declared meanwhile: ExpertLoader.declarable); a black
         # hole never computes.
         self.loader.start_kernel_warmup(skip=self.faults.blackhole)
@@ -116,13 +120,14 @@ class HolderAgent:
         (the HTTP or iroh address is taken).
         """
         cfg = self.config
-        server = (await serve_http(self.execution.http_rpc, cfg.http_host, cfg.http_port, self.execution.http_frame,
+        server = (await serve_http(self.execution.http_rpc, cfg.http_host, cfg.http_port, self.http_frame,
                                    self.execution.http_stream)
                   if cfg.http_port else None)
         if cfg.iroh_bind is not None:
             self.iroh = await iroh.IrohServer(iroh.endpoint_secret(self.key.encode()), cfg.iroh_bind,
                                               self.execution.execute_rpc, self.execution.status,
-                                              self.execution.execute_stream_rpc).start()
+                                              self.execution.execute_stream_rpc,
+                                              methods={"moe/kv_put": self.iroh_kv_put}).start()
             log.info("iroh endpoint %s on %s", self.iroh.endpoint_id, ", ".join(self.iroh.addrs))
         own_repair = asyncio.create_task(self.repair.own_passes(self._stopping))
         try:
@@ -133,6 +138,78 @@ class HolderAgent:
                 server.close()
             if self.iroh is not None:
                 await self.iroh.close()
+            for client in (self._peer_http, self._peer_iroh):
+                if client is not None:
+                    await client.close()
+
+    # -- KV handoff peer to peer (moe.handoff) ---------------------------------------------------
+
+    async def http_frame(self, header: dict, payload: bytes) -> tuple[dict, bytes]:
+        """``POST /frame``: a Prefill agent's signed ``kv_put`` chunk (``RoleRunner.peer_put``),
+        else the execution frames. Raises ``RpcError``."""
+        if header.get("type") != "kv_put":
+            return await self.execution.http_frame(header, payload)
+        try:
+            return await asyncio.to_thread(self.generation.peer_put, header, payload), b""
+        except HandoffError as exc:
+            raise RpcError(INVALID_PARAMS, str(exc), field="kv_put") from exc
+
+    async def iroh_kv_put(self, params: dict, peer: str) -> dict:
+        """iroh ``moe/kv_put``: ``params`` as the HTTP frame's header plus ``data`` (base64 of the
+        chunk). Raises ``RpcError``."""
+        try:
+            chunk = wire.b64decode(params.get("data") or "", "data")
+            return await asyncio.to_thread(self.generation.peer_put, params, chunk)
+        except (HandoffError, wire.WireError) as exc:
+            raise RpcError(INVALID_PARAMS, str(exc), field="kv_put") from exc
+
+    async def kv_send(self, header: dict) -> dict:
+        """The site's ``kv_send``: send the handoff of ``header["session"]`` to the Decode agent
+        ``header["to"]`` (``{provider, http_endpoint, iroh_endpoint_id, iroh_addrs}``) in signed
+        chunks of at most ``PEER_CHUNK`` bytes, over iroh when both ends serve it (HTTP when iroh
+        cannot connect), else HTTP. Returns ``{bytes, frames, transport, ms}``. Raises
+        ``HandoffError`` (nothing to send, no reachable endpoint, the peer refused a chunk)."""
+        session, to = str(header.get("session") or ""), header.get("to") or {}
+        data = self.generation.outgoing(session)
+        size = max(1, min(int(header.get("chunk") or PEER_CHUNK), PEER_CHUNK))
+        frames = max(1, -(-len(data) // size))
+        chunks = [data[i * size:(i + 1) * size] for i in range(frames)]
+        heads = [{"type": "kv_put", "session": session, "index": i, "frames": frames, "from": self.provider,
+                  "sig": sign(self.key, DOMAIN_KV_HANDOFF, kv_chunk_message(session, i, frames, c))}
+                 for i, c in enumerate(chunks)]
+        eid, addrs, http = to.get("iroh_endpoint_id"), list(to.get("iroh_addrs") or []), to.get("http_endpoint")
+        t0 = time.perf_counter()
+        transport = None
+        if eid and addrs and self.iroh is not None and iroh.available():
+            if self._peer_iroh is None:
+                self._peer_iroh = iroh.IrohHolderClient(300.0, self.config.iroh_bind or "127.0.0.1:0")
+            try:
+                answers = await asyncio.gather(*(self._peer_iroh.call(eid, addrs, [iroh.pack(
+                    {"jsonrpc": "2.0", "id": h["index"], "method": "moe/kv_put",
+                     "params": {**h, "data": wire.b64encode(c)}})]) for h, c in zip(heads, chunks)))
+                for msgs, _ in answers:
+                    if "error" in msgs[0]:
+                        raise HandoffError(f"the Decode agent refused a chunk: {msgs[0]['error'].get('message')}")
+                transport = "iroh"
+            except (ConnectionError, HolderFault) as exc:
+                if not http:
+                    raise HandoffError(f"cannot reach the Decode agent over iroh: {exc}") from exc
+        if transport is None:
+            if not http:
+                raise HandoffError("the Decode agent advertises no HTTP or iroh endpoint to send the KV cache to")
+            if self._peer_http is None:
+                self._peer_http = HttpHolderClient(300.0)
+            try:
+                answers = await asyncio.gather(*(self._peer_http.frame(http, h, c) for h, c in zip(heads, chunks)))
+            except (ConnectionError, HolderFault) as exc:
+                raise HandoffError(f"cannot reach the Decode agent at {http}: {exc}") from exc
+            for answer, _ in answers:
+                if not answer.get("ok", True):
+                    raise HandoffError(f"the Decode agent refused a chunk: {answer.get('message')}")
+            transport = "http"
+        self.generation.sent(session)
+        return {"bytes": len(data), "frames": frames, "transport": transport,
+                "ms": round((time.perf_counter() - t0) * 1e3, 3)}
 
     async def handle(self, header: dict, payload: bytes) -> None:
         """Answer one (reassembled) request frame from the site through the part it is for
@@ -162,6 +239,10 @@ class HolderAgent:
             elif kind == "repair":
                 outcome = await asyncio.to_thread(self.repair.run_pass, json.loads(payload or b"{}"))
                 await reply(messages.reply(req_id), json.dumps(outcome).encode())
+            elif kind == "kv_send":
+                if not any(r in self.generation.roles for r in FRAME_ROLES[kind]):
+                    raise HandoffError(f"this agent's roles {list(self.generation.roles)} do not take 'kv_send' frames")
+                await reply(messages.reply(req_id, **await self.kv_send(header)))
             elif kind in FRAME_ROLES:
                 fields, out = await asyncio.to_thread(self.generation.handle, kind, header, payload)
                 await reply(messages.reply(req_id, **fields), out)

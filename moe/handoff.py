@@ -9,6 +9,16 @@ agent (``kv_put``), which rebuilds the sequences and continues decoding (``decod
 and seeded sampling give the same tokens as a PrefillDecode run: the caches are bit-exact
 float32 and the RNG state travels with them.
 
+Peer to peer (issue 22): instead of relaying through its socket, the site may ask the Prefill
+agent (frame ``kv_send`` with the Decode agent's advertised endpoints) to send the handoff
+straight to the Decode agent: over iroh (``moe/kv_put``, the chunk base64 in ``data``) when
+both serve iroh, else over HTTP (``POST /frame`` with a binary ``kv_put`` frame). Each chunk
+is signed by the Prefill agent (``DOMAIN_KV_HANDOFF`` over ``kv_chunk_message``); the Decode
+agent keeps the signer per session (``peer_put``) and decodes the session only when the
+site's ``decode`` frame names that signer (``from``). Each chunk is one request; the
+connection carries them back to back, so a handoff costs about one round trip per
+``PEER_CHUNK`` bytes, not two per socket frame.
+
 Handoff layout: ``u32 little-endian n`` + ``n`` bytes of JSON ``{"sequences": [{prompt,
 output, finish_reason, rng, kv_bytes}]}`` + each sequence's ``KVCache.to_bytes()`` in order.
 
@@ -16,6 +26,7 @@ Imports nothing from Django (the agent imports it).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 import threading
@@ -28,12 +39,21 @@ from moe import wire
 from moe.backbone import Backbone, KVCache
 from moe.backbone.decode import Generator, Sampling, Sequence
 from moe.backbone.weights import load_backbone
+from moe.identity import DOMAIN_KV_HANDOFF, SignatureError, verify
 
 # Frame types an agent answers for the roles; the roles that accept each.
 FRAME_ROLES = {"prefill": ("Prefill", "PrefillDecode"), "kv_get": ("Prefill", "PrefillDecode"),
                "kv_put": ("Decode", "PrefillDecode"), "decode": ("Decode", "PrefillDecode")}
+FRAME_ROLES["kv_send"] = ("Prefill", "PrefillDecode")
 GENERATION_ROLES = ("PrefillDecode", "Prefill", "Decode")
 HANDOFF_TTL_S = 600.0
+PEER_CHUNK = 3 << 20  # bytes per peer-to-peer kv_put: base64 of it fits iroh's 4 MiB frame
+
+
+def kv_chunk_message(session: str, index: int, frames: int, chunk: bytes) -> bytes:
+    """What a Prefill agent signs for chunk ``index`` of ``frames`` of ``session``:
+    ``session ‖ 0x00 ‖ index ‖ 0x00 ‖ frames ‖ 0x00 ‖ sha256(chunk)``."""
+    return b"%s\x00%d\x00%d\x00%s" % (session.encode(), index, frames, hashlib.sha256(chunk).digest())
 
 
 class HandoffError(ValueError):
@@ -138,6 +158,7 @@ class RoleRunner:
         self._backbones: dict[tuple, Backbone] = {}
         self._out: dict[str, tuple[float, bytes]] = {}  # session → (created, handoff bytes) on the Prefill side
         self._in: dict[str, tuple[float, list[bytes | None]]] = {}  # session → received chunks on the Decode side
+        self._senders: dict[str, str] = {}  # session → the Prefill provider whose signed chunks arrived peer to peer
         self._lock = threading.Lock()
 
     def _backbone(self, h: dict) -> Backbone:
@@ -156,6 +177,41 @@ class RoleRunner:
         for store in (self._out, self._in):
             for k in [k for k, (t, _) in store.items() if t < cut]:
                 store.pop(k, None)
+        for k in [k for k in self._senders if k not in self._in]:
+            del self._senders[k]
+
+    def outgoing(self, session: str) -> bytes:
+        """The Prefill side's handoff bytes of ``session`` (kept until ``sent``). Raises
+        ``HandoffError`` when there is none (expired or never prefilled here)."""
+        with self._lock:
+            entry = self._out.get(session)
+        if entry is None:
+            raise HandoffError(f"no handoff {session!r} here (expired or never prefilled)")
+        return entry[1]
+
+    def sent(self, session: str) -> None:
+        """The Decode agent has every chunk of ``session``: drop it here."""
+        with self._lock:
+            self._out.pop(session, None)
+
+    def peer_put(self, h: dict, payload: bytes) -> dict:
+        """A ``kv_put`` chunk sent peer to peer by a Prefill agent: ``h`` has ``session``,
+        ``index``, ``frames``, ``from`` (its provider id) and ``sig`` (over
+        ``kv_chunk_message``). Raises ``HandoffError`` (bad signature, a second sender for the
+        session, the ``kv_put`` checks)."""
+        session, sender = str(h.get("session") or ""), h.get("from")
+        try:
+            index, frames = int(h["index"]), int(h["frames"])
+            verify(sender, DOMAIN_KV_HANDOFF, kv_chunk_message(session, index, frames, bytes(payload)), h.get("sig"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise HandoffError(f"kv_put: index and frames must be integers ({exc})") from None
+        except SignatureError as exc:
+            raise HandoffError(f"kv_put from {str(sender)[:12]}…: {exc}") from None
+        with self._lock:
+            known = self._senders.setdefault(session, sender)
+        if known != sender:
+            raise HandoffError(f"session {session!r} already receives chunks from {known[:12]}…")
+        return self.handle("kv_put", h, payload)[0]
 
     def _mlp(self, h: dict) -> SiteMlp:
         return SiteMlp(f"{self.site}/rpc", h["model_id"], h["moe_layers"], h["dense_layers"], h.get("carrier", "auto"))
@@ -204,11 +260,17 @@ class RoleRunner:
                     raise HandoffError(f"session {session!r} was started with {len(parts)} frames, not {n}")
                 parts[i] = bytes(payload)
             return {"index": i}, b""
+        if kind == "kv_send":  # answered by the agent itself (it has the network clients)
+            raise HandoffError("kv_send is answered by the agent, not the role runner")
         # decode
         with self._lock:
             entry = self._in.pop(session, None)
+            sender = self._senders.pop(session, None)
         if entry is None or any(p is None for p in entry[1]):
             raise HandoffError(f"handoff {session!r} is missing or incomplete")
+        if sender is not None and h.get("from") != sender:  # chunks came peer to peer: from the agent the site chose
+            raise HandoffError(f"handoff {session!r} came from {sender[:12]}…, not from the Prefill agent the site "
+                               f"named")
         seqs = unpack_handoff(b"".join(entry[1]))
         gen = Generator(self._backbone(h), mlp := self._mlp(h), sampling_from_header(h["sampling"]))
         try:

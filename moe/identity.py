@@ -22,6 +22,7 @@ PROVIDER_RE = re.compile(r"^[0-9a-f]{64}$")
 
 DOMAIN_HELLO = b"tenzro/moe/agent-hello/v1"
 DOMAIN_HEARTBEAT = b"tenzro/moe/heartbeat/v1"
+DOMAIN_KV_HANDOFF = b"tenzro/moe/kv-handoff/v1"  # a Prefill agent's chunk sent peer to peer (moe.handoff)
 
 
 class SignatureError(ValueError):

@@ -1,9 +1,15 @@
 """Disaggregated generation on the site: prefill on an agent with role ``Prefill``, the KV
-cache handed over the agent socket to an agent with role ``Decode``, decode there
-(``moe.handoff`` is the agent side). The site only picks the agents and relays the
-handoff frames (``kv_get`` from the Prefill agent, ``kv_put`` to the Decode agent, each
-below the socket's frame cap); both agents run the backbone and call the site's distributed
-forward for every MLP layer.
+cache handed to an agent with role ``Decode``, decode there (``moe.handoff`` is the agent
+side); both agents run the backbone and call the site's distributed forward for every MLP
+layer.
+
+The handoff goes peer to peer when the Decode agent advertises an endpoint (issue 22): the
+site sends the Prefill agent ``kv_send`` with the Decode agent's iroh and HTTP endpoints and
+the Prefill agent sends the cache there itself (iroh, HTTP fallback; signed chunks). When the
+Decode agent advertises none, when ``TENZRO_KV_HANDOFF`` is ``site``, or when the peer send
+fails, the site relays it through the agent sockets (``kv_get`` from the Prefill agent,
+``kv_put`` to the Decode agent, each below the socket's frame cap): two socket round trips
+per frame instead of about one per 3 MiB.
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from moe.backbone.weights import BACKBONE_KEY
 from router.generate import check_size, decode_text, encode_prompts, generation_carrier, served_model
 from moe.handoff import chunk_size, sampling_to_header
 from router.ws import AgentLink, AgentUnavailable
-from registry.models import MoeModel
+from registry.models import MoeModel, Provider
 from registry.selectors import live_providers
 
 AGENT_TIMEOUT_S = 600.0
@@ -53,13 +59,29 @@ def pick_agents() -> tuple[str, str]:
     return pre, dec
 
 
+async def relay(link: AgentLink, pre: str, dec: str, session: str, nbytes: int, chunk: int) -> tuple[int, int, int]:
+    """Move ``nbytes`` of handoff from ``pre`` to ``dec`` through the site: ``kv_get`` /
+    ``kv_put`` socket frames below the frame cap. Returns (bytes moved, frames, frame size)."""
+    size = min(chunk, chunk_size(settings.TENZRO["WS_MAX_MESSAGE"]))
+    frames = -(-nbytes // size)
+    moved = 0
+    for i in range(frames):
+        _, data = await link.request(pre, {"type": "kv_get", "session": session, "index": i, "chunk": size},
+                                     timeout=AGENT_TIMEOUT_S)
+        moved += len(data)
+        await link.request(dec, {"type": "kv_put", "session": session, "index": i, "frames": frames}, data,
+                           timeout=AGENT_TIMEOUT_S)
+    return moved, frames, size
+
+
 async def generate_handoff(model_id: str, prompt, sampling, carrier: str = "auto",
                            prompt_field: str = "input_ids") -> dict:
     """``tenzro_moeGenerate`` with ``handoff: true``: prefill on a Prefill agent, KV cache
-    moved in frames to a Decode agent, decode there. Same output fields as
-    ``router.generate.generate`` (no ``prompt_logits``) plus ``kv_handoff {bytes, kv_bytes,
-    frames, chunk, bytes_per_token, from, to}`` (bytes on the socket, of which f32 cache
-    bytes; per prompt token).
+    moved to a Decode agent (peer to peer, or relayed: module docstring), decode there. Same
+    output fields as ``router.generate.generate`` (no ``prompt_logits``) plus ``kv_handoff
+    {bytes, kv_bytes, frames, chunk, bytes_per_token, from, to, path}`` (bytes moved, of which
+    f32 cache bytes; per prompt token; ``path`` "iroh" or "http" peer to peer, "site"
+    relayed, with ``peer_error`` when a peer send failed first); ``timings_ms.handoff``.
 
     Raises ``NoBackbone``, ``BackboneError``, ``NoRoleAgent`` and ``AgentUnavailable``
     (an agent failed or timed out; its message is kept).
@@ -75,6 +97,8 @@ async def generate_handoff(model_id: str, prompt, sampling, carrier: str = "auto
         return cfg, m.config[BACKBONE_KEY], pick_agents()
 
     config, record, (pre, dec) = await database_sync_to_async(describe)()
+    to = await database_sync_to_async(lambda: Provider.objects.filter(provider=dec).values(
+        "http_endpoint", "iroh_endpoint_id", "iroh_addrs").first() or {})()
     session = uuid.uuid4().hex
     common = {"session": session, "model_id": model_id, "config": config, "record": record,
               "moe_layers": sorted(served.moe_layers), "dense_layers": sorted(served.dense_layers),
@@ -83,19 +107,21 @@ async def generate_handoff(model_id: str, prompt, sampling, carrier: str = "auto
     info, _ = await link.request(pre, {"type": "prefill", **common, "prompts": [p.tolist() for p in prompts]},
                                  timeout=AGENT_TIMEOUT_S)
     t_pre = time.perf_counter()
-    size = min(int(info["chunk"]), chunk_size(settings.TENZRO["WS_MAX_MESSAGE"]))
-    frames = -(-int(info["bytes"]) // size)
-    moved = 0
-    for i in range(frames):
-        _, chunk = await link.request(pre, {"type": "kv_get", "session": session, "index": i, "chunk": size},
-                                      timeout=AGENT_TIMEOUT_S)
-        moved += len(chunk)
-        await link.request(dec, {"type": "kv_put", "session": session, "index": i, "frames": frames}, chunk,
-                           timeout=AGENT_TIMEOUT_S)
+    path, moved, frames, size, peer_error = "site", 0, 0, 0, None
+    if settings.TENZRO.get("KV_HANDOFF", "peer") == "peer" and (to.get("http_endpoint") or to.get("iroh_endpoint_id")):
+        try:
+            sent, _ = await link.request(pre, {"type": "kv_send", "session": session,
+                                               "to": {"provider": dec, **to}}, timeout=AGENT_TIMEOUT_S)
+            path, moved, frames = sent["transport"], int(sent["bytes"]), int(sent["frames"])
+            size = -(-moved // max(1, frames))
+        except AgentUnavailable as exc:  # unreachable peer, an old agent: the socket relay still works
+            peer_error = str(exc)
+    if path == "site":
+        moved, frames, size = await relay(link, pre, dec, session, int(info["bytes"]), int(info["chunk"]))
     if moved != int(info["bytes"]):
         raise AgentUnavailable(f"KV handoff moved {moved} of {info['bytes']} bytes")
     t_move = time.perf_counter()
-    out, _ = await link.request(dec, {"type": "decode", **common}, timeout=AGENT_TIMEOUT_S)
+    out, _ = await link.request(dec, {"type": "decode", **common, "from": pre}, timeout=AGENT_TIMEOUT_S)
     total = (time.perf_counter() - t0) * 1e3
     outs = out["output_ids"]
     new = sum(len(o) for o in outs)
@@ -104,7 +130,8 @@ async def generate_handoff(model_id: str, prompt, sampling, carrier: str = "auto
     result = {"model_id": model_id, "output_ids": outs[0] if single else outs,
               "finish_reasons": out["finish_reasons"], "prompt_tokens": ptoks,
               "kv_handoff": {"bytes": moved, "kv_bytes": int(info["kv_bytes"]), "frames": frames, "chunk": size,
-                             "bytes_per_token": round(moved / ptoks, 3), "from": pre, "to": dec},
+                             "bytes_per_token": round(moved / ptoks, 3), "from": pre, "to": dec, "path": path,
+                             **({"peer_error": peer_error} if peer_error else {})},
               "layers": {"forwards": int(info["forwards"]) + int(out["forwards"])},
               "timings_ms": {"prefill": info["prefill_ms"], "handoff": round((t_move - t_pre) * 1e3, 3),
                              "decode": out["decode_ms"], "total": round(total, 3)},

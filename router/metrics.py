@@ -89,6 +89,9 @@ class ServingMetrics:
                                       buckets=LATENCY_BUCKETS, registry=r)
         self.step_wire = Histogram("tenzro_step_wire_seconds", "Time one micro-batch of a step waited on its layer "
                                    "forwards (wire and holders)", ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.step_forward = Histogram("tenzro_step_forward_seconds", "Of a micro-batch's wait, the time its layer "
+                                      "forwards ran on the event loop (the rest: thread and loop hand-offs)",
+                                      ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.step_idle = Histogram("tenzro_step_idle_seconds", "Wall time of a step the router did not compute "
                                    "(waiting on holders)", ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.microbatches = Histogram("tenzro_step_microbatches", "Micro-batches in flight per scheduler step",
@@ -99,9 +102,10 @@ class ServingMetrics:
 
     def step_timeline(self, model: str, entry: dict) -> None:
         """One scheduler step's timeline (``router.scheduler.ModelScheduler.timeline`` entry:
-        ``compute``, ``wire``, ``idle`` in ms and ``microbatches``)."""
+        ``compute``, ``wire``, ``forward``, ``idle`` in ms and ``microbatches``)."""
         self.step_compute.labels(model).observe(entry["compute"] / 1e3)
         self.step_wire.labels(model).observe(entry["wire"] / 1e3)
+        self.step_forward.labels(model).observe(entry.get("forward", 0.0) / 1e3)
         self.step_idle.labels(model).observe(entry["idle"] / 1e3)
         self.microbatches.labels(model).observe(entry["microbatches"])
 

@@ -345,10 +345,11 @@ class ModelScheduler:
                 budget -= n
         return batch
 
-    def _mlp(self, batch: list[tuple[_Slot, np.ndarray]]):
+    def _mlp(self, batch: list[tuple[_Slot, np.ndarray]], spent: list[float] | None = None):
         """The backbone's ``mlp(layer, x)`` for one step: one distributed forward per layer for
         each (carrier, fallback) group of rows (one group unless requests differ), run on the
-        loop; each request's ``stats`` records the forwards it took part in."""
+        loop; each request's ``stats`` records the forwards it took part in; ``spent[0]`` adds
+        the forwards' own time (ms, the longest of a layer's groups)."""
         served, router = self.served, self.router
         groups: dict[tuple[str, bool], list[int]] = {}
         requests: dict[tuple[str, bool], list[Request]] = {}
@@ -386,6 +387,8 @@ class ModelScheduler:
                 out = np.empty_like(x)
                 for ix, res in zip(index.values(), results):
                     out[ix] = res.output
+            if spent is not None:
+                spent[0] += max(r.timings_ms.get("total", 0.0) for r in results)
             for key, res in zip(index, results):
                 for req in requests[key]:
                     req.stats.add(f"{req.gen_id}/{req.step}/{layer}", res, req.step)
@@ -414,11 +417,13 @@ class ModelScheduler:
             acc += r
         return parts
 
-    def _micro(self, part: list[tuple[_Slot, np.ndarray]], select: list[str]) -> tuple[list, float, float, int]:
+    def _micro(self, part: list[tuple[_Slot, np.ndarray]], select: list[str]) -> tuple[list, float, float, int,
+                                                                                      float]:
         """Run the backbone over one micro-batch: (logits, wall ms, ms blocked on layer forwards,
-        forwards made)."""
+        forwards made, ms the forwards themselves took on the loop)."""
         t0 = time.perf_counter()
-        inner = self._mlp(part)
+        spent = [0.0]
+        inner = self._mlp(part, spent)
         waited, calls = [0.0], [0]
 
         def mlp(layer: int, x: np.ndarray) -> np.ndarray:
@@ -431,13 +436,14 @@ class ModelScheduler:
 
         logits = self.served.backbone.forward([ids for _, ids in part], [s.seq.cache for s, _ in part], mlp,
                                               select=select)
-        return logits, (time.perf_counter() - t0) * 1e3, waited[0] * 1e3, calls[0]
+        return logits, (time.perf_counter() - t0) * 1e3, waited[0] * 1e3, calls[0], spent[0]
 
     def _forward(self, batch: list[tuple[_Slot, np.ndarray]], select: list[str], count: int) -> tuple[list, dict]:
         """The step's logits in ``batch`` order, its micro-batches run at once (the first on this
         thread), and the step's timeline entry (ms: ``compute`` summed over micro-batches,
-        ``wire`` a micro-batch's mean wait on its forwards, ``idle`` the wall the router did
-        not compute); the first micro-batch error is raised after all ended."""
+        ``wire`` a micro-batch's mean wait on its forwards, ``forward`` of which the forwards
+        ran on the loop (the rest: hand-offs between the thread and a busy loop), ``idle`` the
+        wall the router did not compute); the first micro-batch error is raised after all ended."""
         parts = self._split(batch, count)
         runs = [([batch[i] for i in p], [select[i] for i in p]) for p in parts]
         t0 = time.perf_counter()
@@ -462,14 +468,16 @@ class ModelScheduler:
             results = [self._micro(*runs[0])]
         wall = (time.perf_counter() - t0) * 1e3
         logits: list = [None] * len(batch)
-        compute = wire = 0.0
-        for p, (lg, ms, waited, calls) in zip(parts, results):
+        compute = wire = forward = 0.0
+        for p, (lg, ms, waited, calls, spent) in zip(parts, results):
             for i, out in zip(p, lg):
                 logits[i] = out
             compute += ms - waited
             wire += waited
+            forward += spent
             self.overlap.observe(waited, ms - waited, calls, len(p))
         entry = {"wall": round(wall, 3), "compute": round(compute, 3), "wire": round(wire / len(parts), 3),
+                 "forward": round(forward / len(parts), 3),
                  "idle": round(max(0.0, wall - compute), 3), "microbatches": len(parts),
                  "rows": int(sum(ids.size for _, ids in batch))}
         return logits, entry

@@ -312,6 +312,9 @@ TENZRO = {
     # Micro-batches of one step in flight at once (router.scheduler): while one's expert rows are on
     # the wire the next one's attention runs; the count follows observed wait and compute, up to this.
     "GEN_MICROBATCHES": _env_int("TENZRO_GEN_MICROBATCHES", 4),
+    # Disaggregated generation's KV handoff: "peer" (Prefill agent → Decode agent over iroh / HTTP
+    # when the Decode agent advertises an endpoint) or "site" (relayed through the agent sockets).
+    "KV_HANDOFF": os.environ.get("TENZRO_KV_HANDOFF", "peer").strip().lower() or "peer",
     # Providers need this reputation (new ones start at 500) to vote on policy proposals.
     "GOVERNANCE_MIN_VOTER_REPUTATION": _env_int("TENZRO_GOVERNANCE_MIN_REPUTATION", 600),
     # tenzro_moePlanDispatch: split one expert's batch across warm replicas above this many tokens.

@@ -249,6 +249,16 @@ class HttpHolderClient:
         return await self._coalescer.submit(endpoint, req, lambda r: self._one(endpoint, r),
                                             lambda reqs, deliver: self._many(endpoint, reqs, deliver), streaming=True)
 
+    async def frame(self, endpoint: str, header: dict, payload: bytes = b"") -> tuple[dict, bytes]:
+        """One binary frame (``header``, ``payload``) to ``POST /frame`` of ``endpoint`` (an
+        advertised ``…/rpc`` URL); the answer frame. Raises ``ConnectionError`` and
+        ``HolderFault`` (a malformed answer); an ``ok: false`` answer is returned as it came."""
+        data = await self._exchange(endpoint, wire.pack_frame(header, payload, wire.MESSAGE_HEADER_MAX))
+        try:
+            return wire.unpack_frame(data or b"", wire.MESSAGE_HEADER_MAX)
+        except wire.WireError as exc:
+            raise HolderFault(f"{endpoint}: {exc}") from exc
+
     async def _one(self, endpoint: str, req: BatchRequest) -> BatchAnswer:
         body = wire.pack_frame(messages.request_header(req), req.payload, wire.MESSAGE_HEADER_MAX)
         data = await self._exchange(endpoint, body)

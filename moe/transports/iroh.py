@@ -490,14 +490,18 @@ class IrohServer:
     ``await start()``, stop with ``await close()``. ``endpoint_id`` (64 hex) and ``addrs``
     (direct ``ip:port`` addresses) are what the holder advertises. ``peer_bytes``,
     ``total_bytes``, ``part_timeout_s``: the memory bounds of the module doc (default: the
-    ``TENZRO_IROH_*`` variables, else 512 MiB, 1 GiB, 30 s).
+    ``TENZRO_IROH_*`` variables, else 512 MiB, 1 GiB, 30 s). ``methods``: further one-frame
+    methods, ``{name: handler(params, peer endpoint id) -> result}`` (errors as ``RpcError``),
+    e.g. the agent's ``moe/kv_put`` (``moe.handoff``).
     """
 
     def __init__(self, secret: bytes, bind: str, execute: Execute, status: Status,
                  execute_stream: ExecuteStream | None = None, peer_bytes: int | None = None,
-                 total_bytes: int | None = None, part_timeout_s: float | None = None):
+                 total_bytes: int | None = None, part_timeout_s: float | None = None,
+                 methods: dict[str, Callable[[dict, str], Awaitable[dict]]] | None = None):
         self.secret, self.bind = secret, bind
         self.execute, self.status = execute, status
+        self.methods = dict(methods or {})
         self.execute_stream = execute_stream
         self.endpoint = None
         self.endpoint_id = ""
@@ -656,6 +660,8 @@ class IrohServer:
             method = groups[0][0]["method"]
             if method == "moe/status":
                 return [pack(result_response(rid, await self.status()))]
+            if method in self.methods:
+                return [pack(result_response(rid, await self.methods[method](groups[0][0]["params"], peer)))]
             if method != "moe/execute":
                 raise RpcError(METHOD_NOT_FOUND, f"unknown method {method!r}; this endpoint serves "
                                f"{', '.join(METHODS)}", field="method")
