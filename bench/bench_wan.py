@@ -17,6 +17,14 @@ read from the site's ``/metrics`` (``tenzro_step_*``: step wall, router compute,
 micro-batch's wire wait, router idle, micro-batches). Then the same at ``--loss-rtt`` with
 ``--loss`` per TCP segment (each loss costs a retransmit delay).
 
+KV handoff (``--handoff``, on by default): two more agents join through the site proxy, one
+``--role Prefill`` (with iroh) and one ``--role Decode`` whose HTTP and iroh endpoints sit
+behind their own proxies (``--advertise-http`` / ``--advertise-iroh``, TCP and UDP) at
+``--handoff-rtt``; ``tenzro_moeGenerate`` with ``handoff: true`` on a ``--handoff-prompt``
+token prompt then moves the KV cache peer to peer over iroh, over HTTP (the Decode agent
+restarted without iroh) and relayed through the site (restarted without endpoints): bytes,
+chunks and handoff ms of each, greedy tokens equal across paths.
+
 Goals (issue 22): 16 clients at 40 ms ≥ 0.5× 16 clients at 0 ms and ≥ 4× one client at 0 ms;
 one client's step ≤ 1.1 × (layers × RTT) + its compute; identical tokens; 0 errors at 1 % loss.
 """
@@ -26,6 +34,7 @@ import argparse
 import asyncio
 import json
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from machine import cpu_model  # noqa: E402
-from tests.cluster_util import env_for, running_cluster  # noqa: E402
+from tests.cluster_util import env_for, rpc, running_cluster, stop, wait_for  # noqa: E402
 from tests.wan_proxy import Link, WanProxy  # noqa: E402
 
 STEP_METRICS = {"wall": "tenzro_step_seconds", "compute": "tenzro_step_compute_seconds",
@@ -111,6 +120,80 @@ def measure(url: str, model: str, prompts: list[list[int]], tokens: int, clients
     return res
 
 
+def free_port(kind: int = socket.SOCK_STREAM) -> int:
+    """A free port on 127.0.0.1 (TCP or UDP)."""
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_agent(tmp: Path, env: dict, site: str, name: str, role: str, extra: list[str]) -> subprocess.Popen:
+    """A standalone ``python -m holders`` agent (its own key and blob dir under ``tmp``)."""
+    home = tmp / name
+    home.mkdir(exist_ok=True)
+    log = open(home / "agent.log", "ab")
+    return subprocess.Popen([sys.executable, "-m", "holders", "--site", site, "--key", str(home / "agent.key"),
+                             "--name", name, "--role", role, "--blob-dir", str(home / "blobs"),
+                             "--heartbeat-interval", "2", *extra], cwd=ROOT, env=env, stdout=log, stderr=log)
+
+
+def handoff_bench(tmp: Path, env: dict, info: dict, site_proxy: WanProxy, model: str, rtt_ms: float,
+                  prompt_len: int, prompts: int, tokens: int) -> list[dict]:
+    """The KV handoff cells (module docstring): one per path, iroh / http / site."""
+    link = Link.rtt(rtt_ms)
+    site_proxy.set_link(link)
+    http_port, iroh_port = free_port(), free_port(socket.SOCK_DGRAM)
+    cells = []
+    with WanProxy(http_port, link) as hp, WanProxy(iroh_port, link, udp=True) as up:
+        pre = start_agent(tmp, env, site_proxy.url, "prefill", "Prefill", ["--iroh"])
+        endpoints = {"iroh": ["--http-port", str(http_port), "--advertise-http", hp.url, "--iroh", "--iroh-bind",
+                              f"127.0.0.1:{iroh_port}", "--advertise-iroh", f"127.0.0.1:{up.port}"],
+                     "http": ["--http-port", str(http_port), "--advertise-http", hp.url],
+                     "site": []}
+        dec = None
+        rng = np.random.default_rng(1)
+        prompt = [[int(t) for t in rng.integers(0, 256, size=prompt_len)] for _ in range(prompts)]
+        try:
+            for path, flags in endpoints.items():
+                if dec is not None:
+                    stop(dec)
+                dec = start_agent(tmp, env, site_proxy.url, "decode", "Decode", flags)
+
+                def ready(path=path):
+                    rows = rpc(info["rpc"], "tenzro_moeListProviders", {"live": True})["result"]["providers"]
+                    by = {r["name"]: r for r in rows}
+                    d = by.get("decode")
+                    return ("prefill" in by and d is not None and bool(d["http_endpoint"]) == (path != "site")
+                            and bool(d["iroh_addrs"]) == (path == "iroh"))
+
+                wait_for(ready, 180, f"the Prefill and Decode agents ({path}) to join")
+                runs = []
+                for _ in range(2):  # the first pays connection set-up (QUIC / TCP handshakes)
+                    r = rpc(info["rpc"], "tenzro_moeGenerate", {"model_id": model, "input_ids": prompt,
+                                                                "max_new_tokens": tokens, "handoff": True},
+                            timeout=600)
+                    if "error" in r:
+                        raise RuntimeError(f"handoff over {path}: {r['error']}")
+                    runs.append(r["result"])
+                kv, last = runs[-1]["kv_handoff"], runs[-1]
+                cells.append({"path": kv["path"], "want": path, "rtt_ms": rtt_ms,
+                              "prompt_tokens": prompt_len * prompts, "bytes": kv["bytes"], "kv_bytes": kv["kv_bytes"],
+                              "chunks": kv["frames"], "handoff_ms": [x["timings_ms"]["handoff"] for x in runs],
+                              "send_ms": [x["kv_handoff"].get("send_ms") for x in runs],
+                              "output_ids": last["output_ids"]})
+                c = cells[-1]
+                print(f"handoff at {rtt_ms:g} ms RTT over {kv['path']:>4}: {kv['bytes']} bytes ({kv['kv_bytes']} KV, "
+                      f"{c['prompt_tokens']} prompt tokens) in {kv['frames']} chunk(s): site saw {c['handoff_ms'][0]} "
+                      f"ms first, {c['handoff_ms'][1]} ms warm; Prefill agent's send {c['send_ms']} ms", flush=True)
+        finally:
+            for proc in (pre, dec):
+                if proc is not None:
+                    stop(proc)
+    same = all(c["output_ids"] == cells[0]["output_ids"] for c in cells)
+    print(f"handoff: greedy tokens identical across paths: {'yes' if same else 'NO'}")
+    return cells
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rtts", default="0,10,40,100", help="round trips in ms, comma-separated (0 first)")
@@ -126,6 +209,13 @@ def main() -> None:
                     help="TENZRO_GEN_MICROBATCHES of the site (default the site's, 4; 1 = no overlap)")
     ap.add_argument("--checkpoint", default=str(ROOT / "tests/fixtures/qwen3_moe_tiny"))
     ap.add_argument("--model", default="qwen3-moe-tiny")
+    ap.add_argument("--handoff", action=argparse.BooleanOptionalAction, default=True,
+                    help="also measure the KV handoff paths (default on)")
+    ap.add_argument("--handoff-rtt", type=float, default=40.0)
+    ap.add_argument("--handoff-prompt", type=int, default=120, help="tokens per prompt of the handoff runs")
+    ap.add_argument("--handoff-prompts", type=int, default=8, help="prompts of one handoff run (its KV caches move "
+                                                                     "together)")
+    ap.add_argument("--skip-decode", action="store_true", help="only the handoff part")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     rtts = [float(x) for x in a.rtts.split(",")]
@@ -151,6 +241,7 @@ def main() -> None:
             asyncio.run(run(url, a.model, dict(enumerate(prompts[:2])), a.tokens, 2))  # warm: JIT, connections
             base: dict[int, dict] = {}
             runs = [(r, 0.0) for r in rtts] + ([(a.loss_rtt, a.loss)] if a.loss else [])
+            runs = [] if a.skip_decode else runs
             for rtt, loss in runs:
                 proxy.set_link(Link.rtt(rtt, a.jitter_ms, bw, loss))
                 for c in counts:
@@ -176,9 +267,14 @@ def main() -> None:
                           + f"; errors {len(res['errors'])}; tokens identical {'yes' if same else 'NO'}",
                           flush=True)
             print(f"proxy: {proxy.stats}")
+            handoff = (handoff_bench(Path(tmp), env, info, proxy, a.model, a.handoff_rtt, a.handoff_prompt,
+                                     a.handoff_prompts, 4)
+                       if a.handoff else [])
     print(f"cpu: {cpu_model()}; holders {a.holders}; layers {layers}; tokens {a.tokens}")
     if a.json:
-        print(json.dumps({"cells": cells, "cpu": cpu_model(), "holders": a.holders, "tokens": a.tokens}))
+        print(json.dumps({"cells": cells, "handoff": [{k: v for k, v in c.items() if k != "output_ids"}
+                                                       for c in handoff],
+                          "cpu": cpu_model(), "holders": a.holders, "tokens": a.tokens}))
 
 
 if __name__ == "__main__":

@@ -81,7 +81,9 @@ async def generate_handoff(model_id: str, prompt, sampling, carrier: str = "auto
     output fields as ``router.generate.generate`` (no ``prompt_logits``) plus ``kv_handoff
     {bytes, kv_bytes, frames, chunk, bytes_per_token, from, to, path}`` (bytes moved, of which
     f32 cache bytes; per prompt token; ``path`` "iroh" or "http" peer to peer, "site"
-    relayed, with ``peer_error`` when a peer send failed first); ``timings_ms.handoff``.
+    relayed, with ``peer_error`` when a peer send failed first; ``send_ms`` the Prefill
+    agent's own time sending it peer to peer); ``timings_ms.handoff`` (as the site saw it,
+    its ``kv_send`` round trip to the Prefill agent included).
 
     Raises ``NoBackbone``, ``BackboneError``, ``NoRoleAgent`` and ``AgentUnavailable``
     (an agent failed or timed out; its message is kept).
@@ -107,12 +109,13 @@ async def generate_handoff(model_id: str, prompt, sampling, carrier: str = "auto
     info, _ = await link.request(pre, {"type": "prefill", **common, "prompts": [p.tolist() for p in prompts]},
                                  timeout=AGENT_TIMEOUT_S)
     t_pre = time.perf_counter()
-    path, moved, frames, size, peer_error = "site", 0, 0, 0, None
+    path, moved, frames, size, peer_error, send_ms = "site", 0, 0, 0, None, None
     if settings.TENZRO.get("KV_HANDOFF", "peer") == "peer" and (to.get("http_endpoint") or to.get("iroh_endpoint_id")):
         try:
             sent, _ = await link.request(pre, {"type": "kv_send", "session": session,
                                                "to": {"provider": dec, **to}}, timeout=AGENT_TIMEOUT_S)
             path, moved, frames = sent["transport"], int(sent["bytes"]), int(sent["frames"])
+            send_ms = sent.get("ms")
             size = -(-moved // max(1, frames))
         except AgentUnavailable as exc:  # unreachable peer, an old agent: the socket relay still works
             peer_error = str(exc)
@@ -131,7 +134,8 @@ async def generate_handoff(model_id: str, prompt, sampling, carrier: str = "auto
               "finish_reasons": out["finish_reasons"], "prompt_tokens": ptoks,
               "kv_handoff": {"bytes": moved, "kv_bytes": int(info["kv_bytes"]), "frames": frames, "chunk": size,
                              "bytes_per_token": round(moved / ptoks, 3), "from": pre, "to": dec, "path": path,
-                             **({"peer_error": peer_error} if peer_error else {})},
+                             **({"peer_error": peer_error} if peer_error else {}),
+                             **({"send_ms": send_ms} if send_ms is not None else {})},
               "layers": {"forwards": int(info["forwards"]) + int(out["forwards"])},
               "timings_ms": {"prefill": info["prefill_ms"], "handoff": round((t_move - t_pre) * 1e3, 3),
                              "decode": out["decode_ms"], "total": round(total, 3)},

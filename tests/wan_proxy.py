@@ -261,6 +261,10 @@ class _UdpFront(asyncio.DatagramProtocol):
         self.transport = transport
 
     def datagram_received(self, data: bytes, addr: tuple) -> None:
+        peer = self.peers.get(addr)
+        if peer is not None:  # the common case, without a task per datagram
+            self._send(peer, data)
+            return
         task = asyncio.get_running_loop().create_task(self._forward(data, addr))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -287,7 +291,11 @@ class _UdpFront(asyncio.DatagramProtocol):
             del self.opening[addr]
             opened.set_result(None)
             self.proxy.stats["connections"] += 1
+        self._send(peer, data)
+
+    def _send(self, peer: tuple, data: bytes) -> None:
         self.proxy.stats["up_bytes"] += len(data)
+        loop = asyncio.get_running_loop()
         at = peer[1].due(loop.time(), len(data))
         if at is not None:
             loop.call_at(at, peer[0].sendto, data)
