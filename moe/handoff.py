@@ -158,7 +158,8 @@ class RoleRunner:
         self._backbones: dict[tuple, Backbone] = {}
         self._out: dict[str, tuple[float, bytes]] = {}  # session → (created, handoff bytes) on the Prefill side
         self._in: dict[str, tuple[float, list[bytes | None]]] = {}  # session → received chunks on the Decode side
-        self._senders: dict[str, str] = {}  # session → the Prefill provider whose signed chunks arrived peer to peer
+        # session → (first chunk's time, the Prefill provider whose signed chunks arrived peer to peer)
+        self._senders: dict[str, tuple[float, str]] = {}
         self._lock = threading.Lock()
 
     def _backbone(self, h: dict) -> Backbone:
@@ -174,11 +175,9 @@ class RoleRunner:
 
     def _expire(self) -> None:
         cut = time.monotonic() - HANDOFF_TTL_S
-        for store in (self._out, self._in):
+        for store in (self._out, self._in, self._senders):
             for k in [k for k, (t, _) in store.items() if t < cut]:
                 store.pop(k, None)
-        for k in [k for k in self._senders if k not in self._in]:
-            del self._senders[k]
 
     def outgoing(self, session: str) -> bytes:
         """The Prefill side's handoff bytes of ``session`` (kept until ``sent``). Raises
@@ -208,7 +207,7 @@ class RoleRunner:
         except SignatureError as exc:
             raise HandoffError(f"kv_put from {str(sender)[:12]}…: {exc}") from None
         with self._lock:
-            known = self._senders.setdefault(session, sender)
+            _, known = self._senders.setdefault(session, (time.monotonic(), sender))
         if known != sender:
             raise HandoffError(f"session {session!r} already receives chunks from {known[:12]}…")
         return self.handle("kv_put", h, payload)[0]
@@ -265,7 +264,7 @@ class RoleRunner:
         # decode
         with self._lock:
             entry = self._in.pop(session, None)
-            sender = self._senders.pop(session, None)
+            sender = self._senders.pop(session, (0.0, None))[1]
         if entry is None or any(p is None for p in entry[1]):
             raise HandoffError(f"handoff {session!r} is missing or incomplete")
         if sender is not None and h.get("from") != sender:  # chunks came peer to peer: from the agent the site chose

@@ -123,7 +123,7 @@ async def test_scheduled_tokens_equal_solo_beside_others(family, settings):
 async def test_one_forward_per_layer_per_step_and_sampling_per_sequence(settings):
     """Eight requests with their own sampling (greedy, seeded temperature/top-k/top-p, a stop
     id) share steps: each gets what it gets alone, and a step's forwards are one per MoE
-    layer however many sequences ran in it."""
+    layer and micro-batch however many sequences ran in it."""
     from router.generate import generate
 
     model = "sched-sampling"
@@ -147,7 +147,8 @@ async def test_one_forward_per_layer_per_step_and_sampling_per_sequence(settings
     finally:
         del current().forward
     assert [r["output_ids"] for r in together] == solo
-    assert len(forwards) == (sched.steps - steps_before) * len(sched.served.moe_layers)
+    steps = sched.steps - steps_before  # one forward per layer per micro-batch of each step
+    assert len(forwards) == sum(e["microbatches"] for e in list(sched.timeline)[-steps:]) * len(sched.served.moe_layers)
 
 
 @pytest.mark.asyncio
