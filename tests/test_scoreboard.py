@@ -88,7 +88,8 @@ def test_order_by_observed_latency_and_success_rate_not_declared_numbers():
     proven(sb, "fast", ms=20.0)
     proven(sb, "close", ms=60.0)  # within 2x best + 50 ms: same bucket as "fast"
     hs = [holder("slow"), holder("close"), holder("fast")]
-    assert names(sb.order(hs)) == ["close", "fast", "slow"]
+    # one bucket, equal reputation: the nearer first (issue 22; least recent round trip)
+    assert names(sb.order(hs)) == ["fast", "close", "slow"]
     for _ in range(3):  # "close" answers but often fails: success rate below 0.9
         sb.fault("close")
         sb.success("close", 60.0, 8)
