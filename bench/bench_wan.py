@@ -52,7 +52,8 @@ from tests.cluster_util import env_for, rpc, running_cluster, stop, wait_for  # 
 from tests.wan_proxy import Link, WanProxy  # noqa: E402
 
 STEP_METRICS = {"wall": "tenzro_step_seconds", "compute": "tenzro_step_compute_seconds",
-                "wire": "tenzro_step_wire_seconds", "forward": "tenzro_step_forward_seconds", "idle": "tenzro_step_idle_seconds",
+                "wire": "tenzro_step_wire_seconds", "forward": "tenzro_step_forward_seconds",
+                "idle": "tenzro_step_idle_seconds",
                 "microbatches": "tenzro_step_microbatches"}
 
 
@@ -262,7 +263,8 @@ def main() -> None:
                     print(f"rtt {rtt:>5g} ms loss {loss:<4g} clients {c:>2}: {res['tokens_per_s']:>7} tok/s "
                           f"(x{cell['ratio_to_rtt0']} of rtt 0, x{cell['ratio_to_1_client_rtt0']} of 1 client rtt 0) "
                           f"step {tl['wall']} ms = compute {tl['compute']} + idle {tl['idle']} "
-                          f"(wire/micro-batch {tl['wire']} of which forwards {tl['forward']}, {tl['microbatches']} micro-batches)"
+                          f"(wire/micro-batch {tl['wire']} of which forwards {tl['forward']}, "
+                          f"{tl['microbatches']} micro-batches)"
                           + (f", bound {cell['step_bound_ms']} ms" if "step_bound_ms" in cell else "")
                           + f"; errors {len(res['errors'])}; tokens identical {'yes' if same else 'NO'}",
                           flush=True)

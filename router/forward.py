@@ -417,7 +417,8 @@ class LayerForward:
 
     async def run_batch(self, batch, tokens: list[int]) -> None:
         """Send ``tokens`` of a planned batch to its primary; each time the newest request
-        passes its holder's deadline (``holder_deadline``: from the holder's observed p99), or a request faults, the next warm backup not excluded gets it
+        passes its holder's deadline (``holder_deadline``: from the holder's observed p99), or
+        a request faults, the next warm backup not excluded gets it
         too, while the earlier requests keep running; the first verified answer wins. A
         holder that faulted, or missed the deadline while another answered, is excluded for
         the rest of the forward."""

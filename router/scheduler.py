@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor

@@ -261,7 +261,8 @@ class LocalCluster:
 
     def info(self) -> dict:
         """The JSON line ``tenzro_cluster`` prints."""
-        return {"url": self.url, "rpc": self.rpc_url, "agent_site": self.agent_site, "model_id": self.model_ids[0] if self.model_ids else None,
+        return {"url": self.url, "rpc": self.rpc_url, "agent_site": self.agent_site,
+                "model_id": self.model_ids[0] if self.model_ids else None,
                 "model_ids": self.model_ids, "operator_token": operator_token(),
                 "agents": [{"provider": pid, "pid": p.pid, "fault": self.agent_faults.get(i)}
                            for i, (pid, p) in enumerate(self.agents)],
