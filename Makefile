@@ -5,6 +5,7 @@ BIN := $(VENV)/bin
 RUNTIME := $(VENV)/.runtime-installed
 TESTDEPS := $(VENV)/.test-installed
 KERNELS := $(VENV)/.kernels-installed
+ROWWISE := $(VENV)/.rowwise-installed
 # The load generator of bench/bench_serving.py (aiperf) lives in its own venv: it pins
 # prometheus-client apart from the site's and pulls packages neither the site nor its tests need.
 BENCHVENV := .venv-bench
@@ -22,8 +23,13 @@ $(RUNTIME): requirements.txt | $(BIN)/python
 
 # Native quantized kernels (C, runtime SIMD dispatch). A failed build is not fatal: the CPU backend
 # logs it and keeps its numba path.
-$(KERNELS): native/_kernels.c native/setup.py native/pyproject.toml $(RUNTIME)
+$(KERNELS): native/_kernels.c native/setup.py native/pyproject.toml $(RUNTIME) $(ROWWISE)
 	$(BIN)/python -m pip install -q ./native || echo "tenzro_kernels did not build: quantized matmuls use the numba path"
+	touch $@
+
+# The fixed-order dense product (moe.rowwise); without it a numba loop gives the same bits, slower.
+$(ROWWISE): native_rowwise/_rowwise.c native_rowwise/setup.py native_rowwise/pyproject.toml $(RUNTIME)
+	$(BIN)/python -m pip install -q ./native_rowwise || echo "tenzro_rowwise did not build: dense products use the numba loop"
 	touch $@
 
 # llama-cpp-python (the GGUF tests' oracle) compiles llama.cpp: on every core, without its

@@ -107,6 +107,7 @@ class Execution:
         out = self.runtime.execute(model_id, layer, expert, rows, len(tokens), d_model, metered)
         lie = self.faults.corrupt(out) if metered else None
         out = out if lie is None else lie
+        output = wire.output_encoding(out, output)  # f16 asked, a value beyond its range: f32
         data = wire.encode_rows(out, output)
         sent = out if output == "f32" else wire.decode_rows(data, output, d_model, len(tokens), "outputs")
         blob_hash, quant = self.blob_identity(model_id, layer, expert)

@@ -226,8 +226,12 @@ def choose_carrier(requested: str, d_model: int, rows: np.ndarray | None = None)
 
     ``"auto"``: Q8_0 rows when ``d_model % 32 == 0`` (f32 otherwise) and bf16 outputs — the
     fewest bytes (1.0625 per value out), ~5e-3 relative error per value (one int8 scale per
-    32 values); ``"f16"``: f16 rows (~3e-4 per value, 2 bytes; Kvasir's v2f16 rows) and bf16
-    outputs (f32's range), f32 rows instead when ``rows`` holds a value beyond f16's range;
+    32 values); ``"f16"`` (a generation's ``auto``): f16 rows (~3e-4 per value, 2 bytes;
+    Kvasir's v2f16 rows), f32 rows instead when ``rows`` holds a value beyond f16's range, and
+    f16 outputs (a holder answers f32 for a batch beyond f16's range: ``output_encoding``).
+    bf16 outputs (8 mantissa bits, ~2e-3 per value) flipped near-tie routing choices a
+    generation's later layers make (prompt-logit cosine 0.9962 on a Kimi-K2-like model,
+    0.9999998 with f16 outputs: ``bench/carrier_error.py``);
     ``"f32"``: exact rows both ways; ``"q8_0"``: Q8_0 both ways. Raises ``WireError`` for an
     unknown value or ``"q8_0"`` with ``d_model % 32 != 0``.
     """
@@ -235,8 +239,8 @@ def choose_carrier(requested: str, d_model: int, rows: np.ndarray | None = None)
         return ("q8_0" if d_model % 32 == 0 else "f32"), "bf16"
     if requested == "f16":
         if rows is not None and rows.size and float(np.max(np.abs(rows))) >= F16_MAX:
-            return "f32", "bf16"
-        return "f16", "bf16"
+            return "f32", "f16"
+        return "f16", "f16"
     if requested == "f32":
         return "f32", "f32"
     if requested == "q8_0":
@@ -244,6 +248,18 @@ def choose_carrier(requested: str, d_model: int, rows: np.ndarray | None = None)
             raise WireError(f"carrier q8_0 needs d_model divisible by 32, got {d_model}", "carrier")
         return "q8_0", "q8_0"
     raise WireError(f"carrier must be one of {', '.join(CARRIER_CHOICES)}; got {requested!r}", "carrier")
+
+
+def output_encoding(rows: np.ndarray, requested: str) -> str:
+    """The encoding a holder answers ``rows`` (f32 ``[n, H]``) in for a request's ``output``:
+    ``requested``, except ``"f32"`` for ``"f16"`` when a finite value is beyond f16's range
+    (the answer's ``output`` field names it; non-finite values stay refused by
+    ``encode_rows``)."""
+    if requested == "f16" and rows.size:
+        peak = float(np.max(np.abs(rows)))
+        if np.isfinite(peak) and peak >= F16_MAX:
+            return "f32"
+    return requested
 
 
 def encode_rows(rows: np.ndarray, kind: str) -> bytes:

@@ -33,12 +33,13 @@ from prepare.dense import dense_model_id
 from registry.models import MoeModel
 
 
-# What ``carrier: "auto"`` means for a whole-model generation: f16 rows out, bf16 back
+# What ``carrier: "auto"`` means for a whole-model generation: f16 rows out and back
 # (``wire.choose_carrier("f16")``). Every token crosses the wire at every layer, so the
 # carrier's error compounds over depth: Q8_0 rows (the layer forward's "auto", ~5e-3 per
 # value) put 1.2 % error on the DeepSeek fixture's residual stream by its third layer and
 # flipped a near-tie routing choice there (prompt-logit cosine 0.9964); f16 rows (~3e-4) keep
-# it at 0.24 % (cosine 0.999995).
+# it at 0.24 % (cosine 0.999995). bf16 rows back (~2e-3) flipped routing in a Kimi-K2-like
+# model's last layer (cosine 0.9962; 0.9999998 with f16 back: bench/carrier_error.py).
 GENERATION_AUTO_CARRIER = "f16"
 
 

@@ -286,8 +286,9 @@ async def reexecute(s: ReceiptSample, carrier: bytes) -> tuple[np.ndarray, str]:
                            "holder other than the accused", "key", blob_uri=blob_uri(s.blob_hash) if s.blob_hash
                            else None)
     out = np.asarray(out, dtype=np.float32)
-    if s.output_kind != "f32":
-        out = wire.decode_rows(wire.encode_rows(out, s.output_kind), s.output_kind, s.d_model, n, "outputs")
+    kind = wire.output_encoding(out, s.output_kind)  # as the holder chose (f32 for f16 out of range)
+    if kind != "f32":
+        out = wire.decode_rows(wire.encode_rows(out, kind), kind, s.d_model, n, "outputs")
     return out, who
 
 

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import load_file
-from threadpoolctl import threadpool_limits
 
 from moe import wire
 from moe.ffn import expert_forward, moe_layer_forward
@@ -49,9 +48,10 @@ def monolithic(checkpoint: Checkpoint, layer: int, hidden_states: np.ndarray, qu
     spec = spec_from_config(checkpoint.config)
     gate = load_gate(checkpoint, spec, layer)
     plan = parse_quant_plan(quant)
-    with threadpool_limits(limits=1):  # as holder agents run BLAS (--blas-threads 1): same summation order
-        out, _ = moe_layer_forward(gate, lambda e: quantize_expert(load_expert(checkpoint, spec, layer, e), plan)[0],
-                                   hidden_states)
+    # Every product is moe.rowwise's fixed order: the same bits as the holders whatever the
+    # BLAS/OpenMP thread counts on either side.
+    out, _ = moe_layer_forward(gate, lambda e: quantize_expert(load_expert(checkpoint, spec, layer, e), plan)[0],
+                               hidden_states)
     return out
 
 
@@ -131,9 +131,8 @@ def verify_dense_layers(rpc, model_id: str, checkpoint: str | Path, reference: s
                                              "hidden_states": wire.rows_to_b64(x), "carrier": "f32"})
         ms = (time.perf_counter() - t0) * 1e3
         out = wire.rows_from_b64(res["outputs"], int(x.shape[1]), field="outputs")
-        with threadpool_limits(limits=1):
-            whole = expert_forward(w, x)
-            split = split_forward(split_dense(w, parts), x)
+        whole = expert_forward(w, x)
+        split = split_forward(split_dense(w, parts), x)
         rel = max_rel_err(out, whole)
         absdiff = float(np.max(np.abs(out - split)))
         rows.append({"layer": layer, "tokens": int(x.shape[0]), "parts": res["parts"], "holders": len(res["holders"]),

@@ -75,6 +75,20 @@ def rpc(url: str, method: str, params: dict, token: str | None = None, timeout: 
                       headers=headers, timeout=timeout).json()
 
 
+def rpc_served(url: str, method: str, params: dict, token: str | None = None, timeout: float = 300.0) -> dict:
+    """``rpc`` that, as the API tells a client, retries a -32005 Busy answer (the router refused or
+    gave up on work because it was itself saturated: "not the holder's fault") after its
+    ``retry_after_s``, until ``timeout`` seconds have passed; returns the first other response
+    (a result or another error) or, past the deadline, the last Busy one."""
+    deadline = time.time() + timeout
+    while True:
+        resp = rpc(url, method, params, token, timeout=max(10.0, deadline - time.time()))
+        err = resp.get("error") or {}
+        if err.get("code") != -32005 or time.time() >= deadline:
+            return resp
+        time.sleep(min(float((err.get("data") or {}).get("retry_after_s", 1.0)), max(0.0, deadline - time.time())))
+
+
 def wait_for(cond, timeout: float, what: str, poll_s: float = 0.5):
     """Poll ``cond()`` until it returns something truthy (returned) or ``timeout`` seconds pass
     (``AssertionError`` naming ``what``): a generous deadline, never a fixed sleep."""

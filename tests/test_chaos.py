@@ -31,7 +31,7 @@ from moe.ffn import expert_forward
 from moe.gating import route
 from prepare.checkpoint import Checkpoint
 from prepare.layouts import load_expert, load_gate, spec_from_config
-from tests.cluster_util import blackhole_agent, env_for, rpc, running_cluster, wait_for
+from tests.cluster_util import blackhole_agent, env_for, rpc, rpc_served, running_cluster, wait_for
 from tests.conftest import QWEN, REDIS_URL, needs_services
 
 pytestmark = pytest.mark.cluster
@@ -44,9 +44,11 @@ DEADLINE_S = 8.0
 
 
 def forward(info, x, **extra):
-    return rpc(info["rpc"], "tenzro_moeForward", {"model_id": MODEL, "layer": LAYER, "d_model": int(x.shape[1]),
-                                                  "carrier": "f32", "hidden_states": wire.b64encode(wire.encode_f32(x)),
-                                                  **extra}, timeout=120)
+    """One forward; a -32005 Busy (the router saturated by 20 concurrent forwards on a loaded
+    machine, no holder at fault) is retried as its ``retry_after_s`` says, as a client would."""
+    return rpc_served(info["rpc"], "tenzro_moeForward", {"model_id": MODEL, "layer": LAYER, "d_model": int(x.shape[1]),
+                                                         "carrier": "f32",
+                                                         "hidden_states": wire.b64encode(wire.encode_f32(x)), **extra})
 
 
 def outputs(resp, d):
@@ -136,15 +138,15 @@ def test_chaos_scenes(tmp_path, transport):
         shard, stalled = busiest_primary()
         os.kill(agents[stalled], signal.SIGSTOP)
         try:
-            t0 = time.perf_counter()
             resp = forward(info, x)
-            took = time.perf_counter() - t0
         finally:
             os.kill(agents[stalled], signal.SIGCONT)
         assert np.array_equal(outputs(resp, d), base[0])
         fails = resp["result"]["failures"]
-        assert fails and all(f["provider"] == stalled and "deadline" in f["error"] for f in fails)
-        assert took < DEADLINE_S * 3, f"backup took over after {took:.2f} s"
+        # "the 8 s deadline": the backup took over when the deadline passed, not when the attempt
+        # timed out ("no answer within 30 s"); read from the record, not from a wall clock
+        assert fails and all(f["provider"] == stalled and f"the {DEADLINE_S:g} s deadline" in f["error"]
+                             for f in fails), fails
 
         # 3. SIGKILL a holder while its batches are in flight: identical output.
         shard, _ = busiest_primary()

@@ -436,3 +436,30 @@ def test_a_holder_refusing_one_request_or_the_whole_batch_as_malformed_is_not_bl
     assert isinstance(out[1], messages.Rejected) and isinstance(out[2], HolderFault)
     whole = messages.batch_answers(messages.failure("b", -32600, "not a batch"), b"", reqs, "ws", 10, 10)
     assert all(isinstance(o, messages.Rejected) for o in whole)
+
+
+def test_f16_outputs_and_f32_for_a_batch_beyond_f16_range(holder):
+    """A generation's wire (f16 rows out, f16 back, issue 24 item 2): an answer in f16 within
+    half a unit in the last place, and a batch whose outputs pass f16's range answered in f32,
+    exactly; receipts verify either way."""
+    agent, x, _ = holder
+    big = x * np.float32(2e3)  # expert outputs far beyond 65504
+    reqs = requests(x, carrier="f32", output="f16")[:1] + requests(big, carrier="f32", output="f16")[:1]
+
+    async def go():
+        server = await serve_http(agent.execution.http_rpc, "127.0.0.1", 0, agent.execution.http_frame)
+        endpoint = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/rpc"
+        client = HttpHolderClient(30)
+        try:
+            return [await client.execute_frame(endpoint, r) for r in reqs]
+        finally:
+            await client.close()
+            server.close()
+
+    answers = asyncio.run(go())
+    exact = [agent.runtime.execute(MODEL, LAYER, r.expert, wire.decode_rows(r.payload, "f32", r.d_model, len(r.tokens)),
+                                   len(r.tokens), r.d_model, False) for r in reqs]
+    assert np.abs(exact[1]).max() > wire.F16_MAX
+    np.testing.assert_array_equal(answers[0].rows, exact[0].astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(answers[1].rows, exact[1])
+    check(agent, reqs, answers, answers)

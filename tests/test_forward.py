@@ -158,8 +158,13 @@ def test_receipt_binds_tokens_and_carrier(out_rows):
 def test_carrier_choice_and_q8_rows():
     assert wire.choose_carrier("auto", 256) == ("q8_0", "bf16")
     assert wire.choose_carrier("auto", 100) == ("f32", "bf16")
-    assert wire.choose_carrier("f16", 100) == ("f16", "bf16")
-    assert wire.choose_carrier("f16", 4, np.array([[1.0, -7e4, 0, 0]], np.float32)) == ("f32", "bf16")
+    assert wire.choose_carrier("f16", 100) == ("f16", "f16")  # a generation's auto: f16 both ways (issue 24)
+    assert wire.choose_carrier("f16", 4, np.array([[1.0, -7e4, 0, 0]], np.float32)) == ("f32", "f16")
+    # a holder answers f32 for a batch beyond f16's range, f16 otherwise; other encodings unchanged
+    assert wire.output_encoding(np.array([[1.0, -7e4]], np.float32), "f16") == "f32"
+    assert wire.output_encoding(np.array([[1.0, -6e4]], np.float32), "f16") == "f16"
+    assert wire.output_encoding(np.array([[1.0, -7e4]], np.float32), "bf16") == "bf16"
+    assert wire.output_encoding(np.zeros((0, 2), np.float32), "f16") == "f16"
     assert wire.choose_carrier("f32", 256) == ("f32", "f32")
     with pytest.raises(wire.WireError, match="divisible by 32"):
         wire.choose_carrier("q8_0", 100)

@@ -61,3 +61,25 @@ def test_verify_forward_on_added_families(tmp_path, name, quant):
             assert np.isclose(r["max_rel_err_vs_reference"], r["max_rel_err_vs_dense"], rtol=0.2, atol=1e-5)
         else:
             assert r["max_rel_err_vs_reference"] <= 1e-5
+
+
+@pytest.mark.cluster
+def test_verify_forward_is_exact_with_any_blas_thread_count(tmp_path):
+    """Issue 24 item 1: a DeepSeek-V3-shaped layer (64 routed experts, 8 groups keeping 3, top-6,
+    2 shared experts of d_ff 256 each, H 256) gives sharded == monolithic bit for bit with 1, 2
+    and 4 OpenBLAS/OpenMP threads on both sides (site and holder agents inherit the setting)."""
+    from tests.synth import make_checkpoint as make_synth
+
+    ckpt = make_synth(tmp_path / "ds", "deepseek_v3", hidden=256, d_ff=256, experts=64, top_k=6, n_group=8,
+                      topk_group=3, n_shared=2, scale=2.5, tokens=32)
+    for threads in ("1", "2", "4"):
+        (tmp_path / threads).mkdir()
+        env = env_for(tmp_path / threads)
+        env.update(OPENBLAS_NUM_THREADS=threads, OMP_NUM_THREADS=threads)
+        cmd = [sys.executable, str(ROOT / "manage.py"), "verify_forward", "--checkpoint", str(ckpt),
+               "--reference", str(ckpt / "reference.safetensors"), "--holders", "3", "--json"]
+        res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, f"{threads} threads: {res.stdout}{res.stderr}"
+        report = json.loads(res.stdout.strip().splitlines()[-1])
+        assert [r["max_abs_diff_vs_monolithic"] for r in report["layers"]] == [0.0], threads
+        assert report["layers"][0]["max_rel_err_vs_reference"] <= 1e-5

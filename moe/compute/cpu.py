@@ -1,7 +1,7 @@
 """CPU backend of the compute seam: ``Y = X·Wᵀ`` for dense float32 and GGUF-quantized weights.
 
-- Dense float32: BLAS GEMMs of a fixed row-block shape (``moe.rowwise.matmul_xt``, numpy's
-  OpenBLAS), so each row's result is the same whatever the batch's size (batch invariance).
+- Dense float32: ``moe.rowwise.matmul_xt``, one fixed summation order per output, so each
+  row's result is the same whatever the batch, the thread count and the CPU.
 - Quantized (Q8_0 / Q4_K / Q6_K), batches up to ``native_batch`` rows (default 64 on the AVX-512
   VNNI path, 32 otherwise, measured in ``bench/bench_expert.py --switch``) when the native
   extension is built (``moe.kernels``):
