@@ -318,3 +318,57 @@ def test_openai_sdk_chat_parts_models_retrieve_and_limits(words, sdk):
     assert isinstance(image, openai.BadRequestError) and "text only" in image.message
     assert isinstance(huge, openai.BadRequestError) and isinstance(big, openai.BadRequestError)
     assert huge.message.replace("100000", "N") == big.message.replace("9000", "N")
+
+
+# -- item 10: a JSON-RPC generation whose client left ---------------------------------------------
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_rpc_generation_is_cancelled_when_its_client_disconnects(words, batch):
+    """``tenzro_moeGenerate`` (alone or in a JSON-RPC batch) through the site's ASGI
+    application: once tokens flow the client disconnects (``http.disconnect``, what daphne
+    sends when the socket closes); the request leaves the scheduler at its next step instead of
+    generating all 8 × 100 tokens."""
+    from router.apps import current
+    from tenzro_site.asgi import application
+
+    tokens = current().metrics.tokens.labels(words)
+    call = {"jsonrpc": "2.0", "id": 1, "method": "tenzro_moeGenerate",
+            "params": {"model_id": words, "input_ids": [PROMPT] * 8, "max_new_tokens": 100}}
+    body = json.dumps([call] if batch else call).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/rpc", "raw_path": b"/rpc", "root_path": "", "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"host", b"testserver")],
+             "client": ("127.0.0.1", 50000), "server": ("testserver", 80)}
+
+    async def go() -> tuple[float, float]:
+        start = tokens._value.get()
+        left = asyncio.Event()
+        sent = []
+
+        async def receive():
+            if not sent:
+                sent.append(1)
+                return {"type": "http.request", "body": body, "more_body": False}
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            pass
+
+        app = asyncio.ensure_future(application(scope, receive, send))
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 120
+        while tokens._value.get() == start and loop.time() < end:
+            await asyncio.sleep(0.05)
+        left.set()
+        await asyncio.wait_for(app, 120)
+        last, quiet = tokens._value.get(), loop.time()
+        while loop.time() - quiet < 2.0 and loop.time() < end + 120:  # the worker thread stopped
+            await asyncio.sleep(0.1)
+            if tokens._value.get() != last:
+                last, quiet = tokens._value.get(), loop.time()
+        return start, last
+
+    start, last = asyncio.run(go())
+    assert last > start, "the generation never started"
+    assert last - start < 8 * 100 / 2, f"{last - start} tokens generated after the client left"

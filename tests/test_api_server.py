@@ -95,6 +95,11 @@ def test_a_generation_whose_client_left_is_cancelled(site, batch):
     tokens; the client closes its socket once tokens flow. The scheduler drops the request at
     its next step: far fewer than the 960 tokens are generated."""
     before = _settled(site)
+    warm = httpx.post(site["rpc"], json={"jsonrpc": "2.0", "id": 1, "method": "tenzro_moeGenerate", "params": {
+        "model_id": site["model_id"], "input_ids": [1, 2, 3], "max_new_tokens": 2}}, timeout=120).json()
+    assert len(warm["result"]["output_ids"]) == 2, warm
+    assert _generated(site) >= before + 2, httpx.get(site["url"] + "/metrics", timeout=30).text[-3000:]
+    before = _generated(site)
     call = {"jsonrpc": "2.0", "id": 1, "method": "tenzro_moeGenerate",
             "params": {"model_id": site["model_id"], "input_ids": [[1, 2, 3]] * 8, "max_new_tokens": 120}}
     body = json.dumps([call] if batch else call).encode()
