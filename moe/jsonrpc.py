@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 PARSE_ERROR = -32700
@@ -97,11 +98,75 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON (non-finite numbers are refused)")
 
 
-def loads(body: str | bytes) -> Any:
-    """``json.loads`` for request bodies: the non-standard ``NaN``/``Infinity`` literals are
-    refused (``ValueError``, answered -32700), since echoing them would make the response
-    invalid JSON. Also raises ``ValueError`` (bad UTF-8 or JSON) and ``RecursionError``."""
-    return json.loads(body, parse_constant=_no_constant)
+MAX_DEPTH = 64  # nesting of arrays/objects a request body may have (every surface's bodies need < 10)
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)  # a JSON string literal (unrolled loop)
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")  # an escape, or one passed raw
+
+
+def _too_deep(raw: bytes, limit: int) -> bool:
+    """Whether the arrays/objects of JSON text ``raw`` nest deeper than ``limit`` (or its
+    brackets do not balance), found without recursion: strings dropped, brackets kept, then
+    each pass removes the innermost ``[]``/``{}`` pairs (one level); C-speed passes, at most
+    ``limit`` of them, none when the body has fewer brackets than ``limit``."""
+    opened = 0
+    for bracket in (b"[", b"{"):  # find() is memchr: a large body with few brackets costs ~2 scans
+        i = raw.find(bracket)
+        while i >= 0 and opened <= limit:
+            opened += 1
+            i = raw.find(bracket, i + 1)
+    if opened <= limit:
+        return False
+    s = _STRING.sub(b"", raw).translate(None, _NOT_BRACKET)
+    for _ in range(limit):
+        if not s:
+            return False
+        # mark, then drop: "{[]}" loses one level per pass, not two
+        s = s.replace(b"[]", b"\0").replace(b"{}", b"\0").replace(b"\0", b"")
+    return bool(s)
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The path (``messages[0].content``) of the first string (key or value) in parsed JSON
+    ``value`` holding a lone UTF-16 surrogate (not Unicode text: no UTF-8 encoding, no
+    tokenizer, no database takes it), or None. Iterative: the depth is already bounded."""
+    todo = [("", value)]
+    while todo:
+        path, v = todo.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                todo.append((f"{path}.{k}" if path else str(k), k))
+                todo.append((f"{path}.{k}" if path else str(k), item))
+        elif isinstance(v, list):
+            todo.extend((f"{path}[{i}]", item) for i, item in enumerate(v))
+    return None
+
+
+def loads(body: str | bytes, max_depth: int = MAX_DEPTH) -> Any:
+    """``json.loads`` for request bodies, the one parser of every JSON view and endpoint.
+
+    Refused with ``ValueError`` (bad UTF-8 or JSON, an integer over Python's 4,300-digit
+    limit) or ``ParamError`` (a ``ValueError`` naming ``field`` when it can): the
+    non-standard ``NaN``/``Infinity`` literals (echoing them would make the response invalid
+    JSON); arrays/objects nested deeper than ``max_depth`` (checked before parsing, so no
+    ``RecursionError`` and no deep structure for later code to recurse into); a string with
+    a lone UTF-16 surrogate such as ``"\\ud800"`` (valid JSON syntax but not Unicode text:
+    it cannot be encoded, tokenized or stored), ``field`` being its path."""
+    raw = body.encode("utf-8", "surrogatepass") if isinstance(body, str) else bytes(body)
+    if _too_deep(raw, max_depth):
+        raise ParamError(f"JSON nested too deeply: arrays and objects may nest at most {max_depth} levels")
+    value = json.loads(raw, parse_constant=_no_constant)
+    if (b"\\" in raw or b"\xed" in raw) and _MAYBE_SURROGATE.search(raw) is not None:
+        path = _lone_surrogate(value)
+        if path is not None:
+            raise ParamError(f"{path}: a string holds a lone UTF-16 surrogate (such as \\ud800), which is not "
+                             f"Unicode text", path)
+    return value
 
 
 def valid_id(req_id: Any) -> bool:

@@ -1,16 +1,17 @@
 """Thin HTTP views of the expert-coverage market (``registry.market``; Kvasir contract §1.0).
 
 Paths answer with and without a trailing slash (never a redirect); bodies are JSON (empty =
-``{}``; unparseable or over ``MAX_BODY`` → 400 "request body is not JSON"); every error is
+``{}``; unparseable or over ``MAX_BODY`` → 400 "request body is not JSON", nested deeper than
+``moe.jsonrpc.MAX_DEPTH`` or holding a lone surrogate → 400 "request body refused: …"); every error is
 ``{"error": "<sentence>"}``.
 """
 from __future__ import annotations
 
-import json
-
 from django.http import JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
+from moe import jsonrpc
+from moe.jsonrpc import ParamError
 from registry import market
 
 MAX_BODY = 1 << 20
@@ -29,8 +30,10 @@ def _body(request) -> dict:
     if not raw.strip():
         return {}
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        body = jsonrpc.loads(raw)
+    except ParamError as exc:  # nested too deeply, a lone surrogate
+        raise market.MarketError(400, f"request body refused: {exc}") from None
+    except ValueError:  # bad UTF-8 or JSON
         raise market.MarketError(400, "request body is not JSON") from None
     if not isinstance(body, dict):
         raise market.MarketError(400, "request body is not JSON")

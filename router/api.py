@@ -256,7 +256,8 @@ class GenerateParams(serializers.Serializer):
     model_id = serializers.CharField(max_length=200)
     input_ids = IdsOrTextField(required=False)
     prompt = IdsOrTextField(required=False)
-    max_new_tokens = serializers.IntegerField(min_value=1, max_value=65536, required=False, default=16)
+    max_new_tokens = serializers.IntegerField(min_value=1, required=False, default=16,
+                                              help_text="its upper limit: router.generate.new_token_limit")
     temperature = serializers.FloatField(min_value=0.0, max_value=100.0, required=False, default=0.0)
     top_p = serializers.FloatField(required=False, default=1.0, help_text="in (0, 1]")
     top_k = serializers.IntegerField(min_value=0, required=False, default=0)

@@ -21,7 +21,8 @@ from django.conf import settings
 
 from moe.backbone import BackboneError
 from moe.backbone.weights import BACKBONE_KEY
-from router.generate import check_size, decode_text, encode_prompts, generation_carrier, served_model
+from router.detokenize import settled_text
+from router.generate import check_size, encode_prompts, generation_carrier, served_model
 from moe.handoff import chunk_size, sampling_to_header
 from router.ws import AgentLink, AgentUnavailable
 from registry.models import MoeModel, Provider
@@ -143,6 +144,6 @@ async def generate_handoff(model_id: str, prompt, sampling, carrier: str = "auto
               "decode_tokens_per_s": (round((new - len(outs)) / (out["decode_ms"] / 1e3), 3)
                                       if out["decode_ms"] > 0 else None)}
     if served.tokenizer is not None:
-        texts = [decode_text(served, o) for o in outs]
+        texts = [settled_text(served.detokenizer(sampling), o) for o in outs]
         result["text"] = texts[0] if single else texts
     return result

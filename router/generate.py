@@ -23,8 +23,9 @@ from django.conf import settings
 
 from router import services
 from router.apps import current
+from router.detokenize import MAX_STOP_CHARS, Detokenizer
 from router.forward import ForwardResult
-from router.scheduler import Request, kv_reservation, scheduler_for
+from router.scheduler import Request, scheduler_for
 from moe.backbone import Backbone, BackboneError
 from moe.backbone.decode import Sampling, Sequence
 from moe.backbone.weights import BACKBONE_KEY, load_backbone
@@ -65,6 +66,15 @@ class ServedModel:
     dense_layers: frozenset[int]
     tokenizer: object | None
     chat_template: ChatTemplate | None = None
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids``: the tokenizer's decode (special tokens skipped), or without a
+        tokenizer the ids written out in decimal, separated by spaces."""
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else " ".join(str(t) for t in ids)
+
+    def detokenizer(self, sampling: Sampling) -> Detokenizer:
+        """A ``router.detokenize.Detokenizer`` for one sequence under ``sampling``'s stops."""
+        return Detokenizer(self.decode, sampling.stop, sampling.stop_strings)
 
 
 def served_model(model_id: str) -> ServedModel:
@@ -161,26 +171,57 @@ def encode_prompts(served: ServedModel, prompt, field: str = "input_ids") -> lis
                                 f"accepted; send token ids", field)
         texts = [prompt] if isinstance(prompt, str) else prompt
         return [np.asarray(served.tokenizer.encode(t).ids, dtype=np.int64) for t in texts]
+
+    def ids(p: list) -> np.ndarray:
+        try:
+            return np.asarray(p, dtype=np.int64)
+        except OverflowError:  # an id past int64 (2**63): outside every vocabulary
+            raise BackboneError(f"{field}: token ids must be in 0..{served.backbone.vocab_size - 1}", field) from None
+
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return [np.asarray(prompt, dtype=np.int64)]
+        return [ids(prompt)]
     if isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and
                                                    all(isinstance(t, int) and not isinstance(t, bool) for t in p)
                                                    for p in prompt):
-        return [np.asarray(p, dtype=np.int64) for p in prompt]
+        return [ids(p) for p in prompt]
     raise BackboneError(f"{field} must be a non-empty list of token ids, a list of such lists, or text", field)
 
 
-MAX_STOP_IDS = 64  # stop token ids of one generation (checked per chosen token)
+MAX_STOPS = 64  # stop token ids and stop strings of one generation (each checked per chosen token)
+
+
+def new_token_limit(served: ServedModel, prompts: list[np.ndarray]) -> tuple[int, str]:
+    """The most new tokens each of ``prompts`` may ask for here, and why: the smallest of
+    the context left after the longest prompt (OpenAI: prompt + completion ≤ context), the
+    site's ``GEN_MAX_NEW_TOKENS`` shared by the prompts, and the KV cache budget
+    (``GEN_KV_BUDGET_BYTES``) per sequence. The one limit every entry point reports."""
+    limits = settings.TENZRO
+    context = served.backbone.max_position
+    longest = max(int(p.size) for p in prompts)
+    cap = int(limits["GEN_MAX_NEW_TOKENS"])
+    budget = int(limits.get("GEN_KV_BUDGET_BYTES", 4 << 30))
+    per_token = served.backbone.kv_bytes_per_token()
+    prompt = "the longest prompt" if len(prompts) > 1 else "the prompt"
+    shared = f" shared by {len(prompts)} prompts" if len(prompts) > 1 else ""
+    return min((context - longest, f"this model's maximum context length is {context} tokens and {prompt} has "
+                                   f"{longest}"),
+               (cap // len(prompts), f"this site generates at most {cap} tokens per request{shared} "
+                                     f"(TENZRO_GEN_MAX_NEW_TOKENS)"),
+               (budget // max(1, per_token) - longest, f"a sequence may hold at most {budget} bytes of KV cache "
+                                                      f"({per_token} per token; TENZRO_KV_BUDGET_BYTES) and "
+                                                      f"{prompt} has {longest} tokens"),
+               key=lambda lim: lim[0])
 
 
 def check_size(served: ServedModel, prompts: list[np.ndarray], sampling: Sampling, prompt_field: str = "input_ids",
                tokens_field: str = "max_new_tokens") -> None:
     """Refuse a generation before any work: more prompts than ``GEN_MAX_PROMPTS``, more prompt
-    tokens together than ``GEN_MAX_PROMPT_TOKENS``, more new tokens together (prompts ×
-    ``max_new_tokens``) than ``GEN_MAX_NEW_TOKENS`` (settings ``TENZRO_GEN_*``), an id outside
-    the vocabulary, a prompt that leaves no room in the context, more than ``MAX_STOP_IDS``
-    stop ids or one outside the vocabulary. The one place every generation entry point
-    (``tenzro_moeGenerate``, the OpenAI endpoints) checks its size.
+    tokens together than ``GEN_MAX_PROMPT_TOKENS`` (settings ``TENZRO_GEN_*``), an id outside
+    the vocabulary, a prompt that leaves no room in the context, more new tokens than
+    ``new_token_limit`` (one limit, one message, whichever bound binds), more than
+    ``MAX_STOPS`` stops, a stop id outside the vocabulary or a stop string over
+    ``MAX_STOP_CHARS``. The one place every generation entry point (``tenzro_moeGenerate``,
+    the OpenAI endpoints) checks its size.
 
     Raises ``BackboneError`` naming ``prompt_field`` / ``tokens_field`` / ``stop``.
     """
@@ -194,11 +235,6 @@ def check_size(served: ServedModel, prompts: list[np.ndarray], sampling: Samplin
         raise BackboneError(f"{prompt_field}: {total} prompt tokens; this site takes at most "
                             f"{limits['GEN_MAX_PROMPT_TOKENS']} per request (TENZRO_GEN_MAX_PROMPT_TOKENS)",
                             prompt_field)
-    new = len(prompts) * sampling.max_new_tokens
-    if new > limits["GEN_MAX_NEW_TOKENS"]:
-        raise BackboneError(f"{tokens_field}: {len(prompts)} prompt(s) × {sampling.max_new_tokens} new tokens = "
-                            f"{new}; this site generates at most {limits['GEN_MAX_NEW_TOKENS']} per request "
-                            f"(TENZRO_GEN_MAX_NEW_TOKENS)", tokens_field)
     for i, p in enumerate(prompts):
         where = f"{prompt_field}[{i}]" if len(prompts) > 1 else prompt_field
         if p.size == 0:
@@ -208,23 +244,19 @@ def check_size(served: ServedModel, prompts: list[np.ndarray], sampling: Samplin
         if p.size >= context:
             raise BackboneError(f"{where}: the prompt has {p.size} tokens; the context holds {context} with room "
                                 f"for one new token", prompt_field)
-    budget = int(limits.get("GEN_KV_BUDGET_BYTES", 4 << 30))
-    for p in prompts:
-        need = kv_reservation(served.backbone, int(p.size), sampling.max_new_tokens)
-        if need > budget:
-            raise BackboneError(f"{tokens_field}: a sequence of {p.size} prompt and {sampling.max_new_tokens} new "
-                                f"tokens may hold {need} bytes of KV cache, over this site's budget of {budget} "
-                                f"(TENZRO_KV_BUDGET_BYTES)", tokens_field)
-    if len(sampling.stop) > MAX_STOP_IDS:
-        raise BackboneError(f"stop: {len(sampling.stop)} stop ids; at most {MAX_STOP_IDS}", "stop")
+    limit, why = new_token_limit(served, prompts)
+    if sampling.max_new_tokens > limit:
+        raise BackboneError(f"{tokens_field}: at most {max(limit, 0)} new tokens fit this request ({why}); "
+                            f"you asked for {sampling.max_new_tokens}", tokens_field)
+    stops = len(sampling.stop) + len(sampling.stop_strings)
+    if stops > MAX_STOPS:
+        raise BackboneError(f"stop: {stops} stops; at most {MAX_STOPS}", "stop")
     for i, t in enumerate(sampling.stop):
         if not 0 <= t < vocab:
             raise BackboneError(f"stop.{i}: token id {t} is outside the vocabulary 0..{vocab - 1}", "stop")
-
-
-def decode_text(served: ServedModel, ids: list[int]) -> str | None:
-    """Text of ``ids`` when the model has a tokenizer, else None."""
-    return served.tokenizer.decode(ids) if served.tokenizer is not None else None
+    for text in sampling.stop_strings:
+        if len(text) > MAX_STOP_CHARS:
+            raise BackboneError(f"stop: a stop string has {len(text)} characters; at most {MAX_STOP_CHARS}", "stop")
 
 
 def check_capacity(served: ServedModel, prompts: int = 1) -> None:
@@ -283,8 +315,8 @@ async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "au
               "tokens_per_s": round(new / (total / 1e3), 3) if total > 0 else None,
               "decode_tokens_per_s": (round(decode_tokens / (timings["decode"] / 1e3), 3)
                                       if timings["decode"] > 0 else None)}
-    if served.tokenizer is not None:
-        texts = [decode_text(served, o) for o in outs]
+    if served.tokenizer is not None:  # each sequence's settled text: stops left out (router.detokenize)
+        texts = [s.text for s in seqs]
         result["text"] = texts[0] if single else texts
     if return_logits:
         result["prompt_logits"] = seqs[0].prompt_logits

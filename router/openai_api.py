@@ -5,26 +5,36 @@ Text in and out when the checkpoint ships ``tokenizer.json`` (``tokenizers`` lib
 otherwise ``/v1/completions`` takes token ids as ``prompt`` (a list of ints, or a list of
 such lists, as the OpenAI API allows) and answers each choice's ``text`` as the generated
 ids separated by spaces, with the ids also in ``token_ids``. ``stream: true`` answers
-Server-Sent Events (``data: {chunk}`` … ``data: [DONE]``). Chat applies the checkpoint's
-chat template (``prepare.chat``) or, without one, the plain ``<role>: <content>`` rendering.
-Extensions: ``top_k`` and ``carrier``. ``stop`` takes token ids, or strings that are one
-token each (at most ``MAX_STOP_IDS``, each inside the vocabulary). ``GET /v1/models`` lists the
-models this site generates with. Errors follow OpenAI's shape ``{"error": {"message", "type",
-"param", "code"}}`` with HTTP 400/404/413 (any other ``/v1/`` path: JSON 404).
+Server-Sent Events (``data: {chunk}`` … ``data: [DONE]``); each chunk carries only newly
+settled text: whole characters (a character split over byte tokens waits for its last
+byte) and nothing a stop string may still claim (``router.detokenize``). Chat applies the
+checkpoint's chat template (``prepare.chat``) or, without one, the plain ``<role>:
+<content>`` rendering; a message's ``content`` is a string or a list of text parts
+(``[{"type": "text", "text": …}]``, joined by newlines). Extensions: ``top_k`` and
+``carrier``. ``stop`` takes strings of any length (matched on the decoded text, across
+token boundaries, and left out of the answer like OpenAI's) and, as an extension, token
+ids; at most ``MAX_STOPS``. ``GET /v1/models`` lists the models this site generates with,
+``GET /v1/models/{model}`` retrieves one. Errors follow OpenAI's shape ``{"error":
+{"message", "type", "param", "code"}}`` with HTTP 400/404/413/429 (any other ``/v1/`` path:
+JSON 404; an unexpected failure: JSON 500, never an HTML page).
 
 Parameters, like OpenAI's own server: a field it does not know is refused (400 "unrecognized
 request argument", naming it); OpenAI parameters this server cannot honour (``logprobs``,
 ``top_logprobs``, ``echo``, ``best_of`` > 1, ``logit_bias``, ``suffix``, non-zero
 ``presence_penalty``/``frequency_penalty``) are accepted only at their no-op value (null,
 false, 1, {} or 0) and otherwise refused (400 "... is not supported", naming it); ``user`` is
-accepted and ignored. Every check, including the generation size (``router.generate.check_size``),
-runs before a stream starts, so a bad request gets its 4xx, never a 200 stream with an error.
-A client that disconnects cancels its generation (``router.generate.generate``).
+accepted and ignored. ``max_tokens`` has one upper limit, reported in one message: the
+smallest of the context left after the prompt, the site's new-token cap and the KV budget
+(``router.generate.new_token_limit``). Every check, including the generation size
+(``router.generate.check_size``), runs before a stream starts, so a bad request gets its
+4xx, never a 200 stream with an error. A client that disconnects cancels its generation
+(``router.generate.generate``).
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 
@@ -34,31 +44,36 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from moe import wire
+from moe import jsonrpc, wire
+from moe.jsonrpc import ParamError
 from router.admission import Busy, check_forward_rate
 from moe.backbone import BackboneError
 from moe.backbone.decode import Sampling
 from prepare.chat import ChatTemplateError, plain_chat
 from router.forward import ForwardError
-from router.generate import (MAX_STOP_IDS, NoBackbone, ServedModel, check_capacity, check_size, decode_text,
-                              encode_prompts, generate, served_models, served_model)
+from router.detokenize import settled_text
+from router.generate import (MAX_STOPS, NoBackbone, ServedModel, check_capacity, check_size, encode_prompts, generate,
+                             served_models, served_model)
 from moe.runtime import GateNotLoaded
+
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
-    """An OpenAI-style error answer: HTTP ``status``, ``message`` and the offending ``param``."""
+    """An OpenAI-style error answer: HTTP ``status``, ``message``, the offending ``param``,
+    ``kind`` (OpenAI's ``type``) and ``code`` (``model_not_found``, …; None by default)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 retry_after_s: float | None = None):
+                 retry_after_s: float | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
-        self.retry_after_s = retry_after_s
+        self.retry_after_s, self.code = retry_after_s, code
 
     def response(self) -> JsonResponse:
         """The error as JSON with its HTTP status (and ``Retry-After`` when one is known)."""
         headers = {"Retry-After": str(max(1, int(self.retry_after_s + 0.999)))} if self.retry_after_s else None
         return JsonResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": None}}, status=self.status, headers=headers)
+                                       "code": self.code}}, status=self.status, headers=headers)
 
 
 def _body(request: HttpRequest) -> dict:
@@ -68,9 +83,11 @@ def _body(request: HttpRequest) -> dict:
         raise ApiError(413, f"request body is over the {settings.DATA_UPLOAD_MAX_MEMORY_SIZE}-byte limit "
                             f"(TENZRO_MAX_BODY)") from None
     try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # bad UTF-8/JSON, a 4,300-digit integer, deep nesting
-        raise ApiError(400, f"request body is not JSON: {str(exc)[:200] or 'nested too deeply'}") from None
+        body = jsonrpc.loads(raw)
+    except ParamError as exc:  # nested too deeply, a lone surrogate (named by its path)
+        raise ApiError(400, f"request body refused: {exc}", exc.field) from None
+    except ValueError as exc:  # bad UTF-8/JSON, a 4,300-digit integer
+        raise ApiError(400, f"request body is not JSON: {str(exc)[:200]}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     return body
@@ -128,27 +145,30 @@ def _flag(body: dict, name: str) -> bool:
     return bool(v)
 
 
-def _stop_ids(served: ServedModel, stop) -> tuple[int, ...]:
+def _stops(served: ServedModel, stop) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``stop`` as (token ids, strings): a string or a list of strings (OpenAI's stop
+    sequences, any length: matched on the decoded text, ``router.detokenize``) and, as an
+    extension, token ids."""
     if stop is None:
-        return ()
+        return (), ()
     items = [stop] if isinstance(stop, (str, int)) else stop
     if not isinstance(items, list):
         raise ApiError(400, "stop must be a string, a token id or a list of them", "stop")
-    if len(items) > MAX_STOP_IDS:
-        raise ApiError(400, f"stop: {len(items)} stops; at most {MAX_STOP_IDS}", "stop")
-    ids = []
+    if len(items) > MAX_STOPS:
+        raise ApiError(400, f"stop: {len(items)} stops; at most {MAX_STOPS}", "stop")
+    ids, strings = [], []
     for s in items:
         if isinstance(s, int) and not isinstance(s, bool):
             ids.append(s)
         elif isinstance(s, str) and served.tokenizer is not None:
-            enc = served.tokenizer.encode(s, add_special_tokens=False).ids
-            if len(enc) != 1:
-                raise ApiError(400, f"stop string {s!r} is {len(enc)} tokens; only single-token stops are supported",
-                               "stop")
-            ids.append(enc[0])
-        else:
+            if not s:
+                raise ApiError(400, "stop: a stop string must not be empty", "stop")
+            strings.append(s)
+        elif isinstance(s, str):
             raise ApiError(400, "stop strings need a model with tokenizer.json; give token ids", "stop")
-    return tuple(ids)
+        else:
+            raise ApiError(400, "stop must be a string, a token id or a list of them", "stop")
+    return tuple(ids), tuple(strings)
 
 
 def _tokens_field(body: dict) -> str:
@@ -160,11 +180,12 @@ def _sampling(served: ServedModel, body: dict) -> Sampling:
     if _number(body, "n", 1, int) != 1:
         raise ApiError(400, "n must be 1: one choice per prompt (send several prompts for several completions)", "n")
     field = _tokens_field(body)
-    try:
-        return Sampling(max_new_tokens=_number(body, field, 16, int, 1, 65536),
+    stop_ids, stop_strings = _stops(served, body.get("stop"))
+    try:  # the upper limit of max_tokens is check_size's (router.generate.new_token_limit), said once
+        return Sampling(max_new_tokens=_number(body, field, 16, int, 1),
                         temperature=_number(body, "temperature", 1.0, float, 0, 2),
                         top_p=_number(body, "top_p", 1.0, float), top_k=_number(body, "top_k", 0, int, 0),
-                        seed=_number(body, "seed", None, int, 0), stop=_stop_ids(served, body.get("stop")))
+                        seed=_number(body, "seed", None, int, 0), stop=stop_ids, stop_strings=stop_strings)
     except BackboneError as exc:  # top_p's range, said once (moe.backbone.decode.Sampling)
         raise ApiError(400, str(exc), exc.field) from exc
 
@@ -181,6 +202,26 @@ async def _served(body: dict) -> ServedModel:
         raise ApiError(400, str(exc), "model") from exc
 
 
+def message_text(content, where: str) -> str:
+    """A chat message's ``content`` as text: a string, or OpenAI's list of content parts
+    ``[{"type": "text", "text": …}, …]`` whose texts are joined by newlines (as vLLM's
+    OpenAI server does). Raises ``ApiError`` (400, naming ``where``) for anything else,
+    other part types (images, audio) included: this server generates from text only."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise ApiError(400, f"{where} must be a string or a non-empty list of text parts", where)
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else None
+            raise ApiError(400, f"{where}[{j}] must be {{type: \"text\", text: string}}"
+                                + (f"; {kind!r} parts are not supported (text only)" if isinstance(kind, str)
+                                   and kind != "text" else ""), where)
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def chat_prompt(served: ServedModel, messages) -> str | list[int]:
     """The prompt of a chat: the checkpoint's chat template applied to ``messages`` and
     tokenized without added special tokens (the template holds them), as token ids; or,
@@ -192,23 +233,22 @@ def chat_prompt(served: ServedModel, messages) -> str | list[int]:
     if served.tokenizer is None:
         raise ApiError(400, f"model {served.model_id!r} ships no tokenizer.json, so chat (text) is not available; "
                             f"use /v1/completions with token ids as prompt", "model")
+    turns = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ApiError(400, f"messages[{i}] must be {{role: string, content: string}}", f"messages[{i}]")
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}] must be {{role: string, content: string or text parts}}",
+                           f"messages[{i}]")
+        turns.append({"role": m["role"], "content": message_text(m.get("content"), f"messages[{i}].content")})
     if served.chat_template is None:
-        return plain_chat(messages)
+        return plain_chat(turns)
     try:
-        text = served.chat_template.render([{"role": m["role"], "content": m["content"]} for m in messages])
+        text = served.chat_template.render(turns)
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), "messages") from exc
     ids = served.tokenizer.encode(text, add_special_tokens=False).ids
     if not ids:
         raise ApiError(400, "the chat template rendered these messages as an empty prompt", "messages")
     return ids
-
-
-def _text_of(served: ServedModel, ids: list[int]) -> str:
-    return decode_text(served, ids) if served.tokenizer is not None else " ".join(str(t) for t in ids)
 
 
 async def _run(served: ServedModel, body: dict, prompt, chat: bool):
@@ -238,7 +278,7 @@ async def _run(served: ServedModel, body: dict, prompt, chat: bool):
     base = {"id": cid, "created": created, "model": served.model_id}
 
     def choice(i: int, ids: list[int], finish) -> dict:
-        text = _text_of(served, ids)
+        text = settled_text(served.detokenizer(sampling), ids)  # the scheduler's text: stops left out
         c = {"index": i, "finish_reason": finish, "token_ids": ids}
         if chat:
             c["message"] = {"role": "assistant", "content": text}
@@ -286,8 +326,8 @@ async def _stream(served: ServedModel, prompts: list[list[int]], sampling: Sampl
     sent = [0] * len(prompts)
     texts = [""] * len(prompts)
 
-    def on_tokens(seqs):
-        snap = [(s.index, list(s.output), s.finish_reason) for s in seqs]  # index: the prompt's position
+    def on_tokens(seqs):  # index: the prompt's position; text: settled (whole characters, no stop)
+        snap = [(s.index, list(s.output), s.text, s.finish_reason) for s in seqs]
         loop.call_soon_threadsafe(queue.put_nowait, ("tokens", snap))
 
     task = asyncio.ensure_future(generate(served.model_id, prompts, sampling, carrier, on_tokens=on_tokens,
@@ -308,17 +348,15 @@ async def _stream(served: ServedModel, prompts: list[list[int]], sampling: Sampl
             kind, snap = await queue.get()
             if kind == "done":
                 break
-            for i, output, finish in snap:
-                new = output[sent[i]:]
-                full = _text_of(served, output)
-                delta = full[len(texts[i]):] if full.startswith(texts[i]) else full
-                texts[i] = full
-                yield chunk(i, delta, new, finish)
-                sent[i] = len(output)
+            for i, output, text, finish in snap:
+                yield chunk(i, text[len(texts[i]):], output[sent[i]:], finish)  # settled text only grows
+                texts[i], sent[i] = text, len(output)
         exc = task.exception()
         if exc is not None:
-            err = _generation_error(exc) if isinstance(exc, (BackboneError, ForwardError, GateNotLoaded, Busy)) else \
-                ApiError(500, "generation failed", None, "server_error")
+            known = isinstance(exc, (BackboneError, ForwardError, GateNotLoaded, Busy))
+            if not known:
+                log.error("streamed generation failed", exc_info=exc)
+            err = _generation_error(exc) if known else ApiError(500, "generation failed", None, "server_error")
             yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.kind, 'param': err.param}})}\n\n"
         elif include_usage:
             res = task.result()
@@ -354,6 +392,9 @@ async def _handle(request: HttpRequest, chat: bool):
         return await _run(served, body, prompt, chat)
     except ApiError as exc:
         return exc.response()
+    except Exception:  # a bug: OpenAI clients parse JSON, never an HTML 500 page (the log has the details)
+        log.exception("OpenAI endpoint %s failed", request.path)
+        return ApiError(500, "internal error; the site log has the details", None, "server_error").response()
 
 
 @csrf_exempt
@@ -376,13 +417,29 @@ async def models(request: HttpRequest):
     if request.method != "GET":
         return ApiError(405, "use GET").response()
     rows = await database_sync_to_async(served_models)()
-    return JsonResponse({"object": "list", "data": [
-        {"id": model_id, "object": "model", "created": int(created.timestamp()), "owned_by": "tenzro"}
-        for model_id, created in rows]})
+    return JsonResponse({"object": "list", "data": [_model_object(model_id, created) for model_id, created in rows]})
+
+
+def _model_object(model_id: str, created) -> dict:
+    return {"id": model_id, "object": "model", "created": int(created.timestamp()), "owned_by": "tenzro"}
+
+
+@csrf_exempt
+async def model(request: HttpRequest, model_id: str):
+    """``GET /v1/models/{model}`` (OpenAI's retrieve): the model object of ``GET /v1/models``,
+    or 404 ``model_not_found`` for a model this site does not generate with."""
+    if request.method != "GET":
+        return ApiError(405, "use GET").response()
+    rows = dict(await database_sync_to_async(served_models)())
+    if model_id not in rows:
+        return ApiError(404, f"The model {model_id!r} does not exist on this site (GET /v1/models lists them)",
+                        "model", "invalid_request_error", code="model_not_found").response()
+    return JsonResponse(_model_object(model_id, rows[model_id]))
 
 
 @csrf_exempt
 async def not_found(request: HttpRequest, rest: str = ""):
     """Any other ``/v1/`` path: JSON 404 in OpenAI's error shape (clients parse it)."""
     return ApiError(404, f"unknown endpoint {request.method} {request.path}; this site serves GET /v1/models, "
-                         f"POST /v1/completions and POST /v1/chat/completions", None, "not_found_error").response()
+                         f"GET /v1/models/{{model}}, POST /v1/completions and POST /v1/chat/completions", None,
+                    "not_found_error").response()

@@ -8,7 +8,7 @@ one step runs the backbone once over the rows of all running sequences, so each 
 is ONE distributed forward (``Router.forward``) for all of them (per distinct carrier and
 fallback choice), and sixteen clients share each layer's round trip instead of paying
 sixteen. Sequences join and leave between steps; each keeps its own sampling (temperature,
-top-k, top-p, seed, stop ids, max tokens).
+top-k, top-p, seed, stop ids and strings, max tokens) and its text (``router.detokenize``).
 
 Prompts are prefilled in chunks: a step carries one row per decoding sequence plus at most
 ``TENZRO_PREFILL_CHUNK`` prompt rows (oldest prompt first), so a long prompt does not freeze
@@ -51,6 +51,7 @@ from django.conf import settings
 from moe.backbone import BackboneError
 from moe.backbone.decode import Sampling, Sequence, next_token
 from router.admission import Busy
+from router.detokenize import Detokenizer
 from router.forward import ForwardResult
 from router.state import ForwardOutcomes, Router
 
@@ -168,7 +169,7 @@ class Request:
 @dataclass(eq=False)
 class _Slot:
     """A sequence in the scheduler: its request, prompt rows already in the cache, KV bytes
-    reserved, when its last token came, its prompt logits so far."""
+    reserved, when its last token came, its prompt logits so far, its text (stops matched)."""
 
     request: Request
     seq: Sequence
@@ -176,6 +177,7 @@ class _Slot:
     fed: int = 0
     last_token_at: float | None = None
     logits: list = field(default_factory=list)
+    text: Detokenizer | None = None
 
 
 class ModelScheduler:
@@ -227,7 +229,7 @@ class ModelScheduler:
                 raise BackboneError(f"max_new_tokens: the sequence may grow to {need} bytes of KV cache, over this "
                                     f"site's budget of {config.kv_budget} (TENZRO_KV_BUDGET_BYTES)", "max_new_tokens")
             seq.cache = bb.new_cache()
-            slots.append(_Slot(request, seq, need))
+            slots.append(_Slot(request, seq, need, text=self.served.detokenizer(request.sampling)))
         request.future = self.loop.create_future()
         with self._cond:
             if len(self._waiting) + len(slots) > config.queue and (self._waiting or len(slots) > config.max_running):
@@ -522,10 +524,12 @@ class ModelScheduler:
                     slot.logits = []
             tok = next_token(lg[-1], req.sampling, seq.rng)
             seq.output.append(tok)
-            if tok in req.sampling.stop:
+            if slot.text.push(tok):  # a stop id or stop string (router.detokenize)
                 seq.finish_reason = "stop"
             elif len(seq.output) >= req.sampling.max_new_tokens or seq.cache.length + 1 > bb.max_position:
                 seq.finish_reason = "length"
+                slot.text.flush()
+            seq.text = slot.text.text
             if slot.last_token_at is None:
                 m.ttft.labels(model).observe(now - req.t0)
             else:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import logging
 
+from moe import jsonrpc
+from moe.jsonrpc import ParamError
 from rest_framework.exceptions import ParseError
 from rest_framework.parsers import JSONParser as DRFJSONParser
 from rest_framework.response import Response
@@ -28,11 +30,17 @@ def exception_handler(exc, context):
 
 
 class JSONParser(DRFJSONParser):
-    """DRF's JSON parser, with over-deep nesting (``RecursionError``) answered as a 400 parse error."""
+    """DRF's JSON parser through ``moe.jsonrpc.loads``, the one body parser of the site: bad
+    JSON, NaN/Infinity, nesting deeper than ``moe.jsonrpc.MAX_DEPTH`` and lone surrogates are
+    a 400 parse error (its ``field`` the path of a refused string)."""
 
     def parse(self, stream, media_type=None, parser_context=None):
-        """Parse the body; raises ``ParseError``."""
+        """Parse the body (UTF-8, as JSON requires); raises ``ParseError``."""
         try:
-            return super().parse(stream, media_type, parser_context)
-        except RecursionError:
-            raise ParseError("JSON parse error - nested too deeply") from None
+            return jsonrpc.loads(stream.read())
+        except ParamError as exc:
+            err = ParseError(f"JSON parse error - {exc}")
+            err.field = exc.field
+            raise err from None
+        except ValueError as exc:
+            raise ParseError(f"JSON parse error - {exc}") from None

@@ -148,11 +148,9 @@ async def rpc_view(request: HttpRequest) -> HttpResponse:
             {"field": "body", "limit": settings.DATA_UPLOAD_MAX_MEMORY_SIZE})), status=413)
     try:
         payload = jsonrpc.loads(body)
-    except ValueError as exc:  # bad UTF-8 or JSON, or an integer over Python's 4,300-digit limit
-        return JsonResponse(_error(None, RpcError(PARSE_ERROR, f"parse error: {str(exc)[:300]}", {"field": "body"})))
-    except RecursionError:
-        return JsonResponse(_error(None, RpcError(PARSE_ERROR, "parse error: JSON nested too deeply",
-                                                  {"field": "body"})))
+    except ValueError as exc:  # bad UTF-8 or JSON, a 4,300-digit integer, too deep, a lone surrogate
+        return JsonResponse(_error(None, RpcError(PARSE_ERROR, f"parse error: {str(exc)[:300]}",
+                                                  {"field": getattr(exc, "field", None) or "body"})))
     auth = request.headers.get("Authorization")
     client = request.META.get("REMOTE_ADDR", "?")
     if isinstance(payload, list):

@@ -1,5 +1,15 @@
 """``python -m tenzro_site.serve [daphne options]``: the site's ASGI server, the one way it is started.
 
+Slow clients: twisted's only HTTP timeout is an idle one (60 s), which a slowloris client
+sending a header line every few seconds never trips, so each connection held a descriptor
+for as long as it liked (400 of them exhausted the site's). ``RequestDeadlineChannel`` gives
+every request a deadline, as Apache's ``mod_reqtimeout`` does: its headers within
+``TENZRO_HTTP_HEADER_TIMEOUT`` seconds of its first byte (of the connection, for the first
+request), then its body within ``TENZRO_HTTP_BODY_TIMEOUT`` seconds plus one more per
+``TENZRO_HTTP_BODY_MIN_RATE`` bytes received; past it the client gets ``408`` (JSON) and the
+connection is closed. Time the application takes, idle keep-alive connections and
+WebSocket connections (after the upgrade) are not bounded by it.
+
 Daphne (through autobahn) caps a WebSocket *message* and, separately, each *frame*; both
 default to 1 MiB, and raising only the message cap still closes every agent that sends one
 frame above 1 MiB. Here both are set from ``TENZRO_WS_MAX_MESSAGE`` (settings
@@ -18,6 +28,75 @@ import sys
 APPLICATION = "tenzro_site.asgi:application"
 
 
+def deadline_channel(header_s: float, body_s: float, body_min_rate: int):
+    """The ``twisted.web.http.HTTPChannel`` subclass that enforces the request deadlines of the
+    module doc (``header_s``, ``body_s`` seconds, ``body_min_rate`` bytes per extra second)."""
+    from twisted.internet import reactor
+    from twisted.web import http
+
+    class RequestDeadlineChannel(http.HTTPChannel):
+        """An HTTP/1.1 channel whose requests must arrive by a deadline (408 and close)."""
+
+        _deadline = None
+        _body_start = 0.0
+        _body_bytes = 0
+        _between = True  # no request in progress: the next line starts one
+
+        def connectionMade(self):
+            super().connectionMade()
+            self._arm(header_s)  # the first request's headers, from the connection's start
+
+        def lineReceived(self, line):
+            if self._between:  # a request's first line (or the first of a kept-alive connection's next)
+                self._between = False
+                if self._deadline is None:
+                    self._arm(header_s)
+            super().lineReceived(line)
+
+        def allHeadersReceived(self):
+            super().allHeadersReceived()
+            self._body_start, self._body_bytes = reactor.seconds(), 0
+            self._arm(body_s)
+
+        def rawDataReceived(self, data):
+            self._body_bytes += len(data)
+            if self._deadline is not None and self._deadline.active() and body_min_rate > 0:
+                due = self._body_start + body_s + self._body_bytes / body_min_rate
+                self._deadline.reset(max(0.0, due - reactor.seconds()))
+            super().rawDataReceived(data)
+
+        def allContentReceived(self):
+            self._disarm()
+            self._between = True
+            super().allContentReceived()
+
+        def connectionLost(self, reason):
+            self._disarm()
+            super().connectionLost(reason)
+
+        def _arm(self, seconds: float) -> None:
+            self._disarm()
+            self._deadline = self.callLater(seconds, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None and self._deadline.active():
+                self._deadline.cancel()
+            self._deadline = None
+
+        def _too_slow(self) -> None:
+            self._deadline = None
+            transport = self.transport
+            if transport is None:
+                return
+            body = b'{"error": "request timeout: the request did not arrive in time"}'
+            transport.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+            transport.loseConnection()
+            self.callLater(5, transport.abortConnection)  # a peer that does not read: drop it
+
+    return RequestDeadlineChannel
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run daphne with ``argv`` plus the size caps and the application; returns when it stops."""
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tenzro_site.settings")
@@ -27,14 +106,24 @@ def main(argv: list[str] | None = None) -> None:
     from daphne.cli import CommandLineInterface  # installs the asyncio reactor: import before twisted's
     from daphne.server import Server
     from twisted.internet import reactor
+    from twisted.web.http import _GenericHTTPChannelProtocol
+
+    t = settings.TENZRO
+    channel = deadline_channel(float(t["HTTP_HEADER_TIMEOUT_S"]), float(t["HTTP_BODY_TIMEOUT_S"]),
+                               int(t["HTTP_BODY_MIN_RATE"]))
 
     class TenzroServer(Server):
-        """Daphne's server with a clean close (code 1009, not a dropped socket) over the cap."""
+        """Daphne's server with a clean close (code 1009, not a dropped socket) over the cap
+        and request deadlines for slow clients (``deadline_channel``)."""
 
         def run(self):
-            # run() builds ws_factory and then starts the reactor; protocols copy the factory's
+            # run() builds the factories and then starts the reactor; protocols copy the factory's
             # options when a connection is made, so setting them once the reactor runs covers all.
-            reactor.callWhenRunning(lambda: self.ws_factory.setProtocolOptions(failByDrop=False))
+            def configure():
+                self.ws_factory.setProtocolOptions(failByDrop=False)
+                self.http_factory.protocol = lambda: _GenericHTTPChannelProtocol(channel())
+
+            reactor.callWhenRunning(configure)
             super().run()
 
     cli = CommandLineInterface()

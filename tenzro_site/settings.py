@@ -10,7 +10,10 @@ One place maps the environment to backends (docs/DESIGN.md §4):
 - ``TENZRO_VAR_DIR`` (default ``var/``): keys, blobs, operator token, secret key.
 - ``TENZRO_BLOB_DIR`` (default ``$TENZRO_VAR_DIR/blobs``), ``TENZRO_MEMORY_BUDGET`` (bytes),
   ``TENZRO_KEY_FILE``, ``TENZRO_OPERATOR_TOKEN``, ``TENZRO_ALLOWED_HOSTS`` (comma list),
-  ``TENZRO_DEBUG`` (0/1), ``TENZRO_WS_MAX_MESSAGE`` (bytes, default 1 MiB),
+  ``TENZRO_DEBUG`` (0/1), ``TENZRO_WS_MAX_MESSAGE`` (bytes, default 1 MiB), slow-client
+  deadlines of the HTTP server (``tenzro_site.serve``): ``TENZRO_HTTP_HEADER_TIMEOUT``,
+  ``TENZRO_HTTP_BODY_TIMEOUT`` (seconds, default 20 each), ``TENZRO_HTTP_BODY_MIN_RATE``
+  (bytes per second, default 500),
   ``TENZRO_HEARTBEAT_INTERVAL`` (seconds, default 15), ``TENZRO_MAX_BODY`` (bytes),
   ``TENZRO_GOVERNANCE_MIN_REPUTATION`` (default 600), ``TENZRO_PLAN_SPLIT_THRESHOLD`` (tokens,
   default 256; 0 = never split), ``TENZRO_API_READ_RATE`` / ``TENZRO_API_WRITE_RATE`` (DRF
@@ -282,6 +285,12 @@ TENZRO = {
     "CLOCK_SKEW_S": 60,
     # Daphne's WebSocket message cap (set explicitly when we start daphne); frames stay below it.
     "WS_MAX_MESSAGE": _env_int("TENZRO_WS_MAX_MESSAGE", 1024 * 1024),
+    # Slow-client deadlines of the HTTP server (tenzro_site.serve, Apache mod_reqtimeout's
+    # defaults): a request's headers within HTTP_HEADER_TIMEOUT_S of its first byte, its body
+    # within HTTP_BODY_TIMEOUT_S plus one second per HTTP_BODY_MIN_RATE bytes received.
+    "HTTP_HEADER_TIMEOUT_S": _env_float("TENZRO_HTTP_HEADER_TIMEOUT", 20.0),
+    "HTTP_BODY_TIMEOUT_S": _env_float("TENZRO_HTTP_BODY_TIMEOUT", 20.0),
+    "HTTP_BODY_MIN_RATE": _env_int("TENZRO_HTTP_BODY_MIN_RATE", 500),
     "AGENT_HELLO_TIMEOUT_S": 10,
     "BATCH_TIMEOUT_S": _env_float("TENZRO_BATCH_TIMEOUT", 30.0),
     "RPC_RATE_PER_MINUTE": _env_int("TENZRO_RPC_RATE", 6000),

@@ -43,6 +43,7 @@ urlpatterns = [
     path("v1/completions", openai_api.completions, name="openai-completions"),
     path("v1/chat/completions", openai_api.chat_completions, name="openai-chat-completions"),
     path("v1/models", openai_api.models, name="openai-models"),
+    path("v1/models/<path:model_id>", openai_api.model, name="openai-model"),
     re_path(r"^v1/(?P<rest>.*)$", openai_api.not_found),  # OpenAI clients parse a JSON 404, not HTML
     path("api/v1/", include(api_v1)),
     # Expert-coverage market (Kvasir wire contract): with or without a trailing slash, no redirect.

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moe.backbone.common import Backbone, BackboneError, KVCache, MlpFn, softmax
+from moe.backbone.common import Backbone, BackboneError, KVCache, MlpFn
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,10 @@ class Sampling:
     """Decoding parameters. ``temperature`` 0 means greedy (argmax); ``top_k`` 0 and
     ``top_p`` 1.0 disable those filters; ``seed`` makes sampling reproducible (sequence
     ``i`` of a batch draws from ``seed + i``); a token in ``stop`` ends its sequence (it is
-    kept as the last output id). Raises ``BackboneError`` naming the field for a bad value.
+    kept as the last output id; the site's text leaves it out); a string in ``stop_strings``
+    ends it when it occurs in the decoded text (matched by the site's scheduler,
+    ``router.detokenize``: this module has no tokenizer). Raises ``BackboneError`` naming
+    the field for a bad value.
     """
 
     max_new_tokens: int = 16
@@ -31,14 +34,15 @@ class Sampling:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
 
     def __post_init__(self):
         def bad(name, why):
             raise BackboneError(f"{name} {why}", name)
 
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) \
-                or not 1 <= self.max_new_tokens <= 65536:
-            bad("max_new_tokens", f"must be an integer in 1..65536, got {self.max_new_tokens!r}")
+                or self.max_new_tokens < 1:  # the upper limit is the context's and the site's (check_size)
+            bad("max_new_tokens", f"must be an integer ≥ 1, got {self.max_new_tokens!r}")
         if not np.isfinite(self.temperature) or self.temperature < 0:
             bad("temperature", f"must be a finite number ≥ 0, got {self.temperature!r}")
         if not (0 < self.top_p <= 1):
@@ -49,23 +53,35 @@ class Sampling:
             bad("seed", f"must be an integer ≥ 0, got {self.seed!r}")
         if any(not isinstance(s, int) or s < 0 for s in self.stop):
             bad("stop", "must be a list of token ids ≥ 0")
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            bad("stop", "strings must be non-empty")
 
 
 def next_token(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
-    """One token id from float32 ``logits`` ``[vocab]`` under ``s`` (argmax when greedy)."""
+    """One token id from float32 ``logits`` ``[vocab]`` under ``s`` (argmax when greedy).
+
+    In float64 and shifted by the maximum before the temperature divides, so every accepted
+    value is safe: a subnormal temperature (``1e-310``) sends the others to ``-inf`` (the
+    greedy limit) instead of ``inf - inf = NaN``, and a ``top_p`` below float32's range
+    (``1e-300``) keeps the most likely token instead of dropping all of them.
+    """
     if s.temperature == 0:
         return int(np.argmax(logits))
-    z = logits.astype(np.float64) / s.temperature
+    z = logits.astype(np.float64)
+    with np.errstate(over="ignore"):  # (z - max) / T overflows to -inf for a tiny T: probability 0
+        z = (z - z.max()) / s.temperature
     if 0 < s.top_k < z.size:
         kth = np.partition(z, -s.top_k)[-s.top_k]
         z = np.where(z < kth, -np.inf, z)
     if s.top_p < 1.0:
         order = np.argsort(-z, kind="stable")
-        p = softmax(z[order])
+        p = np.exp(z[order])
+        p /= p.sum()
         # drop a token when the mass before it already reaches top_p (the first always stays)
         drop = (np.cumsum(p) - p) >= s.top_p
+        drop[0] = False
         z[order[drop]] = -np.inf
-    p = np.exp(z - z.max())
+    p = np.exp(z)  # the maximum is 0 and always kept: the sum is ≥ 1
     p /= p.sum()
     return int(rng.choice(z.size, p=p))
 
@@ -73,8 +89,9 @@ def next_token(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int
 @dataclass
 class Sequence:
     """One sequence being generated: ``prompt`` ids, ``output`` ids, its cache, its RNG,
-    ``finish_reason`` (None while running, ``"stop"`` or ``"length"``) and ``index`` (its
-    prompt's position in the request: a scheduler's sequences gain tokens in any order)."""
+    ``finish_reason`` (None while running, ``"stop"`` or ``"length"``), ``index`` (its
+    prompt's position in the request: a scheduler's sequences gain tokens in any order) and
+    ``text`` (its settled text so far, kept by the site's scheduler: ``router.detokenize``)."""
 
     prompt: np.ndarray
     cache: KVCache
@@ -84,6 +101,7 @@ class Sequence:
     prompt_logits: np.ndarray | None = None
     next_id: int | None = None
     index: int = 0
+    text: str = ""
 
 
 class Generator:
