@@ -30,6 +30,9 @@ class AgentConfig:
     also serve ``POST /rpc`` and ``POST /frame`` there and advertise it (None: off).
     ``iroh_bind``: ``host:port`` of an iroh QUIC endpoint (None: off). ``compute_threads``:
     threads running batches (decode, FFN, encode, receipt); one per core is plenty.
+    ``inline_work``: a message whose batches hold at most this many rows x d_model in all (a
+    decode step's few rows of a small model) runs on the event loop, skipping two thread
+    hand-offs, and is answered whole even when streaming was asked for (0: never).
     ``fault``: a drill fault (``moe.faults``; None: off). ``price_per_input_token`` /
     ``minimum_price``: advertised pricing, signed in every heartbeat.
     ``repair_interval_s`` / ``repair_release_grace_s``: the repair worker's seconds between
@@ -50,6 +53,7 @@ class AgentConfig:
     http_host: str = "127.0.0.1"
     iroh_bind: str | None = None
     compute_threads: int = 1
+    inline_work: int = 16384
     fault: Fault | None = None
     price_per_input_token: int = 10
     minimum_price: int = 100
