@@ -487,29 +487,21 @@ def main(argv: list[str] | None = None) -> None:
                             # The fixtures have no EOS, but llama.cpp's vocabulary names one: every
                             # request gets its --tokens, as on the site.
                             levels(mode, url, ("ignore_eos:true",))
-                    except RunFailed as exc:
+                    except (RunFailed, httpx.HTTPError) as exc:
                         print(f"{key} llama-server: FAILED: {exc}", flush=True)
-                        failed[f"{key} llama-server"] = str(exc).splitlines()[0]
+                        failed[f"{key} llama-server"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
                     continue
                 # A fresh cluster per mode: nothing one mode left running (threads of finished or
                 # cancelled generations, background recording) lands on the other's numbers.
                 run_dir = tmp / f"{key}-{mode}"
                 run_dir.mkdir()
-                started = time.perf_counter()
-                with running_cluster(run_dir, [model.checkpoint], holders=a.holders, env=env_for(run_dir),
-                                     timeout=1800, extra=("--model-id", model.model_id)) as (info, _proc):
-                    print(f"{key} {mode}: cluster of {a.holders} holders up in {time.perf_counter() - started:.0f} s "
-                          f"at {info['url']}; aiperf {aiperf}; CPUs {cpus}", flush=True)
-                    if gguf is None and "llama-server" in a.modes and server_bin is not None:
-                        try:
-                            gguf = export_gguf(run_dir, model.model_id, tmp / f"{key}.gguf")
-                        except RunFailed as exc:
-                            failed[f"{key} export_gguf"] = str(exc)
-                    if mode == "in-process":
-                        n = load_experts_on_site(info["url"], info["operator_token"], model.model_id)
-                        print(f"{key} in-process: {n} experts loaded into the site's runtime", flush=True)
-                    warm_up(info["url"], model.model_id, a.tokens)
-                    levels(mode, info["url"])
+                try:
+                    gguf = site_mode(mode, run_dir, model, gguf, levels, a, aiperf, cpus,
+                                     export=server_bin is not None and "llama-server" in a.modes, failed=failed)
+                except (AssertionError, RunFailed, httpx.HTTPError) as exc:  # the cluster did not start or answer
+                    print(f"{key} {mode}: FAILED: {str(exc).splitlines()[0]}", flush=True)
+                    failed[f"{key} {mode}"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+
     print()
     print(f"cpu: {cpu_description()}; CPUs {cpus} shared by the site, {a.holders} agents, llama-server and aiperf")
     path = "/v1/chat/completions" if a.endpoint == "chat" else "/v1/completions"
@@ -535,6 +527,32 @@ def main(argv: list[str] | None = None) -> None:
     if failed or errors:
         raise SystemExit(f"bench_serving FAILED: {len(failed)} run(s) did not finish, {errors} request error(s) "
                          f"(above)")
+
+
+def site_mode(mode: str, run_dir: Path, model: BenchModel, gguf: Path | None, levels, a, aiperf: str,
+              cpus: list[int], export: bool, failed: dict) -> Path | None:
+    """One site mode (``distributed`` or ``in-process``) of ``model`` on a fresh cluster in
+    ``run_dir``: start it, export the GGUF llama-server needs when ``export`` and ``gguf`` is
+    None, load the experts into the site for ``in-process``, warm up, run ``levels(mode, url)``;
+    returns the GGUF (``gguf`` or the export). Raises ``AssertionError`` (the cluster did not
+    start), ``RunFailed`` or ``httpx.HTTPError`` (the warm-up failed)."""
+    key = model.key
+    started = time.perf_counter()
+    with running_cluster(run_dir, [model.checkpoint], holders=a.holders, env=env_for(run_dir),
+                         timeout=1800, extra=("--model-id", model.model_id)) as (info, _proc):
+        print(f"{key} {mode}: cluster of {a.holders} holders up in {time.perf_counter() - started:.0f} s "
+              f"at {info['url']}; aiperf {aiperf}; CPUs {cpus}", flush=True)
+        if gguf is None and export:
+            try:
+                gguf = export_gguf(run_dir, model.model_id, run_dir.parent / f"{key}.gguf")
+            except RunFailed as exc:
+                failed[f"{key} export_gguf"] = str(exc)
+        if mode == "in-process":
+            n = load_experts_on_site(info["url"], info["operator_token"], model.model_id)
+            print(f"{key} in-process: {n} experts loaded into the site's runtime", flush=True)
+        warm_up(info["url"], model.model_id, a.tokens)
+        levels(mode, info["url"])
+    return gguf
 
 
 def goals(results: dict[str, dict[str, list[dict]]]) -> list[str]:
