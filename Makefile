@@ -65,8 +65,31 @@ $(BENCHDEPS): requirements-bench.txt
 	$(BENCHVENV)/bin/python -m pip install -q -r requirements-bench.txt
 	touch $@
 
-bench: $(TESTDEPS) $(BENCHDEPS)
-	@for f in bench/bench_*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
+# llama.cpp's own server, the third column of bench/bench_serving.py: built once from the
+# llama.cpp vendored in the sdist of the llama-cpp-python version the tests pin (its wheel leaves
+# the server out). Only the llama-server target, statically linked, no web UI (its assets would
+# come from the network), no HTTPS. Tens of minutes on 2 cores; an interrupted build resumes.
+LLAMACPP_VERSION := $(shell sed -n 's/^llama-cpp-python==//p' requirements-test.txt)
+LLAMASRC := $(BENCHVENV)/src/llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp
+LLAMABUILD := $(BENCHVENV)/src/llama-build
+LLAMASERVER := $(BENCHVENV)/bin/llama-server
+
+$(LLAMASRC)/CMakeLists.txt: requirements-test.txt
+	mkdir -p $(BENCHVENV)/src
+	$(PY) -m pip download -q --no-binary :all: --no-deps -d $(BENCHVENV)/src llama-cpp-python==$(LLAMACPP_VERSION)
+	tar -xzf $(BENCHVENV)/src/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C $(BENCHVENV)/src
+	touch $@
+
+$(LLAMASERVER): $(LLAMASRC)/CMakeLists.txt
+	cmake -S $(LLAMASRC) -B $(LLAMABUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	  -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF \
+	  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
+	cmake --build $(LLAMABUILD) --target llama-server -j $$(nproc)
+	mkdir -p $(BENCHVENV)/bin
+	cp $(LLAMABUILD)/bin/llama-server $@
+
+bench: $(TESTDEPS) $(BENCHDEPS) $(LLAMASERVER)
+	@for f in bench/bench_*.py; do echo "== $$f"; $(BIN)/python $$f || { echo "== $$f FAILED (exit $$?)"; exit 1; }; done
 
 clean:
 	rm -rf var db.sqlite3 $(BENCHVENV)

@@ -136,6 +136,7 @@ class Model:
             experts = synth_pool(pool, H, cfg["moe_intermediate_size"])
             self.experts = {L: {e: synth_expert(experts, L, e) for e in range(cfg["num_experts"])}
                             for L in self.layers}
+        self.weights = w  # HF name -> float32 array of the backbone (bench_serving writes it as GGUF)
         self.backbone = build_backbone(self.config, w)
 
 

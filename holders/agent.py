@@ -85,7 +85,7 @@ class HolderAgent:
         self.loader = ExpertLoader(config.site_base, self.store, self.runtime, self.backend, self._compute,
                                    self.session.tier_changed)
         self.execution = Execution(self.key, self.provider, self.runtime, self.faults, self._compute,
-                                   config.compute_threads, self.loader.fetch)
+                                   config.compute_threads, self.loader.fetch, config.inline_work)
         self.runtime.add_listener(self.session.tier_changed)
         # Repair (docs/DESIGN.md §8): passes on the site's offers, and on its own timer without them.
         self.repair = RepairWorker(config.site_base, self.provider, self.runtime, self.store,
@@ -222,7 +222,7 @@ class HolderAgent:
             kind = header.get("type")
             if kind in ("execute", "batch") and self.faults.blackhole:
                 return  # the drill: never answer
-            if kind == "batch" and header.get("stream"):
+            if kind == "batch" and header.get("stream") and not self.execution.answers_whole(header):
                 async for part in self.execution.stream_batch(header, payload):
                     await reply(*part)
                 return

@@ -34,6 +34,9 @@ class AgentConfig:
     ``ip:port`` direct addresses routers should dial for the iroh endpoint instead of the
     bound ones (empty: the bound ones). ``compute_threads``:
     threads running batches (decode, FFN, encode, receipt); one per core is plenty.
+    ``inline_work``: a message whose batches hold at most this many rows x d_model in all (a
+    decode step's few rows of a small model) runs on the event loop, skipping two thread
+    hand-offs, and is answered whole even when streaming was asked for (0: never).
     ``fault``: a drill fault (``moe.faults``; None: off). ``price_per_input_token`` /
     ``minimum_price``: advertised pricing, signed in every heartbeat.
     ``repair_interval_s`` / ``repair_release_grace_s``: the repair worker's seconds between
@@ -56,6 +59,7 @@ class AgentConfig:
     iroh_bind: str | None = None
     advertise_iroh: tuple[str, ...] = ()
     compute_threads: int = 1
+    inline_work: int = 16384
     fault: Fault | None = None
     price_per_input_token: int = 10
     minimum_price: int = 100

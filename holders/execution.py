@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from concurrent.futures import Executor
 from typing import Callable
 
@@ -42,6 +43,23 @@ def _row_count(req: dict) -> int:
     return len(tokens) if isinstance(tokens, list) else 0
 
 
+POST_EVERY_S = 0.002  # a compute thread's longest wait before handing finished answers back
+
+
+def message_work(reqs: list[dict], limit: int) -> bool:
+    """Whether the execute headers ``reqs`` hold at most ``limit`` rows x d_model in all (a
+    malformed ``d_model`` counts as more: it fails in a compute thread as before)."""
+    work = 0
+    for req in reqs:
+        d = req.get("d_model") if isinstance(req, dict) else None
+        if not isinstance(d, int) or isinstance(d, bool) or d <= 0:
+            return False
+        work += _row_count(req) * d
+        if work > limit:
+            return False
+    return True
+
+
 def _answer(header: dict, outcome) -> tuple[dict, bytes]:
     """One request's (reply or failure header, output bytes) from its ``execute_stream`` outcome."""
     if isinstance(outcome, BaseException):
@@ -55,11 +73,11 @@ class Execution:
     ``key``: the provider's signing key (receipts); ``provider``: its id; ``runtime``: the
     experts held; ``faults``: the drill injector; ``compute``: the pool batches run on, with
     ``compute_threads`` workers; ``fetch(uri) -> bytes``: blob source of the relayed
-    ``load`` methods.
+    ``load`` methods; ``inline_work``: ``AgentConfig.inline_work``.
     """
 
     def __init__(self, key: SigningKey, provider: str, runtime: ExpertRuntime, faults: FaultInjector,
-                 compute: Executor, compute_threads: int, fetch: Callable[[str], bytes]):
+                 compute: Executor, compute_threads: int, fetch: Callable[[str], bytes], inline_work: int = 0):
         self.key = key
         self.provider = provider
         self.runtime = runtime
@@ -67,6 +85,7 @@ class Execution:
         self.compute = compute
         self.compute_threads = compute_threads
         self.fetch = fetch
+        self.inline_work = inline_work
 
     def blob_identity(self, model_id: str, layer: int, expert: int) -> tuple[str, str]:
         """(blob hash, quant kind) of a held expert, for its receipts; ("", "unknown") when not held."""
@@ -133,34 +152,60 @@ class Execution:
 
         ``leaves`` (a list of ``len(items)`` Nones): the batches of one sealed message; each
         success gets an unsigned message entry (its index in ``items``) and its leaf is written
-        to ``leaves[i]`` before its outcome is yielded, for ``make_seal`` once all are in."""
+        to ``leaves[i]`` before its outcome is yielded, for ``make_seal`` once all are in.
+
+        A small message (``small``: a decode step's few rows) runs on the event loop itself:
+        two thread hand-offs per message cost more than its products on a loaded machine. A
+        compute thread hands its finished outcomes back at most once per ``POST_EVERY_S`` (and
+        after its last), not once per batch."""
         if self.faults.blackhole:
             await asyncio.Event().wait()
-        loop = asyncio.get_running_loop()
-        done: asyncio.Queue = asyncio.Queue()
-
-        def run(indices: list[int]) -> None:
-            for i in indices:
-                try:
-                    fields, data, leaf = self._execute(*items[i], index=None if leaves is None else i)
-                    outcome = fields, data
-                    if leaves is not None:
-                        leaves[i] = leaf
-                except Exception as exc:  # noqa: BLE001 (each request gets its own answer)
-                    outcome = exc
-                try:
-                    loop.call_soon_threadsafe(done.put_nowait, (i, outcome))
-                except RuntimeError:  # the loop closed (agent stopping): nobody waits for it
-                    return
-
         # Largest batches first: the last to finish is a small one, whose answer the router
         # checks quickly, so less of the forward waits on one core after the rest are done.
         order = sorted(range(len(items)), key=lambda i: -_row_count(items[i][0]))
+
+        def one(i: int):
+            try:
+                fields, data, leaf = self._execute(*items[i], index=None if leaves is None else i)
+                if leaves is not None:
+                    leaves[i] = leaf
+                return i, (fields, data)
+            except Exception as exc:  # noqa: BLE001 (each request gets its own answer)
+                return i, exc
+
+        if self.small([req for req, _carrier, _payload in items]):
+            for i in order:
+                yield one(i)
+            return
+        loop = asyncio.get_running_loop()
+        done: asyncio.Queue = asyncio.Queue()
+
+        def post(outcomes: list) -> bool:
+            try:
+                loop.call_soon_threadsafe(done.put_nowait, outcomes)
+                return True
+            except RuntimeError:  # the loop closed (agent stopping): nobody waits for it
+                return False
+
+        def run(indices: list[int]) -> None:
+            ready, posted = [], time.perf_counter()
+            for i in indices:
+                ready.append(one(i))
+                if time.perf_counter() - posted >= POST_EVERY_S:
+                    if not post(ready):
+                        return
+                    ready, posted = [], time.perf_counter()
+            if ready:
+                post(ready)
+
         hops = max(1, min(self.compute_threads, len(items)))
         for h in range(hops):
             loop.run_in_executor(self.compute, run, order[h::hops])
-        for _ in range(len(items)):
-            yield await done.get()
+        left = len(items)
+        while left:
+            for outcome in await done.get():
+                left -= 1
+                yield outcome
 
     async def execute_many(self, items: list[tuple[dict, str, bytes]], leaves: list | None = None) -> list:
         """``execute_stream``'s outcomes collected in the order of ``items`` (``leaves`` as there)."""
@@ -182,6 +227,20 @@ class Execution:
                                             for h, data in subs], leaves)
         return messages.batch_reply(header.get("id"), [_answer(h, o) for (h, _), o in zip(subs, outcomes)],
                                     seal=None if leaves is None else make_seal(self.key, leaves))
+
+    def small(self, reqs: list[dict]) -> bool:
+        """Whether a message of the execute headers ``reqs`` runs on the event loop
+        (``inline_work``; never under a drill fault, which may stall)."""
+        return self.inline_work > 0 and self.faults.fault is None and message_work(reqs, self.inline_work)
+
+    def answers_whole(self, header: dict) -> bool:
+        """Whether a ``batch`` asking for streamed answers is better answered whole: a small
+        message (``small``) runs in one go on the event loop, so streaming would only
+        add a frame, and the router's handling of it, per request (a router reads a whole
+        answer to a streamed batch as such: ``moe.messages``). False for a malformed batch
+        (``stream_batch`` reports it)."""
+        reqs = header.get("requests")
+        return isinstance(reqs, list) and bool(reqs) and self.small(reqs)
 
     async def stream_batch(self, header: dict, payload: bytes):
         """A coalesced ``batch`` answered request by request as each finishes: an async iterator

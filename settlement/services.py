@@ -1,7 +1,8 @@
 """Receipts economy services (docs/DESIGN.md §7; reference §7.4–7.6, §8 with the §14 fixes).
 
-- ``record_forward``: after each forward (background), keep the sampled verified batches in
-  full (``settlement.audit.is_sampled`` under the router secret) and write one pending
+- ``record_forward(s)``: after each forward (background; a group in one transaction), keep
+  the sampled verified batches in full (``settlement.audit.is_sampled`` under the router
+  secret) and write one pending
   settlement per holder that served remote, receipt-verified batches.
 - ``settle_many`` / ``settle_forward(s)`` / ``settle_pending``: claim pending settlements exactly
   once (conditional update on its state, inside the transaction that credits the holder).
@@ -108,11 +109,31 @@ def record_forward(record: ForwardRecord, one_in: int | None = None) -> dict:
     Idempotent per forward: samples are keyed by request id and settlements unique per
     (forward_id, provider). Returns ``{"samples": [keys], "settlements": [providers]}``.
     """
-    if not record.verified:
-        return {"samples": [], "settlements": []}
+    return record_forwards([record], one_in)[0]
+
+
+def record_forwards(records: list[ForwardRecord], one_in: int | None = None) -> list[dict]:
+    """``record_forward`` of each of ``records`` in one transaction (a generation's forwards
+    arrive in groups: one commit instead of one per layer and step); one result each, in order."""
+    records = list(records)
+    if not any(r.verified for r in records):
+        return [{"samples": [], "settlements": []} for _ in records]
     n = one_in if one_in is not None else current_policy().receipt_sample_one_in
     secret = router_secret()
     t = now_ms()
+    built = [_forward_rows(r, n, secret, t) for r in records]
+    with transaction.atomic():
+        ReceiptSample.objects.bulk_create([x for samples, _ in built for x in samples], ignore_conflicts=True)
+        Settlement.objects.bulk_create([x for _, rows in built for x in rows], ignore_conflicts=True)
+        kept = set(ReceiptSample.objects.filter(key__in=[x.key for samples, _ in built for x in samples])
+                   .values_list("key", flat=True))
+    return [{"samples": sorted(x.key for x in samples if x.key in kept),
+             "settlements": sorted(row.provider for row in rows)} for samples, rows in built]
+
+
+def _forward_rows(record: ForwardRecord, n: int, secret: bytes, t: int) -> tuple[list, list]:
+    """(the ``ReceiptSample`` rows kept 1 in ``n``, one pending ``Settlement`` per holder) of one
+    forward, unsaved; none for a forward without verified batches."""
     samples: list[ReceiptSample] = []
     per_holder: dict[str, list] = {}
     for b in record.verified:
@@ -139,11 +160,7 @@ def record_forward(record: ForwardRecord, one_in: int | None = None) -> dict:
                                                                   for b in bs)).hexdigest(),
                        created_ms=t)
             for p, bs in per_holder.items()]
-    with transaction.atomic():
-        ReceiptSample.objects.bulk_create(samples, ignore_conflicts=True)
-        Settlement.objects.bulk_create(rows, ignore_conflicts=True)
-        kept = list(ReceiptSample.objects.filter(key__in=[s.key for s in samples]).values_list("key", flat=True))
-    return {"samples": sorted(kept), "settlements": sorted(per_holder)}
+    return samples, rows
 
 
 # ----------------------------------------------------------------------------- settlement

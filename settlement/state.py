@@ -2,8 +2,9 @@
 forward listener's background work and the dispute runtime.
 
 After each forward, in the background of the router's event loop: keep the sampled batches
-and write the pending settlements (``services.record_forward``, on a worker thread with its
-own connection so the numpy work never queues behind the router's DB reads), then settle
+and write the pending settlements (``services.record_forwards``, one transaction per group,
+on a worker thread with its own connection so the numpy work never queues behind the
+router's DB reads), then settle
 the forward and audit each new sample. With a broker (``REDIS_URL``) these are Celery tasks
 (``settlement.tasks``, swept by beat); without one they run here, and an inline timer
 (every ``TENZRO_AUDIT_INTERVAL`` seconds, default 30) sweeps what a failed attempt left.
@@ -34,7 +35,7 @@ def inline() -> bool:
 def _record_and_settle(records: list[ForwardRecord]) -> list[str]:
     """Worker thread: record every forward of ``records``, settle them when tasks run inline
     (else queue one ``settle_forward`` task each); returns the kept sample keys."""
-    keys = [k for r in records for k in services.record_forward(r)["samples"]]
+    keys = [k for out in services.record_forwards(records) for k in out["samples"]]
     if inline():
         services.settle_forwards([r.forward_id for r in records])
     else:

@@ -109,11 +109,13 @@ def test_a_caller_that_stops_waiting_leaves_the_others_and_the_last_one_cancels_
 
 # ---- a real holder's execute path ----
 
-@pytest.fixture(scope="module")
-def holder():
+def make_holder(inline_work: int):
+    """(agent holding ``EXPERTS`` of the fixture's ``LAYER``, its hidden states, the sizes of the
+    messages its ``execute_stream`` ran) with ``AgentConfig.inline_work``."""
     ck = Checkpoint(QWEN)
     spec = spec_from_config(ck.config)
-    agent = HolderAgent(AgentConfig("http://127.0.0.1:1", SigningKey.generate(), tempfile.mkdtemp(prefix="tenzro-test-coal-")))
+    agent = HolderAgent(AgentConfig("http://127.0.0.1:1", SigningKey.generate(), tempfile.mkdtemp(prefix="tenzro-test-coal-"),
+                                    inline_work=inline_work))
     for e in EXPERTS:
         agent.runtime.load_expert(MODEL, LAYER, e, load_expert(ck, spec, LAYER, e).to_blob("f32"))
     x = load_file(str(QWEN / "reference.safetensors"))[f"layer{LAYER}.hidden_states"].astype(np.float32)
@@ -126,6 +128,12 @@ def holder():
 
     agent.execution.execute_stream = counted
     return agent, x, calls
+
+
+@pytest.fixture(scope="module")
+def holder():
+    """A holder whose every message runs on its compute threads (the streaming paths under test)."""
+    return make_holder(0)
 
 
 def requests(x, carrier="q8_0", output="bf16", bad_expert=None):
@@ -463,3 +471,45 @@ def test_f16_outputs_and_f32_for_a_batch_beyond_f16_range(holder):
     np.testing.assert_array_equal(answers[0].rows, exact[0].astype(np.float16).astype(np.float32))
     np.testing.assert_array_equal(answers[1].rows, exact[1])
     check(agent, reqs, answers, answers)
+
+
+def test_small_streamed_batch_runs_on_the_event_loop_and_is_answered_whole():
+    """A message of a few rows (``AgentConfig.inline_work``) runs on the agent's event loop, no
+    compute thread, and is answered whole although streaming was asked for: one reply frame,
+    which the router reads as such; each answer equals the request sent alone, its receipt
+    verifies under the message seal, a request for an expert not held fails alone."""
+    import threading
+
+    agent, x, _ = make_holder(1 << 20)
+    reqs = requests(x, bad_expert=9)
+    sent, threads = [], set()
+    real = agent.execution._execute
+
+    def recorded(*args, **kw):
+        threads.add(threading.get_ident())
+        return real(*args, **kw)
+
+    class Socket:  # the agent's end of its socket: what it writes back
+        async def send(self, frame):
+            sent.append(frame)
+
+    async def go():
+        agent.session.ws, agent.session.max_message = Socket(), 1 << 20
+        singles = [await agent.execution.execute_request({**messages.request_header(r), "request_id": r.request_id},
+                                                         r.carrier, r.payload) for r in reqs[:-1]]
+        agent.execution._execute = recorded
+        header, payload = messages.batch_frame(reqs, "b1", seal=True)
+        await agent.handle({**header, "stream": True}, payload)
+        return singles, threading.get_ident()
+
+    singles, loop_thread = asyncio.run(go())
+    assert threads == {loop_thread} and len(sent) == 1
+    answer, data = wire.unpack_frame(sent[0], wire.MESSAGE_HEADER_MAX)
+    assert "more" not in answer and answer.get("seal")
+    outcomes = messages.batch_answers(answer, data, reqs, "ws", 1, 1)
+    assert isinstance(outcomes[-1], HolderFault) and "-32004" in str(outcomes[-1])
+    for req, ans, (_, out) in zip(reqs, outcomes, singles):
+        assert np.array_equal(ans.rows, wire.decode_rows(out, req.output, req.d_model, len(req.tokens)))
+        verify_receipt(ans.receipt, provider=agent.provider, request_id=req.request_id, model_id=MODEL, layer=LAYER,
+                       expert=req.expert, tokens=req.tokens, carrier_kind=req.carrier, carrier=req.payload,
+                       rows=ans.rows, seal=ans.seal.body if ans.seal else None)
