@@ -97,14 +97,16 @@ class LocalCluster:
     the default). ``sites``: site processes behind HAProxy on ``port`` (above 1 needs a
     PostgreSQL ``DATABASE_URL`` and ``REDIS_URL``: the processes share the database, the
     channel layer relays requests to agents whose socket another process holds); ``url`` is
-    then the balancer's. Raises ``ClusterError``.
+    then the balancer's. ``balancer``: HAProxy in front even of one site process (benches
+    compare 1 and N processes on the same path). Raises ``ClusterError``.
     """
 
     def __init__(self, checkpoints: list[str | Path], holders: int = 4, port: int = 0, replication: int = 2,
                  heartbeat_interval: int = 5, say: Callable[[str], None] | None = None,
                  model_ids: list[str | None] | None = None, quants: list | None = None,
                  agent_http: bool = False, agent_iroh: bool = False, dense_parts: int = 2, repair_interval: int | None = None,
-                 agent_faults: dict[int, str] | None = None, roles: list[str] | None = None, sites: int = 1):
+                 agent_faults: dict[int, str] | None = None, roles: list[str] | None = None, sites: int = 1,
+                 balancer: bool = False):
         if not 1 <= sites <= MAX_LOCAL_SITES:
             raise ClusterError(f"--sites must be between 1 and {MAX_LOCAL_SITES} on one machine, got {sites}")
         if sites > 1 and not (settings.REDIS_URL and settings.DATABASES["default"]["ENGINE"].endswith("postgresql")):
@@ -152,6 +154,7 @@ class LocalCluster:
         self.site: subprocess.Popen | None = None  # the first site process (the only one when sites == 1)
         self.sites: list[subprocess.Popen] = []
         self.n_sites = sites
+        self.use_balancer = balancer or sites > 1
         self.site_urls: list[str] = []
         self.balancer: subprocess.Popen | None = None
         self.deployment = os.environ.get("TENZRO_DEPLOYMENT", "").strip() or local_deployment_name(settings.VAR_DIR)
@@ -194,7 +197,7 @@ class LocalCluster:
                "TENZRO_VAR_DIR": str(settings.VAR_DIR), "TENZRO_BLOB_DIR": str(settings.TENZRO["BLOB_DIR"]),
                "TENZRO_OPERATOR_TOKEN": operator_token(), "PYTHONUNBUFFERED": "1",
                "TENZRO_DEPLOYMENT": self.deployment}
-        if self.n_sites > 1 and not env.get("PROMETHEUS_MULTIPROC_DIR"):
+        if self.use_balancer and not env.get("PROMETHEUS_MULTIPROC_DIR"):
             # Several site processes: /metrics of any of them sums this machine's (router.metrics).
             metrics_dir = settings.VAR_DIR / "prometheus"
             shutil.rmtree(metrics_dir, ignore_errors=True)
@@ -207,7 +210,7 @@ class LocalCluster:
         env.setdefault("NUMBA_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // max(1, self.holders))))
         # An explicit listen backlog: Twisted's default of 50 resets connections when hundreds of
         # clients connect while the loop is busy with forwards.
-        if self.n_sites == 1:
+        if not self.use_balancer:
             self.site = self._spawn("site", [sys.executable, "-m", "tenzro_site.serve",
                                              "-e", f"tcp:port={self.port}:interface=127.0.0.1:backlog={LISTEN_BACKLOG}",
                                              "--websocket_timeout", "-1"], env)
@@ -366,7 +369,7 @@ class LocalCluster:
         """A site process of several exited: drop its live gauges from the shared metrics
         directory (its counters stay in the sums, as Prometheus expects of counters)."""
         metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or str(settings.VAR_DIR / "prometheus")
-        if self.n_sites > 1 and Path(metrics_dir).is_dir():
+        if self.use_balancer and Path(metrics_dir).is_dir():
             from prometheus_client import multiprocess
 
             multiprocess.mark_process_dead(proc.pid, metrics_dir)
@@ -378,7 +381,7 @@ class LocalCluster:
     def _healthy(self, url: str | None = None) -> bool:
         for i, p in enumerate(self.sites):
             if p.poll() is not None:
-                log = self.log_dir / ("site.log" if self.n_sites == 1 else f"site-{i}.log")
+                log = self.log_dir / (f"site-{i}.log" if self.use_balancer else "site.log")
                 raise ClusterError(f"the site exited with code {p.returncode}; see {log}")
         if self.balancer is not None and self.balancer.poll() is not None:
             raise ClusterError(f"the balancer exited with code {self.balancer.returncode}; see "

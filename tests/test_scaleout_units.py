@@ -68,3 +68,19 @@ def test_multiprocess_metrics_sum_every_process(tmp_path):
     assert 'tenzro_forwards_total{model="q",outcome="ok"} 3.0' in out
     assert 'tenzro_batch_failures_total{kind="fault"} 3.0' in out
     assert "tenzro_forward_slots_busy 2.0" in out  # livesum: dead processes' gauges dropped, counters kept
+
+
+def test_the_grafana_dashboard_queries_metrics_the_site_exports():
+    import json
+    import re
+
+    from router.metrics import ServingMetrics
+
+    dash = json.loads((ERRORS_DIR.parent / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    names = {n for e in exprs for n in re.findall(r"\b(tenzro_[a-z_]+?)(?:_bucket|_count|_sum)?\{", e)}
+    exported = {s.name for fam in ServingMetrics().registry.collect() for s in fam.samples} | \
+               {fam.name + "_total" for fam in ServingMetrics().registry.collect() if fam.type == "counter"}
+    families = {fam.name for fam in ServingMetrics().registry.collect()}
+    missing = {n for n in names if n not in exported and n not in families}
+    assert names and not missing, missing

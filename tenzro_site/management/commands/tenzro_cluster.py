@@ -41,6 +41,8 @@ class Command(BaseCommand):
         parser.add_argument("--sites", type=int, default=1,
                             help="site processes behind HAProxy (needs a PostgreSQL DATABASE_URL and REDIS_URL); "
                                  "the JSON line's url/rpc are the balancer's, site_pids the processes'")
+        parser.add_argument("--balancer", action="store_true",
+                            help="HAProxy in front even of one site process (to compare 1 and N on one path)")
         parser.add_argument("--agent-http", action="store_true",
                             help="agents also serve POST /rpc on free ports (--http-port) and advertise them")
         parser.add_argument("--agent-iroh", action="store_true",
@@ -85,7 +87,8 @@ class Command(BaseCommand):
                                    quants=[plan.to_json() if plan else None] * len(opts["checkpoint"]),
                                    agent_http=opts["agent_http"], agent_iroh=opts["agent_iroh"],
                                    repair_interval=opts["repair_interval"],
-                                   agent_faults=faults, roles=opts["agent_role"], sites=opts["sites"])
+                                   agent_faults=faults, roles=opts["agent_role"], sites=opts["sites"],
+                                   balancer=opts["balancer"])
             cluster.start()
             for sig in (signal.SIGINT, signal.SIGTERM):  # ready: the next signal ends the wait below
                 signal.signal(sig, lambda *_: stop.set())
