@@ -104,7 +104,7 @@ def test_a_database_belongs_to_one_deployment(tmp_path):
         assert out.returncode != 0 and "TENZRO_DEPLOYMENT must be" in out.stderr
         claim = [sys.executable, "manage.py", "shell", "-c", "from registry.deployment import claim; print(claim())"]
         assert subprocess.run(claim, cwd=ROOT, env=env, capture_output=True, text=True,
-                              check=True).stdout.strip() == "alpha"
+                              check=True).stdout.strip().splitlines()[-1] == "alpha"
         out = subprocess.run(serve, cwd=ROOT, env={**env, "TENZRO_DEPLOYMENT": "beta"}, capture_output=True,
                              text=True, timeout=120)
         assert out.returncode != 0 and "belongs to deployment 'alpha'" in out.stderr, out.stderr
