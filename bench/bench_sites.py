@@ -91,7 +91,8 @@ def main() -> None:
     if args.json:
         print(json.dumps({"cpus": os.cpu_count(), "results": results, "answers_equal": same}))
         return
-    print(f"{os.cpu_count()} CPUs; {args.requests} greedy completions ({args.tokens} tokens) from {args.clients} clients")
+    print(f"{os.cpu_count()} CPUs; {args.requests} greedy completions ({args.tokens} tokens) "
+          f"from {args.clients} clients")
     for r in results:
         print(f"  {r['sites']} site process(es): {r['req_per_s']} req/s ({r['vs_first']}x), p50 {r['p50_s']} s, "
               f"p99 {r['p99_s']} s, errors {r['errors']}, retried {r['retried']}")

@@ -80,7 +80,8 @@ class ServingMetrics:
                                      ["outcome"], registry=r)
         self.settled_forwards = Counter("tenzro_settlement_forwards", "Verified forwards handed to settlement",
                                         registry=r)
-        self.settlement_tasks = Counter("tenzro_settlement_tasks", "Settlement runs started (one per flush: a Celery task, or inline)",
+        self.settlement_tasks = Counter("tenzro_settlement_tasks",
+                                        "Settlement runs started (one per flush: a Celery task, or inline)",
                                         registry=r)
         self.history: deque[tuple[float, dict]] = deque(maxlen=HISTORY_LEN)
 
