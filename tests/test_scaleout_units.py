@@ -84,3 +84,27 @@ def test_the_grafana_dashboard_queries_metrics_the_site_exports():
     families = {fam.name for fam in ServingMetrics().registry.collect()}
     missing = {n for n in names if n not in exported and n not in families}
     assert names and not missing, missing
+
+
+@pytest.mark.django_db
+def test_a_fresh_router_seeds_its_scoreboard_from_the_outcomes_other_processes_recorded():
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from registry.models import Provider
+    from router.state import Router
+
+    now = timezone.now()
+    live = dict(connected=True, last_heartbeat=now, last_heartbeat_ms=1)
+    Provider.objects.create(provider="a" * 64, last_failure=now - timedelta(seconds=5), **live)  # a caught black hole
+    Provider.objects.create(provider="b" * 64, batches_served=50, latency_ms_ewma=7.5, last_success=now, **live)
+    Provider.objects.create(provider="c" * 64, batches_served=50, last_success=now - timedelta(seconds=60),
+                            last_failure=now - timedelta(hours=2), **live)  # failed long ago, served since
+    router = Router()
+    router.live_view("no-such-model")
+    assert router.scoreboard.state("a" * 64) == "half_open"
+    assert router.scoreboard.state("b" * 64) == "proven"
+    assert router.scoreboard.snapshot()["b" * 64]["latency_ms"] == 7.5
+    assert router.scoreboard.state("c" * 64) == "proven"
+    assert router.scoreboard.unseeded(["a" * 64, "b" * 64, "c" * 64]) == []
