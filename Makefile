@@ -49,10 +49,12 @@ test: $(TESTDEPS)
 	$(BIN)/lint-imports --no-cache
 	TENZRO_VAR_DIR=$(CURDIR)/var/test $(BIN)/python -m pytest
 
-# Operators: the site (daphne), one Celery worker, exactly one beat (needs REDIS_URL).
+# Operators: the site (daphne), one Celery worker, one beat (needs REDIS_URL). Several site processes
+# behind a balancer: `make serve PORT=8001 SERVE_ARGS=--proxy-headers` per process (README).
+SERVE_ARGS ?=
 serve: $(RUNTIME)
 	$(BIN)/python manage.py migrate --noinput -v 0
-	$(BIN)/python -m tenzro_site.serve -e tcp:port=$${PORT:-8000}:interface=0.0.0.0:backlog=1024
+	$(BIN)/python -m tenzro_site.serve $(SERVE_ARGS) -e tcp:port=$${PORT:-8000}:interface=0.0.0.0:backlog=1024
 
 worker: $(RUNTIME)
 	$(BIN)/celery -A tenzro_site worker -l info

@@ -169,10 +169,14 @@ def hello(provider: str, signature: str) -> dict:
     return {"type": "hello", "provider": provider, "signature": signature}
 
 
-def welcome(provider: str, max_message: int, heartbeat_interval_s: float) -> dict:
-    """Site → agent after a good hello: the socket's frame cap (bytes) and heartbeat interval (s)."""
-    return {"type": "welcome", "provider": provider, "max_message": max_message,
-            "heartbeat_interval_s": heartbeat_interval_s}
+def welcome(provider: str, max_message: int, heartbeat_interval_s: float, deployment: str | None = None) -> dict:
+    """Site → agent after a good hello: the socket's frame cap (bytes), heartbeat interval (s)
+    and, when given, the deployment the site belongs to (every site process of it says the same)."""
+    msg = {"type": "welcome", "provider": provider, "max_message": max_message,
+           "heartbeat_interval_s": heartbeat_interval_s}
+    if deployment:
+        msg["deployment"] = deployment
+    return msg
 
 
 MAX_NAME = 200  # characters of a provider's display name in a heartbeat (the site refuses longer ones)

@@ -390,3 +390,21 @@ class MarketClaim(models.Model):
     class Meta:
         constraints = [models.UniqueConstraint(fields=["wallet", "model", "layer", "begin", "end"],
                                                name="one_claim_per_range")]
+
+
+class Deployment(models.Model):
+    """The one deployment a database belongs to: a single row (pk 1) naming it.
+
+    Every site process, worker and local cluster claims it at start
+    (``registry.deployment.claim``) with its ``TENZRO_DEPLOYMENT``: the first claim on a
+    fresh (or pre-existing, unclaimed) database writes the row, a process configured with
+    another name is refused. So two unrelated clusters cannot share one PostgreSQL database
+    by accident, and every provider, holding and settlement in it belongs to this name.
+    """
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=1)
+    name = models.CharField(max_length=64, unique=True)
+    created = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.name

@@ -50,6 +50,17 @@ def is_failing(p: Provider, now=None) -> bool:
     return p.last_failure >= now - timedelta(seconds=settings.TENZRO["FAILING_WINDOW_S"])
 
 
+def holder_records(providers: list[str]) -> dict[str, dict]:
+    """What every router process recorded of ``providers`` (``record_holder_outcomes``), for
+    seeding a new process's scoreboard: ``{provider: {"batches_served", "latency_ms" (EWMA,
+    None before the first), "failing" (``is_failing``)}}``; unknown providers are absent."""
+    now = timezone.now()
+    return {p.provider: {"batches_served": p.batches_served, "latency_ms": p.latency_ms_ewma or None,
+                         "failing": is_failing(p, now)}
+            for p in Provider.objects.filter(provider__in=list(providers)).only(
+                "provider", "batches_served", "latency_ms_ewma", "last_failure", "last_success")}
+
+
 def provider_state(p: Provider, cutoff=None, now_ms: int | None = None) -> str:
     """One of ``PROVIDER_STATES`` for a provider row: the operator's ``status`` when it is not
     Active, ``Quarantined`` (upheld disputes), ``Offline`` (socket closed or heartbeat older than

@@ -48,10 +48,12 @@ class Admission:
     """Concurrency bound with a bounded FIFO queue for one event loop (module docstring).
 
     ``limit`` ≥ 1 forwards run at once; ``queue`` ≥ 0 wait at most ``wait_s`` seconds.
+    ``observe(running, queued)``: called when either changes (the router's metrics).
     """
 
-    def __init__(self, limit: int, queue: int, wait_s: float):
+    def __init__(self, limit: int, queue: int, wait_s: float, observe=None):
         self.limit, self.queue, self.wait_s = max(1, limit), max(0, queue), wait_s
+        self.observe = observe or (lambda running, queued: None)
         self.running = 0
         self.waiters: collections.deque[asyncio.Future] = collections.deque()
         self.saturated_at = -math.inf
@@ -81,12 +83,15 @@ class Admission:
         return Busy(f"the router is busy: {why}; retry shortly", "capacity", max(1.0, self.wait_s / 4))
 
     def _release(self) -> None:
-        while self.waiters:  # hand the slot to the oldest waiter still waiting
-            fut = self.waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
-        self.running -= 1
+        try:
+            while self.waiters:  # hand the slot to the oldest waiter still waiting
+                fut = self.waiters.popleft()
+                if not fut.done():
+                    fut.set_result(None)
+                    return
+            self.running -= 1
+        finally:
+            self.observe(self.running, len(self.waiters))
 
     @contextlib.asynccontextmanager
     async def slot(self):
@@ -94,12 +99,14 @@ class Admission:
         ``limit`` forwards run and ``queue`` wait, or after ``wait_s`` without a slot."""
         if self.running < self.limit and not self.waiters:
             self.running += 1
+            self.observe(self.running, len(self.waiters))
         else:
             self.saturated_at = time.monotonic()
             if len(self.waiters) >= self.queue:
                 raise self._refuse(f"{self.running} forwards running and {len(self.waiters)} queued")
             fut = asyncio.get_running_loop().create_future()
             self.waiters.append(fut)
+            self.observe(self.running, len(self.waiters))
             try:
                 await asyncio.wait_for(asyncio.shield(fut), self.wait_s)
             except asyncio.TimeoutError:

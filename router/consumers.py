@@ -140,6 +140,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             return
         self._hello_timer.cancel()
         connect = database_sync_to_async(registry_services.agent_connected)
+        silent: set[str] = set()
         try:
             try:
                 dead = await connect(msg["provider"], self.channel_name)
@@ -159,12 +160,20 @@ class AgentConsumer(AsyncWebsocketConsumer):
         for channel in dead:  # the same key's earlier socket stopped heartbeating: close it if still open
             log.warning("agent %s reconnected; closing its stale session %s", msg["provider"][:16], channel)
             await self.channel_layer.send(channel, {"type": "agent.superseded"})
+            # Out of the agent's group now: a dead process's channel would swallow relayed requests.
+            await self.channel_layer.group_discard(agent_group(msg["provider"]), channel)
         self.provider = msg["provider"]
+        if silent:
+            # The old socket died with its site process (SIGKILL: no disconnect ran there): requests
+            # routers sent to it wait for nobody. "gone" fails them at once (they fail over), the
+            # "back" below admits new ones to this socket.
+            await self.channel_layer.group_send(ROUTERS_GROUP, presence_event(self.provider, False))
         register_local(self.provider, self)
         await self.channel_layer.group_add(agent_group(self.provider), self.channel_name)
         await self.channel_layer.group_send(ROUTERS_GROUP, presence_event(self.provider, True))
         await self.send(text_data=json.dumps(messages.welcome(self.provider, settings.TENZRO["WS_MAX_MESSAGE"],
-                                                              settings.TENZRO["HEARTBEAT_INTERVAL_S"])))
+                                                              settings.TENZRO["HEARTBEAT_INTERVAL_S"],
+                                                              settings.TENZRO["DEPLOYMENT"])))
 
     async def _silent(self, channels: list[str]) -> set[str]:
         """The ``channels`` whose consumer does not answer an ``agent.ping`` within

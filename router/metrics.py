@@ -4,13 +4,20 @@ One ``ServingMetrics`` per ``router.state.Router``, with its own ``CollectorRegi
 process-global default registry: tests build a fresh router and read fresh numbers). The
 scheduler reports steps and sequences, the forward reports each holder batch; ``/metrics``
 renders ``exposition()``; the console's Serving page reads ``snapshot()``.
+
+Several processes on one machine (site processes behind a balancer, Celery workers): with
+``PROMETHEUS_MULTIPROC_DIR`` set (an empty directory per machine, before the processes start)
+prometheus-client's multiprocess mode keeps every process's values in files there, and
+``exposition()`` of any process sums them (gauges over live processes), so a scrape through
+the balancer sees the machine's totals. ``snapshot()`` stays this process's own.
 """
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -56,15 +63,22 @@ class ServingMetrics:
     router compute, wire wait of a micro-batch, router idle, seconds; micro-batches per step);
     KV cache bytes in use and budget (gauges). Holders: batch latency (histogram, seconds)
     and failures (counter) per provider; with ``scoreboard`` also each holder's RTT and p99
-    (``HolderRttCollector``).
+    (``HolderRttCollector``). Forwards: layer forwards by model and outcome ("ok" or the
+    ``ForwardError`` kind, "busy"), holder batch failures by kind ("fault", "saturated",
+    "other"), forward slots in use and forwards queued for one (gauges). Repair passes by
+    outcome; forwards handed to settlement and settlement tasks queued (counters).
     """
 
     CONTENT_TYPE = CONTENT_TYPE_LATEST
 
     def __init__(self, scoreboard=None):
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self.running = Gauge("tenzro_sequences_running", "Sequences in the running batch", ["model"], registry=r)
-        self.waiting = Gauge("tenzro_sequences_waiting", "Sequences queued for admission", ["model"], registry=r)
+        self.multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+        live = {"multiprocess_mode": "livesum"}  # gauges: summed over the machine's live processes
+        self.running = Gauge("tenzro_sequences_running", "Sequences in the running batch", ["model"], registry=r,
+                             **live)
+        self.waiting = Gauge("tenzro_sequences_waiting", "Sequences queued for admission", ["model"], registry=r,
+                             **live)
         self.tokens = Counter("tenzro_generated_tokens", "Output tokens generated", ["model"], registry=r)
         self.prompt_tokens = Counter("tenzro_prompt_tokens", "Prompt tokens prefilled", ["model"], registry=r)
         self.requests = Counter("tenzro_requests", "Finished generation requests by outcome",
@@ -78,8 +92,8 @@ class ServingMetrics:
         self.step_seconds = Histogram("tenzro_step_seconds", "Wall time of one scheduler step", ["model"],
                                       buckets=LATENCY_BUCKETS, registry=r)
         self.kv_bytes = Gauge("tenzro_kv_cache_bytes", "KV cache bytes held by running sequences", ["model"],
-                              registry=r)
-        self.kv_budget = Gauge("tenzro_kv_cache_budget_bytes", "KV cache budget of this process", registry=r)
+                              registry=r, **live)
+        self.kv_budget = Gauge("tenzro_kv_cache_budget_bytes", "KV cache budget of this process", registry=r, **live)
         self.holder_latency = Histogram("tenzro_holder_batch_seconds", "Holder batch round trip (verified answers)",
                                         ["provider"], buckets=LATENCY_BUCKETS, registry=r)
         self.holder_failures = Counter("tenzro_holder_batch_failures", "Holder batches that failed or timed out",
@@ -96,8 +110,23 @@ class ServingMetrics:
                                    "(waiting on holders)", ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.microbatches = Histogram("tenzro_step_microbatches", "Micro-batches in flight per scheduler step",
                                       ["model"], buckets=(1, 2, 3, 4, 6, 8, 16), registry=r)
-        if scoreboard is not None:
-            r.register(HolderRttCollector(scoreboard))
+        # This process's view of holder RTT: also exported in multiprocess mode (not a file metric).
+        self.rtt = HolderRttCollector(scoreboard) if scoreboard is not None else None
+        if self.rtt is not None:
+            r.register(self.rtt)
+        self.forwards = Counter("tenzro_forwards", "Layer forwards by outcome (ok, a ForwardError kind, busy)",
+                                ["model", "outcome"], registry=r)
+        self.batch_failures = Counter("tenzro_batch_failures", "Holder batches that did not answer, by kind",
+                                      ["kind"], registry=r)
+        self.slots_busy = Gauge("tenzro_forward_slots_busy", "Forward slots in use", registry=r, **live)
+        self.queue_depth = Gauge("tenzro_forward_queue_depth", "Forwards waiting for a slot", registry=r, **live)
+        self.repair_passes = Counter("tenzro_repair_passes", "Repair passes this process ran, by outcome",
+                                     ["outcome"], registry=r)
+        self.settled_forwards = Counter("tenzro_settlement_forwards", "Verified forwards handed to settlement",
+                                        registry=r)
+        self.settlement_tasks = Counter("tenzro_settlement_tasks",
+                                        "Settlement runs started (one per flush: a Celery task, or inline)",
+                                        registry=r)
         self.history: deque[tuple[float, dict]] = deque(maxlen=HISTORY_LEN)
 
     def step_timeline(self, model: str, entry: dict) -> None:
@@ -108,6 +137,18 @@ class ServingMetrics:
         self.step_forward.labels(model).observe(entry.get("forward", 0.0) / 1e3)
         self.step_idle.labels(model).observe(entry["idle"] / 1e3)
         self.microbatches.labels(model).observe(entry["microbatches"])
+
+    def forward(self, model: str, outcome: str, failures: list[dict]) -> None:
+        """One layer forward of ``model`` ended with ``outcome``; its holder ``failures`` by kind."""
+        self.forwards.labels(model, outcome).inc()
+        for f in failures:
+            self.batch_failures.labels("fault" if f.get("fault") else "saturated" if f.get("saturated")
+                                       else "other").inc()
+
+    def admission(self, running: int, queued: int) -> None:
+        """The forward admission's slots in use and queue length changed (``router.admission``)."""
+        self.slots_busy.set(running)
+        self.queue_depth.set(queued)
 
     def holder_batch(self, provider: str, seconds: float, ok: bool) -> None:
         """One batch sent to ``provider``: its round trip in seconds when ``ok``, else a failure."""
@@ -127,7 +168,14 @@ class ServingMetrics:
                 self.holder_batch(f["provider"], 0.0, False)
 
     def exposition(self) -> bytes:
-        """The Prometheus text exposition of every metric (``Content-Type: CONTENT_TYPE``)."""
+        """The Prometheus text exposition of every metric (``Content-Type: CONTENT_TYPE``): with
+        ``PROMETHEUS_MULTIPROC_DIR``, summed over every process of the machine (module docstring)."""
+        if self.multiprocess_dir:
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry, self.multiprocess_dir)
+            if self.rtt is not None:
+                registry.register(self.rtt)
+            return generate_latest(registry)
         return generate_latest(self.registry)
 
     def snapshot(self) -> dict:

@@ -38,6 +38,7 @@ async def run_pass(source: str = "timer") -> dict | None:
     timeout = float(settings.TENZRO["REPAIR_OFFER_TIMEOUT_S"])
     rp = await database_sync_to_async(repair_service.begin_pass)(source)
     if rp is None:
+        current().metrics.repair_passes.labels("claimed_elsewhere").inc()
         return None
     started = time.monotonic()
     error = ""
@@ -63,6 +64,7 @@ async def run_pass(source: str = "timer") -> dict | None:
         log.exception("repair pass %s failed", rp.period_key)
         error = f"{type(exc).__name__}: {exc}"
     await database_sync_to_async(repair_service.finish_pass)(rp.pk, started, error)
+    current().metrics.repair_passes.labels("error" if error else "ok").inc()
     rp = await database_sync_to_async(type(rp).objects.get)(pk=rp.pk)
     return repair_service.pass_json(rp)
 

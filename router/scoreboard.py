@@ -29,7 +29,12 @@ The state is per router process on purpose: it changes on every batch (a databas
 batch would cost more than the batch), latency is a property of this router's path to the
 holder, and a new process relearns it within one deadline per holder. What must outlive the
 process (reputation, ``batches_served``, ``batch_failures``, latency EWMA) is recorded in
-the database by ``registry.services.record_holder_outcomes`` as before.
+the database by ``registry.services.record_holder_outcomes`` as before, and a process
+*seeds* each holder it has not seen yet from there (``seed``): a holder whose latest
+recorded outcome is a recent failure (a black hole another process caught) starts
+half-open, earning real batches only through a probe; one with at least ``probation``
+batches served starts proven, at its recorded latency. Several site processes behind a
+balancer thus share what matters without a write per batch.
 """
 from __future__ import annotations
 
@@ -111,6 +116,34 @@ class Scoreboard:
         self._lock = threading.Lock()
         # Hedged probe tasks (``router.forward``) outlive their forward: referenced here until done.
         self.probes: set = set()
+        self._seeded: set[str] = set()  # providers already seeded (or looked up without a record)
+
+    def unseeded(self, providers) -> list[str]:
+        """Those of ``providers`` this scoreboard has neither seen nor seeded."""
+        with self._lock:
+            return [p for p in providers if p not in self._stats and p not in self._seeded]
+
+    def seed(self, records: dict[str, dict], providers=()) -> None:
+        """Start holders not seen yet from the database's records (module docstring):
+        ``records`` ``{provider: {"batches_served", "latency_ms", "failing"}}``
+        (``registry.selectors.holder_records``); ``providers``: looked up too (no record: they
+        start in probation as before). A holder with stats of its own is left alone."""
+        with self._lock:
+            for provider in {*records, *providers}:
+                self._seeded.add(provider)
+                rec = records.get(provider)
+                if rec is None or provider in self._stats:
+                    continue
+                s = HolderStats()
+                if rec.get("failing"):
+                    s.faults = s.consecutive_faults = 1  # half-open: probes only until one succeeds
+                    s.success_rate = 1 - EWMA_ALPHA
+                elif int(rec.get("batches_served") or 0) >= self.probation:
+                    s.successes = self.probation
+                    s.latency_ms = rec.get("latency_ms")
+                else:
+                    continue
+                self._stats[provider] = s
 
     def _get(self, provider: str) -> HolderStats:
         s = self._stats.get(provider)

@@ -34,7 +34,7 @@ from moe.transports import iroh
 from moe.transports.http import HttpHolderClient
 from prepare.dense import dense_model_id, dense_routing
 from registry.models import GateBlob, MoeModel
-from registry.selectors import expected_experts, iroh_peers, provider_infos
+from registry.selectors import expected_experts, holder_records, iroh_peers, provider_infos
 from registry.services import record_holder_outcomes
 from router import services
 from router.admission import Admission, Busy, overloaded
@@ -149,10 +149,20 @@ class Router:
         return await database_sync_to_async(self.load_gate)(model_id, layer)
 
     def live_view(self, model_id: str, exclude: frozenset = frozenset()) -> ShardView:
-        """The live shard view of ``model_id`` without ``exclude`` (provider rows cached briefly)."""
-        infos = self.cached(("infos", model_id), lambda: (provider_infos(model_id), expected_experts(model_id)))
+        """The live shard view of ``model_id`` without ``exclude`` (provider rows cached briefly;
+        holders this process has not seen are seeded into the scoreboard from the database)."""
+        infos = self.cached(("infos", model_id), lambda: self._infos(model_id))
         return ShardView.build(model_id, [p for p in infos[0] if p.provider not in exclude],
                                policy=ReplicationPolicy(), expected=infos[1])
+
+    def _infos(self, model_id: str) -> tuple:
+        """(live provider infos, expected experts) of ``model_id`` from the database, after seeding
+        the scoreboard with the providers it has not seen (``Scoreboard.seed``)."""
+        infos = (provider_infos(model_id), expected_experts(model_id))
+        unknown = self.scoreboard.unseeded([p.provider for p in infos[0]])
+        if unknown:
+            self.scoreboard.seed(holder_records(unknown), unknown)
+        return infos
 
     async def view(self, model_id: str, excluded: frozenset) -> ShardView:
         """``live_view``, without a thread hop while the provider rows are fresh in the TTL cache
@@ -227,7 +237,7 @@ class Router:
         loop = id(asyncio.get_running_loop())
         adm = self._admission.get(loop)
         if adm is None or (adm.limit, adm.queue, adm.wait_s) != (max(1, conf[0]), max(0, conf[1]), conf[2]):
-            adm = self._admission[loop] = Admission(*conf)
+            adm = self._admission[loop] = Admission(*conf, observe=self.metrics.admission)
         adm.watch()
         return adm
 
@@ -324,9 +334,13 @@ class Router:
         try:
             async with admission.slot():  # raises Busy (-32005) at once past the concurrency and queue bounds
                 res = await fwd.run()
+        except Busy:
+            self.metrics.forward(fwd.model_id, "busy", [])
+            raise
         except ForwardError as exc:
             failures = exc.data.get("failures", [])
             self.metrics.holder_outcomes(failures, {})
+            self.metrics.forward(fwd.model_id, exc.kind, failures)
             if outcomes is not None:
                 outcomes.add(failures, {}, None)
             else:
@@ -338,6 +352,7 @@ class Router:
         res.forward_id = uuid.uuid4().hex
         record = ForwardRecord(res.forward_id, fwd.model_id, fwd.layer, res.verified)
         self.metrics.holder_outcomes(res.failures, res.latencies_ms)
+        self.metrics.forward(fwd.model_id, "ok", res.failures)
         if outcomes is not None:
             outcomes.add(res.failures, res.latencies_ms, record)
         else:

@@ -20,6 +20,7 @@ from channels.db import database_sync_to_async
 from django.conf import settings
 
 from moe.runtime import ExpertRuntime
+from router.apps import current as router_current
 from router.hooks import ForwardRecord
 from settlement import services, tasks
 from settlement.apps import current
@@ -34,13 +35,16 @@ def inline() -> bool:
 
 def _record_and_settle(records: list[ForwardRecord]) -> list[str]:
     """Worker thread: record every forward of ``records``, settle them when tasks run inline
-    (else queue one ``settle_forward`` task each); returns the kept sample keys."""
+    (else queue one ``settle_forwards`` task for all of them: a generation's flush is one
+    task, not one per layer forward); returns the kept sample keys."""
     keys = [k for out in services.record_forwards(records) for k in out["samples"]]
     if inline():
         services.settle_forwards([r.forward_id for r in records])
     else:
-        for r in records:
-            tasks.settle_forward.delay(r.forward_id)
+        tasks.settle_forwards.delay([r.forward_id for r in records])
+    metrics = router_current().metrics
+    metrics.settled_forwards.inc(len(records))
+    metrics.settlement_tasks.inc()
     return keys
 
 

@@ -10,6 +10,7 @@ import asyncio
 
 from celery import shared_task
 
+from registry.periodic import claim_period
 from settlement import services
 
 
@@ -19,9 +20,19 @@ def settle_forward(forward_id: str) -> int:
     return services.settle_forward(forward_id)
 
 
+@shared_task(name="settlement.settle_forwards")
+def settle_forwards(forward_ids: list[str]) -> int:
+    """Settle the pending settlements of several forwards (a generation's layer forwards,
+    handed on together) in one task; returns how many this run paid."""
+    return services.settle_forwards([str(f) for f in forward_ids])
+
+
 @shared_task(name="settlement.settle_pending")
-def settle_pending() -> int:
-    """Beat sweep: settle any pending settlement (a lost task's); returns how many were paid."""
+def settle_pending(period_s: float | None = None) -> int:
+    """Beat sweep: settle any pending settlement (a lost task's); returns how many were paid
+    (0 when ``period_s`` is given and another beat's run claimed this period)."""
+    if period_s and not claim_period("settlement.settle_pending", period_s):
+        return 0
     return services.settle_pending()
 
 
@@ -33,6 +44,9 @@ def audit_receipt(key: str) -> bool:
 
 
 @shared_task(name="settlement.audit_pending")
-def audit_pending() -> int:
-    """Beat sweep: audit kept receipts that have no dispute yet; returns how many were audited."""
+def audit_pending(period_s: float | None = None) -> int:
+    """Beat sweep: audit kept receipts that have no dispute yet; returns how many were audited
+    (0 when ``period_s`` is given and another beat's run claimed this period)."""
+    if period_s and not claim_period("settlement.audit_pending", period_s):
+        return 0
     return asyncio.run(services.audit_pending())

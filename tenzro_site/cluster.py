@@ -1,5 +1,7 @@
 """A local cluster on one machine: the site (daphne) plus N holder agents, with models placed;
 in services mode (``REDIS_URL``) also one Celery worker on the site's task queue and one beat.
+With ``sites`` above 1 (PostgreSQL and Redis required): that many site processes of one
+deployment behind HAProxy (``tenzro_site.balancer``), clients and agents using the balancer.
 
 Used by ``tenzro_cluster``, ``verify_forward`` and ``tenzro_demo``, and by end-to-end tests.
 It owns what it starts: ``stop()`` terminates every process, and it also runs at exit. It
@@ -12,7 +14,9 @@ from __future__ import annotations
 import atexit
 import ctypes
 import fcntl
+import hashlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -36,6 +40,8 @@ from registry.models import Provider
 from registry.services import reset_sessions
 from registry.selectors import shard_view
 from registry.operator import operator_token
+from registry.deployment import DeploymentMismatch, check_name, claim
+from tenzro_site.balancer import Balancer, BalancerError
 from tenzro_site.celery import queue_workers
 
 
@@ -50,6 +56,14 @@ class ClusterError(RuntimeError):
 #: threads and memory tier on this one machine; more belong on more machines (``holder_agent``
 #: against a served site).
 MAX_LOCAL_HOLDERS = 64
+#: Most site processes one local cluster starts behind its balancer.
+MAX_LOCAL_SITES = 16
+
+
+def local_deployment_name(var_dir: Path) -> str:
+    """The deployment name of a local cluster whose ``TENZRO_DEPLOYMENT`` is unset: derived from
+    its var dir, so two local clusters in different var dirs refuse to share one database."""
+    return "local-" + hashlib.blake2b(str(Path(var_dir).resolve()).encode(), digest_size=5).hexdigest()
 
 
 def _die_with_parent() -> None:
@@ -97,8 +111,12 @@ class LocalCluster:
     ``{agent index: "corrupt:P" | "stall:S"}`` drill faults (``holder_agent --fault``). ``roles``: agent ``i``
     starts with ``--role roles[i % len(roles)]`` (``Prefill``, ``Decode`` or ``PrefillDecode``,
     the default). ``agent_site``: the URL the agents dial instead of the site's own (a reverse
-    proxy or latency emulator in front of it; the site still listens on ``port``).
-    Raises ``ClusterError``.
+    proxy or latency emulator in front of it; the site still listens on ``port``). ``sites``:
+    site processes behind HAProxy on ``port`` (above 1 needs a PostgreSQL ``DATABASE_URL`` and
+    ``REDIS_URL``: the processes share the database, the channel layer relays requests to
+    agents whose socket another process holds); ``url`` is then the balancer's. ``balancer``:
+    HAProxy in front even of one site process (benches compare 1 and N processes on the same
+    path). Raises ``ClusterError``.
     """
 
     def __init__(self, checkpoints: list[str | Path], holders: int = 4, port: int = 0, replication: int = 2,
@@ -106,7 +124,12 @@ class LocalCluster:
                  model_ids: list[str | None] | None = None, quants: list | None = None,
                  agent_http: bool = False, agent_iroh: bool = False, dense_parts: int = 2, repair_interval: int | None = None,
                  agent_faults: dict[int, str] | None = None, roles: list[str] | None = None,
-                 agent_site: str | None = None):
+                 agent_site: str | None = None, sites: int = 1, balancer: bool = False):
+        if not 1 <= sites <= MAX_LOCAL_SITES:
+            raise ClusterError(f"--sites must be between 1 and {MAX_LOCAL_SITES} on one machine, got {sites}")
+        if sites > 1 and not (settings.REDIS_URL and settings.DATABASES["default"]["ENGINE"].endswith("postgresql")):
+            raise ClusterError("--sites above 1 needs REDIS_URL (the channel layer between site processes) and a "
+                               "PostgreSQL DATABASE_URL (one database for all of them)")
         if not 1 <= holders <= MAX_LOCAL_HOLDERS:
             raise ClusterError(f"--holders must be between 1 and {MAX_LOCAL_HOLDERS} on one machine, got {holders}")
         if port and not 0 < port < 65536:
@@ -149,7 +172,13 @@ class LocalCluster:
             check_agent_site(agent_site)
         self.agent_site = agent_site or self.url
         self.log_dir = settings.VAR_DIR / "logs"
-        self.site: subprocess.Popen | None = None
+        self.site: subprocess.Popen | None = None  # the first site process (the only one when sites == 1)
+        self.sites: list[subprocess.Popen] = []
+        self.n_sites = sites
+        self.use_balancer = balancer or sites > 1
+        self.site_urls: list[str] = []
+        self.balancer: subprocess.Popen | None = None
+        self.deployment = os.environ.get("TENZRO_DEPLOYMENT", "").strip() or local_deployment_name(settings.VAR_DIR)
         self.agents: list[tuple[str, subprocess.Popen]] = []
         self.celery: list[subprocess.Popen] = []  # worker and beat, in services mode (REDIS_URL)
         self.model_ids: list[str] = []
@@ -173,6 +202,10 @@ class LocalCluster:
         atexit.register(self.stop)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         call_command("migrate", verbosity=0, interactive=False)
+        try:
+            claim(check_name(self.deployment))  # before anything is written: another deployment's database is refused
+        except (DeploymentMismatch, ValueError) as exc:
+            raise ClusterError(str(exc)) from None
         for ckpt, mid, quant in zip(self.checkpoints, self.model_id_overrides, self.quants):
             self.say(f"publishing {ckpt}{f' as {quant}' if quant else ''} ...")
             self.model_ids.append(publish_checkpoint(ckpt, mid, quant=quant).model_id)
@@ -183,7 +216,14 @@ class LocalCluster:
                     self.dense_ids.append(dense.model_id)
         env = {**os.environ, "TENZRO_HEARTBEAT_INTERVAL": str(self.heartbeat_interval),
                "TENZRO_VAR_DIR": str(settings.VAR_DIR), "TENZRO_BLOB_DIR": str(settings.TENZRO["BLOB_DIR"]),
-               "TENZRO_OPERATOR_TOKEN": operator_token(), "PYTHONUNBUFFERED": "1"}
+               "TENZRO_OPERATOR_TOKEN": operator_token(), "PYTHONUNBUFFERED": "1",
+               "TENZRO_DEPLOYMENT": self.deployment}
+        if self.use_balancer and not env.get("PROMETHEUS_MULTIPROC_DIR"):
+            # Several site processes: /metrics of any of them sums this machine's (router.metrics).
+            metrics_dir = settings.VAR_DIR / "prometheus"
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+            metrics_dir.mkdir(parents=True)
+            env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
         if self.repair_interval:
             env["TENZRO_REPAIR_INTERVAL"] = str(self.repair_interval)
         # The agents share this machine's cores: each gets its share for the quantized kernels'
@@ -191,10 +231,14 @@ class LocalCluster:
         env.setdefault("NUMBA_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // max(1, self.holders))))
         # An explicit listen backlog: Twisted's default of 50 resets connections when hundreds of
         # clients connect while the loop is busy with forwards.
-        self.site = self._spawn("site", [sys.executable, "-m", "tenzro_site.serve",
-                                         "-e", f"tcp:port={self.port}:interface=127.0.0.1:backlog={LISTEN_BACKLOG}",
-                                         "--websocket_timeout", "-1"], env)
-        self._wait(lambda: self._healthy(), timeout, "the site did not answer /healthz")
+        if not self.use_balancer:
+            self.site = self._spawn("site", [sys.executable, "-m", "tenzro_site.serve",
+                                             "-e", f"tcp:port={self.port}:interface=127.0.0.1:backlog={LISTEN_BACKLOG}",
+                                             "--websocket_timeout", "-1"], env)
+            self.sites = [self.site]
+            self._wait(lambda: self._healthy(), timeout, "the site did not answer /healthz")
+        else:
+            self._start_sites(env, timeout)
         if settings.REDIS_URL:  # services mode: queued tasks need a worker, the periodic sweeps one beat
             self._start_celery(env)
         self.say(f"site up at {self.url}; starting {self.holders} holder agents ...")
@@ -231,6 +275,29 @@ class LocalCluster:
             self.say(f"Celery worker and beat up on queue {settings.CELERY_TASK_DEFAULT_QUEUE!r}")
         return self
 
+    def _start_sites(self, env: dict, timeout: float) -> None:
+        """``n_sites`` site processes on free ports (X-Forwarded-For trusted: only the balancer
+        reaches them), then HAProxy on ``port`` in front of them; waits until each process and
+        the balancer answer /healthz."""
+        ports = [free_port() for _ in range(self.n_sites)]
+        for i, port in enumerate(ports):
+            self.sites.append(self._spawn(f"site-{i}", [
+                sys.executable, "-m", "tenzro_site.serve", "--proxy-headers",
+                "-e", f"tcp:port={port}:interface=127.0.0.1:backlog={LISTEN_BACKLOG}", "--websocket_timeout", "-1"],
+                env))
+            self.site_urls.append(f"http://127.0.0.1:{port}")
+        self.site = self.sites[0]
+        for i, url in enumerate(self.site_urls):
+            self._wait(lambda url=url: self._healthy(url), timeout, f"site process {i} did not answer /healthz")
+        try:
+            cmd = Balancer(f"127.0.0.1:{self.port}", [(f"site{i}", url.removeprefix("http://"))
+                                                      for i, url in enumerate(self.site_urls)],
+                           settings.VAR_DIR / "balancer").command()
+        except BalancerError as exc:
+            raise ClusterError(str(exc)) from None
+        self.balancer = self._spawn("balancer", cmd, env)
+        self._wait(lambda: self._healthy(), timeout, "the balancer did not answer /healthz")
+
     def _start_celery(self, env: dict) -> None:
         """One worker on this site's task queue and exactly one beat (the periodic sweeps and
         repair passes; its schedule lives in the database, its pid file in the var dir we lock)."""
@@ -243,7 +310,7 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Terminate agents then the site (SIGTERM, then SIGKILL after 5 s). Safe to call twice."""
-        procs = [p for _, p in self.agents] + self.celery + ([self.site] if self.site else [])
+        procs = [p for _, p in self.agents] + self.celery + self.sites + ([self.balancer] if self.balancer else [])
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -254,7 +321,7 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        self.agents, self.celery, self.site = [], [], None
+        self.agents, self.celery, self.site, self.sites, self.balancer = [], [], None, [], None
         if self._lock is not None:
             self._lock.close()  # releases the flock
             self._lock = None
@@ -267,6 +334,8 @@ class LocalCluster:
                 "agents": [{"provider": pid, "pid": p.pid, "fault": self.agent_faults.get(i)}
                            for i, (pid, p) in enumerate(self.agents)],
                 "site_pid": self.site.pid if self.site else None,
+                "site_pids": [p.pid for p in self.sites], "sites": self.site_urls or [self.url],
+                "balancer_pid": self.balancer.pid if self.balancer else None, "deployment": self.deployment,
                 "celery_pids": [p.pid for p in self.celery], "logs": str(self.log_dir)}
 
     # -- helpers ---------------------------------------------------------------------------
@@ -318,11 +387,29 @@ class LocalCluster:
         return subprocess.Popen(cmd, cwd=settings.BASE_DIR, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
 
-    def _healthy(self) -> bool:
-        if self.site is not None and self.site.poll() is not None:
-            raise ClusterError(f"the site exited with code {self.site.returncode}; see {self.log_dir / 'site.log'}")
+    def site_died(self, proc: subprocess.Popen) -> None:
+        """A site process of several exited: drop its live gauges from the shared metrics
+        directory (its counters stay in the sums, as Prometheus expects of counters)."""
+        metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or str(settings.VAR_DIR / "prometheus")
+        if self.use_balancer and Path(metrics_dir).is_dir():
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(proc.pid, metrics_dir)
+
+    def live_sites(self) -> list[subprocess.Popen]:
+        """The site processes still running."""
+        return [p for p in self.sites if p.poll() is None]
+
+    def _healthy(self, url: str | None = None) -> bool:
+        for i, p in enumerate(self.sites):
+            if p.poll() is not None:
+                log = self.log_dir / (f"site-{i}.log" if self.use_balancer else "site.log")
+                raise ClusterError(f"the site exited with code {p.returncode}; see {log}")
+        if self.balancer is not None and self.balancer.poll() is not None:
+            raise ClusterError(f"the balancer exited with code {self.balancer.returncode}; see "
+                               f"{self.log_dir / 'balancer.log'}")
         try:
-            return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
+            return httpx.get(f"{url or self.url}/healthz", timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
 

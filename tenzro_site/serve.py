@@ -19,6 +19,11 @@ autobahn's default of dropping the TCP connection (the peer saw only 1006). Used
 ``make serve`` and ``LocalCluster``; options other than the size caps pass through to
 daphne (``-b``, ``-p``, ``--websocket_timeout``, ...). The application is
 ``tenzro_site.asgi:application``.
+
+Before serving, the process claims its deployment (``registry.deployment.claim``,
+``TENZRO_DEPLOYMENT``): a database of another deployment, or one not migrated, ends it with
+a message (exit code 1). Behind a load balancer, pass daphne's ``--proxy-headers`` (the
+client address then comes from ``X-Forwarded-For``).
 """
 from __future__ import annotations
 
@@ -100,7 +105,24 @@ def deadline_channel(header_s: float, body_s: float, body_min_rate: int):
 def main(argv: list[str] | None = None) -> None:
     """Run daphne with ``argv`` plus the size caps and the application; returns when it stops."""
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tenzro_site.settings")
+    import django
     from django.conf import settings
+    from django.db import DatabaseError
+
+    django.setup()
+    from registry.deployment import DeploymentMismatch, claim
+
+    try:
+        claim()
+    except (DeploymentMismatch, ValueError) as exc:
+        sys.exit(f"tenzro_site.serve: {exc}")
+    except DatabaseError as exc:
+        sys.exit(f"tenzro_site.serve: cannot claim the deployment ({type(exc).__name__}: {exc}); "
+                 "run `python manage.py migrate` first")
+    finally:
+        from django.db import connections
+
+        connections.close_all()  # the pool's connection is not the server's thread's
 
     cap = int(settings.TENZRO["WS_MAX_MESSAGE"])
     from daphne.cli import CommandLineInterface  # installs the asyncio reactor: import before twisted's

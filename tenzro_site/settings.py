@@ -8,6 +8,12 @@ One place maps the environment to backends (docs/DESIGN.md §4):
   result backend on it; absent → in-memory channel layer, local-memory cache and Celery
   tasks run inline in the calling process.
 - ``TENZRO_VAR_DIR`` (default ``var/``): keys, blobs, operator token, secret key.
+- ``TENZRO_DEPLOYMENT`` (default ``default``): the deployment this process belongs to; one per
+  database (``registry.deployment``). ``TENZRO_DB_POOL`` (connections per process, default 8;
+  0 = no pool) and ``TENZRO_DB_POOL_TIMEOUT`` (seconds): psycopg's pool on PostgreSQL.
+- ``PROMETHEUS_MULTIPROC_DIR``: set (an empty directory per machine) when several site
+  processes or workers run on one machine: ``/metrics`` of any of them then sums all
+  (``router.metrics``).
 - ``TENZRO_BLOB_DIR`` (default ``$TENZRO_VAR_DIR/blobs``), ``TENZRO_MEMORY_BUDGET`` (bytes),
   ``TENZRO_KEY_FILE``, ``TENZRO_OPERATOR_TOKEN``, ``TENZRO_ALLOWED_HOSTS`` (comma list),
   ``TENZRO_DEBUG`` (0/1), ``TENZRO_WS_MAX_MESSAGE`` (bytes, default 1 MiB), slow-client
@@ -182,6 +188,13 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     DATABASES["default"].setdefault("TEST", {})
     if os.environ.get("TENZRO_TEST_SQLITE_FILE"):
         DATABASES["default"]["TEST"]["NAME"] = os.environ["TENZRO_TEST_SQLITE_FILE"]
+elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql" and _env_int("TENZRO_DB_POOL", 8) > 0:
+    # psycopg's pool (Django >= 5.1): each process keeps at most TENZRO_DB_POOL connections however
+    # many threads it runs (the DB thread, sync_to_async workers), so N site processes + workers stay
+    # far under max_connections; a thread past the cap waits up to TENZRO_DB_POOL_TIMEOUT s.
+    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+        "min_size": 1, "max_size": _env_int("TENZRO_DB_POOL", 8),
+        "timeout": _env_float("TENZRO_DB_POOL_TIMEOUT", 30.0), "max_idle": 300.0}
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 LANGUAGE_CODE = "en-us"
@@ -230,13 +243,18 @@ CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 _HYGIENE_INTERVAL_S = _env_int("TENZRO_HYGIENE_INTERVAL", 300)
 # Receipts economy sweeps (settlement.tasks), synced into the database schedule by beat; without a
 # broker an inline timer does the same.
+# ``period_s``: each sweep runs once per period however many beats send it (registry.periodic).
 CELERY_BEAT_SCHEDULE = {
-    "settlement-audit-pending": {"task": "settlement.audit_pending", "schedule": 30.0},
-    "settlement-settle-pending": {"task": "settlement.settle_pending", "schedule": 60.0},
+    "settlement-audit-pending": {"task": "settlement.audit_pending", "schedule": 30.0,
+                                 "kwargs": {"period_s": 30.0}},
+    "settlement-settle-pending": {"task": "settlement.settle_pending", "schedule": 60.0,
+                                  "kwargs": {"period_s": 60.0}},
     # Provider hygiene (registry.tasks): close sessions whose heartbeats stopped; expire unproven keys.
-    "registry-sweep-stale-providers": {"task": "registry.sweep_stale_providers", "schedule": 60.0},
+    "registry-sweep-stale-providers": {"task": "registry.sweep_stale_providers", "schedule": 60.0,
+                                       "kwargs": {"period_s": 60.0}},
     "registry-expire-unproven-providers": {"task": "registry.expire_unproven_providers",
-                                           "schedule": float(_HYGIENE_INTERVAL_S)},
+                                           "schedule": float(_HYGIENE_INTERVAL_S),
+                                           "kwargs": {"period_s": float(_HYGIENE_INTERVAL_S)}},
 }
 
 # Request bodies: JSON-RPC carries base64 hidden states, so the cap is explicit.
@@ -272,6 +290,9 @@ SPECTACULAR_SETTINGS = {
 }
 
 TENZRO = {
+    # One deployment name per database (registry.deployment): every process of one deployment
+    # gives the same; a process of another deployment is refused by the database it would share.
+    "DEPLOYMENT": os.environ.get("TENZRO_DEPLOYMENT", "").strip() or "default",
     "BLOB_DIR": Path(os.environ.get("TENZRO_BLOB_DIR", VAR_DIR / "blobs")).resolve(),
     "HEARTBEAT_INTERVAL_S": _env_int("TENZRO_HEARTBEAT_INTERVAL", 15),
     "MISSED_HEARTBEATS": 3,

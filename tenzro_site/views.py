@@ -1,6 +1,8 @@
 """Site health check and Prometheus metrics (the console pages live in ``tenzro_site.console``)."""
 from __future__ import annotations
 
+import os
+
 from django.conf import settings
 from django.db import DatabaseError
 from django.http import HttpResponse, JsonResponse
@@ -13,7 +15,8 @@ from tenzro_site.celery import cached_queue_workers
 
 def healthz(request):
     """``GET /healthz``: 200 while the site answers and its database is reachable, with
-    ``{"ok": true, **registry.selectors.health()}``: ``status`` "ok" or "degraded" (holders
+    ``{"ok": true, "deployment", "pid", **registry.selectors.health()}`` (``pid``: the site
+    process that answered, behind a balancer one of several): ``status`` "ok" or "degraded" (holders
     failing, experts under-replicated, and with a broker configured no Celery worker on the
     task queue: ``celery_workers``, asked at most every 10 s, 2 s while none answers;
     ``problems`` says which). 503 ``{"ok": false, "status": "down", "error"}`` when the database
@@ -29,7 +32,7 @@ def healthz(request):
             body["problems"].append(f"no Celery worker consumes the task queue {settings.CELERY_TASK_DEFAULT_QUEUE!r}: "
                                     "prepare jobs, settlements and sweeps are not running")
             body["status"] = "degraded"
-    return JsonResponse({"ok": True, **body})
+    return JsonResponse({"ok": True, "deployment": settings.TENZRO["DEPLOYMENT"], "pid": os.getpid(), **body})
 
 
 @require_GET

@@ -89,3 +89,49 @@ def summary(outcomes: list[Outcome], wall_s: float) -> dict:
     return {"requests": len(outcomes), "ok": ok, "errors": errors, "wall_s": round(wall_s, 2),
             "throughput_per_s": round(ok / wall_s, 2) if wall_s else None, "p50_ms": pct(0.50), "p99_ms": pct(0.99),
             "mean_ms": round(statistics.fmean(ms), 1) if ms else None}
+
+
+#: HTTP answers that say "retry": the balancer's (a site process died with the request in
+#: flight: 502; none available: 503) and the site's (busy: 429; a forward failed: 503).
+RETRYABLE = (429, 502, 503, 504)
+
+
+@dataclass
+class Completion:
+    """One greedy ``/v1/completions`` request with at most one retry: ``token_ids`` of the
+    answer that succeeded (None when none did), ``first`` the first attempt's HTTP status (or
+    exception name), ``first_error`` its JSON error body when it failed, ``retried``."""
+
+    token_ids: list[int] | None
+    first: int | str
+    first_error: dict | None = None
+    retried: bool = False
+
+
+def complete_once_retrying(client: httpx.Client, url: str, model: str, prompt: list[int], max_tokens: int) -> Completion:
+    """POST ``url``/v1/completions (greedy, token-id ``prompt``); a retryable failure (a JSON
+    ``error`` body with a ``RETRYABLE`` status) is retried once after its ``Retry-After``
+    (at most 5 s). A non-JSON or non-retryable failure is returned as is (``token_ids`` None)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+
+    def attempt():
+        try:
+            resp = client.post(f"{url}/v1/completions", json=body)
+        except httpx.HTTPError as exc:
+            return type(exc).__name__, None, 0.0
+        try:
+            data = resp.json()
+        except ValueError:
+            data = None
+        wait = min(5.0, float(resp.headers.get("retry-after") or 1))
+        return resp.status_code, data, wait
+
+    status, data, wait = attempt()
+    if status == 200:
+        return Completion(data["choices"][0]["token_ids"], status)
+    clean = status in RETRYABLE and isinstance(data, dict) and isinstance(data.get("error"), dict)
+    if not clean:
+        return Completion(None, status, data)
+    time.sleep(wait)
+    status2, data2, _ = attempt()
+    return Completion(data2["choices"][0]["token_ids"] if status2 == 200 else None, status, data["error"], True)

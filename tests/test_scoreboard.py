@@ -116,3 +116,24 @@ def test_a_disconnect_skips_the_holder_for_one_cooldown_and_a_reconnect_restores
     assert sb.state("a") == "open"
     snap = sb.snapshot()["a"]
     assert snap["faults"] == 1 and snap["successes"] == 4 and snap["state"] == "open"
+
+
+def test_a_new_process_is_seeded_from_what_other_processes_recorded():
+    sb = Scoreboard(clock=Clock())
+    sb.success("seen", 5.0, 8)  # this process's own record is never overwritten by a seed
+    records = {"hole": {"batches_served": 0, "latency_ms": None, "failing": True},
+               "good": {"batches_served": 40, "latency_ms": 12.5, "failing": False},
+               "young": {"batches_served": 1, "latency_ms": 3.0, "failing": False},
+               "seen": {"batches_served": 0, "latency_ms": None, "failing": True}}
+    assert sb.unseeded(["hole", "good", "young", "seen", "absent"]) == ["hole", "good", "young", "absent"]
+    sb.seed(records, ["absent"])
+    assert sb.unseeded(["hole", "good", "young", "seen", "absent"]) == []  # looked up once per process
+    assert sb.state("hole") == "half_open" and sb.failed_recently("hole")  # a black hole others caught
+    assert sb.state("good") == "proven" and sb.snapshot()["good"]["latency_ms"] == 12.5
+    assert sb.state("young") == "probation" and sb.state("absent") == "probation"
+    assert sb.state("seen") == "probation"  # its own one success so far, not the seed's failure
+    assert names(sb.order([holder("hole"), holder("young"), holder("good")])) == ["good", "young", "hole"]
+    assert sb.claim_probe("hole")  # it earns real batches back through a probe
+    sb.probe_done("hole")
+    sb.success("hole", 9.0, 8)
+    assert sb.state("hole") == "probation"

@@ -36,7 +36,13 @@ class Command(BaseCommand):
         parser.add_argument("--checkpoint", required=True, action="append",
                             help="HF checkpoint directory (repeat for several models)")
         parser.add_argument("--holders", type=int, default=4)
-        parser.add_argument("--port", type=int, default=0, help="site port (default: a free one)")
+        parser.add_argument("--port", type=int, default=0,
+                            help="site port, or the balancer's with --sites above 1 (default: a free one)")
+        parser.add_argument("--sites", type=int, default=1,
+                            help="site processes behind HAProxy (needs a PostgreSQL DATABASE_URL and REDIS_URL); "
+                                 "the JSON line's url/rpc are the balancer's, site_pids the processes'")
+        parser.add_argument("--balancer", action="store_true",
+                            help="HAProxy in front even of one site process (to compare 1 and N on one path)")
         parser.add_argument("--agent-http", action="store_true",
                             help="agents also serve POST /rpc on free ports (--http-port) and advertise them")
         parser.add_argument("--agent-iroh", action="store_true",
@@ -84,15 +90,26 @@ class Command(BaseCommand):
                                    quants=[plan.to_json() if plan else None] * len(opts["checkpoint"]),
                                    agent_http=opts["agent_http"], agent_iroh=opts["agent_iroh"],
                                    repair_interval=opts["repair_interval"],
-                                   agent_faults=faults, roles=opts["agent_role"], agent_site=opts["agent_site"])
+                                   agent_faults=faults, roles=opts["agent_role"], agent_site=opts["agent_site"],
+                                   sites=opts["sites"], balancer=opts["balancer"])
             cluster.start()
             for sig in (signal.SIGINT, signal.SIGTERM):  # ready: the next signal ends the wait below
                 signal.signal(sig, lambda *_: stop.set())
             self.stdout.write(json.dumps(cluster.info()))
             self.stdout.flush()
+            reported: set[int] = set()
             while not stop.wait(1.0):
-                if cluster.site is not None and cluster.site.poll() is not None:
-                    raise ClusterError("the site process exited")
+                if not cluster.live_sites():
+                    raise ClusterError("the site process exited" if len(cluster.sites) == 1 else
+                                       "every site process exited")
+                if cluster.balancer is not None and cluster.balancer.poll() is not None:
+                    raise ClusterError("the balancer exited")
+                for p in cluster.sites:  # one of several died: the others serve; its agents reconnect
+                    if p.poll() is not None and p.pid not in reported:
+                        reported.add(p.pid)
+                        cluster.site_died(p)
+                        say(f"site process {p.pid} exited with code {p.returncode}; "
+                            f"{len(cluster.live_sites())} serve on behind the balancer")
         except KeyboardInterrupt as exc:
             raise CommandError("interrupted before the cluster was ready; stopped everything it started") from exc
         except (ClusterError, ValueError, OSError) as exc:

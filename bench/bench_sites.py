@@ -1,0 +1,103 @@
+"""Requests/s of 1 and N site processes behind HAProxy on the same cores (issue 26).
+
+Usage:  .venv/bin/python bench/bench_sites.py [--sites 1,2] [--requests 48] [--clients 16]
+        [--tokens 6] [--holders 3] [--json]
+Needs PostgreSQL and Redis: ``TENZRO_TEST_DATABASE_URL`` (an admin URL: each run creates and
+drops its own database) and ``TENZRO_TEST_REDIS_URL`` (defaults as the tests').
+
+For each entry of ``--sites``: ``tenzro_cluster --sites N --balancer --holders H`` of the
+qwen3 fixture (HAProxy in front of every count, so both take the same path), a warm-up
+round (every distinct prompt once per process), then ``--requests`` greedy
+``/v1/completions`` from ``--clients`` concurrent clients through the balancer. Reports
+requests/s, p50/p99 latency, errors, and whether every answer equals the first run's. The
+runs share this machine's cores: on a 2-core machine it shows that nothing slows down or is
+lost with more processes, not that they scale.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.cluster_util import env_for, fresh_postgres_db, running_cluster  # noqa: E402
+from tests.load_util import complete_once_retrying  # noqa: E402
+
+QWEN = ROOT / "tests" / "fixtures" / "qwen3_moe_tiny"
+MODEL = "qwen3-moe-tiny"
+
+
+def run(sites: int, args) -> dict:
+    """One cluster of ``sites`` processes: warm-up, then the timed round; its numbers."""
+    pg = os.environ.get("TENZRO_TEST_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
+    redis = os.environ.get("TENZRO_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+    prompts = [[1 + i % 6, 7, 3 + i % 4, 11] for i in range(args.requests)]
+    with tempfile.TemporaryDirectory(prefix="bench-sites-") as tmp, fresh_postgres_db(pg) as db:
+        env = env_for(Path(tmp), database_url=db, redis_url=redis)
+        with running_cluster(Path(tmp), [QWEN], holders=args.holders, env=env,
+                             extra=("--sites", str(sites), "--balancer")) as (info, _):
+            url = info["url"]
+            with httpx.Client(timeout=600) as client:
+                for p in sorted({tuple(p) for p in prompts}):
+                    for _ in range(sites):
+                        complete_once_retrying(client, url, MODEL, list(p), args.tokens)
+            lat: list[float] = []
+
+            def one(client, p):
+                t = time.perf_counter()
+                c = complete_once_retrying(client, url, MODEL, p, args.tokens)
+                lat.append(time.perf_counter() - t)
+                return c
+
+            with httpx.Client(timeout=600, limits=httpx.Limits(max_connections=args.clients * 2)) as client, \
+                    ThreadPoolExecutor(args.clients) as pool:
+                t0 = time.perf_counter()
+                outs = list(pool.map(lambda p: one(client, p), prompts))
+                wall = time.perf_counter() - t0
+    lat.sort()
+    return {"sites": sites, "requests": len(prompts), "clients": args.clients, "wall_s": round(wall, 2),
+            "req_per_s": round(len(prompts) / wall, 3), "p50_s": round(statistics.median(lat), 2),
+            "p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 2),
+            "errors": sum(c.token_ids is None for c in outs), "retried": sum(c.retried for c in outs),
+            "answers": {tuple(p): c.token_ids for p, c in zip(prompts, outs)}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sites", default="1,2")
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=6)
+    ap.add_argument("--holders", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    results = [run(int(s), args) for s in args.sites.split(",")]
+    same = all(r["answers"] == results[0]["answers"] for r in results)
+    for r in results:
+        r.pop("answers")
+    base = results[0]["req_per_s"]
+    for r in results:
+        r["vs_first"] = round(r["req_per_s"] / base, 3) if base else None
+    if args.json:
+        print(json.dumps({"cpus": os.cpu_count(), "results": results, "answers_equal": same}))
+        return
+    print(f"{os.cpu_count()} CPUs; {args.requests} greedy completions ({args.tokens} tokens) "
+          f"from {args.clients} clients")
+    for r in results:
+        print(f"  {r['sites']} site process(es): {r['req_per_s']} req/s ({r['vs_first']}x), p50 {r['p50_s']} s, "
+              f"p99 {r['p99_s']} s, errors {r['errors']}, retried {r['retried']}")
+    print(f"  every answer equal across runs: {same}")
+
+
+if __name__ == "__main__":
+    main()

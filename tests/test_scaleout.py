@@ -1,0 +1,117 @@
+"""Several site processes of one deployment behind HAProxy (issue 26), on PostgreSQL + Redis.
+
+``tenzro_cluster --sites 2 --holders 3``: 48 greedy ``/v1/completions`` from 16 clients
+through the balancer, one site process SIGKILLed 3 s in. Every request succeeds, or fails
+with a clean retryable JSON error and succeeds on one retry; every agent heartbeats again
+(its socket on the surviving process) within 30 s; the completions after the kill equal
+those before; ``/metrics`` answers Prometheus text through the balancer. Also: a second
+deployment is refused by a database another one claimed.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import psycopg
+import pytest
+
+from tests.cluster_util import ROOT, env_for, fresh_postgres_db, pid_alive, running_cluster, wait_for
+from tests.conftest import PG_URL, QWEN, REDIS_URL, needs_services
+from tests.load_util import complete_once_retrying
+
+pytestmark = [pytest.mark.services, pytest.mark.cluster, needs_services]
+
+MODEL = "qwen3-moe-tiny"
+PROMPTS = [[1 + i % 6, 7, 3 + i % 4, 11] for i in range(48)]  # 48 requests over 24 distinct prompts
+MAX_TOKENS = 6
+
+
+def _heartbeats_after(db_url: str, since) -> dict[str, bool]:
+    """provider → whether its last heartbeat is later than ``since`` (database time): only a
+    live site process ingests heartbeats, so True means the agent's socket is on one."""
+    with psycopg.connect(db_url) as conn:
+        return {p: bool(hb and hb > since) for p, hb in
+                conn.execute("SELECT provider, last_heartbeat FROM registry_provider").fetchall()}
+
+
+def test_two_sites_behind_haproxy_survive_a_site_process_kill(tmp_path):
+    with fresh_postgres_db(PG_URL) as db_url:
+        env = env_for(tmp_path, database_url=db_url, redis_url=REDIS_URL)
+        with running_cluster(tmp_path, [QWEN], holders=3, env=env, extra=("--sites", "2")) as (info, proc):
+            url = info["url"]
+            assert len(info["site_pids"]) == 2 and info["balancer_pid"] and info["url"] not in info["sites"]
+            # Both processes serve through the balancer (round robin) and name one deployment.
+            seen = {}
+            with httpx.Client(timeout=300) as client:
+                for _ in range(6):
+                    h = client.get(f"{url}/healthz").json()
+                    seen[h["pid"]] = h["deployment"]
+                assert set(seen) == set(info["site_pids"]) and set(seen.values()) == {info["deployment"]}
+                # Before the kill: each distinct prompt once per process (round robin), one answer.
+                before: dict[tuple, list[int]] = {}
+                for p in sorted({tuple(p) for p in PROMPTS}):
+                    for _ in range(2):
+                        c = complete_once_retrying(client, url, MODEL, list(p), MAX_TOKENS)
+                        assert c.first == 200, c
+                        assert before.setdefault(p, c.token_ids) == c.token_ids, p
+
+            victim = info["site_pids"][0]
+            with psycopg.connect(db_url) as conn:
+                t0 = conn.execute("SELECT now()").fetchone()[0]
+            killer = threading.Timer(3.0, os.kill, (victim, signal.SIGKILL))
+            with httpx.Client(timeout=300, limits=httpx.Limits(max_connections=32)) as client, \
+                    ThreadPoolExecutor(16) as pool:
+                futures = [pool.submit(complete_once_retrying, client, url, MODEL, p, MAX_TOKENS) for p in PROMPTS]
+                killer.start()
+                # Every agent heartbeats again on the surviving process (reconnected through the balancer).
+                killer.join()
+                killed_at = time.monotonic()
+                wait_for(lambda: all(_heartbeats_after(db_url, t0).values()) and len(_heartbeats_after(db_url, t0)) == 3,
+                         30, "the 3 agents heartbeating again after the kill")
+                reconnect_s = time.monotonic() - killed_at
+                outcomes = [f.result() for f in futures]
+            assert not pid_alive(victim) and proc.poll() is None  # the cluster serves on with one process
+            failed = [(p, c) for p, c in zip(PROMPTS, outcomes) if c.token_ids is None]
+            assert not failed, f"{len(failed)} of 48 requests did not succeed (on one retry): {failed[:3]}"
+            retried = [c for c in outcomes if c.retried]
+            assert all(c.first in (429, 502, 503, 504) and c.first_error.get("message") for c in retried), retried
+            for p, c in zip(PROMPTS, outcomes):
+                assert c.token_ids == before[tuple(p)], f"prompt {p}: {c.token_ids} after the kill, {before[tuple(p)]} before"
+            with httpx.Client(timeout=300) as client:
+                for p in sorted({tuple(p) for p in PROMPTS})[:6]:  # and a quiet round after it
+                    c = complete_once_retrying(client, url, MODEL, list(p), MAX_TOKENS)
+                    assert c.token_ids == before[p], c
+                metrics = client.get(f"{url}/metrics")
+            assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+            assert "tenzro_generated_tokens_total" in metrics.text and "tenzro_forwards_total" in metrics.text
+            print(f"\nsite kill: {len(retried)} of 48 retried (first statuses "
+                  f"{sorted({c.first for c in retried})}), agents heartbeating again {reconnect_s:.1f} s after the kill")
+
+
+def test_a_database_belongs_to_one_deployment(tmp_path):
+    with fresh_postgres_db(PG_URL) as db_url:
+        env = {**env_for(tmp_path, database_url=db_url), "TENZRO_DEPLOYMENT": "alpha"}
+        subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], cwd=ROOT, env=env, check=True)
+        serve = [sys.executable, "-m", "tenzro_site.serve", "-p", "0"]
+        out = subprocess.run(serve, cwd=ROOT, env={**env, "TENZRO_DEPLOYMENT": "Not A Name"},
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and "TENZRO_DEPLOYMENT must be" in out.stderr
+        claim = [sys.executable, "manage.py", "shell", "-c", "from registry.deployment import claim; print(claim())"]
+        assert subprocess.run(claim, cwd=ROOT, env=env, capture_output=True, text=True,
+                              check=True).stdout.strip().splitlines()[-1] == "alpha"
+        out = subprocess.run(serve, cwd=ROOT, env={**env, "TENZRO_DEPLOYMENT": "beta"}, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode != 0 and "belongs to deployment 'alpha'" in out.stderr, out.stderr
+        # A local cluster in another var dir (its own deployment name) is refused before it writes.
+        other = env_for(tmp_path / "other", database_url=db_url)
+        out = subprocess.run([sys.executable, "manage.py", "tenzro_cluster", "--checkpoint", str(QWEN),
+                              "--holders", "1"], cwd=ROOT, env=other, capture_output=True, text=True, timeout=300)
+        assert out.returncode != 0 and "belongs to deployment 'alpha'" in out.stderr, out.stderr[-2000:]
+        with psycopg.connect(db_url) as conn:
+            assert conn.execute("SELECT count(*) FROM registry_moemodel").fetchone()[0] == 0
