@@ -30,7 +30,7 @@ from moe.quant import QuantizedMatrix
 
 log = logging.getLogger(__name__)
 
-ISAS = ("portable", "avx2", "avx512vnni")
+ISAS = ("portable", "avx2", "avxvnni", "avx512vnni", "neon", "neondot")
 
 try:
     import tenzro_kernels as _native
@@ -115,9 +115,34 @@ def matmul_xt(x: np.ndarray, w: QuantizedMatrix, threads: int | None = None, isa
     if x.ndim != 2 or x.shape[1] != cols:
         raise ValueError(f"x must be [n, {cols}] for a {rows}x{cols} {w.qtype} matrix, got shape {x.shape}")
     y = np.empty((x.shape[0], rows), dtype=np.float32)
-    _native.matmul_xt(w.quant.native_name, w.blocks, rows, cols, x, x.shape[0], y,
+    _native.matmul_xt(w.quant.native_name, native_weights(w, isa), rows, cols, x, x.shape[0], y,
                       threads if threads is not None else default_threads(), isa)
     return y
 
 
-__all__ = ["ISAS", "available", "default_threads", "isa", "matmul_xt", "set_isa", "supported_isas"]
+def layout(isa: str | None = None) -> str:
+    """The weight layout a SIMD path reads: ``"x8"`` (the x86 paths: rows interleaved in groups of
+    eight, repacked from the GGUF bytes once, ``native_weights``) or ``"gguf"`` (portable, NEON: the
+    GGUF bytes as they are). Raises ``ValueError`` for a path this CPU lacks, ``RuntimeError``
+    without the extension."""
+    if _native is None:
+        raise RuntimeError("native kernels are not built")
+    return _native.layout(isa)
+
+
+def native_weights(w: QuantizedMatrix, isa: str | None = None) -> np.ndarray:
+    """``w``'s bytes in the layout of ``isa`` (default: the path in use): ``w.blocks`` for the GGUF
+    layout; for x8 the repacked copy, made on first use and kept on ``w`` (``w.native_nbytes``
+    counts it). Raises as ``layout``."""
+    if layout(isa) == "gguf":
+        return w.blocks
+    packed = w.native_layouts.get("x8")
+    if packed is None:
+        rows, cols = w.shape
+        packed = np.frombuffer(_native.pack_x8(w.quant.native_name, w.blocks, rows, cols), dtype=np.uint8)
+        w.native_layouts["x8"] = packed
+    return packed
+
+
+__all__ = ["ISAS", "available", "default_threads", "isa", "layout", "matmul_xt", "native_weights", "set_isa",
+           "supported_isas"]

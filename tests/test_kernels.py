@@ -191,7 +191,8 @@ def test_forced_path_via_environment(isa):
             "m = QuantizedMatrix.from_dense(np.random.default_rng(1).standard_normal((16, 512), dtype=np.float32), 'q4_k');"
             "x = np.random.default_rng(2).standard_normal((2, 512), dtype=np.float32);"
             "print(kernels.isa()); print(kernels.matmul_xt(x, m, threads=1).tobytes().hex())")
-    env = dict(os.environ, TENZRO_KERNEL_ISA=isa, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, TENZRO_KERNEL_ISA=isa,
+               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     got_isa, got = r.stdout.split()
