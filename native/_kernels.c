@@ -292,6 +292,16 @@ static inline int32_t ld32(const void *p) { int32_t v; memcpy(&v, p, 4); return 
 
 /* ---------------------------------------------------------------- x86 SIMD paths */
 #if TK_X86
+/* Software prefetch of the weight stream into L2, PF_BYTES ahead (pf = 0: off). The hardware
+ * prefetchers alone left a one-row-at-a-time pass over weights in L3 or memory at about half of
+ * numpy's GEMV bandwidth on the AVX-512 VNNI Xeon (bench_expert.py, batch 1). */
+#ifndef PF_BYTES
+#define PF_BYTES 8192
+#endif
+static inline void tk_prefetch(const uint8_t *p, long pf, int nbytes) {
+    if (!pf) return;
+    for (int o = 0; o < nbytes; o += 64) _mm_prefetch((const char *)p + pf + o, _MM_HINT_T1);
+}
 /* quantize_q8_0 and quantize_q8_k in 512-bit registers for the VNNI path: the same float operations
  * per value (x * id, roundf as trunc + (|frac| >= 0.5 ? sign : 0), both exact; iscale * x + 2^23 * 1.5),
  * the same scalar scale arithmetic, max by exact max, so the same bytes and scales. A block with a
@@ -354,10 +364,14 @@ TARGET_VNNI static void quantize_q8_k_avx512(const float *x, int cols, int8_t *q
 }
 
 
+/* Activation rows per tile: 16 (VEX) or 32 (EVEX) vector registers hold the partial sums. */
+#ifndef TK_TILE_256
+#define TK_TILE_256 4
+#endif
 #define TK_SFX(name) name##_avx2
 #define TK_TARGET TARGET_AVX2
 #define TK_VNNI 0
-#define TK_TILE 4
+#define TK_TILE TK_TILE_256
 #include "x8_kernels.h"
 #undef TK_SFX
 #undef TK_TARGET
@@ -367,7 +381,7 @@ TARGET_VNNI static void quantize_q8_k_avx512(const float *x, int cols, int8_t *q
 #define TK_SFX(name) name##_avxvnni
 #define TK_TARGET TARGET_AVXVNNI
 #define TK_VNNI 1
-#define TK_TILE 4
+#define TK_TILE TK_TILE_256
 #include "x8_kernels.h"
 #undef TK_SFX
 #undef TK_TARGET

@@ -95,7 +95,7 @@ TK_TARGET static inline __m256i TK_SFX(pairs2)(const uint8_t *a, const uint8_t *
 
 /* ---- Q4_K, block of 8 rows x 256 values: d[8], dmin[8] f16; sc[8 sub][8 rows], mn[8][8] u8;
  * qs: 16 chunks (quant bytes 8c..8c+7 of every row, row-major), see pack_x8. */
-TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q4k_x8)(
+TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q4k_x8)(long pf, 
     const uint8_t *w, int nsb, const int8_t *qx, size_t qs_, const float *dx, size_t ds_, const int16_t *ps,
     size_t ps_, int A, float *y, size_t ys_) {
     const TK_V m4 = TK_SET1_8(0x0F);
@@ -103,6 +103,7 @@ TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q4k_x8)(
     for (int a = 0; a < A; a++) acc[a] = _mm256_setzero_ps();
     for (int b = 0; b < nsb; b++) {
         const uint8_t *blk = w + (size_t)b * X8_Q4K, *sc = blk + 32, *mn = blk + 96, *qs = blk + 160;
+        tk_prefetch(blk, pf, X8_Q4K);
         TK_V sumi[TK_TILE][TK_NH];
         for (int a = 0; a < A; a++)
             for (int h = 0; h < TK_NH; h++) sumi[a][h] = TK_ZERO();
@@ -144,7 +145,7 @@ TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q4k_x8)(
 /* ---- Q6_K, block of 8 rows x 256 values: d[8] f16; sc[16 groups][8 rows] s8; ql: for half h,
  * part c (bytes l or 32 + l) and chunk m, 8 bytes of every row; qh: for half h and chunk m, 8
  * bytes of every row. */
-TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q6k_x8)(
+TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q6k_x8)(long pf, 
     const uint8_t *w, int nsb, const int8_t *qx, size_t qs_, const float *dx, size_t ds_, const int16_t *bs,
     size_t bs_, int A, float *y, size_t ys_) {
     const TK_V m4 = TK_SET1_8(0x0F), m30 = TK_SET1_8(0x30);
@@ -152,6 +153,7 @@ TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q6k_x8)(
     for (int a = 0; a < A; a++) acc[a] = _mm256_setzero_ps();
     for (int b = 0; b < nsb; b++) {
         const uint8_t *blk = w + (size_t)b * X8_Q6K, *sc = blk + 16, *ql = blk + 144, *qhb = blk + 1168;
+        tk_prefetch(blk, pf, X8_Q6K);
         TK_V sumi[TK_TILE][TK_NH];
         for (int a = 0; a < A; a++)
             for (int h = 0; h < TK_NH; h++) sumi[a][h] = TK_ZERO();
@@ -203,7 +205,7 @@ TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q6k_x8)(
 /* ---- Q8_0, block of 8 rows x 32 values: d[8] f16; qs: 4 chunks of 8 bytes of every row.
  * VNNI: vpdpbusd on (w ^ 0x80) x x minus 128 * sum(x) (bias: aux, per activation block);
  * AVX2: maddubs(|w|, sign(x, w)). Block b's term goes to accumulator b % 8, as portable. */
-TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q80_x8)(
+TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q80_x8)(long pf, 
     const uint8_t *w, int nb, const int8_t *qx, size_t qs_, const float *dx, size_t ds_, const int32_t *bias,
     size_t bias_, int A, float *y, size_t ys_) {
     __m256 acc[TK_TILE][8];
@@ -217,6 +219,7 @@ TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q80_x8)(
 #endif
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = w + (size_t)b * X8_Q80, *qs = blk + 16;
+        tk_prefetch(blk, pf, X8_Q80);
         TK_V si[TK_TILE][TK_NH];
         for (int h = 0; h < TK_NH; h++) {
             TK_V wv[4];
@@ -270,7 +273,8 @@ TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q80_x8)(
     }
 }
 
-/* One row group (8 rows) x n activation rows, in tiles of TK_TILE (the remainder with fewer). */
+/* One row group (8 rows) x n activation rows, in tiles of TK_TILE (the remainder with fewer); the
+ * first tile prefetches the weight stream PF_BYTES ahead (the later ones find it in cache). */
 TK_TARGET static void TK_SFX(group_x8)(int qt, const uint8_t *w, int cols, const int8_t *qx, const float *dx,
                                        const void *aux, int n, float *y, size_t ys_) {
     const size_t qs_ = (size_t)cols, ds_ = (size_t)cols / 32;
@@ -281,11 +285,11 @@ TK_TARGET static void TK_SFX(group_x8)(int qt, const uint8_t *w, int cols, const
         const float *d_ = dx + i * ds_;                                                                     \
         float *y_ = y + i * ys_;                                                                            \
         if (qt == 0)                                                                                        \
-            TK_SFX(q80_x8)(w, cols / 32, q_, qs_, d_, ds_, (const int32_t *)aux + i * (cols / 32), cols / 32, A_, y_, ys_); \
+            TK_SFX(q80_x8)(i ? 0 : PF_BYTES, w, cols / 32, q_, qs_, d_, ds_, (const int32_t *)aux + i * (cols / 32), cols / 32, A_, y_, ys_); \
         else if (qt == 1)                                                                                   \
-            TK_SFX(q4k_x8)(w, cols / 256, q_, qs_, d_, ds_, (const int16_t *)aux + i * (cols / 32), cols / 32, A_, y_, ys_); \
+            TK_SFX(q4k_x8)(i ? 0 : PF_BYTES, w, cols / 256, q_, qs_, d_, ds_, (const int16_t *)aux + i * (cols / 32), cols / 32, A_, y_, ys_); \
         else                                                                                                \
-            TK_SFX(q6k_x8)(w, cols / 256, q_, qs_, d_, ds_, (const int16_t *)aux + i * (cols / 16), cols / 16, A_, y_, ys_); \
+            TK_SFX(q6k_x8)(i ? 0 : PF_BYTES, w, cols / 256, q_, qs_, d_, ds_, (const int16_t *)aux + i * (cols / 16), cols / 16, A_, y_, ys_); \
     } while (0)
     for (; i + TK_TILE <= n; i += TK_TILE) TK_RUN(TK_TILE);
     for (; i < n; i++) TK_RUN(1);
