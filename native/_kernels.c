@@ -8,19 +8,18 @@
  * meet Q8_0 activations (f32 scale per 32 values), K-quant weights meet Q8_K activations (f32 scale
  * and int16 group sums per 256 values). The per-block integer sums are exact, whichever ISA computes
  * them; every float operation after them is the same IEEE operation in the same order on every path
- * (built with -ffp-contract=off: no FMA contraction), so the portable, AVX2 and AVX-512-VNNI paths are
- * bit-identical. The AVX2 path uses maddubs/madd (ggml's trick for signed x signed: |w| times
- * sign(x, w)); the VNNI path uses 512-bit vpdpbusd on (w ^ 0x80) x x minus 128 * sum(x) (Q8_0) and
- * vpdpwssd (K-quants).
+ * (built with -ffp-contract=off: no FMA contraction), so the portable, AVX2, AVX-VNNI, AVX-512 VNNI,
+ * NEON and NEON-dotprod paths are bit-identical.
  *
  * Q8_0 float order: block b's term (float)sumi_b * (d_w,b * d_x,b) is added to lane b % 8 of eight
  * accumulators; the lanes are summed as ((a0+a1)+(a2+a3))+((a4+a5)+(a6+a7)).
  * K-quant float order: per super-block s, acc += d_s*(float)sumi_s (Q4_K then acc -= dmin_s*(float)mins_s).
  *
- * The SIMD paths take four output rows at a time (dot4_*): the activation loads are shared, the four
- * rows' weights stream side by side (measured faster when the weights come from L3 or memory, likely
- * through more hardware-prefetch streams; software prefetch measured no gain), and the four rows'
- * float accumulators are lanes of one vector, each lane doing exactly the one-row float operations above.
+ * The x86 paths read the x8 layout (pack_x8, made once per matrix at load time): rows interleaved in
+ * groups of eight, so one broadcast activation load feeds eight rows, and a tile of eight weight rows
+ * x up to eight activation rows unpacks each weight register once (x8_kernels.h, included once per
+ * path). The portable and NEON paths read the GGUF bytes one row at a time. Neither depends on the
+ * batch: a row's result is the same alone or among any neighbours, on any thread count.
  */
 #ifndef TK_NO_PYTHON
 #define PY_SSIZE_T_CLEAN
@@ -770,25 +769,40 @@ done:
 
 static PyObject *py_pack_x8(PyObject *self, PyObject *args) {
     const char *qtype;
-    Py_buffer wb;
+    Py_buffer wb, ob;
     int rows, cols;
-    if (!PyArg_ParseTuple(args, "sy*ii", &qtype, &wb, &rows, &cols)) return NULL;
-    PyObject *out = NULL;
+    if (!PyArg_ParseTuple(args, "sy*iiw*", &qtype, &wb, &rows, &cols, &ob)) return NULL;
+    PyObject *ret = NULL;
     int qt = qtype_index(qtype);
     if (qt < 0) { PyErr_Format(PyExc_ValueError, "qtype must be q8_0, q4_k or q6_k, got %s", qtype); goto done; }
     if (rows < 0 || cols <= 0 || cols % QK[qt] || wb.len != (Py_ssize_t)rows * (cols / QK[qt]) * QBYTES[qt]) {
         PyErr_Format(PyExc_ValueError, "%s blocks do not match a %dx%d matrix", qtype, rows, cols);
         goto done;
     }
-    out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)x8_size(qt, rows, cols));
-    if (out) {
-        Py_BEGIN_ALLOW_THREADS
-        pack_x8(qt, wb.buf, rows, cols, (uint8_t *)PyByteArray_AS_STRING(out));
-        Py_END_ALLOW_THREADS
+    if ((size_t)ob.len != x8_size(qt, rows, cols)) {
+        PyErr_Format(PyExc_ValueError, "out: %zd bytes, the x8 layout of a %dx%d %s matrix has %zu", ob.len, rows, cols,
+                     qtype, x8_size(qt, rows, cols));
+        goto done;
     }
+    Py_BEGIN_ALLOW_THREADS
+    pack_x8(qt, wb.buf, rows, cols, (uint8_t *)ob.buf);
+    Py_END_ALLOW_THREADS
+    ret = Py_None;
+    Py_INCREF(ret);
 done:
     PyBuffer_Release(&wb);
-    return out;
+    PyBuffer_Release(&ob);
+    return ret;
+}
+
+static PyObject *py_x8_nbytes(PyObject *self, PyObject *args) {
+    const char *qtype;
+    int rows, cols;
+    if (!PyArg_ParseTuple(args, "sii", &qtype, &rows, &cols)) return NULL;
+    int qt = qtype_index(qtype);
+    if (qt < 0 || rows < 0 || cols <= 0 || cols % QK[qt])
+        return PyErr_Format(PyExc_ValueError, "no x8 layout for a %dx%d %s matrix", rows, cols, qtype);
+    return PyLong_FromSize_t(x8_size(qt, rows, cols));
 }
 
 static PyObject *py_layout(PyObject *self, PyObject *args) {
@@ -895,7 +909,8 @@ static PyMethodDef methods[] = {
      "matmul_xt(qtype, weights, rows, cols, x, n, out, nthreads[, isa]): out f32[n, rows] = x . W^T;\n"
      "weights in the path's layout (layout(isa))."},
     {"pack_x8", py_pack_x8, METH_VARARGS,
-     "pack_x8(qtype, blocks, rows, cols) -> bytearray: GGUF rows interleaved in groups of eight (the x86 SIMD paths' layout)."},
+     "pack_x8(qtype, blocks, rows, cols, out): GGUF rows interleaved in groups of eight (the x86 SIMD paths' layout) into out."},
+    {"x8_nbytes", py_x8_nbytes, METH_VARARGS, "x8_nbytes(qtype, rows, cols) -> bytes of the x8 layout."},
     {"layout", py_layout, METH_VARARGS, "layout([isa]) -> 'x8' or 'gguf': the weight layout a SIMD path reads."},
     {"isa", py_isa, METH_NOARGS, "The SIMD path in use: portable, avx2, avxvnni, avx512vnni, neon or neondot."},
     {"set_isa", py_set_isa, METH_VARARGS, "Force a SIMD path (ValueError if this CPU lacks it)."},
