@@ -23,7 +23,7 @@ $(RUNTIME): requirements.txt | $(BIN)/python
 
 # Native quantized kernels (C, runtime SIMD dispatch). A failed build is not fatal: the CPU backend
 # logs it and keeps its numba path.
-$(KERNELS): native/_kernels.c native/setup.py native/pyproject.toml $(RUNTIME) $(ROWWISE)
+$(KERNELS): native/_kernels.c native/x8_kernels.h native/setup.py native/pyproject.toml $(RUNTIME) $(ROWWISE)
 	$(BIN)/python -m pip install -q ./native || echo "tenzro_kernels did not build: quantized matmuls use the numba path"
 	touch $@
 

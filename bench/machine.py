@@ -63,3 +63,14 @@ def int_list(low: int):
             raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}")
         return values
     return parse
+
+
+# The machine class each native-kernel SIMD path stands for (moe.kernels: TENZRO_KERNEL_ISA).
+KERNEL_CLASSES = {"avx512vnni": "AVX-512 VNNI", "avxvnni": "AVX2-only", "avx2": "AVX2-only",
+                  "neondot": "ARM NEON", "neon": "ARM NEON", "portable": "portable"}
+
+
+def kernel_class(isa: str | None) -> str:
+    """The machine class of a SIMD path: ``AVX-512 VNNI``, ``AVX2-only`` (avx2, avxvnni), ``ARM NEON``,
+    ``portable``, or ``no native kernels`` for None."""
+    return KERNEL_CLASSES.get(isa, "no native kernels") if isa else "no native kernels"

@@ -256,11 +256,12 @@ def expert_forward(w: ExpertWeights, x: np.ndarray) -> np.ndarray:
     ``silu(g) = g / (1 + exp(-g))`` as torch's CPU kernel computes it (exp overflow gives
     ``-0.0``, the right limit, not NaN). Source: HF ``Qwen3MoeMLP`` / ``DeepseekV3MLP``.
 
-    Quantized projections go to the backend as blocks: on the CPU, batches above
-    ``TENZRO_QUANT_SMALL_BATCH`` rows decode them (bit-identical to gguf-py) and run the
-    dense product, exactly what the dense decode computes; smaller batches use a kernel
-    that reads the blocks directly (same values, f32 sums in another order: last-bit
-    differences). Each row's result depends only on that row and the batch-size class.
+    Quantized projections go to the backend as blocks: on the CPU the native integer kernels
+    (``moe.kernels``: activations quantized to 8 bits as ggml does; on the x86 paths every batch
+    size, so each row's result depends only on that row), else (portable / NEON above
+    ``TENZRO_QUANT_NATIVE_BATCH`` rows, or without the extension above
+    ``TENZRO_QUANT_SMALL_BATCH``) a decode bit-identical to gguf-py and the dense product; each
+    row's result then depends only on that row and the batch-size class.
     Biases, when present, are added after each matmul; ``activation == "swiglu_oss"`` runs
     gpt-oss's clamped SwiGLU instead (``_swiglu_oss``).
 

@@ -10,11 +10,14 @@ contract: results differ from ``x @ dequantize(W).T`` by the activation rounding
 error about 1e-3 of the row norm, see ``bench/bench_expert.py``), and are **bit-identical**
 across the SIMD paths, the thread count and the batch a row arrives in.
 
-SIMD path, chosen at import from the CPU (cpuid via ``__builtin_cpu_supports``): ``avx512vnni``
-(vpdpbusd / vpdpwssd), ``avx2`` (maddubs / madd) or ``portable`` (plain C). Set
-``TENZRO_KERNEL_ISA=portable|avx2|avx512vnni`` to force one; a path the CPU lacks is refused
-with a log line and the best available one is kept. Rows are split over ``threads`` OpenMP
-threads in tasks of 16 output rows.
+SIMD path, chosen at import from the CPU (cpuid; on aarch64 the auxiliary vector): ``avx512vnni``
+(512-bit vpdpbusd / vpdpwssd), ``avxvnni`` (256-bit VEX vpdpbusd), ``avx2`` (maddubs / madd),
+``neondot`` (sdot), ``neon`` or ``portable`` (plain C). Set ``TENZRO_KERNEL_ISA`` to one of
+those to force it; a path the CPU lacks is refused with a log line and the best available one
+is kept. The x86 paths read the ``x8`` layout (``native_weights``: rows interleaved in groups
+of eight, repacked once from the GGUF bytes and kept on the matrix) in tiles of eight weight
+rows x up to eight activation rows; the others read the GGUF bytes one row at a time. Output
+rows are split over ``threads`` OpenMP threads (groups of eight rows, or single rows).
 
 When the extension is not built, ``available()`` is False, one log line says why, and the CPU
 backend keeps its numba/numpy path. Imports nothing from Django.
@@ -23,6 +26,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import weakref
 
 import numpy as np
 
@@ -30,7 +35,7 @@ from moe.quant import QuantizedMatrix
 
 log = logging.getLogger(__name__)
 
-ISAS = ("portable", "avx2", "avx512vnni")
+ISAS = ("portable", "avx2", "avxvnni", "avx512vnni", "neon", "neondot")
 
 try:
     import tenzro_kernels as _native
@@ -115,9 +120,79 @@ def matmul_xt(x: np.ndarray, w: QuantizedMatrix, threads: int | None = None, isa
     if x.ndim != 2 or x.shape[1] != cols:
         raise ValueError(f"x must be [n, {cols}] for a {rows}x{cols} {w.qtype} matrix, got shape {x.shape}")
     y = np.empty((x.shape[0], rows), dtype=np.float32)
-    _native.matmul_xt(w.quant.native_name, w.blocks, rows, cols, x, x.shape[0], y,
+    _native.matmul_xt(w.quant.native_name, native_weights(w, isa), rows, cols, x, x.shape[0], y,
                       threads if threads is not None else default_threads(), isa)
     return y
 
 
-__all__ = ["ISAS", "available", "default_threads", "isa", "matmul_xt", "set_isa", "supported_isas"]
+def layout(isa: str | None = None) -> str:
+    """The weight layout a SIMD path reads: ``"x8"`` (the x86 paths: rows interleaved in groups of
+    eight, repacked from the GGUF bytes once, ``native_weights``) or ``"gguf"`` (portable, NEON: the
+    GGUF bytes as they are). Raises ``ValueError`` for a path this CPU lacks, ``RuntimeError``
+    without the extension."""
+    if _native is None:
+        raise RuntimeError("native kernels are not built")
+    return _native.layout(isa)
+
+
+def native_weights(w: QuantizedMatrix, isa: str | None = None) -> np.ndarray:
+    """``w``'s bytes in the layout of ``isa`` (default: the path in use): ``w.blocks`` for the GGUF
+    layout; for x8 the repacked copy, made on first use and kept on ``w`` (``w.native_nbytes``
+    counts it). Raises as ``layout``."""
+    if layout(isa) == "gguf":
+        return w.blocks
+    packed = w.native_layouts.get("x8")
+    if packed is None:
+        rows, cols = w.shape
+        packed = _ARENA.alloc(_native.x8_nbytes(w.quant.native_name, rows, cols))
+        _native.pack_x8(w.quant.native_name, w.blocks, rows, cols, packed)
+        weakref.finalize(w, _ARENA.release, packed)
+        w.native_layouts["x8"] = packed
+    return packed
+
+
+class _Arena:
+    """Where repacked layouts live: slabs of ``SLAB`` bytes from numpy, which advises transparent
+    huge pages for them (``madvise(MADV_HUGEPAGE)``), carved per matrix; a freed block (its
+    matrix collected) is reused for the next layout of the same size (a model's experts share
+    their shapes). Slabs are kept for the process. Why: a one-row pass over weights in memory
+    walks the page tables at every 4 KiB page, and in a VM (nested paging) that is slow: on the
+    AVX-512 VNNI Xeon VM, 60 repacked 768 x 2048 Q8_0 matrices at batch 1 streamed at 0.3-0.5 GB/s
+    each in its own allocation, 3.7-4.6 GB/s carved from one huge-page-advised array."""
+
+    SLAB = 64 << 20
+    ALIGN = 64
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._slab: np.ndarray | None = None
+        self._off = 0
+        self._free: dict[int, list[np.ndarray]] = {}
+
+    def alloc(self, nbytes: int) -> np.ndarray:
+        """A uint8 array of ``nbytes`` (uninitialised), 64-byte aligned."""
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                return free.pop()
+            if nbytes > self.SLAB // 4:  # a large one: its own array (numpy advises huge pages too)
+                return np.empty(nbytes, dtype=np.uint8)
+            if self._slab is None or self._off + nbytes > self.SLAB:
+                self._slab, self._off = np.empty(self.SLAB + self.ALIGN, dtype=np.uint8), 0
+                self._off = -self._slab.ctypes.data % self.ALIGN
+            a = self._slab[self._off:self._off + nbytes]
+            self._off += -(-nbytes // self.ALIGN) * self.ALIGN
+            return a
+
+    def release(self, a: np.ndarray) -> None:
+        """Give ``a`` (from ``alloc``) back for reuse."""
+        if a.base is not None:  # carved from a slab (a large one is simply freed)
+            with self._lock:
+                self._free.setdefault(a.nbytes, []).append(a)
+
+
+_ARENA = _Arena()
+
+
+__all__ = ["ISAS", "available", "default_threads", "isa", "layout", "matmul_xt", "native_weights", "set_isa",
+           "supported_isas"]

@@ -984,6 +984,8 @@ class QuantizedMatrix:
         object.__setattr__(self, "qtype", q)
         object.__setattr__(self, "shape", (rows, cols))
         object.__setattr__(self, "blocks", b)
+        # Kernel layouts repacked from ``blocks`` (moe.kernels.native_weights: name -> uint8 array).
+        object.__setattr__(self, "native_layouts", {})
 
     @classmethod
     def from_dense(cls, x: np.ndarray, qtype: str) -> QuantizedMatrix:
@@ -1008,8 +1010,9 @@ class QuantizedMatrix:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of block data held."""
-        return int(self.blocks.nbytes)
+        """Bytes held: the GGUF blocks plus every kernel layout repacked from them
+        (``native_layouts``), so the memory tier counts what a CPU host really keeps."""
+        return int(self.blocks.nbytes) + sum(int(a.nbytes) for a in self.native_layouts.values())
 
     @property
     def ndim(self) -> int:

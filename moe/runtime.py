@@ -2,7 +2,8 @@
 execution, metering and the holdings a holder declares (reference §4.3–4.5, §10).
 
 - Memory tier (Warm): decoded ``ExpertWeights`` in least-recently-used order. The budget
-  (bytes) counts every resident expert (``ExpertWeights.nbytes``: f32 elements × 4 or
+  (bytes) counts every resident expert as admitted (the backend's ``prepare`` first makes its host
+  copies, the CPU's repacked kernel layout, so ``ExpertWeights.nbytes`` includes them: f32 elements × 4 or
   quantized block bytes) *and* every loaded gate (reference gap 28: gates were free).
   Gates are never evicted. After each admission or promotion the least recently used
   experts leave memory until the total fits; the last resident expert always stays, so
@@ -247,6 +248,7 @@ class ExpertRuntime:
         self._backend = backend
         self.meter = Meter(clock) if clock is not None else Meter()
         self._mem: OrderedDict[Key, ExpertWeights] = OrderedDict()  # oldest first
+        self._mem_sizes: dict[Key, int] = {}  # bytes counted at admission (backend copies included)
         self._held: dict[Key, Held] = {}
         self._gates: dict[tuple[str, int], LoadedGate] = {}
         self._mem_bytes = 0
@@ -329,6 +331,14 @@ class ExpertRuntime:
         except (ValueError, KeyError, TypeError) as exc:
             raise BadBlob(f"corrupt gate blob: {exc}") from exc
 
+    def _prepare(self, w: ExpertWeights) -> None:
+        """Let the backend make its host copies (the CPU's repacked kernel layout) before the
+        expert's bytes are counted."""
+        prepare = getattr(self.backend, "prepare", None)
+        if prepare is not None:
+            for p in PROJECTIONS:
+                prepare(getattr(w, p))
+
     def _release(self, w: ExpertWeights) -> None:
         for p in PROJECTIONS:
             self.backend.release(getattr(w, p))
@@ -338,7 +348,7 @@ class ExpertRuntime:
         while self._mem_bytes + self._gate_bytes > self.budget and len(self._mem) > 1:
             key, w = self._mem.popitem(last=False)
             held = self._held[key]
-            self._mem_bytes -= w.nbytes
+            self._mem_bytes -= self._mem_sizes.pop(key)
             self._release(w)
             if held.on_disk:
                 self.evicted_to_disk += 1
@@ -351,9 +361,10 @@ class ExpertRuntime:
         """Put ``w`` in memory as most recently used, then evict. Caller holds the lock."""
         old = self._mem.pop(key, None)
         if old is not None:
-            self._mem_bytes -= old.nbytes
+            self._mem_bytes -= self._mem_sizes.pop(key)
             self._release(old)
         self._mem[key] = w
+        self._mem_sizes[key] = w.nbytes
         self._mem_bytes += w.nbytes
         if w.nbytes + self._gate_bytes > self.budget:
             self.admissions_over_budget += 1
@@ -372,6 +383,7 @@ class ExpertRuntime:
         key = (str(model_id), int(layer), int(expert))
         h, uri = self._check_uri(blob, uri)
         w = self._decode_expert(blob, h)
+        self._prepare(w)
         held = Held(*key, d_model=w.d_model, d_ff=w.d_ff, bytes=w.nbytes, quant=w.quant, blob_uri=uri,
                     blob_hash=h, on_disk=self.disk is not None)
         if self.disk is not None:
@@ -392,7 +404,7 @@ class ExpertRuntime:
             held = self._held.pop(key, None)
             w = self._mem.pop(key, None)
             if w is not None:
-                self._mem_bytes -= w.nbytes
+                self._mem_bytes -= self._mem_sizes.pop(key)
                 self._release(w)
             self.meter.forget(key)
         if held is not None and self.disk is not None:
@@ -434,6 +446,7 @@ class ExpertRuntime:
         except BadBlob:
             self.unload_expert(*key)
             raise
+        self._prepare(w)
         with self._lock:
             if key not in self._held:  # unloaded meanwhile
                 raise ExpertNotLoaded(f"expert {model_id} l{layer}/e{expert} was unloaded")

@@ -8,22 +8,23 @@
  * meet Q8_0 activations (f32 scale per 32 values), K-quant weights meet Q8_K activations (f32 scale
  * and int16 group sums per 256 values). The per-block integer sums are exact, whichever ISA computes
  * them; every float operation after them is the same IEEE operation in the same order on every path
- * (built with -ffp-contract=off: no FMA contraction), so the portable, AVX2 and AVX-512-VNNI paths are
- * bit-identical. The AVX2 path uses maddubs/madd (ggml's trick for signed x signed: |w| times
- * sign(x, w)); the VNNI path uses 512-bit vpdpbusd on (w ^ 0x80) x x minus 128 * sum(x) (Q8_0) and
- * vpdpwssd (K-quants).
+ * (built with -ffp-contract=off: no FMA contraction), so the portable, AVX2, AVX-VNNI, AVX-512 VNNI,
+ * NEON and NEON-dotprod paths are bit-identical.
  *
  * Q8_0 float order: block b's term (float)sumi_b * (d_w,b * d_x,b) is added to lane b % 8 of eight
  * accumulators; the lanes are summed as ((a0+a1)+(a2+a3))+((a4+a5)+(a6+a7)).
  * K-quant float order: per super-block s, acc += d_s*(float)sumi_s (Q4_K then acc -= dmin_s*(float)mins_s).
  *
- * The SIMD paths take four output rows at a time (dot4_*): the activation loads are shared, the four
- * rows' weights stream side by side (measured faster when the weights come from L3 or memory, likely
- * through more hardware-prefetch streams; software prefetch measured no gain), and the four rows'
- * float accumulators are lanes of one vector, each lane doing exactly the one-row float operations above.
+ * The x86 paths read the x8 layout (pack_x8, made once per matrix at load time): rows interleaved in
+ * groups of eight, so one broadcast activation load feeds eight rows, and a tile of eight weight rows
+ * x up to eight activation rows unpacks each weight register once (x8_kernels.h, included once per
+ * path). The portable and NEON paths read the GGUF bytes one row at a time. Neither depends on the
+ * batch: a row's result is the same alone or among any neighbours, on any thread count.
  */
+#ifndef TK_NO_PYTHON
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,14 +36,35 @@
 #if defined(__x86_64__) || defined(__i386__)
 #define TK_X86 1
 #include <immintrin.h>
-#define TARGET_AVX2 __attribute__((target("avx2")))
+#include <cpuid.h>
+#define TARGET_AVX2 __attribute__((target("avx2,f16c")))
+#define TARGET_AVXVNNI __attribute__((target("avx2,f16c,avxvnni")))
 #define TARGET_VNNI __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+/* AVX-VNNI (VEX-encoded vpdpbusd / vpdpwssd on 256-bit registers): CPUID.(EAX=7,ECX=1):EAX bit 4. */
+static int cpu_has_avxvnni(void) {
+    static int known = -1; /* cached: cpuid traps to the hypervisor in a VM (tens of microseconds measured) */
+    if (known < 0) {
+        unsigned a, b, c, d;
+        known = __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 4));
+    }
+    return known;
+}
 #else
 #define TK_X86 0
 #endif
+#if defined(__aarch64__)
+#define TK_ARM 1
+#include <arm_neon.h>
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#else
+#define TK_ARM 0
+#endif
 
-enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2 };
-static const char *ISA_NAMES[] = {"portable", "avx2", "avx512vnni"};
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2, ISA_AVX512VNNI = 3, ISA_NEON = 4, ISA_NEONDOT = 5, N_ISA = 6 };
+static const char *ISA_NAMES[] = {"portable", "avx2", "avxvnni", "avx512vnni", "neon", "neondot"};
 static int g_isa = ISA_PORTABLE;
 static float F16[65536]; /* every IEEE half bit pattern -> float32, exact */
 
@@ -212,110 +234,73 @@ static float dot_q6_k_portable(const uint8_t *w, const int8_t *qx, const float *
     return acc;
 }
 
-static const int SIGMA[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 
-/* dx and 128 * (sum of the block's quants) of one Q8_0 activation row in the VNNI kernel's order:
- * whole groups of eight blocks permuted by SIGMA, the remaining blocks as they are. */
-static void q8_0_vnni_prepare(const int8_t *qx, const float *dx, int cols, float *dxp, int32_t *bias) {
-    int nb = cols / 32;
-    for (int b = 0; b < nb; b++) {
-        int src = b < (nb & ~7) ? (b & ~7) + SIGMA[b & 7] : b;
-        int32_t s = 0;
-        for (int j = 0; j < 32; j++) s += qx[32 * src + j];
-        dxp[b] = dx[src];
-        bias[b] = 128 * s;
-    }
+/* ---------------------------------------------------------------- x8 layout (x86 SIMD paths)
+ *
+ * At load time (pack_x8) the rows of a GGUF matrix are interleaved in groups of eight: per group
+ * and per block, the eight rows' scales side by side (Q4_K's 6-bit scales and mins unpacked to one
+ * byte each), then the quants in chunks of eight bytes, the eight rows' chunk c next to each other.
+ * A group past the last row is zero-padded (scale 0). Sizes per group and block: */
+#define X8_Q80 272  /* d f16[8] | qs: 4 chunks x 8 rows x 8 B                                       (8 x 34) */
+#define X8_Q4K 1184 /* d f16[8] | dmin f16[8] | sc u8[8][8] | mn u8[8][8] | qs: 16 x 8 x 8 B        (8 x 144 + 32) */
+#define X8_Q6K 1680 /* d f16[8] | sc s8[16][8] | ql: 2 halves x 2 parts x 4 x 8 x 8 B | qh: 2 x 4 x 8 x 8 B (8 x 210) */
+static const int QK[3] = {32, 256, 256}, QBYTES[3] = {34, 144, 210}, X8BYTES[3] = {X8_Q80, X8_Q4K, X8_Q6K};
+
+static size_t x8_size(int qt, int rows, int cols) {
+    return (size_t)((rows + 7) / 8) * (size_t)(cols / QK[qt]) * (size_t)X8BYTES[qt];
 }
+
+static void pack_x8(int qt, const uint8_t *src, int rows, int cols, uint8_t *dst) {
+    const int nb = cols / QK[qt];
+    const size_t rb = (size_t)nb * QBYTES[qt];
+    memset(dst, 0, x8_size(qt, rows, cols));
+    for (int g = 0; g < (rows + 7) / 8; g++)
+        for (int b = 0; b < nb; b++) {
+            uint8_t *o = dst + ((size_t)g * nb + b) * X8BYTES[qt];
+            for (int r = 0; r < 8 && 8 * g + r < rows; r++) {
+                const uint8_t *s = src + (size_t)(8 * g + r) * rb + (size_t)b * QBYTES[qt];
+                if (qt == 0) {
+                    memcpy(o + 2 * r, s, 2);
+                    for (int c = 0; c < 4; c++) memcpy(o + 16 + 64 * c + 8 * r, s + 2 + 8 * c, 8);
+                } else if (qt == 1) {
+                    memcpy(o + 2 * r, s, 2);
+                    memcpy(o + 16 + 2 * r, s + 2, 2);
+                    for (int j = 0; j < 8; j++) {
+                        int sc, mn;
+                        q4k_scale_min(s + 4, j, &sc, &mn);
+                        o[32 + 8 * j + r] = (uint8_t)sc;
+                        o[96 + 8 * j + r] = (uint8_t)mn;
+                    }
+                    for (int c = 0; c < 16; c++) memcpy(o + 160 + 64 * c + 8 * r, s + 16 + 8 * c, 8);
+                } else {
+                    memcpy(o + 2 * r, s + 208, 2);
+                    for (int k = 0; k < 16; k++) o[16 + 8 * k + r] = s[192 + k];
+                    for (int h = 0; h < 2; h++)
+                        for (int c = 0; c < 2; c++)
+                            for (int m = 0; m < 4; m++)
+                                memcpy(o + 144 + ((h * 2 + c) * 4 + m) * 64 + 8 * r, s + 64 * h + 32 * c + 8 * m, 8);
+                    for (int h = 0; h < 2; h++)
+                        for (int m = 0; m < 4; m++) memcpy(o + 1168 + (h * 4 + m) * 64 + 8 * r, s + 128 + 32 * h + 8 * m, 8);
+                }
+            }
+        }
+}
+
+static inline int64_t ld64(const void *p) { int64_t v; memcpy(&v, p, 8); return v; }
+static inline int32_t ld32(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 /* ---------------------------------------------------------------- x86 SIMD paths */
 #if TK_X86
-/* The four-row kernels prefetch their weights PF_BYTES ahead of each row into L2 (pf: 0 = off, for
- * the second and later activation rows of a batch, which meet the same weights). Measured on the
- * AVX-512 VNNI Xeon, one thread, a 2304x2048 Q8_0 matrix from memory: median 6.2-7.4 -> 8.3-10.1 GB/s
- * (8 to 32 KiB ahead alike, 0.5 to 4 KiB less, prefetch to L1 less); the bench's expert, the machine
- * busy: Q8_0 0.36-0.46 -> 0.31-0.37 of numpy, Q4_K_M 0.30-0.37 -> 0.22-0.29 (avx2 forced: 0.51 -> 0.35,
- * 0.60 -> 0.52). */
+/* Software prefetch of the weight stream into L2, PF_BYTES ahead (pf = 0: off). The hardware
+ * prefetchers alone left a one-row-at-a-time pass over weights in L3 or memory at about half of
+ * numpy's GEMV bandwidth on the AVX-512 VNNI Xeon (bench_expert.py, batch 1). */
+#ifndef PF_BYTES
 #define PF_BYTES 8192
-static inline void prefetch_l2(const uint8_t *p, long pf, int nbytes) {
+#endif
+static inline void tk_prefetch(const uint8_t *p, long pf, int nbytes) {
     if (!pf) return;
     for (int o = 0; o < nbytes; o += 64) _mm_prefetch((const char *)p + pf + o, _MM_HINT_T1);
 }
-
-/* Eight vectors of eight int32 -> the vector of their eight horizontal sums, in order. */
-#define HSUM8x8(p, out)                                                                   \
-    do {                                                                                  \
-        __m256i a_ = _mm256_hadd_epi32(p[0], p[1]), b_ = _mm256_hadd_epi32(p[2], p[3]);   \
-        __m256i c_ = _mm256_hadd_epi32(p[4], p[5]), d_ = _mm256_hadd_epi32(p[6], p[7]);   \
-        __m256i ab_ = _mm256_hadd_epi32(a_, b_), cd_ = _mm256_hadd_epi32(c_, d_);         \
-        out = _mm256_add_epi32(_mm256_permute2x128_si256(ab_, cd_, 0x20),                  \
-                               _mm256_permute2x128_si256(ab_, cd_, 0x31));                 \
-    } while (0)
-
-#define HSUM_EPI32(v, out)                                                                \
-    do {                                                                                  \
-        __m128i s_ = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)); \
-        s_ = _mm_add_epi32(s_, _mm_shuffle_epi32(s_, 0x4E));                              \
-        s_ = _mm_add_epi32(s_, _mm_shuffle_epi32(s_, 0xB1));                              \
-        out = _mm_cvtsi128_si32(s_);                                                      \
-    } while (0)
-
-TARGET_AVX2 static inline __m256i blocksum_avx2(__m256i wq, __m256i xq) {
-    __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
-    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
-}
-
-/* The terms of eight Q8_0 blocks of one row (block k in lane k): (float)sumi * (d_w * d_x). */
-TARGET_AVX2 static inline __m256 q8_0_terms8_avx2(const uint8_t *wb, const int8_t *xb, __m256 dxv) {
-    __m256i p[8], s;
-    for (int k = 0; k < 8; k++)
-        p[k] = blocksum_avx2(_mm256_loadu_si256((const __m256i *)(wb + 34 * k + 2)),
-                             _mm256_loadu_si256((const __m256i *)(xb + 32 * k)));
-    HSUM8x8(p, s);
-    __m256 dw = _mm256_set_ps(f16(wb + 238), f16(wb + 204), f16(wb + 170), f16(wb + 136),
-                              f16(wb + 102), f16(wb + 68), f16(wb + 34), f16(wb));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dxv));
-}
-
-TARGET_AVX2 static float dot_q8_0_avx2(const uint8_t *w, const int8_t *qx, const float *dx, const void *aux, int cols) {
-    (void)aux;
-    int nb = cols / 32, b = 0;
-    __m256 acc = _mm256_setzero_ps();
-    for (; b + 8 <= nb; b += 8) acc = _mm256_add_ps(acc, q8_0_terms8_avx2(w + 34 * b, qx + 32 * b, _mm256_loadu_ps(dx + b)));
-    float a8[8];
-    _mm256_storeu_ps(a8, acc);
-    for (; b < nb; b++) q8_0_block_scalar(w + 34 * b, qx + 32 * b, dx, b, a8);
-    return reduce8(a8);
-}
-
-/* dot_q8_0_avx2 on four consecutive rows (row stride rb bytes), side by side (bit-identical per row). */
-TARGET_AVX2 static void dot4_q8_0_avx2(const uint8_t *w, size_t rb, const int8_t *qx, const float *dx,
-                                       const void *aux, int cols, long pf, float *out) {
-    (void)aux;
-    int nb = cols / 32, b = 0;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (; b + 8 <= nb; b += 8) {
-        __m256 dxv = _mm256_loadu_ps(dx + b);
-        for (int r = 0; r < 4; r++) {
-            prefetch_l2(w + r * rb + 34 * b, pf, 272);
-            acc[r] = _mm256_add_ps(acc[r], q8_0_terms8_avx2(w + r * rb + 34 * b, qx + 32 * b, dxv));
-        }
-    }
-    for (int r = 0; r < 4; r++) {
-        float a8[8];
-        _mm256_storeu_ps(a8, acc[r]);
-        for (int bb = b; bb < nb; bb++) q8_0_block_scalar(w + r * rb + 34 * bb, qx + 32 * bb, dx, bb, a8);
-        out[r] = reduce8(a8);
-    }
-}
-
-/* VNNI Q8_0, two blocks per 512-bit register. vpdpbusd wants one unsigned operand: w ^ 0x80 is
- * w + 128 as u8, so the block sum is dpbusd(w ^ 0x80, x) - 128 * sum(x_b); the 128 * sum(x_b) come
- * precomputed per activation row (q8_0_vnni_prepare, the aux array). The eight int32 partials of
- * each block are summed by a transpose-add (unpack 32, unpack 64, 128-bit lane shuffle), which
- * leaves the blocks of every group of eight in the order SIGMA = 0,2,4,6,1,3,5,7; the scales
- * (gathered at that order), dx and the aux sums (prepared in that order) follow it, and so do the
- * eight accumulator lanes until the end. Every block's term and every accumulator add is the
- * scalar path's, so the result is bit-identical to it. */
 /* quantize_q8_0 and quantize_q8_k in 512-bit registers for the VNNI path: the same float operations
  * per value (x * id, roundf as trunc + (|frac| >= 0.5 ? sign : 0), both exact; iscale * x + 2^23 * 1.5),
  * the same scalar scale arithmetic, max by exact max, so the same bytes and scales. A block with a
@@ -377,492 +362,184 @@ TARGET_VNNI static void quantize_q8_k_avx512(const float *x, int cols, int8_t *q
     }
 }
 
-/* Four 512-bit registers of per-dword partials (two blocks each, 2k and 2k+1) -> one register whose
- * 128-bit lanes hold the partial sums of blocks [0,2,4,6], [0,2,4,6], [1,3,5,7], [1,3,5,7]. */
-TARGET_VNNI static inline __m512i q8_0_fold4(const __m512i p[4]) {
-    __m512i q0 = _mm512_add_epi32(_mm512_unpacklo_epi32(p[0], p[1]), _mm512_unpackhi_epi32(p[0], p[1]));
-    __m512i q1 = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2], p[3]), _mm512_unpackhi_epi32(p[2], p[3]));
-    return _mm512_add_epi32(_mm512_unpacklo_epi64(q0, q1), _mm512_unpackhi_epi64(q0, q1));
-}
 
-TARGET_VNNI static inline __m512i q8_0_pair_vnni(const uint8_t *wb, __m512i xq) {
-    __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(wb + 2))),
-                                    _mm256_loadu_si256((const __m256i *)(wb + 36)), 1);
-    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(wq, _mm512_set1_epi8((char)0x80)), xq);
-}
+/* Activation rows per tile: 16 (VEX) or 32 (EVEX) vector registers hold the partial sums. */
+#ifndef TK_TILE_256
+#define TK_TILE_256 4
+#endif
+#define TK_SFX(name) name##_avx2
+#define TK_TARGET TARGET_AVX2
+#define TK_VNNI 0
+#define TK_TILE TK_TILE_256
+#include "x8_kernels.h"
+#undef TK_SFX
+#undef TK_TARGET
+#undef TK_VNNI
+#undef TK_TILE
 
-TARGET_VNNI static float dot_q8_0_vnni(const uint8_t *w, const int8_t *qx, const float *dxp, const void *aux, int cols) {
-    const int32_t *bias = (const int32_t *)aux;
-    const int nb = cols / 32;
-    const __m512i gidx16 = _mm512_setr_epi32(0, 68, 136, 204, 34, 102, 170, 238,
-                                             272, 340, 408, 476, 306, 374, 442, 510); /* 34 * SIGMA, +8 */
-    const __m256i gidx8 = _mm512_castsi512_si256(gidx16);
-    __m256 acc = _mm256_setzero_ps();
-    int b = 0;
-    for (; b + 16 <= nb; b += 16) {
-        __m512i p[8];
-        for (int k = 0; k < 8; k++) p[k] = q8_0_pair_vnni(w + 34 * (b + 2 * k), _mm512_loadu_si512((const void *)(qx + 32 * (b + 2 * k))));
-        __m512i r0 = q8_0_fold4(p), r1 = q8_0_fold4(p + 4);
-        __m512i s = _mm512_add_epi32(_mm512_shuffle_i32x4(r0, r1, 0x88), _mm512_shuffle_i32x4(r0, r1, 0xDD));
-        s = _mm512_sub_epi32(s, _mm512_loadu_si512((const void *)(bias + b)));
-        __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(gidx16, (const void *)(w + 34 * b), 1)));
-        __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_loadu_ps(dxp + b)));
-        acc = _mm256_add_ps(acc, _mm512_castps512_ps256(t));
-        acc = _mm256_add_ps(acc, _mm512_extractf32x8_ps(t, 1));
-    }
-    if (b + 8 <= nb) {
-        __m512i p[4];
-        for (int k = 0; k < 4; k++) p[k] = q8_0_pair_vnni(w + 34 * (b + 2 * k), _mm512_loadu_si512((const void *)(qx + 32 * (b + 2 * k))));
-        __m512i r = q8_0_fold4(p);
-        r = _mm512_add_epi32(r, _mm512_shuffle_i32x4(r, r, 0xB1));
-        __m256i s = _mm512_castsi512_si256(_mm512_shuffle_i32x4(r, r, 0x08));
-        s = _mm256_sub_epi32(s, _mm256_loadu_si256((const __m256i *)(bias + b)));
-        __m256 dw = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_i32gather_epi32((const int *)(w + 34 * b), gidx8, 1)));
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_loadu_ps(dxp + b))));
-        b += 8;
-    }
-    float perm[8], a8[8];
-    _mm256_storeu_ps(perm, acc);
-    for (int i = 0; i < 8; i++) a8[SIGMA[i]] = perm[i];
-    for (; b < nb; b++) q8_0_block_scalar(w + 34 * b, qx + 32 * b, dxp, b, a8); /* dxp is dx past the groups */
-    return reduce8(a8);
-}
+#define TK_SFX(name) name##_avxvnni
+#define TK_TARGET TARGET_AVXVNNI
+#define TK_VNNI 1
+#define TK_TILE TK_TILE_256
+#include "x8_kernels.h"
+#undef TK_SFX
+#undef TK_TARGET
+#undef TK_VNNI
+#undef TK_TILE
 
-/* dot_q8_0_vnni on four consecutive rows (row stride rb bytes): the activation loads are shared and
- * the four rows stream side by side (four prefetch streams instead of one); per row the same terms
- * in the same order (bit-identical). */
-TARGET_VNNI static void dot4_q8_0_vnni(const uint8_t *w, size_t rb, const int8_t *qx, const float *dxp,
-                                       const void *aux, int cols, long pf, float *out) {
-    const int32_t *bias = (const int32_t *)aux;
-    const int nb = cols / 32;
-    const __m512i gidx16 = _mm512_setr_epi32(0, 68, 136, 204, 34, 102, 170, 238,
-                                             272, 340, 408, 476, 306, 374, 442, 510);
-    const __m256i gidx8 = _mm512_castsi512_si256(gidx16);
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    int b = 0;
-    for (; b + 16 <= nb; b += 16) {
-        __m512i x[8];
-        for (int k = 0; k < 8; k++) x[k] = _mm512_loadu_si512((const void *)(qx + 32 * (b + 2 * k)));
-        const __m512i bv = _mm512_loadu_si512((const void *)(bias + b));
-        const __m512 dxv = _mm512_loadu_ps(dxp + b);
-        for (int r = 0; r < 4; r++) {
-            const uint8_t *wr = w + r * rb + 34 * b;
-            prefetch_l2(wr, pf, 544);
-            __m512i p[8];
-            for (int k = 0; k < 8; k++) p[k] = q8_0_pair_vnni(wr + 68 * k, x[k]);
-            __m512i r0 = q8_0_fold4(p), r1 = q8_0_fold4(p + 4);
-            __m512i sv = _mm512_add_epi32(_mm512_shuffle_i32x4(r0, r1, 0x88), _mm512_shuffle_i32x4(r0, r1, 0xDD));
-            sv = _mm512_sub_epi32(sv, bv);
-            __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(gidx16, (const void *)wr, 1)));
-            __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(sv), _mm512_mul_ps(dw, dxv));
-            acc[r] = _mm256_add_ps(acc[r], _mm512_castps512_ps256(t));
-            acc[r] = _mm256_add_ps(acc[r], _mm512_extractf32x8_ps(t, 1));
-        }
-    }
-    if (b + 8 <= nb) {
-        __m512i x[4];
-        for (int k = 0; k < 4; k++) x[k] = _mm512_loadu_si512((const void *)(qx + 32 * (b + 2 * k)));
-        const __m256i bv = _mm256_loadu_si256((const __m256i *)(bias + b));
-        const __m256 dxv = _mm256_loadu_ps(dxp + b);
-        for (int r = 0; r < 4; r++) {
-            const uint8_t *wr = w + r * rb + 34 * b;
-            prefetch_l2(wr, pf, 272);
-            __m512i p[4];
-            for (int k = 0; k < 4; k++) p[k] = q8_0_pair_vnni(wr + 68 * k, x[k]);
-            __m512i f = q8_0_fold4(p);
-            f = _mm512_add_epi32(f, _mm512_shuffle_i32x4(f, f, 0xB1));
-            __m256i sv = _mm256_sub_epi32(_mm512_castsi512_si256(_mm512_shuffle_i32x4(f, f, 0x08)), bv);
-            __m256 dw = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_i32gather_epi32((const int *)wr, gidx8, 1)));
-            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(sv), _mm256_mul_ps(dw, dxv)));
-        }
-        b += 8;
-    }
-    for (int r = 0; r < 4; r++) {
-        float perm[8], a8[8];
-        _mm256_storeu_ps(perm, acc[r]);
-        for (int i = 0; i < 8; i++) a8[SIGMA[i]] = perm[i];
-        for (int bb = b; bb < nb; bb++) q8_0_block_scalar(w + r * rb + 34 * bb, qx + 32 * bb, dxp, bb, a8);
-        out[r] = reduce8(a8);
-    }
-}
-
-/* One Q4_K super-block of one row: sumi = sum_j sc_j * (q_j . x_j), mins = sum_j mn_j * (x_j group sums). */
-TARGET_AVX2 static inline void q4_k_sums_avx2(const uint8_t *blk, const int8_t *q8, const int16_t *bsb,
-                                               int32_t *sumi, int32_t *mins) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const uint8_t *qs = blk + 16;
-    __m256i vacc = _mm256_setzero_si256();
-    int32_t mn = 0;
-    for (int p = 0; p < 4; p++) {
-        int sc0, mn0, sc1, mn1;
-        q4k_scale_min(blk + 4, 2 * p, &sc0, &mn0);
-        q4k_scale_min(blk + 4, 2 * p + 1, &sc1, &mn1);
-        mn += mn0 * (bsb[4 * p] + bsb[4 * p + 1]) + mn1 * (bsb[4 * p + 2] + bsb[4 * p + 3]);
-        __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
-        __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-        __m256i x0 = _mm256_loadu_si256((const __m256i *)(q8 + 64 * p));
-        __m256i x1 = _mm256_loadu_si256((const __m256i *)(q8 + 64 * p + 32));
-        vacc = _mm256_add_epi32(vacc, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_set1_epi16((short)sc0)));
-        vacc = _mm256_add_epi32(vacc, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), _mm256_set1_epi16((short)sc1)));
-    }
-    HSUM_EPI32(vacc, *sumi);
-    *mins = mn;
-}
-
-TARGET_AVX2 static float dot_q4_k_avx2(const uint8_t *w, const int8_t *qx, const float *dx, const void *aux, int cols) {
-    const int16_t *bs = (const int16_t *)aux;
-    float acc = 0.f;
-    for (int b = 0; b < cols / 256; b++) {
-        const uint8_t *blk = w + 144 * b;
-        int32_t sumi, mins;
-        q4_k_sums_avx2(blk, qx + 256 * b, bs + 16 * b, &sumi, &mins);
-        acc = acc + (f16(blk) * dx[b]) * (float)sumi;
-        acc = acc - (f16(blk + 2) * dx[b]) * (float)mins;
-    }
-    return acc;
-}
-
-/* dot_q4_k_avx2 on four consecutive rows side by side, the float accumulators as vector lanes. */
-TARGET_AVX2 static void dot4_q4_k_avx2(const uint8_t *w, size_t rb, const int8_t *qx, const float *dx,
-                                       const void *aux, int cols, long pf, float *out) {
-    const int16_t *bs = (const int16_t *)aux;
-    __m128 acc = _mm_setzero_ps();
-    for (int b = 0; b < cols / 256; b++) {
-        const uint8_t *b0 = w + 144 * b;
-        int32_t sumi[4], mins[4];
-        for (int r = 0; r < 4; r++) {
-            prefetch_l2(b0 + r * rb, pf, 144);
-            q4_k_sums_avx2(b0 + r * rb, qx + 256 * b, bs + 16 * b, sumi + r, mins + r);
-        }
-        __m128 d = _mm_setr_ps(f16(b0), f16(b0 + rb), f16(b0 + 2 * rb), f16(b0 + 3 * rb));
-        __m128 dm = _mm_setr_ps(f16(b0 + 2), f16(b0 + rb + 2), f16(b0 + 2 * rb + 2), f16(b0 + 3 * rb + 2));
-        __m128 dxv = _mm_set1_ps(dx[b]);
-        acc = _mm_add_ps(acc, _mm_mul_ps(_mm_mul_ps(d, dxv), _mm_cvtepi32_ps(_mm_loadu_si128((const __m128i *)sumi))));
-        acc = _mm_sub_ps(acc, _mm_mul_ps(_mm_mul_ps(dm, dxv), _mm_cvtepi32_ps(_mm_loadu_si128((const __m128i *)mins))));
-    }
-    _mm_storeu_ps(out, acc);
-}
-
-/* Q4_K's 12 scale bytes -> u[0..1] the 8 six-bit scales, u[2..3] the 8 six-bit mins, one byte each
- * (the unpacking of q4k_scale_min done on 32-bit words, as ggml's kmask trick). */
-static inline void q4k_unpack_scales(const uint8_t *sc12, uint32_t u[4]) {
-    memcpy(u, sc12, 12);
-    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-    uint32_t mins_lo = u[1] & 0x3f3f3f3fu;
-    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-    u[2] = mins_lo;
-    u[0] &= 0x3f3f3f3fu;
-}
-
-/* VNNI, 512-bit: one register holds the quants of two 32-byte chunks (four 32-value groups once
- * split into low and high nibbles); the activations arrive in the matching order (qx permuted
- * once per row by q4k_vnni_order: 32-value groups 0,2,1,3 of every 128), the per-group scales spread over int16 lanes with a byte shuffle, and the mins term
- * comes from the Q8_K pair sums with one madd. Integer sums identical to the scalar path. */
-TARGET_VNNI static float dot_q4_k_vnni(const uint8_t *w, const int8_t *qx, const float *dx, const void *aux, int cols) {
-    const int16_t *bs = (const int16_t *)aux;
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    __m512i idx[4]; /* [2*pp + nibble]: int16 lane L <- scale byte 4*pp + nibble + 2*(L/16), high byte 0 */
-    for (int k = 0; k < 4; k++) {
-        int8_t t[64];
-        for (int l = 0; l < 64; l++) t[l] = (l & 1) ? (int8_t)0x80 : (int8_t)(4 * (k >> 1) + (k & 1) + 2 * (l / 32));
-        idx[k] = _mm512_loadu_si512((const void *)t);
-    }
-    float acc = 0.f;
-    for (int b = 0; b < cols / 256; b++) {
-        const uint8_t *blk = w + 144 * b, *qs = blk + 16;
-        const int8_t *q8 = qx + 256 * b;
-        uint32_t u[4];
-        q4k_unpack_scales(blk + 4, u);
-        __m128i sm = _mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]);
-        __m512i sc8 = _mm512_broadcast_i32x4(sm); /* bytes 0..7 scales, 8..15 mins, in every 128-bit lane */
-        __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(bs + 16 * b)),
-                                       _mm_loadu_si128((const __m128i *)(bs + 16 * b + 8)));
-        __m128i mp = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)), pairs);
-        mp = _mm_add_epi32(mp, _mm_shuffle_epi32(mp, 0x4E));
-        mp = _mm_add_epi32(mp, _mm_shuffle_epi32(mp, 0xB1));
-        int32_t mins = _mm_cvtsi128_si32(mp);
-        __m512i vacc = _mm512_setzero_si512();
-        for (int pp = 0; pp < 2; pp++) {
-            __m512i q = _mm512_loadu_si512((const void *)(qs + 64 * pp));
-            __m512i xlo = _mm512_loadu_si512((const void *)(q8 + 128 * pp));
-            __m512i xhi = _mm512_loadu_si512((const void *)(q8 + 128 * pp + 64));
-            __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
-            vacc = _mm512_dpwssd_epi32(vacc, _mm512_maddubs_epi16(lo, xlo), _mm512_shuffle_epi8(sc8, idx[2 * pp]));
-            vacc = _mm512_dpwssd_epi32(vacc, _mm512_maddubs_epi16(hi, xhi),
-                                       _mm512_shuffle_epi8(sc8, idx[2 * pp + 1]));
-        }
-        int32_t sumi = _mm512_reduce_add_epi32(vacc);
-        acc = acc + (f16(blk) * dx[b]) * (float)sumi;
-        acc = acc - (f16(blk + 2) * dx[b]) * (float)mins;
-    }
-    return acc;
-}
-
-/* Four rows' 512-bit int32 partials -> their four sums, row order (transpose-add, exact). */
-TARGET_VNNI static inline __m128i hsum4_rows(__m512i a, __m512i b, __m512i c, __m512i d) {
-    __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
-    __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
-    __m512i t = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
-    __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(t), _mm512_extracti64x4_epi64(t, 1));
-    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-}
-
-/* dot_q4_k_vnni on four consecutive rows (row stride rb bytes) at once: the activation loads, the
- * Q4_K scale unpacking (one 128-bit lane per row) and the block sums' reduction are shared, and
- * each row's float accumulator is one lane of a vector. Per row, the same integer sums and the same
- * float operations in the same order as the one-row kernels. */
-TARGET_VNNI static void dot4_q4_k_vnni(const uint8_t *w, size_t rb, const int8_t *qx, const float *dx,
-                                       const void *aux, int cols, long pf, float *out) {
-    const int16_t *bs = (const int16_t *)aux;
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    __m512i idx[4]; /* as dot_q4_k_vnni */
-    for (int k = 0; k < 4; k++) {
-        int8_t t[64];
-        for (int l = 0; l < 64; l++) t[l] = (l & 1) ? (int8_t)0x80 : (int8_t)(4 * (k >> 1) + (k & 1) + 2 * (l / 32));
-        idx[k] = _mm512_loadu_si512((const void *)t);
-    }
-    /* q4k_unpack_scales on the dwords [d|dmin, s0, s1, s2] of every lane: u = (A >> sh & mask) | ((B >> 6 & m2) << 4)
-     * with A = [s0, s2, s1, s2], B = [., s0, ., s1] */
-    const __m512i sh = _mm512_set4_epi32(4, 0, 0, 0), mask = _mm512_set4_epi32(0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f);
-    const __m512i m2 = _mm512_set4_epi32(0x03030303, 0, 0x03030303, 0), dsel = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m256i deint = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-    __m128 acc = _mm_setzero_ps();
-    for (int b = 0; b < cols / 256; b++) {
-        const uint8_t *b0 = w + 144 * b;
-        const int8_t *q8 = qx + 256 * b;
-        for (int r = 0; r < 4; r++) prefetch_l2(b0 + r * rb, pf, 144);
-        __m512i hd = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)b0));
-        hd = _mm512_inserti32x4(hd, _mm_loadu_si128((const __m128i *)(b0 + rb)), 1);
-        hd = _mm512_inserti32x4(hd, _mm_loadu_si128((const __m128i *)(b0 + 2 * rb)), 2);
-        hd = _mm512_inserti32x4(hd, _mm_loadu_si128((const __m128i *)(b0 + 3 * rb)), 3);
-        __m512i A = _mm512_shuffle_epi32(hd, (_MM_PERM_ENUM)0xED), B = _mm512_shuffle_epi32(hd, (_MM_PERM_ENUM)0xA5);
-        __m512i u = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi32(A, sh), mask),
-                                    _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(B, 6), m2), 4));
-        __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(bs + 16 * b)),
-                                       _mm_loadu_si128((const __m128i *)(bs + 16 * b + 8)));
-        __m512i mp = _mm512_madd_epi16(_mm512_unpackhi_epi8(u, _mm512_setzero_si512()), _mm512_broadcast_i32x4(pairs));
-        mp = _mm512_add_epi32(mp, _mm512_shuffle_epi32(mp, (_MM_PERM_ENUM)0x4E));
-        mp = _mm512_add_epi32(mp, _mm512_shuffle_epi32(mp, (_MM_PERM_ENUM)0xB1));
-        __m128i mins = _mm512_castsi512_si128(_mm512_permutexvar_epi32(dsel, mp));
-        __m512i x[4];
-        for (int k = 0; k < 4; k++) x[k] = _mm512_loadu_si512((const void *)(q8 + 64 * k));
-        __m512i vacc[4];
-        const __m512i sc[4] = {_mm512_shuffle_i32x4(u, u, 0x00), _mm512_shuffle_i32x4(u, u, 0x55),
-                               _mm512_shuffle_i32x4(u, u, 0xAA), _mm512_shuffle_i32x4(u, u, 0xFF)};
-        for (int r = 0; r < 4; r++) {
-            const uint8_t *qs = b0 + r * rb + 16;
-            vacc[r] = _mm512_setzero_si512();
-            for (int pp = 0; pp < 2; pp++) {
-                __m512i q = _mm512_loadu_si512((const void *)(qs + 64 * pp));
-                __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
-                vacc[r] = _mm512_dpwssd_epi32(vacc[r], _mm512_maddubs_epi16(lo, x[2 * pp]), _mm512_shuffle_epi8(sc[r], idx[2 * pp]));
-                vacc[r] = _mm512_dpwssd_epi32(vacc[r], _mm512_maddubs_epi16(hi, x[2 * pp + 1]),
-                                              _mm512_shuffle_epi8(sc[r], idx[2 * pp + 1]));
-            }
-        }
-        __m128i sumi = hsum4_rows(vacc[0], vacc[1], vacc[2], vacc[3]);
-        __m256 dm = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi32(dsel, hd))), deint);
-        __m128 dxv = _mm_set1_ps(dx[b]);
-        acc = _mm_add_ps(acc, _mm_mul_ps(_mm_mul_ps(_mm256_castps256_ps128(dm), dxv), _mm_cvtepi32_ps(sumi)));
-        acc = _mm_sub_ps(acc, _mm_mul_ps(_mm_mul_ps(_mm256_extractf128_ps(dm, 1), dxv), _mm_cvtepi32_ps(mins)));
-    }
-    _mm_storeu_ps(out, acc);
-}
-
-/* Q6_K: quants taken unsigned (0..63) for maddubs; the -32 offset comes back through the Q8_K
- * group sums: sum sc*(q-32)*x = sum sc*q*x - 32 * sum_g sc_g*bsums_g. */
-/* One Q6_K super-block of one row: its integer sum, offset included. */
-TARGET_AVX2 static inline int32_t q6_k_sum_avx2(const uint8_t *blk, const int8_t *q8, const int16_t *bsb) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-    const int8_t *sc = (const int8_t *)(blk + 192);
-    __m256i vacc = _mm256_setzero_si256();
-    int32_t off = 0;
-    for (int g = 0; g < 16; g++) off += sc[g] * bsb[g];
-    for (int h = 0; h < 2; h++) {
-        const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
-        const int8_t *x = q8 + 128 * h;
-        __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
-        __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-        __m256i hb = _mm256_loadu_si256((const __m256i *)qh);
-        __m256i q[4];
-        q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
-        q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
-        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m30));
-        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
-        for (int k = 0; k < 4; k++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 32 * k));
-            __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * k + 1]), _mm_set1_epi16(sc[8 * h + 2 * k]));
-            vacc = _mm256_add_epi32(vacc, _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], xv), s16));
-        }
-    }
-    int32_t sumi;
-    HSUM_EPI32(vacc, sumi);
-    return sumi - 32 * off;
-}
-
-TARGET_AVX2 static float dot_q6_k_avx2(const uint8_t *w, const int8_t *qx, const float *dx, const void *aux, int cols) {
-    const int16_t *bs = (const int16_t *)aux;
-    float acc = 0.f;
-    for (int b = 0; b < cols / 256; b++) {
-        const uint8_t *blk = w + 210 * b;
-        acc = acc + (f16(blk + 208) * dx[b]) * (float)q6_k_sum_avx2(blk, qx + 256 * b, bs + 16 * b);
-    }
-    return acc;
-}
-
-/* dot_q6_k_avx2 on four consecutive rows side by side, the float accumulators as vector lanes. */
-TARGET_AVX2 static void dot4_q6_k_avx2(const uint8_t *w, size_t rb, const int8_t *qx, const float *dx,
-                                       const void *aux, int cols, long pf, float *out) {
-    const int16_t *bs = (const int16_t *)aux;
-    __m128 acc = _mm_setzero_ps();
-    for (int b = 0; b < cols / 256; b++) {
-        const uint8_t *b0 = w + 210 * b;
-        int32_t sumi[4];
-        for (int r = 0; r < 4; r++) {
-            prefetch_l2(b0 + r * rb, pf, 210);
-            sumi[r] = q6_k_sum_avx2(b0 + r * rb, qx + 256 * b, bs + 16 * b);
-        }
-        __m128 d = _mm_setr_ps(f16(b0 + 208), f16(b0 + rb + 208), f16(b0 + 2 * rb + 208), f16(b0 + 3 * rb + 208));
-        acc = _mm_add_ps(acc, _mm_mul_ps(_mm_mul_ps(d, _mm_set1_ps(dx[b])), _mm_cvtepi32_ps(_mm_loadu_si128((const __m128i *)sumi))));
-    }
-    _mm_storeu_ps(out, acc);
-}
-
-/* VNNI, 512-bit: quants of 64 consecutive values per register, per-16 scales by an int16 permute. */
-TARGET_VNNI static float dot_q6_k_vnni(const uint8_t *w, const int8_t *qx, const float *dx, const void *aux, int cols) {
-    const int16_t *bs = (const int16_t *)aux;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-    const __m512i shl = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), shr = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
-    __m512i idx[4];
-    for (int k = 0; k < 4; k++) { /* int16 lane L of register k takes scale 2k + L/16... per 16 values: L/8 */
-        int16_t t[32];
-        for (int l = 0; l < 32; l++) t[l] = (int16_t)(4 * (k & 1) + 8 * (k >> 1) + l / 8);
-        idx[k] = _mm512_loadu_si512((const void *)t);
-    }
-    float acc = 0.f;
-    for (int b = 0; b < cols / 256; b++) {
-        const uint8_t *blk = w + 210 * b;
-        const int8_t *sc = (const int8_t *)(blk + 192), *q8 = qx + 256 * b;
-        const int16_t *bsb = bs + 16 * b;
-        __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
-        __m512i scales = _mm512_castsi256_si512(sc16);
-        /* the -32 offset, 32 * sum_g sc_g * bsums_g, starts the accumulator (negated) */
-        __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)bsb));
-        __m512i vacc = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5)));
-        for (int h = 0; h < 2; h++) {
-            __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * h));
-            __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-            __m512i hh = _mm512_inserti64x4(_mm512_castsi256_si512(hb), hb, 1);
-            __m512i q01 = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi64(hh, shl), m30));
-            __m512i q23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi64(l, 4), m4),
-                                          _mm512_and_si512(_mm512_srlv_epi64(hh, shr), m30));
-            __m512i x01 = _mm512_loadu_si512((const void *)(q8 + 128 * h));
-            __m512i x23 = _mm512_loadu_si512((const void *)(q8 + 128 * h + 64));
-            vacc = _mm512_dpwssd_epi32(vacc, _mm512_maddubs_epi16(q01, x01), _mm512_permutexvar_epi16(idx[2 * h], scales));
-            vacc = _mm512_dpwssd_epi32(vacc, _mm512_maddubs_epi16(q23, x23),
-                                       _mm512_permutexvar_epi16(idx[2 * h + 1], scales));
-        }
-        int32_t sumi = _mm512_reduce_add_epi32(vacc);
-        acc = acc + (f16(blk + 208) * dx[b]) * (float)sumi;
-    }
-    return acc;
-}
-/* dot_q6_k_vnni on four consecutive rows (row stride rb bytes), sharing the activation loads and
- * the block sums' reduction; each row's float accumulator is one vector lane (bit-identical). */
-TARGET_VNNI static void dot4_q6_k_vnni(const uint8_t *w, size_t rb, const int8_t *qx, const float *dx,
-                                       const void *aux, int cols, long pf, float *out) {
-    const int16_t *bs = (const int16_t *)aux;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-    const __m512i shl = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), shr = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
-    __m512i idx[4]; /* as dot_q6_k_vnni */
-    for (int k = 0; k < 4; k++) {
-        int16_t t[32];
-        for (int l = 0; l < 32; l++) t[l] = (int16_t)(4 * (k & 1) + 8 * (k >> 1) + l / 8);
-        idx[k] = _mm512_loadu_si512((const void *)t);
-    }
-    const __m128i rows = _mm_setr_epi32(0, (int)rb, (int)(2 * rb), (int)(3 * rb));
-    __m128 acc = _mm_setzero_ps();
-    for (int b = 0; b < cols / 256; b++) {
-        const uint8_t *b0 = w + 210 * b;
-        const int8_t *q8 = qx + 256 * b;
-        __m512i x[4];
-        for (int k = 0; k < 4; k++) x[k] = _mm512_loadu_si512((const void *)(q8 + 64 * k));
-        __m256i bsv = _mm256_loadu_si256((const __m256i *)(bs + 16 * b));
-        __m512i vacc[4];
-        for (int r = 0; r < 4; r++) {
-            const uint8_t *blk = b0 + r * rb;
-            prefetch_l2(blk, pf, 210);
-            __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
-            __m512i scales = _mm512_castsi256_si512(sc16);
-            __m256i off = _mm256_madd_epi16(sc16, bsv);
-            vacc[r] = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5)));
-            for (int h = 0; h < 2; h++) {
-                __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * h));
-                __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-                __m512i hh = _mm512_inserti64x4(_mm512_castsi256_si512(hb), hb, 1);
-                __m512i q01 = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi64(hh, shl), m30));
-                __m512i q23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi64(l, 4), m4),
-                                              _mm512_and_si512(_mm512_srlv_epi64(hh, shr), m30));
-                vacc[r] = _mm512_dpwssd_epi32(vacc[r], _mm512_maddubs_epi16(q01, x[2 * h]),
-                                              _mm512_permutexvar_epi16(idx[2 * h], scales));
-                vacc[r] = _mm512_dpwssd_epi32(vacc[r], _mm512_maddubs_epi16(q23, x[2 * h + 1]),
-                                              _mm512_permutexvar_epi16(idx[2 * h + 1], scales));
-            }
-        }
-        __m128i sumi = hsum4_rows(vacc[0], vacc[1], vacc[2], vacc[3]);
-        /* d of every row: the dword at 206 (two scale bytes, then d) stays inside the block */
-        __m128i dh = _mm_srli_epi32(_mm_i32gather_epi32((const int *)(b0 + 206), rows, 1), 16);
-        __m128 d = _mm_cvtph_ps(_mm_cvtepi32_epi16(dh));
-        acc = _mm_add_ps(acc, _mm_mul_ps(_mm_mul_ps(d, _mm_set1_ps(dx[b])), _mm_cvtepi32_ps(sumi)));
-    }
-    _mm_storeu_ps(out, acc);
-}
+#define TK_SFX(name) name##_vnni
+#define TK_TARGET TARGET_VNNI
+#define TK_VNNI 2
+#ifndef TK_TILE_512
+#define TK_TILE_512 8
+#endif
+#define TK_TILE TK_TILE_512
+#include "x8_kernels.h"
+#undef TK_SFX
+#undef TK_TARGET
+#undef TK_VNNI
+#undef TK_TILE
 #endif /* TK_X86 */
+
+/* ---------------------------------------------------------------- ARM NEON path (GGUF layout, one row)
+ *
+ * The integer block sums with NEON (vdotq_s32 where the CPU has the dot-product extension, else
+ * vmull_s8 + vpadalq_s16); every float operation is the portable path's, in its order. Tested bit
+ * for bit against the golden vectors under qemu-user (tests/test_kernels_neon.py, native/neon_check.c). */
+#if TK_ARM
+#define TK_NEON_BODY(SFX, DOT16)                                                                       \
+    static float dot_q8_0_##SFX(const uint8_t *w, const int8_t *qx, const float *dx, const void *aux, int cols) { \
+        (void)aux;                                                                                     \
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};                                                       \
+        for (int b = 0; b < cols / 32; b++) {                                                          \
+            const uint8_t *wb = w + 34 * b;                                                            \
+            const int8_t *qw = (const int8_t *)(wb + 2), *x = qx + 32 * b;                             \
+            int32x4_t s = vdupq_n_s32(0);                                                              \
+            s = DOT16(s, vld1q_s8(qw), vld1q_s8(x));                                                   \
+            s = DOT16(s, vld1q_s8(qw + 16), vld1q_s8(x + 16));                                         \
+            acc[b & 7] = acc[b & 7] + (float)vaddvq_s32(s) * (f16(wb) * dx[b]);                        \
+        }                                                                                              \
+        return reduce8(acc);                                                                           \
+    }                                                                                                  \
+    static float dot_q4_k_##SFX(const uint8_t *w, const int8_t *qx, const float *dx, const void *aux, int cols) { \
+        const int16_t *bs = (const int16_t *)aux;                                                      \
+        const uint8x16_t m4 = vdupq_n_u8(0x0F);                                                        \
+        float acc = 0.f;                                                                               \
+        for (int b = 0; b < cols / 256; b++) {                                                         \
+            const uint8_t *blk = w + 144 * b, *qs = blk + 16;                                          \
+            const int8_t *q8 = qx + 256 * b;                                                           \
+            const int16_t *bsb = bs + 16 * b;                                                          \
+            int32_t sumi = 0, mins = 0;                                                                \
+            for (int p = 0; p < 4; p++) {                                                              \
+                int sc0, mn0, sc1, mn1;                                                                \
+                q4k_scale_min(blk + 4, 2 * p, &sc0, &mn0);                                             \
+                q4k_scale_min(blk + 4, 2 * p + 1, &sc1, &mn1);                                         \
+                int32x4_t lo = vdupq_n_s32(0), hi = vdupq_n_s32(0);                                    \
+                for (int h = 0; h < 2; h++) {                                                          \
+                    uint8x16_t q = vld1q_u8(qs + 32 * p + 16 * h);                                     \
+                    lo = DOT16(lo, vreinterpretq_s8_u8(vandq_u8(q, m4)), vld1q_s8(q8 + 64 * p + 16 * h)); \
+                    hi = DOT16(hi, vreinterpretq_s8_u8(vshrq_n_u8(q, 4)), vld1q_s8(q8 + 64 * p + 32 + 16 * h)); \
+                }                                                                                      \
+                sumi += sc0 * vaddvq_s32(lo) + sc1 * vaddvq_s32(hi);                                   \
+                mins += mn0 * (bsb[4 * p] + bsb[4 * p + 1]) + mn1 * (bsb[4 * p + 2] + bsb[4 * p + 3]); \
+            }                                                                                          \
+            acc = acc + (f16(blk) * dx[b]) * (float)sumi;                                              \
+            acc = acc - (f16(blk + 2) * dx[b]) * (float)mins;                                          \
+        }                                                                                              \
+        return acc;                                                                                    \
+    }                                                                                                  \
+    static float dot_q6_k_##SFX(const uint8_t *w, const int8_t *qx, const float *dx, const void *aux, int cols) { \
+        (void)aux;                                                                                     \
+        const uint8x16_t m4 = vdupq_n_u8(0x0F), m3 = vdupq_n_u8(3);                                    \
+        const int8x16_t m32 = vdupq_n_s8(32);                                                          \
+        float acc = 0.f;                                                                               \
+        for (int b = 0; b < cols / 256; b++) {                                                         \
+            const uint8_t *blk = w + 210 * b;                                                          \
+            const int8_t *sc = (const int8_t *)(blk + 192), *q8 = qx + 256 * b;                        \
+            int32_t sumi = 0;                                                                          \
+            for (int h = 0; h < 2; h++)                                                                \
+                for (int g = 0; g < 2; g++) {                                                          \
+                    const uint8_t *ql = blk + 64 * h + 16 * g, *qh = blk + 128 + 32 * h + 16 * g;      \
+                    const int8_t *x = q8 + 128 * h + 16 * g;                                           \
+                    uint8x16_t l0 = vld1q_u8(ql), l1 = vld1q_u8(ql + 32), hb = vld1q_u8(qh);           \
+                    uint8x16_t q[4] = {                                                                \
+                        vorrq_u8(vandq_u8(l0, m4), vshlq_n_u8(vandq_u8(hb, m3), 4)),                   \
+                        vorrq_u8(vandq_u8(l1, m4), vshlq_n_u8(vandq_u8(vshrq_n_u8(hb, 2), m3), 4)),    \
+                        vorrq_u8(vshrq_n_u8(l0, 4), vshlq_n_u8(vandq_u8(vshrq_n_u8(hb, 4), m3), 4)),   \
+                        vorrq_u8(vshrq_n_u8(l1, 4), vshlq_n_u8(vshrq_n_u8(hb, 6), 4))};                \
+                    for (int k = 0; k < 4; k++) {                                                      \
+                        int8x16_t qs = vsubq_s8(vreinterpretq_s8_u8(q[k]), m32);                       \
+                        int32x4_t s = DOT16(vdupq_n_s32(0), qs, vld1q_s8(x + 32 * k));                 \
+                        sumi += sc[8 * h + 2 * k + g] * vaddvq_s32(s);                                 \
+                    }                                                                                  \
+                }                                                                                      \
+            acc = acc + (f16(blk + 208) * dx[b]) * (float)sumi;                                        \
+        }                                                                                              \
+        return acc;                                                                                    \
+    }
+
+static inline int32x4_t dot16_neon(int32x4_t acc, int8x16_t a, int8x16_t b) {
+    acc = vpadalq_s16(acc, vmull_s8(vget_low_s8(a), vget_low_s8(b)));
+    return vpadalq_s16(acc, vmull_high_s8(a, b));
+}
+TK_NEON_BODY(neon, dot16_neon)
+
+#pragma GCC push_options
+#pragma GCC target("arch=armv8.2-a+dotprod")
+static inline int32x4_t dot16_dotprod(int32x4_t acc, int8x16_t a, int8x16_t b) { return vdotq_s32(acc, a, b); }
+TK_NEON_BODY(neondot, dot16_dotprod)
+#pragma GCC pop_options
+#endif /* TK_ARM */
 
 /* ---------------------------------------------------------------- dispatch */
 
 typedef float (*dot_fn)(const uint8_t *, const int8_t *, const float *, const void *, int);
+/* One x8 row group x n activation rows (see x8_kernels.h). */
+typedef void (*group_fn)(int, const uint8_t *, int, const int8_t *, const float *, const void *, int, float *, size_t);
 
 static int isa_supported(int isa) {
     if (isa == ISA_PORTABLE) return 1;
 #if TK_X86
     __builtin_cpu_init();
-    if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2");
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    if (isa == ISA_AVX2) return avx2;
+    if (isa == ISA_AVXVNNI) return avx2 && cpu_has_avxvnni();
     if (isa == ISA_AVX512VNNI)
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avx512f") &&
-               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-               __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("f16c") &&
+        return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                __builtin_cpu_supports("avx512vnni");
+#endif
+#if TK_ARM
+    if (isa == ISA_NEON) return 1;
+    if (isa == ISA_NEONDOT) return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
 #endif
     return 0;
 }
 
+/* Whether a path reads the x8 layout (else the GGUF bytes as they are). */
+static int isa_x8(int isa) { return isa == ISA_AVX2 || isa == ISA_AVXVNNI || isa == ISA_AVX512VNNI; }
+
 static dot_fn pick(int qtype, int isa) {
     static const dot_fn portable[3] = {dot_q8_0_portable, dot_q4_k_portable, dot_q6_k_portable};
-#if TK_X86
-    static const dot_fn avx2[3] = {dot_q8_0_avx2, dot_q4_k_avx2, dot_q6_k_avx2};
-    static const dot_fn vnni[3] = {dot_q8_0_vnni, dot_q4_k_vnni, dot_q6_k_vnni};
-    if (isa == ISA_AVX512VNNI) return vnni[qtype];
-    if (isa == ISA_AVX2) return avx2[qtype];
+#if TK_ARM
+    static const dot_fn neon[3] = {dot_q8_0_neon, dot_q4_k_neon, dot_q6_k_neon};
+    static const dot_fn neondot[3] = {dot_q8_0_neondot, dot_q4_k_neondot, dot_q6_k_neondot};
+    if (isa == ISA_NEON) return neon[qtype];
+    if (isa == ISA_NEONDOT) return neondot[qtype];
 #endif
+    (void)isa;
     return portable[qtype];
 }
 
-/* Four rows at once (row stride in bytes; out[0..3]), where a path has it; NULL otherwise. */
-typedef void (*dot4_fn)(const uint8_t *, size_t, const int8_t *, const float *, const void *, int, long, float *);
-
-static dot4_fn pick4(int qtype, int isa) {
+static group_fn pick_group(int isa) {
 #if TK_X86
-    static const dot4_fn avx2[3] = {dot4_q8_0_avx2, dot4_q4_k_avx2, dot4_q6_k_avx2};
-    static const dot4_fn vnni[3] = {dot4_q8_0_vnni, dot4_q4_k_vnni, dot4_q6_k_vnni};
-    if (isa == ISA_AVX512VNNI) return vnni[qtype];
-    if (isa == ISA_AVX2) return avx2[qtype];
+    if (isa == ISA_AVX2) return group_x8_avx2;
+    if (isa == ISA_AVXVNNI) return group_x8_avxvnni;
+    if (isa == ISA_AVX512VNNI) return group_x8_vnni;
 #endif
-    (void)qtype; (void)isa;
+    (void)isa;
     return NULL;
 }
-
-static const int QK[3] = {32, 256, 256}, QBYTES[3] = {34, 144, 210};
 
 static int qtype_index(const char *q) {
     if (!strcmp(q, "q8_0")) return 0;
@@ -871,81 +548,96 @@ static int qtype_index(const char *q) {
     return -1;
 }
 
-#define ROWS_PER_TASK 16
-
-/* y[n, rows] = dequant(W)[rows, cols] . quant(x)[n, cols]^T with activation rows quantized first. */
-/* Reorder one row of Q8_K activations for dot_q4_k_vnni: in every 128 values the 32-value groups
- * 0,1,2,3 become 0,2,1,3, so one 512-bit load meets the low (or high) nibbles of two quant chunks.
- * Only the order of the products changes; the group sums (bsums) are taken before. */
-static void q4k_vnni_order(int8_t *q, int cols) {
-    int8_t t[32];
-    for (int o = 0; o < cols; o += 128) {
-        memcpy(t, q + o + 32, 32);
-        memcpy(q + o + 32, q + o + 64, 32);
-        memcpy(q + o + 64, t, 32);
-    }
+/* Bytes of W for a path: the x8 layout's or the GGUF rows'. */
+static size_t weight_bytes(int qt, int isa, int rows, int cols) {
+    return isa_x8(isa) ? x8_size(qt, rows, cols) : (size_t)rows * (cols / QK[qt]) * QBYTES[qt];
 }
 
+/* y[n, rows] = dequant(W)[rows, cols] . quant(x)[n, cols]^T, activation rows quantized first. W is in
+ * the path's layout (weight_bytes). Every row of y depends on its own activation row only, and on no
+ * thread count. Returns -1 when out of memory. */
 static int matmul(int qt, int isa, const uint8_t *W, int rows, int cols, const float *x, int n, float *y, int nthreads) {
-    int nb = cols / QK[qt];
-    size_t rb = (size_t)nb * QBYTES[qt];
-    int8_t *qx = malloc((size_t)n * cols);
-    float *dx = malloc(sizeof(float) * (size_t)n * (cols / 32));
-    /* per row: Q8_K group sums (int16, cols / 16) or the VNNI Q8_0 block sums (int32, cols / 32) */
-    int16_t *bs = malloc(sizeof(int16_t) * ((size_t)n * (cols / 16) + 1));
-    float *dxq = malloc(sizeof(float) * ((size_t)nb + 1));
-    if (!qx || !dx || !bs || !dxq) { free(qx); free(dx); free(bs); free(dxq); return -1; }
+    const int nb32 = cols / 32, nbk = cols / 256;
+    int8_t *qx = malloc((size_t)n * cols + 1);
+    float *dx = malloc(sizeof(float) * ((size_t)n * nb32 + 1));
+    int16_t *bs = malloc(sizeof(int16_t) * ((size_t)n * (cols / 16) + 1)); /* Q8_K group sums, or VNNI Q8_0 biases (int32) */
+    int16_t *ps = malloc(sizeof(int16_t) * ((size_t)n * nb32 + 1));        /* Q4_K x8: sums of the 32-value subblocks */
+    if (!qx || !dx || !bs || !ps) { free(qx); free(dx); free(bs); free(ps); return -1; }
+    const int x8 = isa_x8(isa), vnni = isa == ISA_AVXVNNI || isa == ISA_AVX512VNNI;
     for (int i = 0; i < n; i++) {
         int8_t *qi = qx + (size_t)i * cols;
-        float *di = dx + (size_t)i * nb;
+        float *di = dx + (size_t)i * nb32;
+        int16_t *bi = bs + (size_t)i * (cols / 16);
 #if TK_X86
         if (isa == ISA_AVX512VNNI) {
             if (qt == 0) quantize_q8_0_avx512(x + (size_t)i * cols, cols, qi, di);
-            else quantize_q8_k_avx512(x + (size_t)i * cols, cols, qi, di, bs + (size_t)i * (cols / 16));
+            else quantize_q8_k_avx512(x + (size_t)i * cols, cols, qi, di, bi);
         } else
 #endif
         if (qt == 0) quantize_q8_0(x + (size_t)i * cols, cols, qi, di);
-        else quantize_q8_k(x + (size_t)i * cols, cols, qi, di, bs + (size_t)i * (cols / 16));
-        if (qt == 1 && isa == ISA_AVX512VNNI) q4k_vnni_order(qi, cols);
-        if (qt == 0 && isa == ISA_AVX512VNNI) {
-            q8_0_vnni_prepare(qi, di, cols, dxq, (int32_t *)(bs + (size_t)i * (cols / 16)));
-            memcpy(di, dxq, sizeof(float) * nb);
-        }
-    }
-    dot_fn dot = pick(qt, isa);
-    dot4_fn dot4 = pick4(qt, isa);
-#if TK_X86
-    long pf = PF_BYTES;
-#else
-    long pf = 0;
-#endif
-    int ntasks = (rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-    if (nthreads < 1) nthreads = 1;
-    if (nthreads > ntasks) nthreads = ntasks;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int t = 0; t < ntasks; t++) {
-        int r1 = (t + 1) * ROWS_PER_TASK < rows ? (t + 1) * ROWS_PER_TASK : rows;
-        for (int r = t * ROWS_PER_TASK; r < r1;) {
-            if (dot4 && r + 4 <= r1) {
-                for (int i = 0; i < n; i++) {
-                    float o[4];
-                    dot4(W + (size_t)r * rb, rb, qx + (size_t)i * cols, dx + (size_t)i * nb, bs + (size_t)i * (cols / 16), cols,
-                         i == 0 ? pf : 0, o);
-                    memcpy(y + (size_t)i * rows + r, o, sizeof o);
-                }
-                r += 4;
-            } else {
-                for (int i = 0; i < n; i++)
-                    y[(size_t)i * rows + r] = dot(W + (size_t)r * rb, qx + (size_t)i * cols, dx + (size_t)i * nb,
-                                                  bs + (size_t)i * (cols / 16), cols);
-                r++;
+        else quantize_q8_k(x + (size_t)i * cols, cols, qi, di, bi);
+        if (qt == 0 && vnni) {
+            int32_t *bias = (int32_t *)bi;
+            for (int b = 0; b < nb32; b++) {
+                int32_t s = 0;
+                for (int j = 0; j < 32; j++) s += qi[32 * b + j];
+                bias[b] = 128 * s;
             }
         }
+        if (qt == 1 && x8)
+            for (int j = 0; j < 8 * nbk; j++) ps[(size_t)i * nb32 + j] = (int16_t)(bi[2 * j] + bi[2 * j + 1]);
     }
-    free(qx); free(dx); free(bs); free(dxq);
-    return 0;
+    int fail = 0;
+    if (nthreads < 1) nthreads = 1;
+    group_fn gfn = pick_group(isa);
+    if (x8 && gfn) {
+        const int ngroups = (rows + 7) / 8;
+        const size_t gbytes = (size_t)(cols / QK[qt]) * X8BYTES[qt];
+        const void *aux = qt == 1 ? (const void *)ps : (const void *)bs;
+        if (nthreads > ngroups) nthreads = ngroups;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+        for (int g = 0; g < ngroups; g++) {
+            const uint8_t *wg = W + (size_t)g * gbytes;
+            if (8 * g + 8 <= rows) {
+                gfn(qt, wg, cols, qx, dx, aux, n, y + 8 * g, (size_t)rows);
+            } else { /* the last, partial group: eight outputs per row into a scratch */
+                float *t = malloc(sizeof(float) * (size_t)n * 8);
+                if (!t) { fail = 1; continue; }
+                gfn(qt, wg, cols, qx, dx, aux, n, t, 8);
+                for (int i = 0; i < n; i++) memcpy(y + (size_t)i * rows + 8 * g, t + 8 * i, sizeof(float) * (rows - 8 * g));
+                free(t);
+            }
+        }
+    } else {
+        dot_fn dot = pick(qt, isa);
+        const size_t rb = (size_t)(cols / QK[qt]) * QBYTES[qt];
+        if (nthreads > rows) nthreads = rows > 0 ? rows : 1;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < n; i++)
+                y[(size_t)i * rows + r] = dot(W + (size_t)r * rb, qx + (size_t)i * cols, dx + (size_t)i * nb32,
+                                              bs + (size_t)i * (cols / 16), cols);
+    }
+    free(qx); free(dx); free(bs); free(ps);
+    return fail ? -1 : 0;
 }
 
+/* The half -> float table and the best SIMD path of this CPU. */
+static void tk_init(void) {
+    for (int i = 0; i < 65536; i++) F16[i] = half_to_float((uint16_t)i);
+    g_isa = ISA_PORTABLE;
+    static const int best[] = {ISA_AVX512VNNI, ISA_AVXVNNI, ISA_AVX2, ISA_NEONDOT, ISA_NEON};
+    for (int k = 0; k < 5; k++)
+        if (isa_supported(best[k])) { g_isa = best[k]; break; }
+}
+
+static int isa_from_name(const char *s) {
+    for (int i = 0; i < N_ISA; i++)
+        if (!strcmp(s, ISA_NAMES[i])) return i;
+    return -1;
+}
+
+#ifndef TK_NO_PYTHON
 /* ---------------------------------------------------------------- base64 (RFC 4648 §4, padded)
  *
  * The data plane's JSON frames (iroh, HTTP /rpc) carry rows as base64: CPython's binascii codes
@@ -1027,10 +719,15 @@ static Py_ssize_t b64_decode(const uint8_t *s, size_t n, uint8_t *dst) {
 
 /* ---------------------------------------------------------------- Python API */
 
-static int isa_from_name(const char *s) {
-    for (int i = 0; i < 3; i++)
-        if (!strcmp(s, ISA_NAMES[i])) return i;
-    return -1;
+/* The ISA named by an optional argument (NULL: the process's), or -1 with ValueError set. */
+static int isa_arg(const char *name) {
+    if (!name) return g_isa;
+    int isa = isa_from_name(name);
+    if (isa < 0 || !isa_supported(isa)) {
+        PyErr_Format(PyExc_ValueError, "ISA %s is not available on this CPU", name);
+        return -1;
+    }
+    return isa;
 }
 
 static PyObject *py_matmul_xt(PyObject *self, PyObject *args) {
@@ -1040,21 +737,19 @@ static PyObject *py_matmul_xt(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "sy*iiy*iw*i|z", &qtype, &wb, &rows, &cols, &xb, &n, &yb, &nthreads, &isa_name))
         return NULL;
     PyObject *ret = NULL;
-    int qt = qtype_index(qtype), isa = g_isa;
+    int qt = qtype_index(qtype), isa;
     if (qt < 0) { PyErr_Format(PyExc_ValueError, "qtype must be q8_0, q4_k or q6_k, got %s", qtype); goto done; }
-    if (isa_name) {
-        isa = isa_from_name(isa_name);
-        if (isa < 0 || !isa_supported(isa)) {
-            PyErr_Format(PyExc_ValueError, "ISA %s is not available on this CPU", isa_name);
-            goto done;
-        }
-    }
+    if ((isa = isa_arg(isa_name)) < 0) goto done;
     if (rows < 0 || n < 0 || cols <= 0 || cols % QK[qt]) {
         PyErr_Format(PyExc_ValueError, "cols must be a positive multiple of %d for %s, got %d", QK[qt], qtype, cols);
         goto done;
     }
-    if (wb.len != (Py_ssize_t)rows * (cols / QK[qt]) * QBYTES[qt] || xb.len != (Py_ssize_t)n * cols * 4 ||
-        yb.len != (Py_ssize_t)n * rows * 4) {
+    if ((size_t)wb.len != weight_bytes(qt, isa, rows, cols)) {
+        PyErr_Format(PyExc_ValueError, "weights: %zd bytes, the %s layout of a %dx%d %s matrix has %zu (pack_x8 for the x86 SIMD paths)",
+                     wb.len, isa_x8(isa) ? "x8" : "GGUF", rows, cols, qtype, weight_bytes(qt, isa, rows, cols));
+        goto done;
+    }
+    if (xb.len != (Py_ssize_t)n * cols * 4 || yb.len != (Py_ssize_t)n * rows * 4) {
         PyErr_SetString(PyExc_ValueError, "buffer sizes do not match rows, cols and n");
         goto done;
     }
@@ -1072,13 +767,59 @@ done:
     return ret;
 }
 
+static PyObject *py_pack_x8(PyObject *self, PyObject *args) {
+    const char *qtype;
+    Py_buffer wb, ob;
+    int rows, cols;
+    if (!PyArg_ParseTuple(args, "sy*iiw*", &qtype, &wb, &rows, &cols, &ob)) return NULL;
+    PyObject *ret = NULL;
+    int qt = qtype_index(qtype);
+    if (qt < 0) { PyErr_Format(PyExc_ValueError, "qtype must be q8_0, q4_k or q6_k, got %s", qtype); goto done; }
+    if (rows < 0 || cols <= 0 || cols % QK[qt] || wb.len != (Py_ssize_t)rows * (cols / QK[qt]) * QBYTES[qt]) {
+        PyErr_Format(PyExc_ValueError, "%s blocks do not match a %dx%d matrix", qtype, rows, cols);
+        goto done;
+    }
+    if ((size_t)ob.len != x8_size(qt, rows, cols)) {
+        PyErr_Format(PyExc_ValueError, "out: %zd bytes, the x8 layout of a %dx%d %s matrix has %zu", ob.len, rows, cols,
+                     qtype, x8_size(qt, rows, cols));
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pack_x8(qt, wb.buf, rows, cols, (uint8_t *)ob.buf);
+    Py_END_ALLOW_THREADS
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    PyBuffer_Release(&wb);
+    PyBuffer_Release(&ob);
+    return ret;
+}
+
+static PyObject *py_x8_nbytes(PyObject *self, PyObject *args) {
+    const char *qtype;
+    int rows, cols;
+    if (!PyArg_ParseTuple(args, "sii", &qtype, &rows, &cols)) return NULL;
+    int qt = qtype_index(qtype);
+    if (qt < 0 || rows < 0 || cols <= 0 || cols % QK[qt])
+        return PyErr_Format(PyExc_ValueError, "no x8 layout for a %dx%d %s matrix", rows, cols, qtype);
+    return PyLong_FromSize_t(x8_size(qt, rows, cols));
+}
+
+static PyObject *py_layout(PyObject *self, PyObject *args) {
+    const char *isa_name = NULL;
+    if (!PyArg_ParseTuple(args, "|z", &isa_name)) return NULL;
+    int isa = isa_arg(isa_name);
+    if (isa < 0) return NULL;
+    return PyUnicode_FromString(isa_x8(isa) ? "x8" : "gguf");
+}
+
 static PyObject *py_isa(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(ISA_NAMES[g_isa]); }
 
 static PyObject *py_set_isa(PyObject *self, PyObject *args) {
     const char *name;
     if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
     int isa = isa_from_name(name);
-    if (isa < 0) return PyErr_Format(PyExc_ValueError, "ISA must be portable, avx2 or avx512vnni, got %s", name);
+    if (isa < 0) return PyErr_Format(PyExc_ValueError, "ISA must be one of portable, avx2, avxvnni, avx512vnni, neon, neondot; got %s", name);
     if (!isa_supported(isa)) return PyErr_Format(PyExc_ValueError, "ISA %s is not available on this CPU", name);
     g_isa = isa;
     Py_RETURN_NONE;
@@ -1086,8 +827,12 @@ static PyObject *py_set_isa(PyObject *self, PyObject *args) {
 
 static PyObject *py_supported(PyObject *self, PyObject *noargs) {
     PyObject *t = PyList_New(0);
-    for (int i = 0; i < 3; i++)
-        if (isa_supported(i)) PyList_Append(t, PyUnicode_FromString(ISA_NAMES[i]));
+    for (int i = 0; i < N_ISA; i++)
+        if (isa_supported(i)) {
+            PyObject *s = PyUnicode_FromString(ISA_NAMES[i]);
+            PyList_Append(t, s);
+            Py_DECREF(s);
+        }
     return t;
 }
 
@@ -1161,8 +906,13 @@ static PyObject *py_b64decode(PyObject *self, PyObject *arg) {
 
 static PyMethodDef methods[] = {
     {"matmul_xt", py_matmul_xt, METH_VARARGS,
-     "matmul_xt(qtype, blocks, rows, cols, x, n, out, nthreads[, isa]): out f32[n, rows] = x . W^T."},
-    {"isa", py_isa, METH_NOARGS, "The SIMD path in use: portable, avx2 or avx512vnni."},
+     "matmul_xt(qtype, weights, rows, cols, x, n, out, nthreads[, isa]): out f32[n, rows] = x . W^T;\n"
+     "weights in the path's layout (layout(isa))."},
+    {"pack_x8", py_pack_x8, METH_VARARGS,
+     "pack_x8(qtype, blocks, rows, cols, out): GGUF rows interleaved in groups of eight (the x86 SIMD paths' layout) into out."},
+    {"x8_nbytes", py_x8_nbytes, METH_VARARGS, "x8_nbytes(qtype, rows, cols) -> bytes of the x8 layout."},
+    {"layout", py_layout, METH_VARARGS, "layout([isa]) -> 'x8' or 'gguf': the weight layout a SIMD path reads."},
+    {"isa", py_isa, METH_NOARGS, "The SIMD path in use: portable, avx2, avxvnni, avx512vnni, neon or neondot."},
     {"set_isa", py_set_isa, METH_VARARGS, "Force a SIMD path (ValueError if this CPU lacks it)."},
     {"supported", py_supported, METH_NOARGS, "SIMD paths this CPU can run."},
     {"openmp", py_openmp, METH_NOARGS, "Whether the module was built with OpenMP (row threads)."},
@@ -1176,7 +926,7 @@ static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "tenzro_kernels", NUL
 
 PyMODINIT_FUNC PyInit_tenzro_kernels(void) {
     b64_init();
-    for (int i = 0; i < 65536; i++) F16[i] = half_to_float((uint16_t)i);
-    g_isa = isa_supported(ISA_AVX512VNNI) ? ISA_AVX512VNNI : isa_supported(ISA_AVX2) ? ISA_AVX2 : ISA_PORTABLE;
+    tk_init();
     return PyModule_Create(&moddef);
 }
+#endif /* TK_NO_PYTHON */

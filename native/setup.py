@@ -13,6 +13,7 @@ setup(
     ext_modules=[Extension(
         "tenzro_kernels",
         sources=["_kernels.c"],
+        depends=["x8_kernels.h"],
         extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-std=c11"],
         extra_link_args=["-fopenmp"],
     )],

@@ -191,7 +191,8 @@ def test_forced_path_via_environment(isa):
             "m = QuantizedMatrix.from_dense(np.random.default_rng(1).standard_normal((16, 512), dtype=np.float32), 'q4_k');"
             "x = np.random.default_rng(2).standard_normal((2, 512), dtype=np.float32);"
             "print(kernels.isa()); print(kernels.matmul_xt(x, m, threads=1).tobytes().hex())")
-    env = dict(os.environ, TENZRO_KERNEL_ISA=isa, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, TENZRO_KERNEL_ISA=isa,
+               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     got_isa, got = r.stdout.split()
@@ -266,3 +267,63 @@ def test_malformed_kernel_settings_are_refused_when_the_backend_starts(monkeypat
         CpuBackend()
     monkeypatch.setenv(name, "3")
     assert CpuBackend() is not None
+
+
+X8_BLOCK = {"q8_0": (32, 272), "q4_k": (256, 1184), "q6_k": (256, 1680)}
+
+
+@pytest.mark.parametrize("q", ["q8_0", "q4_k", "q6_k"])
+def test_x8_tiles_and_partial_row_groups_are_bit_identical_and_batch_invariant(q):
+    """The x86 paths read the repacked x8 layout in tiles of eight weight rows x up to eight
+    activation rows: a partial last row group (13 rows), every tile remainder (n = 1, 3, 8, 9, 19)
+    and a row alone all give the model's bits, so no row depends on its neighbours or the batch."""
+    rng = np.random.default_rng(21)
+    cols = 512
+    m = _random_blocks(q, 13, cols, rng)
+    x = rng.standard_normal((19, cols), dtype=np.float32)
+    ref = model_matmul(x, m)
+    for isa in kernels.supported_isas():
+        for n in (1, 3, 8, 9, 19):
+            y = kernels.matmul_xt(x[:n], m, threads=2, isa=isa)
+            np.testing.assert_array_equal(y.view(np.uint32), ref[:n].view(np.uint32), err_msg=f"{isa} n={n}")
+        alone = kernels.matmul_xt(x[17:18], m, threads=1, isa=isa)
+        np.testing.assert_array_equal(alone[0].view(np.uint32), ref[17].view(np.uint32), err_msg=isa)
+
+
+@pytest.mark.parametrize("q", ["q8_0", "q4_k", "q6_k"])
+def test_repacked_layout_is_made_once_and_counted_in_nbytes(q):
+    m = _random_blocks(q, 13, 512, np.random.default_rng(4))
+    gguf = m.blocks.nbytes
+    assert m.nbytes == gguf and m.native_layouts == {}
+    for isa in kernels.supported_isas():
+        w = kernels.native_weights(m, isa)
+        if kernels.layout(isa) == "gguf":
+            assert w is m.blocks
+        else:
+            per, size = X8_BLOCK[q]
+            assert w.nbytes == 2 * (512 // per) * size  # two groups of eight rows, the second padded
+            assert kernels.native_weights(m, isa) is w  # made once
+            assert m.nbytes == gguf + w.nbytes
+    with pytest.raises(ValueError, match="x8 layout"):  # the GGUF bytes handed to an x8 path
+        x8 = [i for i in kernels.supported_isas() if kernels.layout(i) == "x8"]
+        if not x8:
+            raise ValueError("x8 layout (no x86 SIMD path on this CPU)")
+        import tenzro_kernels
+        tenzro_kernels.matmul_xt(q, m.blocks, 13, 512, np.zeros((1, 512), np.float32), 1,
+                                 np.zeros((1, 13), np.float32), 1, x8[0])
+
+
+def test_runtime_counts_the_repacked_layout_at_admission(tmp_path):
+    from moe.ffn import ExpertWeights
+    from moe.runtime import ExpertRuntime
+    rng = np.random.default_rng(8)
+    e = ExpertWeights(*(QuantizedMatrix.from_dense(rng.standard_normal(s, dtype=np.float32), k)
+                        for k, s in (("q4_k", (256, 256)), ("q4_k", (256, 256)), ("q6_k", (256, 256)))))
+    gguf = e.nbytes
+    rt = ExpertRuntime(memory_budget=1 << 30, backend=CpuBackend())
+    row = rt.load_expert("m", 0, 0, e.to_blob())
+    x8 = kernels.layout() == "x8"
+    extra = 32 * (2 * 1184 + 1680) if x8 else 0  # 256 rows: 32 groups of eight per matrix
+    assert row["approx_bytes"] == rt.memory_bytes == gguf + extra
+    rt.unload_expert("m", 0, 0)
+    assert rt.memory_bytes == 0

@@ -40,6 +40,10 @@ class ComputeBackend(Protocol):
     def matmul_xt(self, x: np.ndarray, w: Weight) -> np.ndarray:
         """``x`` f32 ``[n, in]`` times ``w`` ``[out, in]`` transposed → f32 ``[n, out]`` (host array)."""
 
+    def prepare(self, w: Weight) -> None:
+        """Make whatever host-side copy of ``w`` the backend keeps (called when an expert enters
+        the memory tier, before its bytes are counted)."""
+
     def release(self, w: Weight) -> None:
         """Forget anything cached for ``w`` (called when an expert leaves the memory tier)."""
 

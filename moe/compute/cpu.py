@@ -2,11 +2,13 @@
 
 - Dense float32: ``moe.rowwise.matmul_xt``, one fixed summation order per output, so each
   row's result is the same whatever the batch, the thread count and the CPU.
-- Quantized (Q8_0 / Q4_K / Q6_K), batches up to ``native_batch`` rows (default 64 on the AVX-512
-  VNNI path, 32 otherwise, measured in ``bench/bench_expert.py --switch``) when the native
-  extension is built (``moe.kernels``):
-  activation rows quantized to 8 bits and integer dot products (AVX-512 VNNI / AVX2 / portable,
-  chosen at run time, bit-identical to each other), OpenMP threads over output rows.
+- Quantized (Q8_0 / Q4_K / Q6_K) with the native extension built (``moe.kernels``): activation
+  rows quantized to 8 bits and integer dot products (AVX-512 VNNI / AVX-VNNI / AVX2 / NEON /
+  portable, chosen at run time, bit-identical to each other), OpenMP threads over output rows.
+  On the x86 SIMD paths every batch size runs there (tiles of eight weight rows x up to eight
+  activation rows on the repacked x8 layout, at or under numpy's f32 GEMM time at batch 512 in
+  ``bench/bench_expert.py``), so a row's result never depends on the batch it arrives in; on the
+  portable and NEON paths (one row at a time) batches up to ``native_batch`` rows (32).
 - Quantized, small batches (``n <= small_batch``) without the native extension: numba kernels,
   parallel over tasks of 16 output rows, that decode one weight row at a time into an
   L1-resident f32 scratch (constant shifts so the decode vectorises, as ggml's
@@ -38,16 +40,17 @@ from moe.quant import Q4_K, Q6_K, Q8_0, QUANT_TYPES, QuantizedMatrix
 
 # Batch rows up to which the numba kernel beats decode + GEMM (bench_expert.py).
 SMALL_BATCH = 8  # TENZRO_QUANT_SMALL_BATCH's default
-# Batch rows up to which the native integer kernel beats decode + GEMM, per SIMD path
-# (bench_expert.py --switch, one thread, Xeon with AVX-512 VNNI: crossover 64-96 rows on the VNNI
-# path, 32-48 with avx2 forced); TENZRO_QUANT_NATIVE_BATCH overrides.
-NATIVE_BATCH_BY_ISA = {"avx512vnni": 64, "avx2": 32, "portable": 32}
+# Batch rows up to which the native integer kernel runs, per SIMD path (None: every batch). The
+# x8 tile kernels of the x86 paths stay at or under decode + GEMM at batch 512 (bench_expert.py);
+# the one-row portable / NEON kernels lose to it above about 32 rows (bench_expert.py --switch).
+# TENZRO_QUANT_NATIVE_BATCH overrides.
+NATIVE_BATCH_BY_ISA = {"avx512vnni": None, "avxvnni": None, "avx2": None, "portable": 32, "neon": 32, "neondot": 32}
 
 
-def native_batch_default() -> int:
-    """``TENZRO_QUANT_NATIVE_BATCH`` if set (0 turns the native kernels off), else the measured
-    crossover of the SIMD path in use. Raises ``ValueError`` naming the variable for a value
-    that is not an integer >= 0."""
+def native_batch_default() -> int | None:
+    """``TENZRO_QUANT_NATIVE_BATCH`` if set (0 turns the native kernels off), else the SIMD path's
+    entry in ``NATIVE_BATCH_BY_ISA`` (None: no limit). Raises ``ValueError`` naming the variable
+    for a value that is not an integer >= 0."""
     return kernels.env_int("TENZRO_QUANT_NATIVE_BATCH", NATIVE_BATCH_BY_ISA.get(kernels.isa() or "portable", 32), 0)
 
 
@@ -275,8 +278,8 @@ def quantized_matmul_xt(x: np.ndarray, w: QuantizedMatrix) -> np.ndarray:
 
 class CpuBackend:
     """The always-present backend: BLAS for dense; for quantized weights the native integer
-    kernel (``native=True`` and the extension built) up to ``native_batch`` rows, else the numba
-    kernel up to ``small_batch`` rows, else decode + BLAS."""
+    kernel (``native=True`` and the extension built) up to ``native_batch`` rows (None: every
+    batch), else the numba kernel up to ``small_batch`` rows, else decode + BLAS."""
 
     tag = "cpu"
     gpu = False
@@ -293,7 +296,7 @@ class CpuBackend:
     def matmul_xt(self, x: np.ndarray, w) -> np.ndarray:
         """``x`` f32 ``[n, in]``, ``w`` f32 ndarray or ``QuantizedMatrix`` ``[out, in]`` → f32 ``[n, out]``."""
         if isinstance(w, QuantizedMatrix):
-            if self.native and x.shape[0] <= self.native_batch:
+            if self.native and (self.native_batch is None or x.shape[0] <= self.native_batch):
                 return kernels.matmul_xt(x, w)
             if not self.native and x.shape[0] <= self.small_batch:
                 return quantized_matmul_xt(np.ascontiguousarray(x, dtype=np.float32), w)
@@ -311,8 +314,15 @@ class CpuBackend:
             quantized_matmul_xt(x, w)
             dequantize_matrix(w)
 
+    def prepare(self, w) -> None:
+        """Repack a quantized ``w`` into the native kernels' layout now (x86 SIMD paths: the x8
+        copy, ``kernels.native_weights``), so the memory tier counts it when the expert is
+        admitted (``QuantizedMatrix.nbytes``) instead of it appearing on the first matmul."""
+        if self.native and isinstance(w, QuantizedMatrix):
+            kernels.native_weights(w)
+
     def release(self, w) -> None:
-        """Nothing is cached per weight on the CPU."""
+        """Nothing is cached per weight beyond ``w`` itself (its repacked layout goes with it)."""
 
     def describe(self) -> dict:
         """Backend facts for status: tag, gpu flag, threads."""

@@ -54,6 +54,9 @@ class CudaBackend:
             dx = self.cp.asarray(np.ascontiguousarray(x, dtype=np.float32))
             return self.cp.asnumpy(dx @ dw.T)
 
+    def prepare(self, w) -> None:
+        """Nothing on the host: the device copy is made on first use (and counted by the cache)."""
+
     def release(self, w) -> None:
         """Drop ``w``'s device copy."""
         self._weights.drop(w)

@@ -126,6 +126,9 @@ class WgpuBackend:
                 b.destroy()
         return y
 
+    def prepare(self, w) -> None:
+        """Nothing on the host: the device copy is made on first use (and counted by the cache)."""
+
     def release(self, w) -> None:
         """Drop ``w``'s device copy."""
         self._weights.drop(w)

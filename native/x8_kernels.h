@@ -1,0 +1,313 @@
+/*
+ * Kernels on the interleaved "x8" layout (see pack_x8 in _kernels.c), included once per x86 SIMD
+ * path with:
+ *   TK_SFX(name)  the function name with the path's suffix
+ *   TK_TARGET     the path's target attribute
+ *   TK_VNNI       0: AVX2 (maddubs + madd + add), 1: AVX-VNNI (VEX vpdpwssd / vpdpbusd, 256-bit),
+ *                 2: AVX-512 VNNI (512-bit registers: one register holds all eight rows)
+ *   TK_TILE       activation rows per tile (weights unpacked once per tile)
+ *
+ * One register holds eight bytes of each of four rows (256-bit, two halves per row group) or of
+ * all eight rows (512-bit); an activation's eight bytes are broadcast to every row, so one
+ * activation load feeds all rows (ggml's q4_K_8x8 idea). Per row the integer sums are the exact
+ * sums of the portable path, and every float operation is the portable path's, in its order, one
+ * row per vector lane: the results are bit-identical to it.
+ *
+ * int16 partial sums before the scale multiply are bounded: Q4_K 4 x 2 x 15 x 127 = 15240,
+ * Q6_K 2 x 2 x 63 x 127 = 32004 (Q8_K activations lie in [-127, 127]).
+ */
+
+#if TK_VNNI == 2
+#define TK_V __m512i
+#define TK_NH 1
+#define TK_VLOAD(p) _mm512_loadu_si512((const void *)(p))
+#define TK_AND _mm512_and_si512
+#define TK_OR _mm512_or_si512
+#define TK_XOR _mm512_xor_si512
+#define TK_SRLI16 _mm512_srli_epi16
+#define TK_SLLI16 _mm512_slli_epi16
+#define TK_ADD16 _mm512_add_epi16
+#define TK_ZERO _mm512_setzero_si512
+#define TK_SET1_8 _mm512_set1_epi8
+#define TK_SET1_32 _mm512_set1_epi32
+#define TK_MADDUBS _mm512_maddubs_epi16
+#define TK_BCAST8(p) _mm512_set1_epi64(ld64(p))
+#define TK_MADDACC(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+#else
+#define TK_V __m256i
+#define TK_NH 2
+#define TK_VLOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define TK_AND _mm256_and_si256
+#define TK_OR _mm256_or_si256
+#define TK_XOR _mm256_xor_si256
+#define TK_SRLI16 _mm256_srli_epi16
+#define TK_SLLI16 _mm256_slli_epi16
+#define TK_ADD16 _mm256_add_epi16
+#define TK_ZERO _mm256_setzero_si256
+#define TK_SET1_8 _mm256_set1_epi8
+#define TK_SET1_32 _mm256_set1_epi32
+#define TK_MADDUBS _mm256_maddubs_epi16
+#define TK_BCAST8(p) _mm256_set1_epi64x(ld64(p))
+/* AVX-VNNI too: a chain of vpdpwssd (latency 5) measured slower than madd + add here */
+#define TK_MADDACC(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+#endif
+
+/* D: eight int32 lanes (one per row) -> the register of half h whose dword lanes 2r, 2r+1 of
+ * each of its rows carry D's lane of that row. */
+TK_TARGET static inline TK_V TK_SFX(dup_rows)(__m256i D, int h) {
+#if TK_VNNI == 2
+    (void)h;
+    return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+                                    _mm512_castsi256_si512(D));
+#else
+    return _mm256_permutevar8x32_epi32(D, h ? _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)
+                                            : _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+#endif
+}
+
+/* Eight u8 / s8 scales (one per row) -> int32 lanes each holding the scale twice as int16. */
+TK_TARGET static inline __m256i TK_SFX(pairs_u8)(const uint8_t *p) {
+    __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_or_si256(d, _mm256_slli_epi32(d, 16));
+}
+TK_TARGET static inline __m256i TK_SFX(pairs_s8)(const uint8_t *p) {
+    __m256i d = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_or_si256(_mm256_and_si256(d, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(d, 16));
+}
+
+/* The int32 partials (two lanes per row) -> the eight row sums, row order. */
+TK_TARGET static inline __m256i TK_SFX(rows8)(const TK_V s[TK_NH]) {
+#if TK_VNNI == 2
+    __m512i t = _mm512_add_epi32(s[0], _mm512_shuffle_epi32(s[0], (_MM_PERM_ENUM)0xB1));
+    return _mm512_castsi512_si256(_mm512_permutexvar_epi32(
+        _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0), t));
+#else
+    return _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+#endif
+}
+
+/* Byte pairs (a[r], b[r]) of two eight-byte rows of scales, widened to int16 pairs per dword lane
+ * (u: unsigned bytes, else signed). */
+TK_TARGET static inline __m256i TK_SFX(pairs2)(const uint8_t *a, const uint8_t *b, int u) {
+    __m128i t = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
+    return u ? _mm256_cvtepu8_epi16(t) : _mm256_cvtepi8_epi16(t);
+}
+
+/* ---- Q4_K, block of 8 rows x 256 values: d[8], dmin[8] f16; sc[8 sub][8 rows], mn[8][8] u8;
+ * qs: 16 chunks (quant bytes 8c..8c+7 of every row, row-major), see pack_x8. */
+TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q4k_x8)(long pf, 
+    const uint8_t *w, int nsb, const int8_t *qx, size_t qs_, const float *dx, size_t ds_, const int16_t *ps,
+    size_t ps_, int A, float *y, size_t ys_) {
+    const TK_V m4 = TK_SET1_8(0x0F);
+    __m256 acc[TK_TILE];
+    for (int a = 0; a < A; a++) acc[a] = _mm256_setzero_ps();
+    for (int b = 0; b < nsb; b++) {
+        const uint8_t *blk = w + (size_t)b * X8_Q4K, *sc = blk + 32, *mn = blk + 96, *qs = blk + 160;
+        tk_prefetch(blk, pf, X8_Q4K);
+        TK_V sumi[TK_TILE][TK_NH];
+        for (int a = 0; a < A; a++)
+            for (int h = 0; h < TK_NH; h++) sumi[a][h] = TK_ZERO();
+        for (int p = 0; p < 4; p++) {
+            __m256i Dlo = TK_SFX(pairs_u8)(sc + 16 * p), Dhi = TK_SFX(pairs_u8)(sc + 16 * p + 8);
+            for (int h = 0; h < TK_NH; h++) {
+                TK_V slo = TK_SFX(dup_rows)(Dlo, h), shi = TK_SFX(dup_rows)(Dhi, h);
+                TK_V s16lo[TK_TILE], s16hi[TK_TILE];
+                for (int m = 0; m < 4; m++) {
+                    TK_V q = TK_VLOAD(qs + (4 * p + m) * 64 + 32 * h);
+                    TK_V lo = TK_AND(q, m4), hi = TK_AND(TK_SRLI16(q, 4), m4);
+                    for (int a = 0; a < A; a++) {
+                        const int8_t *x = qx + a * qs_ + 256 * b + 64 * p + 8 * m;
+                        TK_V pl = TK_MADDUBS(lo, TK_BCAST8(x)), ph = TK_MADDUBS(hi, TK_BCAST8(x + 32));
+                        s16lo[a] = m ? TK_ADD16(s16lo[a], pl) : pl;
+                        s16hi[a] = m ? TK_ADD16(s16hi[a], ph) : ph;
+                    }
+                }
+                for (int a = 0; a < A; a++) sumi[a][h] = TK_MADDACC(TK_MADDACC(sumi[a][h], s16lo[a], slo), s16hi[a], shi);
+            }
+        }
+        __m256i mnv[4];
+        for (int k = 0; k < 4; k++) mnv[k] = TK_SFX(pairs2)(mn + 16 * k, mn + 16 * k + 8, 1);
+        __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m256 dmv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        for (int a = 0; a < A; a++) {
+            const int16_t *P = ps + a * ps_ + 8 * b;
+            __m256i mins = _mm256_setzero_si256();
+            for (int k = 0; k < 4; k++) mins = _mm256_add_epi32(mins, _mm256_madd_epi16(mnv[k], _mm256_set1_epi32(ld32(P + 2 * k))));
+            __m256i s = TK_SFX(rows8)(sumi[a]);
+            __m256 dxa = _mm256_set1_ps(dx[a * ds_ + b]);
+            acc[a] = _mm256_add_ps(acc[a], _mm256_mul_ps(_mm256_mul_ps(dv, dxa), _mm256_cvtepi32_ps(s)));
+            acc[a] = _mm256_sub_ps(acc[a], _mm256_mul_ps(_mm256_mul_ps(dmv, dxa), _mm256_cvtepi32_ps(mins)));
+        }
+    }
+    for (int a = 0; a < A; a++) _mm256_storeu_ps(y + a * ys_, acc[a]);
+}
+
+/* ---- Q6_K, block of 8 rows x 256 values: d[8] f16; sc[16 groups][8 rows] s8; ql: for half h,
+ * part c (bytes l or 32 + l) and chunk m, 8 bytes of every row; qh: for half h and chunk m, 8
+ * bytes of every row. */
+TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q6k_x8)(long pf, 
+    const uint8_t *w, int nsb, const int8_t *qx, size_t qs_, const float *dx, size_t ds_, const int16_t *bs,
+    size_t bs_, int A, float *y, size_t ys_) {
+    const TK_V m4 = TK_SET1_8(0x0F), m30 = TK_SET1_8(0x30);
+    __m256 acc[TK_TILE];
+    for (int a = 0; a < A; a++) acc[a] = _mm256_setzero_ps();
+    for (int b = 0; b < nsb; b++) {
+        const uint8_t *blk = w + (size_t)b * X8_Q6K, *sc = blk + 16, *ql = blk + 144, *qhb = blk + 1168;
+        tk_prefetch(blk, pf, X8_Q6K);
+        TK_V sumi[TK_TILE][TK_NH];
+        for (int a = 0; a < A; a++)
+            for (int h = 0; h < TK_NH; h++) sumi[a][h] = TK_ZERO();
+        for (int hf = 0; hf < 2; hf++) {
+            for (int g2 = 0; g2 < 2; g2++) {
+                __m256i D[4];
+                for (int k = 0; k < 4; k++) D[k] = TK_SFX(pairs_s8)(sc + 8 * (8 * hf + 2 * k + g2));
+                for (int h = 0; h < TK_NH; h++) {
+                    TK_V s16[TK_TILE][4];
+                    for (int mi = 0; mi < 2; mi++) {
+                        int m = 2 * g2 + mi;
+                        TK_V l0 = TK_VLOAD(ql + ((hf * 2) * 4 + m) * 64 + 32 * h);
+                        TK_V l1 = TK_VLOAD(ql + ((hf * 2 + 1) * 4 + m) * 64 + 32 * h);
+                        TK_V hb = TK_VLOAD(qhb + (hf * 4 + m) * 64 + 32 * h);
+                        TK_V q[4];
+                        q[0] = TK_OR(TK_AND(l0, m4), TK_AND(TK_SLLI16(hb, 4), m30));
+                        q[1] = TK_OR(TK_AND(l1, m4), TK_AND(TK_SLLI16(hb, 2), m30));
+                        q[2] = TK_OR(TK_AND(TK_SRLI16(l0, 4), m4), TK_AND(hb, m30));
+                        q[3] = TK_OR(TK_AND(TK_SRLI16(l1, 4), m4), TK_AND(TK_SRLI16(hb, 2), m30));
+                        for (int a = 0; a < A; a++) {
+                            const int8_t *x = qx + a * qs_ + 256 * b + 128 * hf + 8 * m;
+                            for (int k = 0; k < 4; k++) {
+                                TK_V pk = TK_MADDUBS(q[k], TK_BCAST8(x + 32 * k));
+                                s16[a][k] = mi ? TK_ADD16(s16[a][k], pk) : pk;
+                            }
+                        }
+                    }
+                    for (int k = 0; k < 4; k++) {
+                        TK_V S = TK_SFX(dup_rows)(D[k], h);
+                        for (int a = 0; a < A; a++) sumi[a][h] = TK_MADDACC(sumi[a][h], s16[a][k], S);
+                    }
+                }
+            }
+        }
+        __m256i scv[8];
+        for (int k = 0; k < 8; k++) scv[k] = TK_SFX(pairs2)(sc + 16 * k, sc + 16 * k + 8, 0);
+        __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        for (int a = 0; a < A; a++) {
+            const int16_t *B = bs + a * bs_ + 16 * b;
+            __m256i off = _mm256_setzero_si256();
+            for (int k = 0; k < 8; k++) off = _mm256_add_epi32(off, _mm256_madd_epi16(scv[k], _mm256_set1_epi32(ld32(B + 2 * k))));
+            __m256i s = _mm256_sub_epi32(TK_SFX(rows8)(sumi[a]), _mm256_slli_epi32(off, 5));
+            acc[a] = _mm256_add_ps(acc[a], _mm256_mul_ps(_mm256_mul_ps(dv, _mm256_set1_ps(dx[a * ds_ + b])), _mm256_cvtepi32_ps(s)));
+        }
+    }
+    for (int a = 0; a < A; a++) _mm256_storeu_ps(y + a * ys_, acc[a]);
+}
+
+/* ---- Q8_0, block of 8 rows x 32 values: d[8] f16; qs: 4 chunks of 8 bytes of every row.
+ * VNNI: vpdpbusd on (w ^ 0x80) x x minus 128 * sum(x) (bias: aux, per activation block);
+ * AVX2: maddubs(|w|, sign(x, w)). Block b's term goes to accumulator b % 8, as portable. */
+TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q80_x8)(long pf, 
+    const uint8_t *w, int nb, const int8_t *qx, size_t qs_, const float *dx, size_t ds_, const int32_t *bias,
+    size_t bias_, int A, float *y, size_t ys_) {
+    __m256 acc[TK_TILE][8];
+    for (int a = 0; a < A; a++)
+        for (int k = 0; k < 8; k++) acc[a][k] = _mm256_setzero_ps();
+#if TK_VNNI
+    const TK_V flip = TK_SET1_8((char)0x80);
+#else
+    const TK_V ones = _mm256_set1_epi16(1);
+    (void)bias; (void)bias_;
+#endif
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = w + (size_t)b * X8_Q80, *qs = blk + 16;
+        tk_prefetch(blk, pf, X8_Q80);
+        TK_V si[TK_TILE][TK_NH];
+        for (int h = 0; h < TK_NH; h++) {
+            TK_V wv[4];
+            for (int m = 0; m < 4; m++) wv[m] = TK_VLOAD(qs + 64 * m + 32 * h);
+#if TK_VNNI
+            for (int m = 0; m < 4; m++) wv[m] = TK_XOR(wv[m], flip);
+            for (int a = 0; a < A; a++) {
+                const int8_t *x = qx + a * qs_ + 32 * b;
+                TK_V s0 = TK_ZERO(), s1 = TK_ZERO(); /* two chains: vpdpbusd's latency */
+                for (int m = 0; m < 4; m += 2) {
+#if TK_VNNI == 2
+                    s0 = _mm512_dpbusd_epi32(s0, wv[m], TK_BCAST8(x + 8 * m));
+                    s1 = _mm512_dpbusd_epi32(s1, wv[m + 1], TK_BCAST8(x + 8 * m + 8));
+#else
+                    s0 = _mm256_dpbusd_avx_epi32(s0, wv[m], TK_BCAST8(x + 8 * m));
+                    s1 = _mm256_dpbusd_avx_epi32(s1, wv[m + 1], TK_BCAST8(x + 8 * m + 8));
+#endif
+                }
+#if TK_VNNI == 2
+                si[a][h] = _mm512_add_epi32(s0, s1);
+#else
+                si[a][h] = _mm256_add_epi32(s0, s1);
+#endif
+            }
+#else
+            TK_V wa[4];
+            for (int m = 0; m < 4; m++) wa[m] = _mm256_sign_epi8(wv[m], wv[m]);
+            for (int a = 0; a < A; a++) {
+                const int8_t *x = qx + a * qs_ + 32 * b;
+                TK_V s = TK_ZERO();
+                for (int m = 0; m < 4; m++)
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(wa[m], _mm256_sign_epi8(TK_BCAST8(x + 8 * m), wv[m])), ones));
+                si[a][h] = s;
+            }
+#endif
+        }
+        __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        for (int a = 0; a < A; a++) {
+            __m256i s = TK_SFX(rows8)(si[a]);
+#if TK_VNNI
+            s = _mm256_sub_epi32(s, _mm256_set1_epi32(bias[a * bias_ + b]));
+#endif
+            __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_set1_ps(dx[a * ds_ + b])));
+            acc[a][b & 7] = _mm256_add_ps(acc[a][b & 7], t);
+        }
+    }
+    for (int a = 0; a < A; a++) {
+        __m256 *c = acc[a];
+        _mm256_storeu_ps(y + a * ys_, _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(c[0], c[1]), _mm256_add_ps(c[2], c[3])),
+                                                    _mm256_add_ps(_mm256_add_ps(c[4], c[5]), _mm256_add_ps(c[6], c[7]))));
+    }
+}
+
+/* One row group (8 rows) x n activation rows, in tiles of TK_TILE (the remainder with fewer); the
+ * first tile prefetches the weight stream PF_BYTES ahead (the later ones find it in cache). */
+TK_TARGET static void TK_SFX(group_x8)(int qt, const uint8_t *w, int cols, const int8_t *qx, const float *dx,
+                                       const void *aux, int n, float *y, size_t ys_) {
+    const size_t qs_ = (size_t)cols, ds_ = (size_t)cols / 32;
+    int i = 0;
+#define TK_RUN(A_)                                                                                          \
+    do {                                                                                                    \
+        const int8_t *q_ = qx + i * qs_;                                                                    \
+        const float *d_ = dx + i * ds_;                                                                     \
+        float *y_ = y + i * ys_;                                                                            \
+        if (qt == 0)                                                                                        \
+            TK_SFX(q80_x8)(i ? 0 : PF_BYTES, w, cols / 32, q_, qs_, d_, ds_, (const int32_t *)aux + i * (cols / 32), cols / 32, A_, y_, ys_); \
+        else if (qt == 1)                                                                                   \
+            TK_SFX(q4k_x8)(i ? 0 : PF_BYTES, w, cols / 256, q_, qs_, d_, ds_, (const int16_t *)aux + i * (cols / 32), cols / 32, A_, y_, ys_); \
+        else                                                                                                \
+            TK_SFX(q6k_x8)(i ? 0 : PF_BYTES, w, cols / 256, q_, qs_, d_, ds_, (const int16_t *)aux + i * (cols / 16), cols / 16, A_, y_, ys_); \
+    } while (0)
+    for (; i + TK_TILE <= n; i += TK_TILE) TK_RUN(TK_TILE);
+    for (; i < n; i++) TK_RUN(1);
+#undef TK_RUN
+}
+
+#undef TK_V
+#undef TK_NH
+#undef TK_VLOAD
+#undef TK_AND
+#undef TK_OR
+#undef TK_XOR
+#undef TK_SRLI16
+#undef TK_SLLI16
+#undef TK_ADD16
+#undef TK_ZERO
+#undef TK_SET1_8
+#undef TK_SET1_32
+#undef TK_MADDUBS
+#undef TK_BCAST8
+#undef TK_MADDACC
