@@ -348,6 +348,11 @@ def hf_config_from_gguf(metadata: Mapping, *, vocab_size: int | None = None, tie
     if not isinstance(metadata, Mapping):
         raise ConfigError("GGUF metadata must be a mapping of keys to values", "metadata")
     arch = metadata.get("general.architecture")
+    if arch == "gpt-oss":  # its safetensors experts are read (MXFP4); a GGUF of it needs what we lack
+        raise ConfigError("GGUF general.architecture='gpt-oss' is not supported: there is no gpt-oss backbone "
+                          "here (attention sinks, alternating sliding-window layers) and no reader for GGUF's "
+                          "MXFP4 expert stacks with their biases; publish its safetensors checkpoint instead",
+                          "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ConfigError(f"GGUF general.architecture={arch!r} is not supported; supported: "
                           f"{', '.join(GGUF_ARCHITECTURES)} (llama only with experts)", "general.architecture")

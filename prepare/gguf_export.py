@@ -12,8 +12,9 @@ dtype, else F32), the shared expert as ``ffn_*_shexp``, DeepSeek's leading dense
 template when the model has them. A stack whose experts have different block types is
 written F32 (decoded) and reported.
 
-The writer is gguf-py's ``GGUFWriter``; this module is Django-free (the command gathers the
-blobs).
+The writer is gguf-py's ``GGUFWriter``, fed tensor by tensor (``add_tensor_info`` on a first
+pass, ``write_tensor_data`` on a second): the routed experts of one layer at most are in memory,
+not the model. This module is Django-free (the command gathers the blobs).
 """
 from __future__ import annotations
 
@@ -74,15 +75,15 @@ def _bf16_bits(a: np.ndarray) -> np.ndarray:
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-def _add(w, name: str, a: np.ndarray, dtype: str = "F32") -> None:
+def _add(name: str, a: np.ndarray, dtype: str = "F32"):
+    """``(name, array, raw ggml type or None)`` of a dense tensor written as ``dtype``."""
     from gguf import GGMLQuantizationType
 
     if dtype == "BF16" and a.ndim >= 2:
-        w.add_tensor(name, _bf16_bits(a), raw_dtype=GGMLQuantizationType.BF16)
-    elif dtype == "F16" and a.ndim >= 2:
-        w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float16))
-    else:  # norms and vectors stay F32, as llama.cpp's converter writes them
-        w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+        return name, _bf16_bits(a), GGMLQuantizationType.BF16
+    if dtype == "F16" and a.ndim >= 2:
+        return name, np.ascontiguousarray(a, dtype=np.float16), None
+    return name, np.ascontiguousarray(a, dtype=np.float32), None  # norms and vectors F32, as llama.cpp's converter
 
 
 def _permute(a: np.ndarray, n_head: int) -> np.ndarray:
@@ -220,16 +221,21 @@ def _stack(mats: list, what: str, notes: dict, dtypes: set[str]):
     return arr, (dtypes.pop() if len(dtypes) == 1 and kinds == {"dense"} else "F32")
 
 
-def write_gguf(model: ExportModel, out: str | Path) -> dict:
-    """Write ``model`` to ``out`` (module docstring). Returns a report ``{"tensors": n,
-    "notes": {what: note}}``. Raises ``ExportError`` for an architecture llama.cpp has no
-    MoE graph of here, a missing gate, expert or backbone tensor."""
+def write_gguf(model: ExportModel, out: str | Path, progress: bool = False) -> dict:
+    """Write ``model`` to ``out`` (module docstring), streaming: tensors are produced one at a
+    time (a layer's experts at most in memory) twice, once for the tensor table and once for
+    the data, and written as they come; ``progress`` shows a tqdm bar of the data pass.
+    Returns a report ``{"tensors": n, "notes": {what: note}}``. Raises ``ExportError`` for an
+    architecture llama.cpp has no MoE graph of here, a missing gate, expert or backbone tensor."""
     import gguf
+    from tqdm import tqdm
 
     cfg = ModelConfig.from_hf(model.config)
     fam = cfg.family
     if fam not in ARCH_OF:
         raise ExportError(f"model family {fam!r} has no GGUF architecture here; supported: {', '.join(ARCH_OF)}")
+    if "model.embed_tokens.weight" not in model.backbone:
+        raise ExportError("the published backbone has no model.embed_tokens.weight")
     w = gguf.GGUFWriter(str(out), ARCH_OF[fam])
     add_metadata(w, cfg, model.config)
     notes: dict[str, str] = {}
@@ -243,13 +249,34 @@ def write_gguf(model: ExportModel, out: str | Path) -> dict:
         w.add_tokenizer_model("none")
     if model.chat_template:
         w.add_chat_template(model.chat_template)
+    names = []
+    for name, arr, raw in _tensors(model, cfg, notes):  # pass 1: the tensor table only
+        w.add_tensor_info(name, arr.shape, arr.dtype, arr.nbytes, raw_dtype=raw)
+        names.append(name)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    with tqdm(total=len(names), desc=f"export {Path(out).name}", unit="tensor", disable=not progress) as bar:
+        for i, (name, arr, _) in enumerate(_tensors(model, cfg, {})):  # pass 2: the same tensors, in order
+            if i >= len(names) or name != names[i]:
+                raise ExportError(f"tensor {name!r} came in a different order on the data pass")
+            w.write_tensor_data(arr)
+            bar.update(1)
+    w.close()
+    return {"tensors": len(names), "notes": notes}
+
+
+def _tensors(model: ExportModel, cfg: ModelConfig, notes: dict):
+    """Every tensor of the file in order as ``(GGUF name, array, raw ggml type or None)``,
+    produced lazily: one layer's routed experts are read when that layer is reached."""
+    import gguf
+
+    fam = cfg.family
     bb = model.backbone
-    if "model.embed_tokens.weight" not in bb:
-        raise ExportError("the published backbone has no model.embed_tokens.weight")
     for hf_name, gname in _GLOBAL.items():
         if hf_name in bb:
             dt, a = bb[hf_name]
-            _add(w, gname, a, dt)
+            yield _add(gname, a, dt)
     heads, kv_heads = cfg.need("num_attention_heads"), cfg.num_key_value_heads
     e_count = cfg.need("num_experts")
     for layer in range(cfg.need("num_hidden_layers")):
@@ -259,29 +286,29 @@ def write_gguf(model: ExportModel, out: str | Path) -> dict:
             if leaf == "self_attn.kv_b_proj.weight":
                 nope, v = cfg.need("qk_nope_head_dim"), cfg.need("v_head_dim")
                 kvb = a.reshape(heads, nope + v, a.shape[-1])
-                _add(w, f"blk.{layer}.attn_k_b.weight", np.ascontiguousarray(kvb[:, :nope].transpose(0, 2, 1)), dt)
-                _add(w, f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(kvb[:, nope:]), dt)
+                yield _add(f"blk.{layer}.attn_k_b.weight", np.ascontiguousarray(kvb[:, :nope].transpose(0, 2, 1)), dt)
+                yield _add(f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(kvb[:, nope:]), dt)
                 continue
             if leaf not in _SUFFIX:
                 raise ExportError(f"backbone tensor {hf_name!r} has no GGUF name here")
             if fam == "mixtral" and leaf in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
                 a = _permute(a, heads if "q_proj" in leaf else kv_heads)
-            _add(w, f"blk.{layer}.{_SUFFIX[leaf]}", a, dt)
+            yield _add(f"blk.{layer}.{_SUFFIX[leaf]}", a, dt)
         if not is_moe_layer(cfg, layer):
             d = model.dense.get(layer)
             if d is None:
                 raise ExportError(f"layer {layer} is a dense MLP layer and no dense weights were published for it")
             for proj in PROJECTIONS:
-                _add(w, f"blk.{layer}.ffn_{_PROJ[proj]}.weight", _dense(getattr(d, proj)), "F32")
+                yield _add(f"blk.{layer}.ffn_{_PROJ[proj]}.weight", _dense(getattr(d, proj)), "F32")
             continue
         gate = model.gates.get(layer)
         if gate is None:
             raise ExportError(f"layer {layer}: no published gate")
-        _add(w, f"blk.{layer}.ffn_gate_inp.weight", gate.weight)
+        yield _add(f"blk.{layer}.ffn_gate_inp.weight", gate.weight)
         if gate.correction_bias is not None:
-            _add(w, f"blk.{layer}.exp_probs_b.bias", gate.correction_bias)
+            yield _add(f"blk.{layer}.exp_probs_b.bias", gate.correction_bias)
         if gate.shared_gate is not None:
-            _add(w, f"blk.{layer}.ffn_gate_inp_shexp.weight", gate.shared_gate)
+            yield _add(f"blk.{layer}.ffn_gate_inp_shexp.weight", gate.shared_gate)
         experts, dtypes = [], set()
         for e in range(e_count):
             ew, dt = model.expert(layer, e)
@@ -290,25 +317,18 @@ def write_gguf(model: ExportModel, out: str | Path) -> dict:
         for proj in PROJECTIONS:
             name = f"blk.{layer}.ffn_{_PROJ[proj]}_exps.weight"
             arr, raw = _stack([getattr(x, proj) for x in experts], name, notes, set(dtypes))
-            if raw in _GGML.values():
-                w.add_tensor(name, arr, raw_dtype=gguf.GGMLQuantizationType[raw])
-            else:
-                _add(w, name, arr, raw)
+            yield (name, arr, gguf.GGMLQuantizationType[raw]) if raw in _GGML.values() else _add(name, arr, raw)
+            del arr
+        del experts
         if (cfg.n_shared_experts or 0) > 0:
             sw, dt = model.expert(layer, e_count)
             for proj in PROJECTIONS:
                 m = getattr(sw, proj)
                 name = f"blk.{layer}.ffn_{_PROJ[proj]}_shexp.weight"
                 if isinstance(m, QuantizedMatrix):
-                    w.add_tensor(name, m.blocks, raw_dtype=gguf.GGMLQuantizationType[_GGML[m.qtype]])
+                    yield name, m.blocks, gguf.GGMLQuantizationType[_GGML[m.qtype]]
                 else:
-                    _add(w, name, m, dt.upper())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    n = len(w.tensors[0]) if w.tensors else 0
-    w.close()
-    return {"tensors": n, "notes": notes}
+                    yield _add(name, m, dt.upper())
 
 
 def _dense(m) -> np.ndarray:

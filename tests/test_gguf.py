@@ -146,6 +146,9 @@ def _minimal_gguf(path, arch="llama", expert_count=None, version=3, magic=b"GGUF
 
 
 def test_bad_files_are_refused_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="general.architecture='gpt-oss' is not supported: there is no gpt-oss "
+                                          "backbone"):
+        ModelConfig.from_gguf({"general.architecture": "gpt-oss"})
     with pytest.raises(CheckpointError, match="general.architecture='gemma3' is not supported"):
         GgufCheckpoint(_minimal_gguf(tmp_path / "a.gguf", arch="gemma3"))
     with pytest.raises(CheckpointError, match="llama.expert_count is absent or 0"):

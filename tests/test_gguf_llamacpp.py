@@ -53,12 +53,32 @@ def llama_quantize(src: Path, dst: Path, ftype: int) -> Path:
     return dst
 
 
+def open_llama(path: Path, **kw):
+    """``llama_cpp.Llama`` on ``path`` (1 thread, quiet) with llama.cpp's extra buffer types off
+    (``use_extra_bufts``: AMX and runtime weight repacking): a build on an AMX CPU crashes in
+    ``ggml_backend_amx_mul_mat`` on Q8_0 weights, and the oracle should not depend on the CPU's
+    extensions; the plain CPU kernels quantize activations the same way."""
+    from llama_cpp import llama_cpp as capi
+
+    default = capi.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    capi.llama_model_default_params = params
+    try:
+        return llama_cpp.Llama(model_path=str(path), n_threads=1, verbose=False, **kw)
+    finally:
+        capi.llama_model_default_params = default
+
+
 def llama_generate(path: Path, prompt_sets: list[list[int]], n_new: int = NEW_TOKENS,
                    forced: list[list[int]] | None = None):
     """llama.cpp's (prompt logits ``[T, V]``, greedy new ids, argmax after each of ``forced``'s
     tokens: teacher-forced on our continuation, so one near-tie does not derail the rest) per prompt."""
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_batch=64, n_ubatch=64, logits_all=True,
-                          n_threads=1, verbose=False)
+    llm = open_llama(path, n_ctx=64, n_batch=64, n_ubatch=64, logits_all=True)
     out = []
     for i, p in enumerate(prompt_sets):
         llm.reset()

@@ -72,7 +72,7 @@ class Command(BaseCommand):
     def handle(self, *args, **opts):
         store = BlobStore(settings.TENZRO["BLOB_DIR"])
         try:
-            report = write_gguf(gather(opts["model_id"], store), opts["out"])
+            report = write_gguf(gather(opts["model_id"], store), opts["out"], progress=not opts["json"])
         except (ExportError, ValueError, OSError) as exc:
             raise CommandError(str(exc)) from exc
         report = {"model_id": opts["model_id"], "out": opts["out"], **report}
