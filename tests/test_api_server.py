@@ -26,11 +26,15 @@ def site(tmp_path_factory):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = {**env_for(tmp), "TENZRO_HTTP_HEADER_TIMEOUT": str(HEADER_TIMEOUT_S)}
+    # The server claims its deployment row at start (as `make serve` does, migrate first).
+    subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True)
     proc = subprocess.Popen([sys.executable, "-m", "tenzro_site.serve", "-b", "127.0.0.1", "-p", str(port)],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / "serve.stderr", "wb"))
     url = f"http://127.0.0.1:{port}"
 
     def up():
+        if proc.poll() is not None:
+            raise AssertionError(f"the server exited {proc.returncode}: {(tmp / 'serve.stderr').read_text()[-2000:]}")
         try:
             return httpx.get(url + "/v1/ping", timeout=10).status_code == 404  # JSON 404, no database
         except httpx.HTTPError:
