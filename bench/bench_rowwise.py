@@ -21,20 +21,11 @@ from threadpoolctl import threadpool_limits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from machine import cpu_model  # noqa: E402  (this directory is sys.path[0] when run as a script)
 from moe import rowwise  # noqa: E402
 
 SHAPES = [(768, 2048, 1), (768, 2048, 16), (2048, 768, 16), (2048, 2048, 1), (2048, 2048, 16), (2048, 2048, 256),
           (256, 256, 64), (256, 7168, 1)]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def best(f, repeat: int) -> float:
