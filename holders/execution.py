@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from concurrent.futures import Executor
 from typing import Callable
 
@@ -41,9 +40,6 @@ def _row_count(req: dict) -> int:
     """Token rows of an execute request (0 when ``token_indices`` is not a list: it fails alone later)."""
     tokens = req.get("token_indices")
     return len(tokens) if isinstance(tokens, list) else 0
-
-
-POST_EVERY_S = 0.002  # a compute thread's longest wait before handing finished answers back
 
 
 def message_work(reqs: list[dict], limit: int) -> bool:
@@ -156,8 +152,7 @@ class Execution:
 
         A small message (``small``: a decode step's few rows) runs on the event loop itself:
         two thread hand-offs per message cost more than its products on a loaded machine. A
-        compute thread hands its finished outcomes back at most once per ``POST_EVERY_S`` (and
-        after its last), not once per batch."""
+        compute thread hands each outcome back as soon as it is done."""
         if self.faults.blackhole:
             await asyncio.Event().wait()
         # Largest batches first: the last to finish is a small one, whose answer the router
@@ -188,15 +183,11 @@ class Execution:
                 return False
 
         def run(indices: list[int]) -> None:
-            ready, posted = [], time.perf_counter()
+            # Each outcome goes back as soon as it is done: holding a fast answer for the next
+            # batch's sake would make it wait on that batch's whole compute.
             for i in indices:
-                ready.append(one(i))
-                if time.perf_counter() - posted >= POST_EVERY_S:
-                    if not post(ready):
-                        return
-                    ready, posted = [], time.perf_counter()
-            if ready:
-                post(ready)
+                if not post([one(i)]):
+                    return
 
         hops = max(1, min(self.compute_threads, len(items)))
         for h in range(hops):
