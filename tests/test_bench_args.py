@@ -63,7 +63,7 @@ def bench_serving():
     (["--concurrency", "0"], "--concurrency", "at least 1"),
     (["--concurrency", "4,x"], "--concurrency", "expected an integer, got 'x'"),
     (["--requests-per-client", "0"], "--requests-per-client", "at least 1"),
-    (["--modes", "local"], "--modes", "distributed, in-process, got 'local'"),
+    (["--modes", "local"], "--modes", "distributed, in-process, llama-server, got 'local'"),
     (["--prompt", "100", "--tokens", "100"], "--tokens", "over the fixture's context of 128"),
 ])
 def test_bench_serving_refuses_a_bad_flag_naming_it(bench_serving, capsys, argv, flag, says):
@@ -112,7 +112,7 @@ def test_bench_serving_kills_a_hung_aiperf_and_its_children(bench_serving, tmp_p
     fake.write_text(f"#!/bin/sh\nsleep 600 & echo $! > {pids}\nsleep 600\n")
     fake.chmod(0o755)
     with pytest.raises(bench_serving.RunFailed, match="still running"):
-        bench_serving.run_aiperf(str(fake), "http://127.0.0.1:9", tmp_path, 1, 1, 8, 8, tmp_path / "out",
+        bench_serving.run_aiperf(str(fake), "http://127.0.0.1:9", "m", tmp_path, 1, 1, 8, 8, tmp_path / "out",
                                  request_timeout=1, startup_s=1)
     child = int(pids.read_text())
     from tests.cluster_util import pid_alive

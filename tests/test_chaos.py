@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -143,10 +144,14 @@ def test_chaos_scenes(tmp_path, transport):
             os.kill(agents[stalled], signal.SIGCONT)
         assert np.array_equal(outputs(resp, d), base[0])
         fails = resp["result"]["failures"]
-        # "the 8 s deadline": the backup took over when the deadline passed, not when the attempt
-        # timed out ("no answer within 30 s"); read from the record, not from a wall clock
-        assert fails and all(f["provider"] == stalled and f"the {DEADLINE_S:g} s deadline" in f["error"]
-                             for f in fails), fails
+        # The backup took over when the holder's deadline passed (at most DEADLINE_S: it follows the
+        # holder's observed p99), not when the attempt timed out ("no answer within 30 s"); read
+        # from the record, not from a wall clock.
+        def within_deadline(error: str) -> bool:
+            m = re.search(r"(?:within its|the) ([0-9.]+) s deadline", error)
+            return m is not None and float(m.group(1)) <= DEADLINE_S
+
+        assert fails and all(f["provider"] == stalled and within_deadline(f["error"]) for f in fails), fails
 
         # 3. SIGKILL a holder while its batches are in flight: identical output.
         shard, _ = busiest_primary()

@@ -88,4 +88,4 @@ def test_chat_prompt_with_and_without_template():
     assert exc.value.status == 400 and exc.value.param == "messages" and "no user turn" in exc.value.message
     with pytest.raises(ApiError) as exc:
         chat_prompt(with_template, [{"role": "user"}])
-    assert exc.value.param == "messages[0]"
+    assert exc.value.param == "messages[0].content"
