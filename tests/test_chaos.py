@@ -30,6 +30,7 @@ from safetensors.numpy import load_file
 from moe import wire
 from moe.ffn import expert_forward
 from moe.gating import route
+from router.scoreboard import DEADLINE_FLOOR_S
 from prepare.checkpoint import Checkpoint
 from prepare.layouts import load_expert, load_gate, spec_from_config
 from tests.cluster_util import blackhole_agent, env_for, rpc, rpc_served, running_cluster, wait_for
@@ -160,10 +161,11 @@ def test_chaos_scenes(tmp_path, transport):
         os.kill(agents[victim], signal.SIGSTOP)  # hold its batches in flight ...
         with ThreadPoolExecutor(1) as pool:
             fut = pool.submit(forward, info, x)
-            # ... and kill it mid-forward: half a deadline after the request, so a busy site has
-            # long dispatched to the stopped victim (killed before that, its closed socket drops
-            # it from the plan and nothing is in flight) and the deadline has not yet moved on.
-            time.sleep(DEADLINE_S / 2)
+            # ... and kill it mid-forward: half the shortest deadline a holder can get (its p99
+            # deadline is at least DEADLINE_FLOOR_S) after the request, so the site has dispatched
+            # to the stopped victim (killed before that, its closed socket drops it from the plan
+            # and nothing is in flight) and the deadline has not yet moved on.
+            time.sleep(min(DEADLINE_S, DEADLINE_FLOOR_S) / 2)
             assert not fut.done(), "the forward ended while its holder was stopped"
             os.kill(agents[victim], signal.SIGKILL)
             resp = fut.result()
