@@ -212,11 +212,11 @@ if __name__ == "__main__":
 
     with tempfile.TemporaryDirectory() as d:
         print(f"llama-cpp-python {llama_cpp.__version__}")
-        print(f"{'family':<12} {'quant':<7} {'ids equal':>9} {'forced':>9} {'logit cosine':>13}")
+        print(f"{'family':<18} {'quant':<7} {'ids equal':>9} {'forced':>9} {'logit cosine':>13}")
         for fam in FAMILIES:
             for quant in QUANTS:
                 r = family_row(Path(d), fam, quant)
-                print(f"{fam:<12} {quant:<7} {r['ids_equal']:>5}/{r['prompts']:<3} {r['forced_agreement']:>9.3f} "
+                print(f"{fam:<18} {quant:<7} {r['ids_equal']:>5}/{r['prompts']:<3} {r['forced_agreement']:>9.3f} "
                       f"{r['logit_cosine']:>13.6f}")
                 sys.stdout.flush()
         print(json.dumps({"done": True}))
