@@ -18,6 +18,7 @@ QWEN = FIXTURES / "qwen3_moe_tiny"
 DEEPSEEK = FIXTURES / "deepseek_v3_tiny"
 QWEN2 = FIXTURES / "qwen2_moe_tiny"  # written by tests/fixtures/make_hf_fixtures.py
 MIXTRAL = FIXTURES / "mixtral_tiny"
+QWEN2_TRAINED = FIXTURES / "qwen2_moe_trained"  # trained, H 256, with tokenizer.json (same script)
 
 REDIS_URL = os.environ.get("TENZRO_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 PG_URL = os.environ.get("TENZRO_TEST_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")

@@ -16,7 +16,7 @@ from moe.ffn import ExpertWeights, expert_forward, moe_layer_forward
 from prepare.backbone import backbone_groups, group_blob
 from prepare.checkpoint import Checkpoint
 from prepare.layouts import load_expert, load_gate, spec_from_config
-from tests.conftest import DEEPSEEK, MIXTRAL, QWEN, QWEN2
+from tests.conftest import DEEPSEEK, MIXTRAL, QWEN, QWEN2, QWEN2_TRAINED
 
 
 def local_model(path):
@@ -41,8 +41,8 @@ def local_model(path):
     return build_backbone(c.config, w), mlp, load_file(str(path / "generation_reference.safetensors"))
 
 
-@pytest.fixture(scope="module", params=[QWEN, DEEPSEEK, QWEN2, MIXTRAL],
-                ids=["qwen3_moe", "deepseek_v3", "qwen2_moe", "mixtral"])
+@pytest.fixture(scope="module", params=[QWEN, DEEPSEEK, QWEN2, MIXTRAL, QWEN2_TRAINED],
+                ids=["qwen3_moe", "deepseek_v3", "qwen2_moe", "mixtral", "qwen2_moe_trained"])
 def model(request):
     return local_model(request.param)
 

@@ -100,6 +100,18 @@ def test_moe_layer_forward_reproduces_reference(models, fx, layer):
     assert rel <= 1e-5
 
 
+@pytest.mark.parametrize("fx", ["qwen2_moe_tiny", "mixtral_tiny", "qwen2_moe_trained"])
+def test_hf_written_moe_blocks_reproduce_transformers(fx):
+    """The fixtures of tests/fixtures/make_hf_fixtures.py ship each MoE block's input and
+    output only (no routing tensors): the whole block, shared expert included."""
+    m = Model(fx)
+    for layer in json.loads((m.dir / "reference.json").read_text())["moe_layers"]:
+        out, _ = moe_layer_forward(m.gate(layer), m.experts(layer), m.ref[f"layer{layer}.hidden_states"])
+        ref = m.ref[f"layer{layer}.output"]
+        rel = float(np.abs(out - ref).max() / np.abs(ref).max())
+        assert rel <= 1e-5, (fx, layer, rel)
+
+
 @pytest.mark.parametrize("fx,layer", CASES)
 def test_sharded_combine_is_bit_identical_to_monolithic(models, fx, layer):
     m = models[fx]
