@@ -286,6 +286,44 @@ static void pack_x8(int qt, const uint8_t *src, int rows, int cols, uint8_t *dst
         }
 }
 
+/* The inverse of pack_x8: the GGUF rows back from the x8 layout, byte for byte (the layout keeps
+ * every bit of a block: Q4_K's twelve scale bytes are exactly its eight 6-bit scales and mins). */
+static void unpack_x8(int qt, const uint8_t *src, int rows, int cols, uint8_t *dst) {
+    const int nb = cols / QK[qt];
+    const size_t rb = (size_t)nb * QBYTES[qt];
+    for (int g = 0; g < (rows + 7) / 8; g++)
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *o = src + ((size_t)g * nb + b) * X8BYTES[qt];
+            for (int r = 0; r < 8 && 8 * g + r < rows; r++) {
+                uint8_t *s = dst + (size_t)(8 * g + r) * rb + (size_t)b * QBYTES[qt];
+                if (qt == 0) {
+                    memcpy(s, o + 2 * r, 2);
+                    for (int c = 0; c < 4; c++) memcpy(s + 2 + 8 * c, o + 16 + 64 * c + 8 * r, 8);
+                } else if (qt == 1) {
+                    memcpy(s, o + 2 * r, 2);
+                    memcpy(s + 2, o + 16 + 2 * r, 2);
+                    uint8_t *sc12 = s + 4;
+                    for (int j = 0; j < 4; j++) {
+                        int sc = o[32 + 8 * j + r], mn = o[96 + 8 * j + r], sc4 = o[32 + 8 * (j + 4) + r], mn4 = o[96 + 8 * (j + 4) + r];
+                        sc12[j] = (uint8_t)(sc | ((sc4 >> 4) << 6));
+                        sc12[j + 4] = (uint8_t)(mn | ((mn4 >> 4) << 6));
+                        sc12[j + 8] = (uint8_t)((sc4 & 0x0F) | ((mn4 & 0x0F) << 4));
+                    }
+                    for (int c = 0; c < 16; c++) memcpy(s + 16 + 8 * c, o + 160 + 64 * c + 8 * r, 8);
+                } else {
+                    memcpy(s + 208, o + 2 * r, 2);
+                    for (int k = 0; k < 16; k++) s[192 + k] = o[16 + 8 * k + r];
+                    for (int h = 0; h < 2; h++)
+                        for (int c = 0; c < 2; c++)
+                            for (int m = 0; m < 4; m++)
+                                memcpy(s + 64 * h + 32 * c + 8 * m, o + 144 + ((h * 2 + c) * 4 + m) * 64 + 8 * r, 8);
+                    for (int h = 0; h < 2; h++)
+                        for (int m = 0; m < 4; m++) memcpy(s + 128 + 32 * h + 8 * m, o + 1168 + (h * 4 + m) * 64 + 8 * r, 8);
+                }
+            }
+        }
+}
+
 static inline int64_t ld64(const void *p) { int64_t v; memcpy(&v, p, 8); return v; }
 static inline int32_t ld32(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
@@ -795,6 +833,34 @@ done:
     return ret;
 }
 
+static PyObject *py_unpack_x8(PyObject *self, PyObject *args) {
+    const char *qtype;
+    Py_buffer ib, ob;
+    int rows, cols;
+    if (!PyArg_ParseTuple(args, "sy*iiw*", &qtype, &ib, &rows, &cols, &ob)) return NULL;
+    PyObject *ret = NULL;
+    int qt = qtype_index(qtype);
+    if (qt < 0) { PyErr_Format(PyExc_ValueError, "qtype must be q8_0, q4_k or q6_k, got %s", qtype); goto done; }
+    if (rows < 0 || cols <= 0 || cols % QK[qt] || (size_t)ib.len != x8_size(qt, rows, cols)) {
+        PyErr_Format(PyExc_ValueError, "packed: %zd bytes is not the x8 layout of a %dx%d %s matrix", ib.len, rows, cols, qtype);
+        goto done;
+    }
+    if (ob.len != (Py_ssize_t)rows * (cols / QK[qt]) * QBYTES[qt]) {
+        PyErr_Format(PyExc_ValueError, "out: %zd bytes, the GGUF rows of a %dx%d %s matrix have %zd", ob.len, rows, cols, qtype,
+                     (Py_ssize_t)rows * (cols / QK[qt]) * QBYTES[qt]);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    unpack_x8(qt, ib.buf, rows, cols, (uint8_t *)ob.buf);
+    Py_END_ALLOW_THREADS
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    PyBuffer_Release(&ib);
+    PyBuffer_Release(&ob);
+    return ret;
+}
+
 static PyObject *py_x8_nbytes(PyObject *self, PyObject *args) {
     const char *qtype;
     int rows, cols;
@@ -910,6 +976,8 @@ static PyMethodDef methods[] = {
      "weights in the path's layout (layout(isa))."},
     {"pack_x8", py_pack_x8, METH_VARARGS,
      "pack_x8(qtype, blocks, rows, cols, out): GGUF rows interleaved in groups of eight (the x86 SIMD paths' layout) into out."},
+    {"unpack_x8", py_unpack_x8, METH_VARARGS,
+     "unpack_x8(qtype, packed, rows, cols, out): the GGUF rows back from the x8 layout (pack_x8's inverse, byte for byte) into out."},
     {"x8_nbytes", py_x8_nbytes, METH_VARARGS, "x8_nbytes(qtype, rows, cols) -> bytes of the x8 layout."},
     {"layout", py_layout, METH_VARARGS, "layout([isa]) -> 'x8' or 'gguf': the weight layout a SIMD path reads."},
     {"isa", py_isa, METH_NOARGS, "The SIMD path in use: portable, avx2, avxvnni, avx512vnni, neon or neondot."},

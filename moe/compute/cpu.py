@@ -316,8 +316,9 @@ class CpuBackend:
 
     def prepare(self, w) -> None:
         """Repack a quantized ``w`` into the native kernels' layout now (x86 SIMD paths: the x8
-        copy, ``kernels.native_weights``), so the memory tier counts it when the expert is
-        admitted (``QuantizedMatrix.nbytes``) instead of it appearing on the first matmul."""
+        copy, ``kernels.native_weights``, which replaces the GGUF bytes in memory), so the memory
+        tier counts what is held (``QuantizedMatrix.nbytes``) when the expert is admitted instead
+        of the layout changing on the first matmul."""
         if self.native and isinstance(w, QuantizedMatrix):
             kernels.native_weights(w)
 
@@ -325,7 +326,10 @@ class CpuBackend:
         """Nothing is cached per weight beyond ``w`` itself (its repacked layout goes with it)."""
 
     def describe(self) -> dict:
-        """Backend facts for status: tag, gpu flag, threads."""
-        return {"tag": self.tag, "gpu": False, "threads": numba.get_num_threads(), "small_batch": self.small_batch,
-                "native_kernels": kernels.isa() if self.native else None,
-                "native_batch": self.native_batch if self.native else 0}
+        """Backend facts for status: tag, gpu flag, threads, the native path and its arena."""
+        d = {"tag": self.tag, "gpu": False, "threads": numba.get_num_threads(), "small_batch": self.small_batch,
+             "native_kernels": kernels.isa() if self.native else None,
+             "native_batch": self.native_batch if self.native else 0}
+        if self.native:
+            d["kernel_arena"] = kernels.arena_stats()  # slabs the repacked layouts live in
+        return d
