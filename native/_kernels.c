@@ -401,6 +401,93 @@ TARGET_VNNI static void quantize_q8_k_avx512(const float *x, int cols, int8_t *q
 }
 
 
+/* quantize_q8_0 and quantize_q8_k in 256-bit registers for the AVX2 and AVX-VNNI paths: the same
+ * float operations per value as the scalar code (and the 512-bit code above), so the same bytes,
+ * scales and group sums. Non-finite: x - x is NaN exactly for NaN and infinity. */
+TARGET_AVX2 static inline float tk_hmax_avx2(__m256 m) {
+    __m128 v = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    v = _mm_max_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_max_ss(v, _mm_shuffle_ps(v, v, 1));
+    return _mm_cvtss_f32(v);
+}
+
+TARGET_AVX2 static void quantize_q8_0_avx2(const float *x, int cols, int8_t *q, float *d) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), half = _mm256_set1_ps(0.5f),
+                 one = _mm256_set1_ps(1.0f), sgn = _mm256_set1_ps(-0.0f);
+    for (int b = 0; b < cols / 32; b++) {
+        __m256 v[4], m = _mm256_setzero_ps();
+        int bad = 0;
+        for (int k = 0; k < 4; k++) {
+            v[k] = _mm256_loadu_ps(x + 32 * b + 8 * k);
+            bad |= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_sub_ps(v[k], v[k]), v[k], _CMP_UNORD_Q));
+            m = _mm256_max_ps(m, _mm256_and_ps(v[k], absm));
+        }
+        float amax = tk_hmax_avx2(m);
+        float db = amax / 127.f, id = db != 0.f ? 1.f / db : 0.f;
+        if (bad) { db = NAN; id = 0.f; }
+        d[b] = db;
+        __m256 idv = _mm256_set1_ps(id);
+        __m256i r[4];
+        for (int k = 0; k < 4; k++) {
+            __m256 t0 = _mm256_mul_ps(v[k], idv);
+            __m256 t = _mm256_round_ps(t0, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            __m256 up = _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(t0, t), absm), half, _CMP_GE_OQ);
+            __m256 rr = _mm256_add_ps(t, _mm256_and_ps(up, _mm256_or_ps(one, _mm256_and_ps(t0, sgn))));
+            r[k] = _mm256_cvttps_epi32(rr);
+        }
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+        _mm256_storeu_si256((__m256i *)(q + 32 * b), _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
+}
+
+TARGET_AVX2 static void quantize_q8_k_avx2(const float *x, int cols, int8_t *q, float *d, int16_t *bsums) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int b = 0; b < cols / 256; b++) {
+        const float *xb = x + 256 * b;
+        int8_t *qb = q + 256 * b;
+        __m256 m = _mm256_setzero_ps();
+        int bad = 0;
+        for (int k = 0; k < 32; k++) {
+            __m256 v = _mm256_loadu_ps(xb + 8 * k);
+            bad |= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_sub_ps(v, v), v, _CMP_UNORD_Q));
+            m = _mm256_max_ps(m, _mm256_and_ps(v, absm));
+        }
+        float amax = tk_hmax_avx2(m);
+        if (amax == 0.f || bad) {
+            d[b] = bad ? NAN : 0.f;
+            memset(qb, 0, 256);
+            for (int g = 0; g < 16; g++) bsums[16 * b + g] = 0;
+            continue;
+        }
+        float mx = 0.f; /* the first value of largest magnitude, as the scalar scan keeps it */
+        __m256 av = _mm256_set1_ps(amax);
+        for (int k = 0; k < 32; k++) {
+            int e = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(xb + 8 * k), absm), av, _CMP_EQ_OQ));
+            if (e) { mx = xb[8 * k + __builtin_ctz(e)]; break; }
+        }
+        float iscale = -127.f / mx;
+        const __m256 isv = _mm256_set1_ps(iscale), magic = _mm256_set1_ps(12582912.f);
+        const __m256i mant = _mm256_set1_epi32(0x007fffff), off = _mm256_set1_epi32(0x00400000), top = _mm256_set1_epi32(127);
+        for (int g = 0; g < 8; g++) { /* 32 values: two groups of 16 */
+            __m256i r[4];
+            for (int k = 0; k < 4; k++) {
+                __m256i i = _mm256_castps_si256(_mm256_add_ps(_mm256_mul_ps(isv, _mm256_loadu_ps(xb + 32 * g + 8 * k)), magic));
+                r[k] = _mm256_min_epi32(_mm256_sub_epi32(_mm256_and_si256(i, mant), off), top);
+            }
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+            _mm256_storeu_si256((__m256i *)(qb + 32 * g), _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+            for (int h = 0; h < 2; h++) {
+                __m256i s = _mm256_add_epi32(r[2 * h], r[2 * h + 1]);
+                __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+                t = _mm_hadd_epi32(t, t);
+                t = _mm_hadd_epi32(t, t);
+                bsums[16 * b + 2 * g + h] = (int16_t)_mm_cvtsi128_si32(t);
+            }
+        }
+        d[b] = 1.f / iscale;
+    }
+}
+
 /* Activation rows per tile: 16 (VEX) or 32 (EVEX) vector registers hold the partial sums. */
 #ifndef TK_TILE_256
 #define TK_TILE_256 4
@@ -610,6 +697,9 @@ static int matmul(int qt, int isa, const uint8_t *W, int rows, int cols, const f
         if (isa == ISA_AVX512VNNI) {
             if (qt == 0) quantize_q8_0_avx512(x + (size_t)i * cols, cols, qi, di);
             else quantize_q8_k_avx512(x + (size_t)i * cols, cols, qi, di, bi);
+        } else if (isa == ISA_AVX2 || isa == ISA_AVXVNNI) {
+            if (qt == 0) quantize_q8_0_avx2(x + (size_t)i * cols, cols, qi, di);
+            else quantize_q8_k_avx2(x + (size_t)i * cols, cols, qi, di, bi);
         } else
 #endif
         if (qt == 0) quantize_q8_0(x + (size_t)i * cols, cols, qi, di);
