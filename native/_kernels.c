@@ -678,10 +678,12 @@ static size_t weight_bytes(int qt, int isa, int rows, int cols) {
     return isa_x8(isa) ? x8_size(qt, rows, cols) : (size_t)rows * (cols / QK[qt]) * QBYTES[qt];
 }
 
-/* y[n, rows] = dequant(W)[rows, cols] . quant(x)[n, cols]^T, activation rows quantized first. W is in
- * the path's layout (weight_bytes). Every row of y depends on its own activation row only, and on no
- * thread count. Returns -1 when out of memory. */
-static int matmul(int qt, int isa, const uint8_t *W, int rows, int cols, const float *x, int n, float *y, int nthreads) {
+/* ys[k][n, rows] = dequant(Ws[k])[rows, cols] . quant(x)[n, cols]^T for k < nw (matrices of one
+ * qtype and shape, e.g. an expert's gate and up projections): the activation rows are quantized
+ * once, then each matrix is multiplied. W is in the path's layout (weight_bytes). Every row of y
+ * depends on its own activation row only, and on no thread count. Returns -1 when out of memory. */
+static int matmul_many(int qt, int isa, const uint8_t *const *Ws, int nw, int rows, int cols, const float *x, int n,
+                       float *const *ys, int nthreads) {
     const int nb32 = cols / 32, nbk = cols / 256;
     int8_t *qx = malloc((size_t)n * cols + 1);
     float *dx = malloc(sizeof(float) * ((size_t)n * nb32 + 1));
@@ -718,6 +720,9 @@ static int matmul(int qt, int isa, const uint8_t *W, int rows, int cols, const f
     int fail = 0;
     if (nthreads < 1) nthreads = 1;
     group_fn gfn = pick_group(isa);
+    for (int k = 0; k < nw; k++) {
+    const uint8_t *W = Ws[k];
+    float *y = ys[k];
     if (x8 && gfn) {
         const int ngroups = (rows + 7) / 8;
         const size_t gbytes = (size_t)(cols / QK[qt]) * X8BYTES[qt];
@@ -746,8 +751,13 @@ static int matmul(int qt, int isa, const uint8_t *W, int rows, int cols, const f
                 y[(size_t)i * rows + r] = dot(W + (size_t)r * rb, qx + (size_t)i * cols, dx + (size_t)i * nb32,
                                               bs + (size_t)i * (cols / 16), cols);
     }
+    }
     free(qx); free(dx); free(bs); free(ps);
     return fail ? -1 : 0;
+}
+
+static int matmul(int qt, int isa, const uint8_t *W, int rows, int cols, const float *x, int n, float *y, int nthreads) {
+    return matmul_many(qt, isa, &W, 1, rows, cols, x, n, &y, nthreads);
 }
 
 /* The half -> float table and the best SIMD path of this CPU. */
@@ -858,6 +868,8 @@ static int isa_arg(const char *name) {
     return isa;
 }
 
+#define TK_MANY 8 /* matrices one matmul_xt_many call takes */
+
 static PyObject *py_matmul_xt(PyObject *self, PyObject *args) {
     const char *qtype, *isa_name = NULL;
     Py_buffer wb, xb, yb;
@@ -892,6 +904,58 @@ done:
     PyBuffer_Release(&wb);
     PyBuffer_Release(&xb);
     PyBuffer_Release(&yb);
+    return ret;
+}
+
+static PyObject *py_matmul_xt_many(PyObject *self, PyObject *args) {
+    const char *qtype, *isa_name = NULL;
+    PyObject *wseq, *yseq;
+    Py_buffer xb;
+    int rows, cols, n, nthreads;
+    if (!PyArg_ParseTuple(args, "sOiiy*iOi|z", &qtype, &wseq, &rows, &cols, &xb, &n, &yseq, &nthreads, &isa_name))
+        return NULL;
+    PyObject *ret = NULL;
+    Py_buffer wb[TK_MANY], yb[TK_MANY];
+    int nw = 0, ny = 0;
+    int qt = qtype_index(qtype), isa;
+    if (qt < 0) { PyErr_Format(PyExc_ValueError, "qtype must be q8_0, q4_k or q6_k, got %s", qtype); goto done; }
+    if ((isa = isa_arg(isa_name)) < 0) goto done;
+    if (rows < 0 || n < 0 || cols <= 0 || cols % QK[qt]) {
+        PyErr_Format(PyExc_ValueError, "cols must be a positive multiple of %d for %s, got %d", QK[qt], qtype, cols);
+        goto done;
+    }
+    if (!PyTuple_Check(wseq) || !PyTuple_Check(yseq) || PyTuple_GET_SIZE(wseq) != PyTuple_GET_SIZE(yseq) ||
+        PyTuple_GET_SIZE(wseq) < 1 || PyTuple_GET_SIZE(wseq) > TK_MANY) {
+        PyErr_Format(PyExc_ValueError, "weights and out must be tuples of the same length, 1 to %d", TK_MANY);
+        goto done;
+    }
+    if (xb.len != (Py_ssize_t)n * cols * 4) { PyErr_SetString(PyExc_ValueError, "x does not match n and cols"); goto done; }
+    const uint8_t *W[TK_MANY];
+    float *Y[TK_MANY];
+    for (int k = 0; k < PyTuple_GET_SIZE(wseq); k++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(wseq, k), &wb[k], PyBUF_SIMPLE) < 0) goto done;
+        nw++;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(yseq, k), &yb[k], PyBUF_WRITABLE) < 0) goto done;
+        ny++;
+        if ((size_t)wb[k].len != weight_bytes(qt, isa, rows, cols) || yb[k].len != (Py_ssize_t)n * rows * 4) {
+            PyErr_Format(PyExc_ValueError, "weights %d: %zd bytes (the %s layout of a %dx%d %s matrix has %zu), or out of the wrong size",
+                         k, wb[k].len, isa_x8(isa) ? "x8" : "GGUF", rows, cols, qtype, weight_bytes(qt, isa, rows, cols));
+            goto done;
+        }
+        W[k] = wb[k].buf;
+        Y[k] = yb[k].buf;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = matmul_many(qt, isa, W, nw, rows, cols, xb.buf, n, Y, nthreads);
+    Py_END_ALLOW_THREADS
+    if (rc) { PyErr_NoMemory(); goto done; }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    for (int k = 0; k < nw; k++) PyBuffer_Release(&wb[k]);
+    for (int k = 0; k < ny; k++) PyBuffer_Release(&yb[k]);
+    PyBuffer_Release(&xb);
     return ret;
 }
 
@@ -1064,6 +1128,9 @@ static PyMethodDef methods[] = {
     {"matmul_xt", py_matmul_xt, METH_VARARGS,
      "matmul_xt(qtype, weights, rows, cols, x, n, out, nthreads[, isa]): out f32[n, rows] = x . W^T;\n"
      "weights in the path's layout (layout(isa))."},
+    {"matmul_xt_many", py_matmul_xt_many, METH_VARARGS,
+     "matmul_xt_many(qtype, (weights, ...), rows, cols, x, n, (out, ...), nthreads[, isa]): each out = x . W^T for\n"
+     "matrices of one qtype and shape, x quantized once."},
     {"pack_x8", py_pack_x8, METH_VARARGS,
      "pack_x8(qtype, blocks, rows, cols, out): GGUF rows interleaved in groups of eight (the x86 SIMD paths' layout) into out."},
     {"unpack_x8", py_unpack_x8, METH_VARARGS,

@@ -472,3 +472,23 @@ def test_arena_memory_goes_back_to_the_os():
     after = proc.memory_info().rss
     assert peak - rss0 > 64 << 20  # the slabs were resident (sanity of the measurement)
     assert after < peak - (64 << 20), (rss0, peak, after)
+
+
+@pytest.mark.parametrize("q", ["q8_0", "q4_k", "q6_k"])
+def test_gate_and_up_share_one_activation_quantization_bit_for_bit(q):
+    """``matmul_xt_many`` (the expert's gate and up products, x quantized once) gives each matrix's
+    ``matmul_xt`` bits on every path; mismatched matrices are refused naming why."""
+    rng = np.random.default_rng(31)
+    ws = [_random_blocks(q, 21, 512, rng) for _ in range(3)]
+    x = rng.standard_normal((11, 512), dtype=np.float32)
+    for isa in kernels.supported_isas():
+        many = kernels.matmul_xt_many(x, ws, threads=2, isa=isa)
+        for w, y in zip(ws, many):
+            np.testing.assert_array_equal(y.view(np.uint32), model_matmul(x, w).view(np.uint32), err_msg=isa)
+    other = _random_blocks(q, 13, 512, rng)
+    with pytest.raises(ValueError, match="one qtype and shape"):
+        kernels.matmul_xt_many(x, [ws[0], other])
+    be = CpuBackend()
+    got = be.matmul_xt_many(x, [ws[0], other])  # the backend falls back to one product each
+    for w, y in zip((ws[0], other), got):
+        np.testing.assert_array_equal(y.view(np.uint32), be.matmul_xt(x, w).view(np.uint32))

@@ -305,6 +305,16 @@ class CpuBackend:
             return rowwise.matmul_xt(x, _decode_scratch(w))
         return rowwise.matmul_xt(x, w)  # each row independent of the batch's size (issue 21)
 
+    def matmul_xt_many(self, x: np.ndarray, ws) -> list[np.ndarray]:
+        """``[matmul_xt(x, w) for w in ws]``, bit for bit; quantized matrices of one qtype and shape on the
+        native path share one quantization of ``x`` (an expert's gate and up projections)."""
+        ws = list(ws)
+        if (self.native and len(ws) > 1 and all(isinstance(w, QuantizedMatrix) for w in ws)
+                and len({(w.qtype, w.shape) for w in ws}) == 1
+                and (self.native_batch is None or x.shape[0] <= self.native_batch)):
+            return kernels.matmul_xt_many(x, ws)
+        return [self.matmul_xt(x, w) for w in ws]
+
     def warm(self) -> None:
         """Compile (or load from numba's on-disk cache) every quantized kernel on tiny inputs, so
         the first real batch does not pay the JIT (seconds) inside a router's deadline."""
