@@ -15,7 +15,8 @@ SIMD path, chosen at import from the CPU (cpuid; on aarch64 the auxiliary vector
 ``neondot`` (sdot), ``neon`` or ``portable`` (plain C). Set ``TENZRO_KERNEL_ISA`` to one of
 those to force it; a path the CPU lacks is refused with a log line and the best available one
 is kept. The x86 paths read the ``x8`` layout (``native_weights``: rows interleaved in groups
-of eight, repacked once from the GGUF bytes and kept on the matrix) in tiles of eight weight
+of eight, repacked once from the GGUF bytes and kept on the matrix instead of them, in slabs of the
+``Arena``) in tiles of eight weight
 rows x up to eight activation rows; the others read the GGUF bytes one row at a time. Output
 rows are split over ``threads`` OpenMP threads (groups of eight rows, or single rows).
 
