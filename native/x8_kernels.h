@@ -247,8 +247,17 @@ TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q80_x8)(long 
 #endif
         }
         __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+#if TK_NH == 2
+        /* rows in hadd's order (0 1 4 5 2 3 6 7): the scales permuted once per block, the sums not
+         * per activation row; the store puts the rows back (the same lane-wise float operations) */
+        dv = _mm256_permutevar8x32_ps(dv, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+#endif
         for (int a = 0; a < A; a++) {
+#if TK_NH == 2
+            __m256i s = _mm256_hadd_epi32(si[a][0], si[a][1]);
+#else
             __m256i s = TK_SFX(rows8)(si[a]);
+#endif
 #if TK_VNNI
             s = _mm256_sub_epi32(s, _mm256_set1_epi32(bias[a * bias_ + b]));
 #endif
@@ -258,8 +267,12 @@ TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q80_x8)(long 
     }
     for (int a = 0; a < A; a++) {
         __m256 *c = acc[a];
-        _mm256_storeu_ps(y + a * ys_, _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(c[0], c[1]), _mm256_add_ps(c[2], c[3])),
-                                                    _mm256_add_ps(_mm256_add_ps(c[4], c[5]), _mm256_add_ps(c[6], c[7]))));
+        __m256 r = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(c[0], c[1]), _mm256_add_ps(c[2], c[3])),
+                                 _mm256_add_ps(_mm256_add_ps(c[4], c[5]), _mm256_add_ps(c[6], c[7])));
+#if TK_NH == 2
+        r = _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+#endif
+        _mm256_storeu_ps(y + a * ys_, r);
     }
 }
 
