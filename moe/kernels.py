@@ -102,8 +102,10 @@ def default_threads() -> int:
     """Row threads for one matmul: ``TENZRO_KERNEL_THREADS``, else numba's thread count (which
     follows ``NUMBA_NUM_THREADS``, the agent's core share). Raises ``ValueError`` naming the
     variable when it is not an integer >= 1."""
+    if os.environ.get("TENZRO_KERNEL_THREADS", "").strip():  # numba asked only when unset (per matmul: µs count)
+        return env_int("TENZRO_KERNEL_THREADS", 1, 1)
     import numba
-    return env_int("TENZRO_KERNEL_THREADS", max(1, numba.get_num_threads()), 1)
+    return max(1, numba.get_num_threads())
 
 
 def matmul_xt(x: np.ndarray, w: QuantizedMatrix, threads: int | None = None, isa: str | None = None) -> np.ndarray:
