@@ -48,7 +48,6 @@ for Q8_0) raises instead of writing an infinite scale (ggml's
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -945,32 +944,35 @@ def dequantize_rows(blocks, qtype: str, cols: int | None = None) -> np.ndarray:
 # A quantized weight matrix (shared with the runtime / compute seam)
 
 
-@dataclass(frozen=True, eq=False)
 class QuantizedMatrix:
     """A weight matrix ``[rows, cols]`` (HF ``[out, in]``) stored as GGUF blocks.
 
-    Fields: ``qtype`` (``"q8_0"``, ``"q4_k"`` or ``"q6_k"``; normalised to lower case),
-    ``shape`` (rows, cols) with ``cols`` a multiple of the block size, ``blocks`` uint8
-    ``[rows, row_bytes]`` with ``row_bytes = cols // BLOCK_SIZE * BLOCK_BYTES``: each row
-    quantized on its own, as a GGUF tensor of ggml ``ne = [cols, rows]`` stores it.
+    ``qtype`` (``"q8_0"``, ``"q4_k"`` or ``"q6_k"``; normalised to lower case), ``shape`` (rows,
+    cols) with ``cols`` a multiple of the block size, ``blocks`` uint8 ``[rows, row_bytes]`` with
+    ``row_bytes = cols // BLOCK_SIZE * BLOCK_BYTES``: each row quantized on its own, as a GGUF
+    tensor of ggml ``ne = [cols, rows]`` stores it.
+
+    A compute backend may replace the GGUF bytes in memory by a kernel layout of its own
+    (``adopt_layout``: the CPU's x8 rows, ``moe.kernels.native_weights``) that keeps every bit;
+    ``blocks`` then rebuilds the GGUF bytes from it on each read (a new read-only array, byte
+    for byte the original), so blob writers, exports and decoders see the same bytes, while
+    memory holds one copy (``nbytes``).
 
     Raises ``ValueError`` for an unknown qtype, a non-2-D or empty shape, a row length that
     is not a whole number of blocks, a byte count that does not match the shape, or an fp16
     block scale that is NaN or infinite (ggml ``ggml_validate_row_data`` rejects those).
     """
 
-    qtype: str
-    shape: tuple[int, int]
-    blocks: np.ndarray
+    __slots__ = ("_qtype", "_shape", "_gguf", "_source", "native_layouts", "__weakref__")
 
-    def __post_init__(self):
-        q = normalize_qtype(self.qtype)
-        s = _shape_tuple(self.shape)
+    def __init__(self, qtype: str, shape, blocks):
+        q = normalize_qtype(qtype)
+        s = _shape_tuple(shape)
         if len(s) != 2 or 0 in s:
             raise ValueError(f"a quantized matrix needs a non-empty 2-D shape (rows, cols), got {s}")
         rows, cols = s
         row_bytes = quantized_nbytes(cols, q)
-        b = _as_u8(self.blocks)
+        b = _as_u8(blocks)
         if b.size != rows * row_bytes:
             raise ValueError(f"{q} matrix {rows}x{cols} needs {rows * row_bytes} bytes, got {b.size}")
         b = np.ascontiguousarray(b).reshape(rows, row_bytes)
@@ -981,11 +983,48 @@ class QuantizedMatrix:
             if not np.isfinite(d).all():
                 raise ValueError(f"{q} matrix {rows}x{cols} has a NaN or infinite fp16 block scale "
                                  f"(at byte offset {off} of a block)")
-        object.__setattr__(self, "qtype", q)
-        object.__setattr__(self, "shape", (rows, cols))
-        object.__setattr__(self, "blocks", b)
-        # Kernel layouts repacked from ``blocks`` (moe.kernels.native_weights: name -> uint8 array).
-        object.__setattr__(self, "native_layouts", {})
+        self._qtype, self._shape, self._gguf = q, (rows, cols), b
+        self._source = None  # (layout name, unpack) once the GGUF bytes are dropped
+        # Kernel layouts made from the GGUF bytes (moe.kernels.native_weights: name -> uint8 array).
+        self.native_layouts: dict[str, np.ndarray] = {}
+
+    @property
+    def qtype(self) -> str:
+        """``"q8_0"``, ``"q4_k"`` or ``"q6_k"``."""
+        return self._qtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(rows, cols)."""
+        return self._shape
+
+    @property
+    def blocks(self) -> np.ndarray:
+        """The GGUF bytes, uint8 ``[rows, row_bytes]``: the array held, or (after
+        ``adopt_layout``) a new read-only array rebuilt bit for bit from the kernel layout."""
+        g = self._gguf
+        if g is not None:
+            return g
+        name, unpack = self._source
+        out = unpack(self.native_layouts[name]).reshape(self._shape[0], -1)
+        out.flags.writeable = False
+        return out
+
+    @property
+    def holds_gguf(self) -> bool:
+        """Whether the GGUF bytes themselves are in memory (False once a layout was adopted)."""
+        return self._gguf is not None
+
+    def adopt_layout(self, name: str, array: np.ndarray, unpack) -> np.ndarray:
+        """Keep ``array`` (uint8, kernel layout ``name`` made from ``blocks``) and drop the GGUF
+        bytes: ``unpack(array)`` must give them back byte for byte (uint8, ``rows * row_bytes``).
+        A layout already adopted under ``name`` wins (two threads packing at once): that one
+        is returned, else ``array``."""
+        have = self.native_layouts.setdefault(name, array)
+        if self._source is None:
+            self._source = (name, unpack)
+            self._gguf = None
+        return have
 
     @classmethod
     def from_dense(cls, x: np.ndarray, qtype: str) -> QuantizedMatrix:
@@ -1010,9 +1049,19 @@ class QuantizedMatrix:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the GGUF blocks plus every kernel layout repacked from them
-        (``native_layouts``), so the memory tier counts what a CPU host really keeps."""
-        return int(self.blocks.nbytes) + sum(int(a.nbytes) for a in self.native_layouts.values())
+        """Bytes held in memory: the GGUF blocks while they are kept, plus every kernel layout
+        (``native_layouts``), so the memory tier counts what a host really keeps."""
+        g = self._gguf
+        return (int(g.nbytes) if g is not None else 0) + sum(int(a.nbytes) for a in self.native_layouts.values())
+
+    @property
+    def gguf_nbytes(self) -> int:
+        """Bytes of the GGUF blocks (the blob's tensor), held or not."""
+        return self._shape[0] * quantized_nbytes(self._shape[1], self._qtype)
+
+    def __repr__(self) -> str:
+        return (f"QuantizedMatrix({self._qtype!r}, {self._shape}, "
+                f"layouts={sorted(self.native_layouts) or ['gguf']})")
 
     @property
     def ndim(self) -> int:

@@ -3,8 +3,8 @@ execution, metering and the holdings a holder declares (reference §4.3–4.5, �
 
 - Memory tier (Warm): decoded ``ExpertWeights`` in least-recently-used order. The budget
   (bytes) counts every resident expert as admitted (the backend's ``prepare`` first makes its host
-  copies, the CPU's repacked kernel layout, so ``ExpertWeights.nbytes`` includes them: f32 elements × 4 or
-  quantized block bytes) *and* every loaded gate (reference gap 28: gates were free).
+  copies: the CPU's repacked kernel layout, which then replaces the GGUF bytes in memory; so
+  ``ExpertWeights.nbytes`` is what is held: f32 elements × 4, quantized block bytes or their repacked copy) *and* every loaded gate (reference gap 28: gates were free).
   Gates are never evicted. After each admission or promotion the least recently used
   experts leave memory until the total fits; the last resident expert always stays, so
   an expert larger than the whole budget is still served (counted in

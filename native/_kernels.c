@@ -286,6 +286,44 @@ static void pack_x8(int qt, const uint8_t *src, int rows, int cols, uint8_t *dst
         }
 }
 
+/* The inverse of pack_x8: the GGUF rows back from the x8 layout, byte for byte (the layout keeps
+ * every bit of a block: Q4_K's twelve scale bytes are exactly its eight 6-bit scales and mins). */
+static void unpack_x8(int qt, const uint8_t *src, int rows, int cols, uint8_t *dst) {
+    const int nb = cols / QK[qt];
+    const size_t rb = (size_t)nb * QBYTES[qt];
+    for (int g = 0; g < (rows + 7) / 8; g++)
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *o = src + ((size_t)g * nb + b) * X8BYTES[qt];
+            for (int r = 0; r < 8 && 8 * g + r < rows; r++) {
+                uint8_t *s = dst + (size_t)(8 * g + r) * rb + (size_t)b * QBYTES[qt];
+                if (qt == 0) {
+                    memcpy(s, o + 2 * r, 2);
+                    for (int c = 0; c < 4; c++) memcpy(s + 2 + 8 * c, o + 16 + 64 * c + 8 * r, 8);
+                } else if (qt == 1) {
+                    memcpy(s, o + 2 * r, 2);
+                    memcpy(s + 2, o + 16 + 2 * r, 2);
+                    uint8_t *sc12 = s + 4;
+                    for (int j = 0; j < 4; j++) {
+                        int sc = o[32 + 8 * j + r], mn = o[96 + 8 * j + r], sc4 = o[32 + 8 * (j + 4) + r], mn4 = o[96 + 8 * (j + 4) + r];
+                        sc12[j] = (uint8_t)(sc | ((sc4 >> 4) << 6));
+                        sc12[j + 4] = (uint8_t)(mn | ((mn4 >> 4) << 6));
+                        sc12[j + 8] = (uint8_t)((sc4 & 0x0F) | ((mn4 & 0x0F) << 4));
+                    }
+                    for (int c = 0; c < 16; c++) memcpy(s + 16 + 8 * c, o + 160 + 64 * c + 8 * r, 8);
+                } else {
+                    memcpy(s + 208, o + 2 * r, 2);
+                    for (int k = 0; k < 16; k++) s[192 + k] = o[16 + 8 * k + r];
+                    for (int h = 0; h < 2; h++)
+                        for (int c = 0; c < 2; c++)
+                            for (int m = 0; m < 4; m++)
+                                memcpy(s + 64 * h + 32 * c + 8 * m, o + 144 + ((h * 2 + c) * 4 + m) * 64 + 8 * r, 8);
+                    for (int h = 0; h < 2; h++)
+                        for (int m = 0; m < 4; m++) memcpy(s + 128 + 32 * h + 8 * m, o + 1168 + (h * 4 + m) * 64 + 8 * r, 8);
+                }
+            }
+        }
+}
+
 static inline int64_t ld64(const void *p) { int64_t v; memcpy(&v, p, 8); return v; }
 static inline int32_t ld32(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
@@ -362,6 +400,93 @@ TARGET_VNNI static void quantize_q8_k_avx512(const float *x, int cols, int8_t *q
     }
 }
 
+
+/* quantize_q8_0 and quantize_q8_k in 256-bit registers for the AVX2 and AVX-VNNI paths: the same
+ * float operations per value as the scalar code (and the 512-bit code above), so the same bytes,
+ * scales and group sums. Non-finite: x - x is NaN exactly for NaN and infinity. */
+TARGET_AVX2 static inline float tk_hmax_avx2(__m256 m) {
+    __m128 v = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    v = _mm_max_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_max_ss(v, _mm_shuffle_ps(v, v, 1));
+    return _mm_cvtss_f32(v);
+}
+
+TARGET_AVX2 static void quantize_q8_0_avx2(const float *x, int cols, int8_t *q, float *d) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), half = _mm256_set1_ps(0.5f),
+                 one = _mm256_set1_ps(1.0f), sgn = _mm256_set1_ps(-0.0f);
+    for (int b = 0; b < cols / 32; b++) {
+        __m256 v[4], m = _mm256_setzero_ps();
+        int bad = 0;
+        for (int k = 0; k < 4; k++) {
+            v[k] = _mm256_loadu_ps(x + 32 * b + 8 * k);
+            bad |= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_sub_ps(v[k], v[k]), v[k], _CMP_UNORD_Q));
+            m = _mm256_max_ps(m, _mm256_and_ps(v[k], absm));
+        }
+        float amax = tk_hmax_avx2(m);
+        float db = amax / 127.f, id = db != 0.f ? 1.f / db : 0.f;
+        if (bad) { db = NAN; id = 0.f; }
+        d[b] = db;
+        __m256 idv = _mm256_set1_ps(id);
+        __m256i r[4];
+        for (int k = 0; k < 4; k++) {
+            __m256 t0 = _mm256_mul_ps(v[k], idv);
+            __m256 t = _mm256_round_ps(t0, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            __m256 up = _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(t0, t), absm), half, _CMP_GE_OQ);
+            __m256 rr = _mm256_add_ps(t, _mm256_and_ps(up, _mm256_or_ps(one, _mm256_and_ps(t0, sgn))));
+            r[k] = _mm256_cvttps_epi32(rr);
+        }
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+        _mm256_storeu_si256((__m256i *)(q + 32 * b), _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
+}
+
+TARGET_AVX2 static void quantize_q8_k_avx2(const float *x, int cols, int8_t *q, float *d, int16_t *bsums) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int b = 0; b < cols / 256; b++) {
+        const float *xb = x + 256 * b;
+        int8_t *qb = q + 256 * b;
+        __m256 m = _mm256_setzero_ps();
+        int bad = 0;
+        for (int k = 0; k < 32; k++) {
+            __m256 v = _mm256_loadu_ps(xb + 8 * k);
+            bad |= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_sub_ps(v, v), v, _CMP_UNORD_Q));
+            m = _mm256_max_ps(m, _mm256_and_ps(v, absm));
+        }
+        float amax = tk_hmax_avx2(m);
+        if (amax == 0.f || bad) {
+            d[b] = bad ? NAN : 0.f;
+            memset(qb, 0, 256);
+            for (int g = 0; g < 16; g++) bsums[16 * b + g] = 0;
+            continue;
+        }
+        float mx = 0.f; /* the first value of largest magnitude, as the scalar scan keeps it */
+        __m256 av = _mm256_set1_ps(amax);
+        for (int k = 0; k < 32; k++) {
+            int e = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(xb + 8 * k), absm), av, _CMP_EQ_OQ));
+            if (e) { mx = xb[8 * k + __builtin_ctz(e)]; break; }
+        }
+        float iscale = -127.f / mx;
+        const __m256 isv = _mm256_set1_ps(iscale), magic = _mm256_set1_ps(12582912.f);
+        const __m256i mant = _mm256_set1_epi32(0x007fffff), off = _mm256_set1_epi32(0x00400000), top = _mm256_set1_epi32(127);
+        for (int g = 0; g < 8; g++) { /* 32 values: two groups of 16 */
+            __m256i r[4];
+            for (int k = 0; k < 4; k++) {
+                __m256i i = _mm256_castps_si256(_mm256_add_ps(_mm256_mul_ps(isv, _mm256_loadu_ps(xb + 32 * g + 8 * k)), magic));
+                r[k] = _mm256_min_epi32(_mm256_sub_epi32(_mm256_and_si256(i, mant), off), top);
+            }
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+            _mm256_storeu_si256((__m256i *)(qb + 32 * g), _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+            for (int h = 0; h < 2; h++) {
+                __m256i s = _mm256_add_epi32(r[2 * h], r[2 * h + 1]);
+                __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+                t = _mm_hadd_epi32(t, t);
+                t = _mm_hadd_epi32(t, t);
+                bsums[16 * b + 2 * g + h] = (int16_t)_mm_cvtsi128_si32(t);
+            }
+        }
+        d[b] = 1.f / iscale;
+    }
+}
 
 /* Activation rows per tile: 16 (VEX) or 32 (EVEX) vector registers hold the partial sums. */
 #ifndef TK_TILE_256
@@ -553,10 +678,12 @@ static size_t weight_bytes(int qt, int isa, int rows, int cols) {
     return isa_x8(isa) ? x8_size(qt, rows, cols) : (size_t)rows * (cols / QK[qt]) * QBYTES[qt];
 }
 
-/* y[n, rows] = dequant(W)[rows, cols] . quant(x)[n, cols]^T, activation rows quantized first. W is in
- * the path's layout (weight_bytes). Every row of y depends on its own activation row only, and on no
- * thread count. Returns -1 when out of memory. */
-static int matmul(int qt, int isa, const uint8_t *W, int rows, int cols, const float *x, int n, float *y, int nthreads) {
+/* ys[k][n, rows] = dequant(Ws[k])[rows, cols] . quant(x)[n, cols]^T for k < nw (matrices of one
+ * qtype and shape, e.g. an expert's gate and up projections): the activation rows are quantized
+ * once, then each matrix is multiplied. W is in the path's layout (weight_bytes). Every row of y
+ * depends on its own activation row only, and on no thread count. Returns -1 when out of memory. */
+static int matmul_many(int qt, int isa, const uint8_t *const *Ws, int nw, int rows, int cols, const float *x, int n,
+                       float *const *ys, int nthreads) {
     const int nb32 = cols / 32, nbk = cols / 256;
     int8_t *qx = malloc((size_t)n * cols + 1);
     float *dx = malloc(sizeof(float) * ((size_t)n * nb32 + 1));
@@ -572,6 +699,9 @@ static int matmul(int qt, int isa, const uint8_t *W, int rows, int cols, const f
         if (isa == ISA_AVX512VNNI) {
             if (qt == 0) quantize_q8_0_avx512(x + (size_t)i * cols, cols, qi, di);
             else quantize_q8_k_avx512(x + (size_t)i * cols, cols, qi, di, bi);
+        } else if (isa == ISA_AVX2 || isa == ISA_AVXVNNI) {
+            if (qt == 0) quantize_q8_0_avx2(x + (size_t)i * cols, cols, qi, di);
+            else quantize_q8_k_avx2(x + (size_t)i * cols, cols, qi, di, bi);
         } else
 #endif
         if (qt == 0) quantize_q8_0(x + (size_t)i * cols, cols, qi, di);
@@ -590,6 +720,9 @@ static int matmul(int qt, int isa, const uint8_t *W, int rows, int cols, const f
     int fail = 0;
     if (nthreads < 1) nthreads = 1;
     group_fn gfn = pick_group(isa);
+    for (int k = 0; k < nw; k++) {
+    const uint8_t *W = Ws[k];
+    float *y = ys[k];
     if (x8 && gfn) {
         const int ngroups = (rows + 7) / 8;
         const size_t gbytes = (size_t)(cols / QK[qt]) * X8BYTES[qt];
@@ -618,8 +751,13 @@ static int matmul(int qt, int isa, const uint8_t *W, int rows, int cols, const f
                 y[(size_t)i * rows + r] = dot(W + (size_t)r * rb, qx + (size_t)i * cols, dx + (size_t)i * nb32,
                                               bs + (size_t)i * (cols / 16), cols);
     }
+    }
     free(qx); free(dx); free(bs); free(ps);
     return fail ? -1 : 0;
+}
+
+static int matmul(int qt, int isa, const uint8_t *W, int rows, int cols, const float *x, int n, float *y, int nthreads) {
+    return matmul_many(qt, isa, &W, 1, rows, cols, x, n, &y, nthreads);
 }
 
 /* The half -> float table and the best SIMD path of this CPU. */
@@ -730,6 +868,8 @@ static int isa_arg(const char *name) {
     return isa;
 }
 
+#define TK_MANY 8 /* matrices one matmul_xt_many call takes */
+
 static PyObject *py_matmul_xt(PyObject *self, PyObject *args) {
     const char *qtype, *isa_name = NULL;
     Py_buffer wb, xb, yb;
@@ -767,6 +907,58 @@ done:
     return ret;
 }
 
+static PyObject *py_matmul_xt_many(PyObject *self, PyObject *args) {
+    const char *qtype, *isa_name = NULL;
+    PyObject *wseq, *yseq;
+    Py_buffer xb;
+    int rows, cols, n, nthreads;
+    if (!PyArg_ParseTuple(args, "sOiiy*iOi|z", &qtype, &wseq, &rows, &cols, &xb, &n, &yseq, &nthreads, &isa_name))
+        return NULL;
+    PyObject *ret = NULL;
+    Py_buffer wb[TK_MANY], yb[TK_MANY];
+    int nw = 0, ny = 0;
+    int qt = qtype_index(qtype), isa;
+    if (qt < 0) { PyErr_Format(PyExc_ValueError, "qtype must be q8_0, q4_k or q6_k, got %s", qtype); goto done; }
+    if ((isa = isa_arg(isa_name)) < 0) goto done;
+    if (rows < 0 || n < 0 || cols <= 0 || cols % QK[qt]) {
+        PyErr_Format(PyExc_ValueError, "cols must be a positive multiple of %d for %s, got %d", QK[qt], qtype, cols);
+        goto done;
+    }
+    if (!PyTuple_Check(wseq) || !PyTuple_Check(yseq) || PyTuple_GET_SIZE(wseq) != PyTuple_GET_SIZE(yseq) ||
+        PyTuple_GET_SIZE(wseq) < 1 || PyTuple_GET_SIZE(wseq) > TK_MANY) {
+        PyErr_Format(PyExc_ValueError, "weights and out must be tuples of the same length, 1 to %d", TK_MANY);
+        goto done;
+    }
+    if (xb.len != (Py_ssize_t)n * cols * 4) { PyErr_SetString(PyExc_ValueError, "x does not match n and cols"); goto done; }
+    const uint8_t *W[TK_MANY];
+    float *Y[TK_MANY];
+    for (int k = 0; k < PyTuple_GET_SIZE(wseq); k++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(wseq, k), &wb[k], PyBUF_SIMPLE) < 0) goto done;
+        nw++;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(yseq, k), &yb[k], PyBUF_WRITABLE) < 0) goto done;
+        ny++;
+        if ((size_t)wb[k].len != weight_bytes(qt, isa, rows, cols) || yb[k].len != (Py_ssize_t)n * rows * 4) {
+            PyErr_Format(PyExc_ValueError, "weights %d: %zd bytes (the %s layout of a %dx%d %s matrix has %zu), or out of the wrong size",
+                         k, wb[k].len, isa_x8(isa) ? "x8" : "GGUF", rows, cols, qtype, weight_bytes(qt, isa, rows, cols));
+            goto done;
+        }
+        W[k] = wb[k].buf;
+        Y[k] = yb[k].buf;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = matmul_many(qt, isa, W, nw, rows, cols, xb.buf, n, Y, nthreads);
+    Py_END_ALLOW_THREADS
+    if (rc) { PyErr_NoMemory(); goto done; }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    for (int k = 0; k < nw; k++) PyBuffer_Release(&wb[k]);
+    for (int k = 0; k < ny; k++) PyBuffer_Release(&yb[k]);
+    PyBuffer_Release(&xb);
+    return ret;
+}
+
 static PyObject *py_pack_x8(PyObject *self, PyObject *args) {
     const char *qtype;
     Py_buffer wb, ob;
@@ -791,6 +983,34 @@ static PyObject *py_pack_x8(PyObject *self, PyObject *args) {
     Py_INCREF(ret);
 done:
     PyBuffer_Release(&wb);
+    PyBuffer_Release(&ob);
+    return ret;
+}
+
+static PyObject *py_unpack_x8(PyObject *self, PyObject *args) {
+    const char *qtype;
+    Py_buffer ib, ob;
+    int rows, cols;
+    if (!PyArg_ParseTuple(args, "sy*iiw*", &qtype, &ib, &rows, &cols, &ob)) return NULL;
+    PyObject *ret = NULL;
+    int qt = qtype_index(qtype);
+    if (qt < 0) { PyErr_Format(PyExc_ValueError, "qtype must be q8_0, q4_k or q6_k, got %s", qtype); goto done; }
+    if (rows < 0 || cols <= 0 || cols % QK[qt] || (size_t)ib.len != x8_size(qt, rows, cols)) {
+        PyErr_Format(PyExc_ValueError, "packed: %zd bytes is not the x8 layout of a %dx%d %s matrix", ib.len, rows, cols, qtype);
+        goto done;
+    }
+    if (ob.len != (Py_ssize_t)rows * (cols / QK[qt]) * QBYTES[qt]) {
+        PyErr_Format(PyExc_ValueError, "out: %zd bytes, the GGUF rows of a %dx%d %s matrix have %zd", ob.len, rows, cols, qtype,
+                     (Py_ssize_t)rows * (cols / QK[qt]) * QBYTES[qt]);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    unpack_x8(qt, ib.buf, rows, cols, (uint8_t *)ob.buf);
+    Py_END_ALLOW_THREADS
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    PyBuffer_Release(&ib);
     PyBuffer_Release(&ob);
     return ret;
 }
@@ -908,8 +1128,13 @@ static PyMethodDef methods[] = {
     {"matmul_xt", py_matmul_xt, METH_VARARGS,
      "matmul_xt(qtype, weights, rows, cols, x, n, out, nthreads[, isa]): out f32[n, rows] = x . W^T;\n"
      "weights in the path's layout (layout(isa))."},
+    {"matmul_xt_many", py_matmul_xt_many, METH_VARARGS,
+     "matmul_xt_many(qtype, (weights, ...), rows, cols, x, n, (out, ...), nthreads[, isa]): each out = x . W^T for\n"
+     "matrices of one qtype and shape, x quantized once."},
     {"pack_x8", py_pack_x8, METH_VARARGS,
      "pack_x8(qtype, blocks, rows, cols, out): GGUF rows interleaved in groups of eight (the x86 SIMD paths' layout) into out."},
+    {"unpack_x8", py_unpack_x8, METH_VARARGS,
+     "unpack_x8(qtype, packed, rows, cols, out): the GGUF rows back from the x8 layout (pack_x8's inverse, byte for byte) into out."},
     {"x8_nbytes", py_x8_nbytes, METH_VARARGS, "x8_nbytes(qtype, rows, cols) -> bytes of the x8 layout."},
     {"layout", py_layout, METH_VARARGS, "layout([isa]) -> 'x8' or 'gguf': the weight layout a SIMD path reads."},
     {"isa", py_isa, METH_NOARGS, "The SIMD path in use: portable, avx2, avxvnni, avx512vnni, neon or neondot."},

@@ -104,26 +104,25 @@ TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q4k_x8)(long 
     for (int b = 0; b < nsb; b++) {
         const uint8_t *blk = w + (size_t)b * X8_Q4K, *sc = blk + 32, *mn = blk + 96, *qs = blk + 160;
         tk_prefetch(blk, pf, X8_Q4K);
+        /* Row half h outermost, then the low and the high nibbles of a 64-value pair of
+         * sub-blocks in turn: few live registers (16 on the VEX paths). */
         TK_V sumi[TK_TILE][TK_NH];
-        for (int a = 0; a < A; a++)
-            for (int h = 0; h < TK_NH; h++) sumi[a][h] = TK_ZERO();
-        for (int p = 0; p < 4; p++) {
-            __m256i Dlo = TK_SFX(pairs_u8)(sc + 16 * p), Dhi = TK_SFX(pairs_u8)(sc + 16 * p + 8);
-            for (int h = 0; h < TK_NH; h++) {
-                TK_V slo = TK_SFX(dup_rows)(Dlo, h), shi = TK_SFX(dup_rows)(Dhi, h);
-                TK_V s16lo[TK_TILE], s16hi[TK_TILE];
-                for (int m = 0; m < 4; m++) {
-                    TK_V q = TK_VLOAD(qs + (4 * p + m) * 64 + 32 * h);
-                    TK_V lo = TK_AND(q, m4), hi = TK_AND(TK_SRLI16(q, 4), m4);
-                    for (int a = 0; a < A; a++) {
-                        const int8_t *x = qx + a * qs_ + 256 * b + 64 * p + 8 * m;
-                        TK_V pl = TK_MADDUBS(lo, TK_BCAST8(x)), ph = TK_MADDUBS(hi, TK_BCAST8(x + 32));
-                        s16lo[a] = m ? TK_ADD16(s16lo[a], pl) : pl;
-                        s16hi[a] = m ? TK_ADD16(s16hi[a], ph) : ph;
+        for (int h = 0; h < TK_NH; h++) {
+            for (int a = 0; a < A; a++) sumi[a][h] = TK_ZERO();
+            for (int p = 0; p < 4; p++)
+                for (int hi = 0; hi < 2; hi++) {
+                    TK_V S = TK_SFX(dup_rows)(TK_SFX(pairs_u8)(sc + 16 * p + 8 * hi), h);
+                    TK_V s16[TK_TILE];
+                    for (int m = 0; m < 4; m++) {
+                        TK_V q = TK_VLOAD(qs + (4 * p + m) * 64 + 32 * h);
+                        TK_V nib = hi ? TK_AND(TK_SRLI16(q, 4), m4) : TK_AND(q, m4);
+                        for (int a = 0; a < A; a++) {
+                            TK_V pk = TK_MADDUBS(nib, TK_BCAST8(qx + a * qs_ + 256 * b + 64 * p + 32 * hi + 8 * m));
+                            s16[a] = m ? TK_ADD16(s16[a], pk) : pk;
+                        }
                     }
+                    for (int a = 0; a < A; a++) sumi[a][h] = TK_MADDACC(sumi[a][h], s16[a], S);
                 }
-                for (int a = 0; a < A; a++) sumi[a][h] = TK_MADDACC(TK_MADDACC(sumi[a][h], s16lo[a], slo), s16hi[a], shi);
-            }
         }
         __m256i mnv[4];
         for (int k = 0; k < 4; k++) mnv[k] = TK_SFX(pairs2)(mn + 16 * k, mn + 16 * k + 8, 1);
@@ -154,39 +153,30 @@ TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q6k_x8)(long 
     for (int b = 0; b < nsb; b++) {
         const uint8_t *blk = w + (size_t)b * X8_Q6K, *sc = blk + 16, *ql = blk + 144, *qhb = blk + 1168;
         tk_prefetch(blk, pf, X8_Q6K);
+        /* Row half h outermost, then one quant part k of two chunks at a time: few live registers
+         * (16 on the VEX paths), each part's int16 pair sums scaled at once. */
         TK_V sumi[TK_TILE][TK_NH];
-        for (int a = 0; a < A; a++)
-            for (int h = 0; h < TK_NH; h++) sumi[a][h] = TK_ZERO();
-        for (int hf = 0; hf < 2; hf++) {
-            for (int g2 = 0; g2 < 2; g2++) {
-                __m256i D[4];
-                for (int k = 0; k < 4; k++) D[k] = TK_SFX(pairs_s8)(sc + 8 * (8 * hf + 2 * k + g2));
-                for (int h = 0; h < TK_NH; h++) {
-                    TK_V s16[TK_TILE][4];
-                    for (int mi = 0; mi < 2; mi++) {
-                        int m = 2 * g2 + mi;
-                        TK_V l0 = TK_VLOAD(ql + ((hf * 2) * 4 + m) * 64 + 32 * h);
-                        TK_V l1 = TK_VLOAD(ql + ((hf * 2 + 1) * 4 + m) * 64 + 32 * h);
-                        TK_V hb = TK_VLOAD(qhb + (hf * 4 + m) * 64 + 32 * h);
-                        TK_V q[4];
-                        q[0] = TK_OR(TK_AND(l0, m4), TK_AND(TK_SLLI16(hb, 4), m30));
-                        q[1] = TK_OR(TK_AND(l1, m4), TK_AND(TK_SLLI16(hb, 2), m30));
-                        q[2] = TK_OR(TK_AND(TK_SRLI16(l0, 4), m4), TK_AND(hb, m30));
-                        q[3] = TK_OR(TK_AND(TK_SRLI16(l1, 4), m4), TK_AND(TK_SRLI16(hb, 2), m30));
+        for (int h = 0; h < TK_NH; h++) {
+            for (int a = 0; a < A; a++) sumi[a][h] = TK_ZERO();
+            for (int hf = 0; hf < 2; hf++)
+                for (int g2 = 0; g2 < 2; g2++)
+                    for (int k = 0; k < 4; k++) {
+                        TK_V S = TK_SFX(dup_rows)(TK_SFX(pairs_s8)(sc + 8 * (8 * hf + 2 * k + g2)), h);
+                        TK_V q[2];
+                        for (int mi = 0; mi < 2; mi++) {
+                            int m = 2 * g2 + mi;
+                            TK_V l = TK_VLOAD(ql + ((hf * 2 + (k & 1)) * 4 + m) * 64 + 32 * h);
+                            TK_V hb = TK_VLOAD(qhb + (hf * 4 + m) * 64 + 32 * h);
+                            TK_V lo = k < 2 ? TK_AND(l, m4) : TK_AND(TK_SRLI16(l, 4), m4);
+                            TK_V hi = k == 0 ? TK_SLLI16(hb, 4) : k == 1 ? TK_SLLI16(hb, 2) : k == 2 ? hb : TK_SRLI16(hb, 2);
+                            q[mi] = TK_OR(lo, TK_AND(hi, m30));
+                        }
                         for (int a = 0; a < A; a++) {
-                            const int8_t *x = qx + a * qs_ + 256 * b + 128 * hf + 8 * m;
-                            for (int k = 0; k < 4; k++) {
-                                TK_V pk = TK_MADDUBS(q[k], TK_BCAST8(x + 32 * k));
-                                s16[a][k] = mi ? TK_ADD16(s16[a][k], pk) : pk;
-                            }
+                            const int8_t *x = qx + a * qs_ + 256 * b + 128 * hf + 16 * g2 + 32 * k;
+                            TK_V s16 = TK_ADD16(TK_MADDUBS(q[0], TK_BCAST8(x)), TK_MADDUBS(q[1], TK_BCAST8(x + 8)));
+                            sumi[a][h] = TK_MADDACC(sumi[a][h], s16, S);
                         }
                     }
-                    for (int k = 0; k < 4; k++) {
-                        TK_V S = TK_SFX(dup_rows)(D[k], h);
-                        for (int a = 0; a < A; a++) sumi[a][h] = TK_MADDACC(sumi[a][h], s16[a][k], S);
-                    }
-                }
-            }
         }
         __m256i scv[8];
         for (int k = 0; k < 8; k++) scv[k] = TK_SFX(pairs2)(sc + 16 * k, sc + 16 * k + 8, 0);
@@ -257,8 +247,17 @@ TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q80_x8)(long 
 #endif
         }
         __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+#if TK_NH == 2
+        /* rows in hadd's order (0 1 4 5 2 3 6 7): the scales permuted once per block, the sums not
+         * per activation row; the store puts the rows back (the same lane-wise float operations) */
+        dv = _mm256_permutevar8x32_ps(dv, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+#endif
         for (int a = 0; a < A; a++) {
+#if TK_NH == 2
+            __m256i s = _mm256_hadd_epi32(si[a][0], si[a][1]);
+#else
             __m256i s = TK_SFX(rows8)(si[a]);
+#endif
 #if TK_VNNI
             s = _mm256_sub_epi32(s, _mm256_set1_epi32(bias[a * bias_ + b]));
 #endif
@@ -268,8 +267,12 @@ TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q80_x8)(long 
     }
     for (int a = 0; a < A; a++) {
         __m256 *c = acc[a];
-        _mm256_storeu_ps(y + a * ys_, _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(c[0], c[1]), _mm256_add_ps(c[2], c[3])),
-                                                    _mm256_add_ps(_mm256_add_ps(c[4], c[5]), _mm256_add_ps(c[6], c[7]))));
+        __m256 r = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(c[0], c[1]), _mm256_add_ps(c[2], c[3])),
+                                 _mm256_add_ps(_mm256_add_ps(c[4], c[5]), _mm256_add_ps(c[6], c[7])));
+#if TK_NH == 2
+        r = _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+#endif
+        _mm256_storeu_ps(y + a * ys_, r);
     }
 }
 

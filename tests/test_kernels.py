@@ -291,39 +291,204 @@ def test_x8_tiles_and_partial_row_groups_are_bit_identical_and_batch_invariant(q
 
 
 @pytest.mark.parametrize("q", ["q8_0", "q4_k", "q6_k"])
-def test_repacked_layout_is_made_once_and_counted_in_nbytes(q):
+def test_repacked_layout_replaces_the_gguf_bytes_bit_for_bit(q):
+    """Once repacked, a matrix holds only its x8 copy (``nbytes`` is its size); ``blocks`` gives the
+    GGUF bytes back byte for byte (read-only, rebuilt each read), and every path's output is the
+    model's on the original bytes, before and after."""
     m = _random_blocks(q, 13, 512, np.random.default_rng(4))
-    gguf = m.blocks.nbytes
-    assert m.nbytes == gguf and m.native_layouts == {}
+    orig = m.blocks.copy()
+    x = np.random.default_rng(5).standard_normal((3, 512), dtype=np.float32)
+    ref = model_matmul(x, QuantizedMatrix(q, (13, 512), orig))
+    assert m.nbytes == orig.nbytes == m.gguf_nbytes and m.native_layouts == {} and m.holds_gguf
     for isa in kernels.supported_isas():
         w = kernels.native_weights(m, isa)
         if kernels.layout(isa) == "gguf":
-            assert w is m.blocks
+            np.testing.assert_array_equal(w, orig)
         else:
             per, size = X8_BLOCK[q]
             assert w.nbytes == 2 * (512 // per) * size  # two groups of eight rows, the second padded
             assert kernels.native_weights(m, isa) is w  # made once
-            assert m.nbytes == gguf + w.nbytes
+            assert m.nbytes == w.nbytes and not m.holds_gguf  # the GGUF bytes are gone from memory
+            assert m.gguf_nbytes == orig.nbytes
+        y = kernels.matmul_xt(x, m, threads=1, isa=isa)
+        np.testing.assert_array_equal(y.view(np.uint32), ref.view(np.uint32), err_msg=isa)
+    np.testing.assert_array_equal(m.blocks, orig)
+    assert not m.holds_gguf or not any(kernels.layout(i) == "x8" for i in kernels.supported_isas())
+    if not m.holds_gguf:
+        assert not m.blocks.flags.writeable and m.blocks is not m.blocks  # rebuilt on each read
+        np.testing.assert_array_equal(m.dequantize().view(np.uint32),
+                                      QuantizedMatrix(q, (13, 512), orig).dequantize().view(np.uint32))
     with pytest.raises(ValueError, match="x8 layout"):  # the GGUF bytes handed to an x8 path
         x8 = [i for i in kernels.supported_isas() if kernels.layout(i) == "x8"]
         if not x8:
             raise ValueError("x8 layout (no x86 SIMD path on this CPU)")
         import tenzro_kernels
-        tenzro_kernels.matmul_xt(q, m.blocks, 13, 512, np.zeros((1, 512), np.float32), 1,
+        tenzro_kernels.matmul_xt(q, orig, 13, 512, np.zeros((1, 512), np.float32), 1,
                                  np.zeros((1, 13), np.float32), 1, x8[0])
 
 
-def test_runtime_counts_the_repacked_layout_at_admission(tmp_path):
+@pytest.mark.parametrize("q", ["q8_0", "q4_k", "q6_k"])
+def test_unpack_x8_inverts_pack_x8_on_golden_and_random_bytes(q):
+    """pack_x8 keeps every bit (Q4_K's twelve scale bytes are exactly its 6-bit scales and mins):
+    unpacking gives the GGUF bytes back, for ggml's golden blocks and random bytes, whole and
+    partial row groups."""
+    import tenzro_kernels
+    key = {"q8_0": "q8_0", "q4_k": "q4_K", "q6_k": "q6_K"}[q]
+    z = np.load(GOLDEN)
+    mats = [QuantizedMatrix(q, (8, 2048), z[f"{c}__{key}"]) for c in ("normal", "heavy", "edge", "bf16")]
+    mats += [_random_blocks(q, r, 512, np.random.default_rng(r)) for r in (1, 7, 13, 24)]
+    for m in mats:
+        rows, cols = m.shape
+        packed = np.empty(tenzro_kernels.x8_nbytes(q, rows, cols), np.uint8)
+        tenzro_kernels.pack_x8(q, m.blocks, rows, cols, packed)
+        np.testing.assert_array_equal(kernels.unpack_x8(q, rows, cols, packed), m.blocks.reshape(-1))
+    with pytest.raises(ValueError, match="x8 layout"):
+        kernels.unpack_x8(q, 8, 512, np.zeros(10, np.uint8))
+
+
+def test_runtime_holds_only_the_repacked_layout_and_outputs_do_not_change(tmp_path):
+    """A CPU holder keeps one copy of a quantized expert: the memory tier counts the x8 layout alone
+    (x86 paths), the expert's outputs are bit-identical to those of the blob's own GGUF bytes,
+    and its blob bytes (hence its content hash) rebuild exactly from what is held."""
+    from moe.blobs import blob_hash
     from moe.ffn import ExpertWeights
     from moe.runtime import ExpertRuntime
     rng = np.random.default_rng(8)
     e = ExpertWeights(*(QuantizedMatrix.from_dense(rng.standard_normal(s, dtype=np.float32), k)
-                        for k, s in (("q4_k", (256, 256)), ("q4_k", (256, 256)), ("q6_k", (256, 256)))))
+                        for k, s in (("q4_k", (256, 512)), ("q4_k", (256, 512)), ("q6_k", (512, 256)))))
+    blob = e.to_blob()
+    x = rng.standard_normal((5, 512), dtype=np.float32)
+    before = {isa: _forward_on(isa, ExpertWeights.from_blob(blob), x) for isa in kernels.supported_isas()}
     gguf = e.nbytes
-    rt = ExpertRuntime(memory_budget=1 << 30, backend=CpuBackend())
-    row = rt.load_expert("m", 0, 0, e.to_blob())
+    rt = ExpertRuntime(memory_budget=1 << 30, backend=CpuBackend(), disk_dir=tmp_path / "disk")
+    row = rt.load_expert("m", 0, 0, blob)
+    held = rt.resolve("m", 0, 0)
     x8 = kernels.layout() == "x8"
-    extra = 32 * (2 * 1184 + 1680) if x8 else 0  # 256 rows: 32 groups of eight per matrix
-    assert row["approx_bytes"] == rt.memory_bytes == gguf + extra
+    want = 32 * (2 * 2 * 1184) + 64 * 1680 if x8 else gguf  # gate/up: 32 groups x 2 blocks; down: 64 x 1
+    assert row["approx_bytes"] == rt.memory_bytes == held.nbytes == want
+    assert all(getattr(held, p).holds_gguf != x8 for p in ("gate_proj", "up_proj", "down_proj"))
+    y = rt.execute("m", 0, 0, x, 5, metered=False)
+    after = {isa: _forward_on(isa, held, x) for isa in kernels.supported_isas()}
+    for isa in before:
+        np.testing.assert_array_equal(after[isa].view(np.uint32), before[isa].view(np.uint32), err_msg=isa)
+        np.testing.assert_array_equal(after[isa].view(np.uint32), before["portable"].view(np.uint32), err_msg=isa)
+    np.testing.assert_array_equal(y.view(np.uint32), before["portable"].view(np.uint32))
+    assert held.to_blob() == blob and blob_hash(held.to_blob()) == blob_hash(blob)
     rt.unload_expert("m", 0, 0)
     assert rt.memory_bytes == 0
+
+
+def _forward_on(isa, e, x):
+    """expert_forward with every product on SIMD path ``isa``."""
+    from moe import compute
+    from moe.ffn import expert_forward
+
+    class OnIsa(CpuBackend):
+        def matmul_xt(self, x, w):
+            return kernels.matmul_xt(x, w, threads=1, isa=isa) if isinstance(w, QuantizedMatrix) else super().matmul_xt(x, w)
+    prev = compute.backend()
+    compute.set_backend(OnIsa())
+    try:
+        return expert_forward(e, x)
+    finally:
+        compute.set_backend(prev)
+
+
+def test_arena_frees_a_slab_once_its_blocks_are_released_and_reuses_holes():
+    """Evict / reload cycles stay bounded: a released block is reused for the next of its size, and
+    a slab whose blocks are all released is dropped (its memory goes back to the OS)."""
+    a = kernels.Arena(slab_bytes=1 << 20)
+    blocks = [a.alloc(100_000) for _ in range(25)]  # 10 per slab (64-byte rounded): 3 slabs
+    assert a.stats()["slabs"] == 3 and a.stats()["live_blocks"] == 25
+    assert all(b.ctypes.data % 64 == 0 for b in blocks)
+    for b in blocks[:10]:  # the whole first slab
+        a.release(b)
+    assert a.stats()["slabs"] == 2
+    for _ in range(50):  # churn: a hole in a live slab is reused, no slab is added
+        a.release(blocks[12])
+        blocks[12] = a.alloc(100_000)
+        assert a.stats()["slabs"] == 2
+    for b in blocks[10:]:
+        a.release(b)
+    assert a.stats() == {"slabs": 0, "slab_bytes": 0, "live_blocks": 0, "large_bytes": 0}
+    big = a.alloc(600_000)  # above a quarter slab: its own array
+    assert a.stats()["slabs"] == 0 and a.stats()["large_bytes"] == 600_000
+    a.release(big)
+    assert a.stats()["large_bytes"] == 0
+
+
+def test_runtime_evict_reload_cycles_do_not_grow_the_arena(tmp_path, monkeypatch):
+    """A holder cycling more experts than its memory tier holds (each access a reload from disk)
+    keeps a bounded number of slabs, and none once every expert left memory."""
+    import gc
+    from moe.ffn import ExpertWeights
+    from moe.runtime import ExpertRuntime
+    if kernels.layout() != "x8":
+        pytest.skip("no x86 SIMD path: no repacked layout, no arena")
+    arena = kernels.Arena(slab_bytes=4 << 20)
+    monkeypatch.setattr(kernels, "_ARENA", arena)
+    rng = np.random.default_rng(9)
+    per = 3 * 32 * 8 * 272  # one expert: three 256 x 256 Q8_0 matrices, 32 row groups of 8 blocks
+    rt = ExpertRuntime(memory_budget=3 * per, backend=CpuBackend(), disk_dir=tmp_path / "disk")
+    for i in range(8):
+        e = ExpertWeights(*(QuantizedMatrix.from_dense(rng.standard_normal((256, 256), dtype=np.float32), "q8_0")
+                            for _ in range(3)))
+        rt.load_expert("m", 0, i, e.to_blob())
+    most = 0
+    for _ in range(6):
+        for i in range(8):
+            rt.resolve("m", 0, i)
+            gc.collect()
+            assert rt.memory_bytes <= 3 * per
+            most = max(most, arena.stats()["slabs"])
+    assert most <= 2  # 9 matrices live at most (4.8 MiB), a 4 MiB slab holds 15
+    for i in range(8):
+        rt.unload_expert("m", 0, i)
+    gc.collect()
+    assert arena.stats()["slabs"] == 0 and rt.memory_bytes == 0
+
+
+def test_arena_memory_goes_back_to_the_os():
+    """Default 64 MiB slabs: filled with repacked matrices, then released, the process's resident
+    memory falls back (the slabs are unmapped, not kept for the process)."""
+    import gc
+    import psutil
+    if kernels.layout() != "x8":
+        pytest.skip("no x86 SIMD path: no repacked layout, no arena")
+    proc = psutil.Process()
+    gc.collect()
+    base = kernels.arena_stats()["slabs"]
+    m0 = _random_blocks("q8_0", 768, 2048, np.random.default_rng(1))
+    mats = [QuantizedMatrix("q8_0", m0.shape, m0.blocks) for _ in range(90)]  # one GGUF array, 150 MiB of x8
+    rss0 = proc.memory_info().rss
+    for m in mats:
+        kernels.native_weights(m)  # packs, drops each matrix's GGUF copy
+    mats_gguf_freed = sum(m.holds_gguf for m in mats) == 0
+    peak = proc.memory_info().rss
+    assert kernels.arena_stats()["slabs"] >= base + 3 and mats_gguf_freed
+    del mats, m, m0
+    gc.collect()
+    assert kernels.arena_stats()["slabs"] == base
+    after = proc.memory_info().rss
+    assert peak - rss0 > 64 << 20  # the slabs were resident (sanity of the measurement)
+    assert after < peak - (64 << 20), (rss0, peak, after)
+
+
+@pytest.mark.parametrize("q", ["q8_0", "q4_k", "q6_k"])
+def test_gate_and_up_share_one_activation_quantization_bit_for_bit(q):
+    """``matmul_xt_many`` (the expert's gate and up products, x quantized once) gives each matrix's
+    ``matmul_xt`` bits on every path; mismatched matrices are refused naming why."""
+    rng = np.random.default_rng(31)
+    ws = [_random_blocks(q, 21, 512, rng) for _ in range(3)]
+    x = rng.standard_normal((11, 512), dtype=np.float32)
+    for isa in kernels.supported_isas():
+        many = kernels.matmul_xt_many(x, ws, threads=2, isa=isa)
+        for w, y in zip(ws, many):
+            np.testing.assert_array_equal(y.view(np.uint32), model_matmul(x, w).view(np.uint32), err_msg=isa)
+    other = _random_blocks(q, 13, 512, rng)
+    with pytest.raises(ValueError, match="one qtype and shape"):
+        kernels.matmul_xt_many(x, [ws[0], other])
+    be = CpuBackend()
+    got = be.matmul_xt_many(x, [ws[0], other])  # the backend falls back to one product each
+    for w, y in zip((ws[0], other), got):
+        np.testing.assert_array_equal(y.view(np.uint32), be.matmul_xt(x, w).view(np.uint32))

@@ -135,5 +135,14 @@ def matmul_xt(x: np.ndarray, w: Weight) -> np.ndarray:
     return backend().matmul_xt(x, w)
 
 
+def matmul_xt_many(x: np.ndarray, ws) -> list[np.ndarray]:
+    """``[matmul_xt(x, w) for w in ws]`` on the selected backend, which may share work between the
+    products (the CPU backend quantizes ``x`` once for quantized matrices of one qtype and shape);
+    the results are those of ``matmul_xt``, bit for bit."""
+    b = backend()
+    many = getattr(b, "matmul_xt_many", None)
+    return many(x, ws) if many is not None else [b.matmul_xt(x, w) for w in ws]
+
+
 __all__ = ["BACKENDS", "BackendUnavailable", "ComputeBackend", "Weight", "backend", "make_backend",
-           "matmul_xt", "select_backend", "set_backend"]
+           "matmul_xt", "matmul_xt_many", "select_backend", "set_backend"]

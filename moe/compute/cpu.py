@@ -305,6 +305,16 @@ class CpuBackend:
             return rowwise.matmul_xt(x, _decode_scratch(w))
         return rowwise.matmul_xt(x, w)  # each row independent of the batch's size (issue 21)
 
+    def matmul_xt_many(self, x: np.ndarray, ws) -> list[np.ndarray]:
+        """``[matmul_xt(x, w) for w in ws]``, bit for bit; quantized matrices of one qtype and shape on the
+        native path share one quantization of ``x`` (an expert's gate and up projections)."""
+        ws = list(ws)
+        if (self.native and len(ws) > 1 and all(isinstance(w, QuantizedMatrix) for w in ws)
+                and len({(w.qtype, w.shape) for w in ws}) == 1
+                and (self.native_batch is None or x.shape[0] <= self.native_batch)):
+            return kernels.matmul_xt_many(x, ws)
+        return [self.matmul_xt(x, w) for w in ws]
+
     def warm(self) -> None:
         """Compile (or load from numba's on-disk cache) every quantized kernel on tiny inputs, so
         the first real batch does not pay the JIT (seconds) inside a router's deadline."""
@@ -316,8 +326,9 @@ class CpuBackend:
 
     def prepare(self, w) -> None:
         """Repack a quantized ``w`` into the native kernels' layout now (x86 SIMD paths: the x8
-        copy, ``kernels.native_weights``), so the memory tier counts it when the expert is
-        admitted (``QuantizedMatrix.nbytes``) instead of it appearing on the first matmul."""
+        copy, ``kernels.native_weights``, which replaces the GGUF bytes in memory), so the memory
+        tier counts what is held (``QuantizedMatrix.nbytes``) when the expert is admitted instead
+        of the layout changing on the first matmul."""
         if self.native and isinstance(w, QuantizedMatrix):
             kernels.native_weights(w)
 
@@ -325,7 +336,10 @@ class CpuBackend:
         """Nothing is cached per weight beyond ``w`` itself (its repacked layout goes with it)."""
 
     def describe(self) -> dict:
-        """Backend facts for status: tag, gpu flag, threads."""
-        return {"tag": self.tag, "gpu": False, "threads": numba.get_num_threads(), "small_batch": self.small_batch,
-                "native_kernels": kernels.isa() if self.native else None,
-                "native_batch": self.native_batch if self.native else 0}
+        """Backend facts for status: tag, gpu flag, threads, the native path and its arena."""
+        d = {"tag": self.tag, "gpu": False, "threads": numba.get_num_threads(), "small_batch": self.small_batch,
+             "native_kernels": kernels.isa() if self.native else None,
+             "native_batch": self.native_batch if self.native else 0}
+        if self.native:
+            d["kernel_arena"] = kernels.arena_stats()  # slabs the repacked layouts live in
+        return d
