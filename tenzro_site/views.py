@@ -55,5 +55,4 @@ def metrics(request):
 def api_not_found(request, rest: str = ""):
     """Any ``/api/`` path without a view: a JSON 404 in the REST mirror's error shape
     (``{"error": ...}``), not Django's HTML page, so API clients can parse it."""
-    return JsonResponse({"error": f"unknown endpoint {request.method} {request.path}; the REST mirror is under "
-                                  "/api/v1/ (OpenAPI schema at /api/schema/, docs at /api/docs/)"}, status=404)
+    return JsonResponse({"error": f"unknown endpoint {request.method} {request.path}"}, status=404)
