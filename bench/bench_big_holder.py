@@ -38,14 +38,24 @@ from nacl.signing import SigningKey  # noqa: E402
 from moe import messages  # noqa: E402
 from registry.heartbeat import ingest, parse_holdings  # noqa: E402
 from moe.identity import DOMAIN_HEARTBEAT, provider_id, sign_body, verify_body  # noqa: E402
-from registry.models import Holding  # noqa: E402
+from registry.models import Holding, MoeModel  # noqa: E402
 
 N, CAP = 100_000, 1 << 20
+# Heartbeats may name only slots of a model the site knows (registry.heartbeat): a published
+# model of 100 MoE layers × 1,000 experts holds the 100,000 (no catalog model has that many).
+MODEL = "bench-big-holder"
+
+
+def publish_shape() -> None:
+    """The ``MoeModel`` row of ``MODEL`` in the throw-away database (no blobs: only its slots count)."""
+    MoeModel.objects.update_or_create(model_id=MODEL, defaults=dict(
+        family="qwen3_moe", num_experts=1000, top_k=8, hidden_size=2048, expert_d_ff=768,
+        moe_layers=list(range(N // 1000))))
 
 
 def holdings(worst: bool) -> list[dict]:
     """``N`` expanded holdings of 100 layers × 1,000 experts (varying residency and tps when ``worst``)."""
-    return [{"model_id": "kimi-k2-instruct", "layer": i // 1000, "expert": i % 1000,
+    return [{"model_id": MODEL, "layer": i // 1000, "expert": i % 1000,
              "residency": ("Warm" if (i * 7919) % 3 else "Cold") if worst else "Warm",
              "committed_tps": (i * 104729) % 5000 if worst else 0, "blob_uri": "tenzro://blob/" + "ab" * 32}
             for i in range(N)]
@@ -69,6 +79,7 @@ def main() -> None:
         print(f"  {name:<28} {size:>12,}  {size / CAP:8.3f}")
 
     call_command("migrate", verbosity=0)
+    publish_shape()
     fitted = next(p for p in range(3) if len(json.dumps(message(key, messages.compact_holdings(worst, p)))) <= CAP)
     entries = messages.compact_holdings(worst, fitted)
     m = message(key, entries)
@@ -88,6 +99,7 @@ def main() -> None:
     print(f"  first (100,000 inserts)      {times[0]:8.3f} s  {times[0] / base:6.1f}x baseline")
     print(f"  repeated, unchanged          {times[1]:8.3f} s  {times[1] / base:6.1f}x baseline")
     Holding.objects.filter(provider_id=provider_id(key)).delete()  # DATABASE_URL may be a kept database
+    MoeModel.objects.filter(model_id=MODEL).delete()
 
 
 if __name__ == "__main__":

@@ -199,13 +199,6 @@ def _run(opts: dict) -> int:
     key_path = Path(opts["key"]) if opts["key"] else var_dir() / "agent.key"
     if opts["key"] and not key_path.parent.is_dir():  # a mistyped path must not mint a new identity
         raise CliError(f"--key: directory {key_path.parent} does not exist")
-    existed = key_path.exists()
-    try:
-        key = load_or_create_key(key_path)
-    except (ValueError, OSError) as exc:
-        raise CliError(f"--key: {exc}") from exc
-    if not existed:
-        print(f"created a new key at {key_path}: provider id {provider_id(key)}", file=sys.stderr)
     if opts["budget"] is not None and opts["budget"] <= 0:
         raise CliError("--budget must be a positive number of bytes")
     if opts["blas_threads"] < 1:
@@ -246,6 +239,14 @@ def _run(opts: dict) -> int:
         if ":" in host and not host.startswith("["):
             raise CliError(f"--iroh-bind: write an IPv6 address in brackets, [{host}]:{port}")
         probe_bind("--iroh-bind", host, int(port), socket.SOCK_DGRAM)
+    # The key is created only once every flag checked out: a refused command mints no identity.
+    existed = key_path.exists()
+    try:
+        key = load_or_create_key(key_path)
+    except (ValueError, OSError) as exc:
+        raise CliError(f"--key: {exc}") from exc
+    if not existed:
+        print(f"created a new key at {key_path}: provider id {provider_id(key)}", file=sys.stderr)
     blob_dir = opts["blob_dir"] or var_dir() / "agent-blobs"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

@@ -100,9 +100,14 @@ def strict_types(fields, data, prefix: str = "") -> None:
 def validate_params(serializer_cls, params: dict) -> dict:
     """Validate ``params`` with a DRF serializer; raises ``RpcError(-32602)`` naming the field.
 
-    JSON types are checked strictly first (see ``strict_types``); unknown fields are refused.
+    JSON types are checked strictly first (see ``strict_types``); unknown fields are refused,
+    every field when ``serializer_cls`` is None (a method without params).
     """
-    if serializer_cls is None:
+    if serializer_cls is None:  # a method without params: a stray one is a client's mistake, named
+        if params:
+            field = sorted(params)[0]
+            raise RpcError(INVALID_PARAMS, f"invalid params: unknown field {field!r} (this method takes none)",
+                           {"field": field})
         return params
     ser = serializer_cls(data=params)
     strict_types(ser.fields, params)

@@ -54,14 +54,19 @@ def _env_bool(name: str, default: bool) -> bool:
     return value.strip().lower() in {"1", "true", "yes", "on"}
 
 
-def _env_int(name: str, default: int) -> int:
+def _env_int(name: str, default: int, minimum: int | None = None) -> int:
+    """An integer from the environment, at least ``minimum`` when given (a count of 0 would
+    stall the site, a negative one read as no limit); raises ``RuntimeError`` naming the variable."""
     value = os.environ.get(name)
     if value is None or value.strip() == "":
         return default
     try:
-        return int(value)
+        v = int(value)
     except ValueError as exc:
         raise RuntimeError(f"{name} must be an integer, got {value!r}") from exc
+    if minimum is not None and v < minimum:
+        raise RuntimeError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return v
 
 
 def _env_float(name: str, default: float, zero_ok: bool = False) -> float:
@@ -100,6 +105,7 @@ def _env_host_port(name: str, default: str) -> str:
 # TENZRO_COALESCE is read by the transports at each send (a bench flips it); refuse here what
 # they would silently read as "on".
 _env_choice("TENZRO_COALESCE", "1", ("1", "0", "true", "false", "yes", "no", "on", "off"))
+_env_choice("TENZRO_STREAM_ANSWERS", "1", ("1", "0", "true", "false", "yes", "no", "on", "off"))
 
 
 def _secret_key() -> str:
@@ -173,11 +179,16 @@ TEMPLATES = [
 WSGI_APPLICATION = None
 ASGI_APPLICATION = "tenzro_site.asgi.application"
 
-DATABASES = {
-    "default": dj_database_url.parse(
-        os.environ.get("DATABASE_URL") or f"sqlite:///{BASE_DIR / 'db.sqlite3'}", conn_max_age=0
-    )
-}
+_DB_POOL = _env_int("TENZRO_DB_POOL", 8, minimum=0)  # checked on every engine: a typo is caught on SQLite too
+try:
+    DATABASES = {
+        "default": dj_database_url.parse(
+            os.environ.get("DATABASE_URL") or f"sqlite:///{BASE_DIR / 'db.sqlite3'}", conn_max_age=0
+        )
+    }
+except ValueError as exc:  # dj-database-url's UnknownSchemeError and malformed URLs
+    raise RuntimeError(f"DATABASE_URL must be a dj-database-url URL such as postgres://user@host/db or "
+                       f"sqlite:///path, got {os.environ.get('DATABASE_URL')!r}: {exc}") from exc
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # IMMEDIATE makes writers queue on the busy timeout instead of failing on lock upgrade.
     DATABASES["default"]["OPTIONS"] = {
@@ -188,12 +199,12 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     DATABASES["default"].setdefault("TEST", {})
     if os.environ.get("TENZRO_TEST_SQLITE_FILE"):
         DATABASES["default"]["TEST"]["NAME"] = os.environ["TENZRO_TEST_SQLITE_FILE"]
-elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql" and _env_int("TENZRO_DB_POOL", 8) > 0:
+elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql" and _DB_POOL > 0:
     # psycopg's pool (Django >= 5.1): each process keeps at most TENZRO_DB_POOL connections however
     # many threads it runs (the DB thread, sync_to_async workers), so N site processes + workers stay
     # far under max_connections; a thread past the cap waits up to TENZRO_DB_POOL_TIMEOUT s.
     DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
-        "min_size": 1, "max_size": _env_int("TENZRO_DB_POOL", 8),
+        "min_size": 1, "max_size": _DB_POOL,
         "timeout": _env_float("TENZRO_DB_POOL_TIMEOUT", 30.0), "max_idle": 300.0}
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
@@ -240,7 +251,7 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 # Beat reads its schedule from the database (django-celery-beat: editable in the admin).
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
-_HYGIENE_INTERVAL_S = _env_int("TENZRO_HYGIENE_INTERVAL", 300)
+_HYGIENE_INTERVAL_S = _env_int("TENZRO_HYGIENE_INTERVAL", 300, minimum=1)
 # Receipts economy sweeps (settlement.tasks), synced into the database schedule by beat; without a
 # broker an inline timer does the same.
 # ``period_s``: each sweep runs once per period however many beats send it (registry.periodic).
@@ -258,7 +269,7 @@ CELERY_BEAT_SCHEDULE = {
 }
 
 # Request bodies: JSON-RPC carries base64 hidden states, so the cap is explicit.
-DATA_UPLOAD_MAX_MEMORY_SIZE = _env_int("TENZRO_MAX_BODY", 64 * 1024 * 1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = _env_int("TENZRO_MAX_BODY", 64 * 1024 * 1024, minimum=1)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [],
@@ -294,61 +305,61 @@ TENZRO = {
     # gives the same; a process of another deployment is refused by the database it would share.
     "DEPLOYMENT": os.environ.get("TENZRO_DEPLOYMENT", "").strip() or "default",
     "BLOB_DIR": Path(os.environ.get("TENZRO_BLOB_DIR", VAR_DIR / "blobs")).resolve(),
-    "HEARTBEAT_INTERVAL_S": _env_int("TENZRO_HEARTBEAT_INTERVAL", 15),
+    "HEARTBEAT_INTERVAL_S": _env_int("TENZRO_HEARTBEAT_INTERVAL", 15, minimum=1),
     "MISSED_HEARTBEATS": 3,
     # Provider hygiene: a provider that never served a batch, holds no balance and has not been
     # seen (heartbeat, else creation) for this many seconds is deleted (registry.expire_unproven_providers,
     # every TENZRO_HYGIENE_INTERVAL s). A holder whose latest batch failed within the failing
     # window shows as "Failing" (listings, /healthz).
-    "UNPROVEN_PROVIDER_TTL_S": _env_int("TENZRO_UNPROVEN_PROVIDER_TTL", 3600),
+    "UNPROVEN_PROVIDER_TTL_S": _env_int("TENZRO_UNPROVEN_PROVIDER_TTL", 3600, minimum=1),
     "HYGIENE_INTERVAL_S": _HYGIENE_INTERVAL_S,
-    "FAILING_WINDOW_S": _env_int("TENZRO_FAILING_WINDOW", 300),
+    "FAILING_WINDOW_S": _env_int("TENZRO_FAILING_WINDOW", 300, minimum=0),
     "CLOCK_SKEW_S": 60,
     # Daphne's WebSocket message cap (set explicitly when we start daphne); frames stay below it.
-    "WS_MAX_MESSAGE": _env_int("TENZRO_WS_MAX_MESSAGE", 1024 * 1024),
+    "WS_MAX_MESSAGE": _env_int("TENZRO_WS_MAX_MESSAGE", 1024 * 1024, minimum=1024),
     # Slow-client deadlines of the HTTP server (tenzro_site.serve, Apache mod_reqtimeout's
     # defaults): a request's headers within HTTP_HEADER_TIMEOUT_S of its first byte, its body
     # within HTTP_BODY_TIMEOUT_S plus one second per HTTP_BODY_MIN_RATE bytes received.
     "HTTP_HEADER_TIMEOUT_S": _env_float("TENZRO_HTTP_HEADER_TIMEOUT", 20.0),
     "HTTP_BODY_TIMEOUT_S": _env_float("TENZRO_HTTP_BODY_TIMEOUT", 20.0),
-    "HTTP_BODY_MIN_RATE": _env_int("TENZRO_HTTP_BODY_MIN_RATE", 500),
+    "HTTP_BODY_MIN_RATE": _env_int("TENZRO_HTTP_BODY_MIN_RATE", 500, minimum=1),
     "AGENT_HELLO_TIMEOUT_S": 10,
     "BATCH_TIMEOUT_S": _env_float("TENZRO_BATCH_TIMEOUT", 30.0),
-    "RPC_RATE_PER_MINUTE": _env_int("TENZRO_RPC_RATE", 6000),
+    "RPC_RATE_PER_MINUTE": _env_int("TENZRO_RPC_RATE", 6000, minimum=0),
     # REST heartbeats (registry.heartbeat): provider keys the site has not seen, per client
     # address per minute (0 = unlimited); experts a key that has served no batch may declare.
-    "NEW_KEY_RATE_PER_MINUTE": _env_int("TENZRO_NEW_KEY_RATE", 4),
-    "PROBATION_HOLDINGS": _env_int("TENZRO_PROBATION_HOLDINGS", 32_768),
+    "NEW_KEY_RATE_PER_MINUTE": _env_int("TENZRO_NEW_KEY_RATE", 4, minimum=0),
+    "PROBATION_HOLDINGS": _env_int("TENZRO_PROBATION_HOLDINGS", 32_768, minimum=0),
     # Admission control (router.admission): requests in one JSON-RPC batch; distributed forwards
     # running at once per site process, how many more may queue and for how many seconds;
     # forward-method calls per client address per minute (0 = unlimited).
-    "RPC_MAX_BATCH": _env_int("TENZRO_RPC_MAX_BATCH", 100),
-    "FORWARD_CONCURRENCY": _env_int("TENZRO_FORWARD_CONCURRENCY", 16),
-    "FORWARD_QUEUE": _env_int("TENZRO_FORWARD_QUEUE", 1024),
+    "RPC_MAX_BATCH": _env_int("TENZRO_RPC_MAX_BATCH", 100, minimum=1),
+    "FORWARD_CONCURRENCY": _env_int("TENZRO_FORWARD_CONCURRENCY", 16, minimum=1),
+    "FORWARD_QUEUE": _env_int("TENZRO_FORWARD_QUEUE", 1024, minimum=0),
     "FORWARD_QUEUE_WAIT_S": _env_float("TENZRO_FORWARD_QUEUE_WAIT", 60.0, zero_ok=True),
-    "FORWARD_RATE_PER_MINUTE": _env_int("TENZRO_FORWARD_RATE", 3000),
+    "FORWARD_RATE_PER_MINUTE": _env_int("TENZRO_FORWARD_RATE", 3000, minimum=0),
     # Size of one generation (tenzro_moeGenerate, /v1/completions, /v1/chat/completions): prompts in
     # the batch, their tokens together, and new tokens together (prompts × max_new_tokens). The
     # site holds every sequence's KV cache: the defaults keep a 2-core demo machine responsive.
-    "GEN_MAX_PROMPTS": _env_int("TENZRO_GEN_MAX_PROMPTS", 64),
-    "GEN_MAX_PROMPT_TOKENS": _env_int("TENZRO_GEN_MAX_PROMPT_TOKENS", 8192),
-    "GEN_MAX_NEW_TOKENS": _env_int("TENZRO_GEN_MAX_NEW_TOKENS", 8192),
+    "GEN_MAX_PROMPTS": _env_int("TENZRO_GEN_MAX_PROMPTS", 64, minimum=1),
+    "GEN_MAX_PROMPT_TOKENS": _env_int("TENZRO_GEN_MAX_PROMPT_TOKENS", 8192, minimum=1),
+    "GEN_MAX_NEW_TOKENS": _env_int("TENZRO_GEN_MAX_NEW_TOKENS", 8192, minimum=1),
     # The per-model scheduler (router.scheduler): prompt rows per step, KV cache bytes of all
     # running sequences, sequences in a step, and sequences that may wait for admission.
-    "GEN_PREFILL_CHUNK": _env_int("TENZRO_PREFILL_CHUNK", 512),
-    "GEN_KV_BUDGET_BYTES": _env_int("TENZRO_KV_BUDGET_BYTES", 4 << 30),
-    "GEN_MAX_RUNNING": _env_int("TENZRO_GEN_MAX_RUNNING", 64),
-    "GEN_QUEUE": _env_int("TENZRO_GEN_QUEUE", 256),
+    "GEN_PREFILL_CHUNK": _env_int("TENZRO_PREFILL_CHUNK", 512, minimum=1),
+    "GEN_KV_BUDGET_BYTES": _env_int("TENZRO_KV_BUDGET_BYTES", 4 << 30, minimum=1),
+    "GEN_MAX_RUNNING": _env_int("TENZRO_GEN_MAX_RUNNING", 64, minimum=1),
+    "GEN_QUEUE": _env_int("TENZRO_GEN_QUEUE", 256, minimum=0),
     # Micro-batches of one step in flight at once (router.scheduler): while one's expert rows are on
     # the wire the next one's attention runs; the count follows observed wait and compute, up to this.
-    "GEN_MICROBATCHES": _env_int("TENZRO_GEN_MICROBATCHES", 4),
+    "GEN_MICROBATCHES": _env_int("TENZRO_GEN_MICROBATCHES", 4, minimum=1),
     # Disaggregated generation's KV handoff: "peer" (Prefill agent → Decode agent over iroh / HTTP
     # when the Decode agent advertises an endpoint) or "site" (relayed through the agent sockets).
-    "KV_HANDOFF": os.environ.get("TENZRO_KV_HANDOFF", "peer").strip().lower() or "peer",
+    "KV_HANDOFF": _env_choice("TENZRO_KV_HANDOFF", "peer", ("peer", "site")),
     # Providers need this reputation (new ones start at 500) to vote on policy proposals.
     "GOVERNANCE_MIN_VOTER_REPUTATION": _env_int("TENZRO_GOVERNANCE_MIN_REPUTATION", 600),
     # tenzro_moePlanDispatch: split one expert's batch across warm replicas above this many tokens.
-    "PLAN_SPLIT_THRESHOLD": _env_int("TENZRO_PLAN_SPLIT_THRESHOLD", 256),
+    "PLAN_SPLIT_THRESHOLD": _env_int("TENZRO_PLAN_SPLIT_THRESHOLD", 256, minimum=0),
     # REST mirror throttles per client address (DRF rate strings).
     "API_READ_RATE": os.environ.get("TENZRO_API_READ_RATE", "1200/min"),
     "API_WRITE_RATE": os.environ.get("TENZRO_API_WRITE_RATE", "300/min"),
@@ -364,17 +375,17 @@ TENZRO = {
     # Repair pass (docs/DESIGN.md §8): seconds between passes; 0 = the governance policy's
     # repair_interval_s (a local cluster or a test sets a short one). Release grace: seconds an
     # expert must stay above target and cool before its surplus replicas are dropped.
-    "REPAIR_INTERVAL_S": _env_int("TENZRO_REPAIR_INTERVAL", 0),
-    "REPAIR_RELEASE_GRACE_S": _env_int("TENZRO_REPAIR_RELEASE_GRACE", 600),
+    "REPAIR_INTERVAL_S": _env_int("TENZRO_REPAIR_INTERVAL", 0, minimum=0),
+    "REPAIR_RELEASE_GRACE_S": _env_int("TENZRO_REPAIR_RELEASE_GRACE", 600, minimum=0),
     # Seconds each agent has to answer its repair offer; one that does not is recorded as
     # declining its rows and the pass ends without it.
     "REPAIR_OFFER_TIMEOUT_S": _env_float("TENZRO_REPAIR_OFFER_TIMEOUT", 30.0),
     # Expert-coverage market (Kvasir contract §2): HMAC secret of node tokens (default: derived
     # from SECRET_KEY), token lifetime in seconds.
     "MARKET_TOKEN_SECRET": os.environ.get("TENZRO_MARKET_TOKEN_SECRET", ""),
-    "MARKET_TOKEN_TTL_S": _env_int("TENZRO_MARKET_TOKEN_TTL", 30 * 86400),
+    "MARKET_TOKEN_TTL_S": _env_int("TENZRO_MARKET_TOKEN_TTL", 30 * 86400, minimum=1),
     # Login challenges one client address may ask per minute (0 = unlimited).
-    "MARKET_CHALLENGE_RATE_PER_MINUTE": _env_int("TENZRO_MARKET_CHALLENGE_RATE", 30),
+    "MARKET_CHALLENGE_RATE_PER_MINUTE": _env_int("TENZRO_MARKET_CHALLENGE_RATE", 30, minimum=0),
     # Machine-to-machine secret accepted in X-Kvasir-Service-Token / X-Linkcpp-Service-Token (unset: none).
     "MARKET_SERVICE_TOKEN": os.environ.get("TENZRO_MARKET_SERVICE_TOKEN", ""),
 }

@@ -6,6 +6,7 @@ import os
 from django.conf import settings
 from django.db import DatabaseError
 from django.http import HttpResponse, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET
 
 from registry import selectors
@@ -48,3 +49,10 @@ def metrics(request):
     numbers: scrape every process."""
     m = current().metrics
     return HttpResponse(m.exposition(), content_type=m.CONTENT_TYPE)
+
+
+@csrf_exempt  # no state changes: a POST gets the same JSON 404, not the CSRF failure page
+def api_not_found(request, rest: str = ""):
+    """Any ``/api/`` path without a view: a JSON 404 in the REST mirror's error shape
+    (``{"error": ...}``), not Django's HTML page, so API clients can parse it."""
+    return JsonResponse({"error": f"unknown endpoint {request.method} {request.path}"}, status=404)

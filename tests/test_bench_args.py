@@ -117,3 +117,21 @@ def test_bench_serving_kills_a_hung_aiperf_and_its_children(bench_serving, tmp_p
     child = int(pids.read_text())
     from tests.cluster_util import pid_alive
     assert not pid_alive(child)
+
+
+@pytest.mark.django_db
+def test_bench_big_holder_declares_slots_the_site_accepts():
+    """The bench's 100,000 holdings name slots of a model the site knows: heartbeats naming a
+    slot the model lacks are refused (registry.heartbeat), so the bench once died on kimi-k2's
+    l0/e0 (a dense layer) before measuring anything."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        big = importlib.import_module("bench_big_holder")
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    from registry.heartbeat import _model_slots
+
+    big.publish_shape()
+    slots = _model_slots({big.MODEL})[big.MODEL]
+    held = big.holdings(True)
+    assert len(held) == big.N and all((h["layer"], h["expert"]) in slots for h in held)

@@ -85,6 +85,23 @@ def test_export_refuses_an_unpublished_model(tmp_path):
         call_command("export_gguf", "--model-id", "nobb", "--out", str(tmp_path / "x.gguf"))
 
 
+def test_export_names_a_bad_out_and_leaves_no_partial_file(tmp_path):
+    """--out that is a directory or in a missing directory is refused naming the flag before any
+    work; an export that fails midway (an expert never published) leaves nothing at --out."""
+    from django.core.management.base import CommandError
+
+    publish_checkpoint(QWEN, "m")
+    publish_backbone(QWEN, "m")
+    with pytest.raises(CommandError, match="^--out: .* is a directory"):
+        call_command("export_gguf", "--model-id", "m", "--out", str(tmp_path))
+    with pytest.raises(CommandError, match="^--out: directory .* does not exist"):
+        call_command("export_gguf", "--model-id", "m", "--out", str(tmp_path / "no" / "x.gguf"))
+    ExpertBlob.objects.filter(model_id="m", layer=1, expert=3).delete()
+    with pytest.raises(CommandError, match="layer 1 expert 3 was never published"):
+        call_command("export_gguf", "--model-id", "m", "--out", str(tmp_path / "x.gguf"))
+    assert list(tmp_path.iterdir()) == []
+
+
 
 def _synthetic_export(layers: int):
     """An ``ExportModel`` of the qwen3 fixture's shape with ``layers`` MoE layers whose f32

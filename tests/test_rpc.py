@@ -46,6 +46,23 @@ def test_params_validation_names_the_field(client):
     assert err["code"] == -32602 and err["data"]["field"] == "hidden_states"
 
 
+def test_a_method_without_params_refuses_unknown_fields(client):
+    """tenzro_moeReplicationPolicy takes no params: a stray one is named, as on every other method."""
+    err = call(client, req("tenzro_moeReplicationPolicy", {"x": 1}))[1]["error"]
+    assert err["code"] == -32602 and err["data"]["field"] == "x"
+    assert call(client, req("tenzro_moeReplicationPolicy", {}))[1]["result"]["min_replication"] == 2
+
+
+@pytest.mark.parametrize("path", ["/api/", "/api/nope", "/api/v1/", "/api/v1/nope", "/api/auth/nope",
+                                  "/api/v1/providers/"])
+def test_unknown_api_paths_are_a_json_404(client, path):
+    """Any /api/ path without a view answers JSON like the REST mirror, never Django's HTML page."""
+    from django.test import Client
+    for resp in (client.get(path), Client(enforce_csrf_checks=True).post(path, data="x", content_type="text/plain")):
+        assert resp.status_code == 404 and resp["Content-Type"].startswith("application/json")
+        assert path in resp.json()["error"]
+
+
 def test_batch_and_notification(client):
     status, body = call(client, [req("tenzro_moeReplicationPolicy", [], id=1), {"jsonrpc": "2.0", "method": "x"},
                                  req("nope", id=2)])

@@ -31,6 +31,21 @@ def _check(tmp_path, **env) -> subprocess.CompletedProcess:
     ("TENZRO_VIEW_CACHE", "-0.5", ">= 0, got '-0.5'"),
     ("TENZRO_IROH_BIND", "nonsense", "must be HOST:PORT (port 0 = a free one), got 'nonsense'"),
     ("TENZRO_IROH_BIND", "127.0.0.1:70000", "got '127.0.0.1:70000'"),
+    # Counts below their least meaningful value: 0 forward slots or prompts stall every request,
+    # a negative budget or queue was read as "no limit" or "refuse all" depending on the caller.
+    ("TENZRO_FORWARD_CONCURRENCY", "0", "an integer >= 1, got '0'"),
+    ("TENZRO_GEN_MAX_PROMPTS", "-5", "an integer >= 1, got '-5'"),
+    ("TENZRO_PREFILL_CHUNK", "0", ">= 1, got '0'"),
+    ("TENZRO_KV_BUDGET_BYTES", "-1", ">= 1, got '-1'"),
+    ("TENZRO_RPC_MAX_BATCH", "0", ">= 1, got '0'"),
+    ("TENZRO_GEN_MICROBATCHES", "0", ">= 1, got '0'"),
+    ("TENZRO_HEARTBEAT_INTERVAL", "0", ">= 1, got '0'"),
+    ("TENZRO_FORWARD_QUEUE", "-1", ">= 0, got '-1'"),
+    ("TENZRO_DB_POOL", "-1", ">= 0, got '-1'"),
+    ("TENZRO_GEN_QUEUE", "x", "must be an integer, got 'x'"),
+    ("DATABASE_URL", "bogus://x", "a dj-database-url URL such as postgres://user@host/db or sqlite:///path, got 'bogus://x'"),
+    ("TENZRO_KV_HANDOFF", "x", "must be one of peer, site, got 'x'"),
+    ("TENZRO_STREAM_ANSWERS", "perhaps", "must be one of 1, 0, true, false, yes, no, on, off, got 'perhaps'"),
 ])
 def test_a_malformed_data_plane_variable_is_refused_naming_it(tmp_path, name, value, says):
     res = _check(tmp_path, **{name: value})
@@ -42,5 +57,7 @@ def test_a_malformed_data_plane_variable_is_refused_naming_it(tmp_path, name, va
 def test_the_documented_values_are_accepted(tmp_path):
     res = _check(tmp_path, TENZRO_DATA_TRANSPORT="iroh", TENZRO_COALESCE="off", TENZRO_BATCH_DEADLINE="0.5",
                  TENZRO_BATCH_TIMEOUT="30", TENZRO_FORWARD_QUEUE_WAIT="0", TENZRO_VIEW_CACHE="0",
-                 TENZRO_IROH_BIND="[::1]:0")
+                 TENZRO_IROH_BIND="[::1]:0", TENZRO_FORWARD_QUEUE="0", TENZRO_FORWARD_RATE="0",
+                 TENZRO_DB_POOL="0", TENZRO_GEN_MICROBATCHES="1", TENZRO_KV_HANDOFF="site",
+                 TENZRO_STREAM_ANSWERS="off", TENZRO_PLAN_SPLIT_THRESHOLD="0")
     assert res.returncode == 0, res.stderr

@@ -76,6 +76,20 @@ def test_flag_errors_come_out_without_django(tmp_path):
     assert not key.parent.exists()  # a mistyped path mints no identity
 
 
+@pytest.mark.parametrize("flags, says", [(["--budget", "-5"], "--budget"), (["--blas-threads", "0"], "--blas-threads"),
+                                          (["--http-port", "70000"], "--http-port")])
+def test_a_refused_flag_mints_no_key(tmp_path, flags, says):
+    """A command refused for any flag exits 1 naming it before the key file is created: the
+    provider fixes the flag and starts with the identity it meant to (no stray key on disk)."""
+    key = tmp_path / "k"
+    code = ("from holders.cli import main; import sys; "
+            f"sys.exit(main(['--site', 'http://127.0.0.1:1', '--key', {str(key)!r}] + {flags!r}))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env_for(tmp_path), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1 and says in done.stderr, done.stderr
+    assert not key.exists() and "created a new key" not in done.stderr
+
+
 def test_site_modules_names_the_orm_and_the_apps_only():
     log = "\n".join(f"import time:        1 |          1 | {'  ' * (i % 3)}{m}" for i, m in enumerate(
         ["numba.core.datamodel.models", "httpx._models", "moe.runtime", "registry.models", "django.db",

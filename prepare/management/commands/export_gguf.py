@@ -3,6 +3,8 @@ file llama.cpp loads (``prepare.gguf_export``)."""
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 from django.conf import settings
@@ -71,9 +73,21 @@ class Command(BaseCommand):
 
     def handle(self, *args, **opts):
         store = BlobStore(settings.TENZRO["BLOB_DIR"])
+        out = Path(opts["out"])
+        if out.is_dir():
+            raise CommandError(f"--out: {out} is a directory; give the .gguf file to write")
+        if not out.parent.is_dir():
+            raise CommandError(f"--out: directory {out.parent} does not exist")
+        # Written under a temporary name and renamed when whole: a failed export leaves no
+        # truncated GGUF (which llama.cpp would refuse) at --out, nor clobbers an older one.
+        part = out.with_name(out.name + ".part")
         try:
-            report = write_gguf(gather(opts["model_id"], store), opts["out"], progress=not opts["json"])
+            report = write_gguf(gather(opts["model_id"], store), part, progress=not opts["json"])
+            os.replace(part, out)
         except (ExportError, ValueError, OSError) as exc:
+            part.unlink(missing_ok=True)
+            if isinstance(exc, OSError) and exc.filename in (str(part), str(out)):  # e.g. disk full, no permission
+                raise CommandError(f"--out: cannot write {out}: {exc.strerror}") from exc
             raise CommandError(str(exc)) from exc
         report = {"model_id": opts["model_id"], "out": opts["out"], **report}
         if opts["json"]:
