@@ -54,6 +54,7 @@ urlpatterns = [
     re_path(r"^api/expert-volunteer/?$", market.volunteer, name="market-volunteer"),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+    re_path(r"^api/(?P<rest>.*)$", views.api_not_found, name="api-not-found"),  # JSON, never HTML (§1.0)
     path("blobs/<str:blob_hash>", blob, name="blob"),
     path("prepare/", prepare_views.jobs, name="prepare-jobs"),
     path("prepare/<uuid:job_id>", prepare_views.job_detail, name="prepare-job"),
