@@ -31,7 +31,7 @@ from nacl.exceptions import BadSignatureError
 from nacl.signing import VerifyKey
 
 from registry import governance, ratelimit, selectors
-from registry.models import Holding, MarketChallenge, MarketClaim, MarketModel, MarketWorker
+from registry.models import Holding, MarketChallenge, MarketClaim, MarketModel, MarketWorker, MoeModel
 from moe.jsonrpc import ParamError
 from registry.model_ids import validate_model_id
 
@@ -370,20 +370,61 @@ def volunteer(wallet: str, body: dict) -> dict:
             "n_layer": m.n_layer, "n_expert": m.n_expert}
 
 
-def add_model(model_id: str, n_embd: int, n_layer: int, n_expert: int, expert_layers: list[int],
-              name: str = "") -> dict:
-    """List (or update) a catalog model on the market. Raises ``ValueError(field, message)``
-    for an expert layer outside ``[0, n_layer)`` or a ``model_id`` outside ``registry.model_ids``' rule."""
+SHAPE_FIELDS = ("n_embd", "n_layer", "n_expert", "expert_layers")
+
+
+def published_shape(model_id: str) -> dict | None:
+    """The market shape of a model published on this site (``MoeModel``), or None when none is:
+    ``n_embd`` = hidden size, ``n_layer`` = the config's block count (else last MoE layer + 1),
+    ``n_expert`` = routed experts (the shared slot is not offered), ``expert_layers`` = the MoE
+    layers whose experts are published. Raises ``ValueError("model_id", …)`` for a dense-slice
+    set (``prepare.dense``), which has no routed experts to offer."""
+    pub = MoeModel.objects.filter(model_id=model_id).first()
+    if pub is None:
+        return None
+    if pub.family == "dense":
+        raise ValueError("model_id", f"{model_id!r} is a set of dense-layer slices, not an MoE model; "
+                                     "list the MoE model it belongs to")
+    layers = sorted({int(x) for x in pub.moe_layers})
+    n_layer = int((pub.config or {}).get("num_hidden_layers") or 0) or (layers[-1] + 1 if layers else 0)
+    return {"n_embd": pub.hidden_size, "n_layer": n_layer, "n_expert": pub.num_experts, "expert_layers": layers}
+
+
+def add_model(model_id: str, n_embd: int | None = None, n_layer: int | None = None, n_expert: int | None = None,
+              expert_layers: list[int] | None = None, name: str = "") -> dict:
+    """List (or update) a model on the market; returns its row plus ``created`` and ``published``.
+
+    A model published on this site (``MoeModel``) takes its shape from the publication
+    (``published_shape``): its MoE layers are the market's expert layers, so demand and
+    volunteering cover them. Shape fields given for it must agree with the publication. A model
+    not published here needs all four shape fields (an external catalog listing).
+
+    Raises ``ValueError(field, message)``: ``model_id`` outside ``registry.model_ids``' rule, a
+    dense-slice set, or an unpublished model without a full shape; a shape field that disagrees
+    with the publication; an expert layer outside ``[0, n_layer)``."""
     try:
         validate_model_id(model_id, hub=True)
     except ParamError as exc:
         raise ValueError("model_id", str(exc)) from None
-    layers = sorted(set(expert_layers))
-    bad = [x for x in layers if not 0 <= x < n_layer]
+    given = {"n_embd": n_embd, "n_layer": n_layer, "n_expert": n_expert,
+             "expert_layers": sorted(set(expert_layers)) if expert_layers is not None else None}
+    shape = published_shape(model_id)
+    if shape is not None:
+        if not shape["expert_layers"]:
+            raise ValueError("model_id", f"published model {model_id!r} has no published MoE layer")
+        for f in SHAPE_FIELDS:
+            if given[f] is not None and given[f] != shape[f]:
+                raise ValueError(f, f"{model_id!r} is published with {f} {shape[f]}; leave {f} out or give that")
+    else:
+        missing = [f for f in SHAPE_FIELDS if given[f] is None]
+        if missing:
+            raise ValueError("model_id", f"no model {model_id!r} is published on this site; publish it first, "
+                                         f"or give its shape ({', '.join(missing)} missing)")
+        shape = given
+    bad = [x for x in shape["expert_layers"] if not 0 <= x < shape["n_layer"]]
     if bad:
-        raise ValueError("expert_layers", f"expert layers {bad} are outside [0, {n_layer})")
-    m, created = MarketModel.objects.update_or_create(
-        model_id=model_id, defaults={"name": name, "n_embd": n_embd, "n_layer": n_layer, "n_expert": n_expert,
-                                     "expert_layers": layers})
+        raise ValueError("expert_layers", f"expert layers {bad} are outside [0, {shape['n_layer']})")
+    m, created = MarketModel.objects.update_or_create(model_id=model_id, defaults={"name": name, **shape})
     return {"model_id": m.model_id, "name": m.name, "n_embd": m.n_embd, "n_layer": m.n_layer,
-            "n_expert": m.n_expert, "expert_layers": m.expert_layers, "created": created}
+            "n_expert": m.n_expert, "expert_layers": m.expert_layers, "created": created,
+            "published": MoeModel.objects.filter(model_id=model_id).exists()}
