@@ -171,10 +171,15 @@ def issue_node_token(wallet, nonce, signature) -> dict:
     return {"node_token": token, "wallet": wallet, "expires_in": ttl}
 
 
-def authenticate(headers) -> str:
+def authenticate(headers, service_token: str | None = None) -> str:
     """The caller's wallet from ``Authorization: Bearer <token>`` (case-insensitive prefix) or a
     node token in ``X-Kvasir-Service-Token`` / ``X-Linkcpp-Service-Token``; ``""`` for the
-    service secret (``TENZRO_MARKET_SERVICE_TOKEN``, no wallet). Raises ``MarketError`` 401."""
+    service secret (``TENZRO_MARKET_SERVICE_TOKEN``, no wallet), also accepted as
+    ``service_token`` (the shard download's ``service_token`` query parameter, §1.10; only the
+    secret, never a node token, since URLs end up in logs). Raises ``MarketError`` 401."""
+    service = settings.TENZRO.get("MARKET_SERVICE_TOKEN") or ""
+    if service and isinstance(service_token, str) and hmac.compare_digest(service_token.encode(), service.encode()):
+        return ""
     candidates = []
     auth = headers.get("Authorization", "")
     if auth[:7].lower() == "bearer ":
@@ -182,7 +187,6 @@ def authenticate(headers) -> str:
     for h in ("X-Kvasir-Service-Token", "X-Linkcpp-Service-Token"):
         if headers.get(h):
             candidates.append(headers[h].strip())
-    service = settings.TENZRO.get("MARKET_SERVICE_TOKEN") or ""
     for c in candidates:
         if service and hmac.compare_digest(c.encode(), service.encode()):
             return ""
@@ -200,7 +204,8 @@ def _evict(now) -> None:
     MarketClaim.objects.filter(ts__lt=cutoff).delete()
 
 
-def _basename(ref: str) -> str:
+def basename(ref: str) -> str:
+    """The last ``/`` component of a model reference (how workers name models, §1.5)."""
     return ref.rstrip("/").rsplit("/", 1)[-1]
 
 
@@ -250,7 +255,7 @@ def post_coverage(wallet: str, body: dict) -> dict:
             raise MarketError(503, "the coverage census is full; try again shortly")
         w = w or MarketWorker(worker_id=worker_id)
         w.wallet = wallet or w.wallet
-        w.model = _basename(model)[:200]
+        w.model = basename(model)[:200]
         w.n_layer = int(body["n_layer"]) if isinstance(body.get("n_layer"), int) else 0
         w.n_expert = int(body["n_expert"]) if isinstance(body.get("n_expert"), int) else 0
         w.segments = segs
@@ -284,7 +289,7 @@ def fold(m: MarketModel) -> dict[int, list[int]]:
     n = m.n_expert
     layers = sorted({int(x) for x in m.expert_layers})
     r = {layer: [0] * n for layer in layers}
-    names = {_basename(m.model_id), m.model_id} | ({m.name, _basename(m.name)} if m.name else set())
+    names = {basename(m.model_id), m.model_id} | ({m.name, basename(m.name)} if m.name else set())
     for segs in MarketWorker.objects.filter(model__in=names).values_list("segments", flat=True):
         for layer, b, e in segs:
             if layer in r:

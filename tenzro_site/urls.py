@@ -52,6 +52,8 @@ urlpatterns = [
     re_path(r"^api/expert-coverage/?$", market.coverage, name="market-coverage"),
     re_path(r"^api/expert-demand/?$", market.demand, name="market-demand"),
     re_path(r"^api/expert-volunteer/?$", market.volunteer, name="market-volunteer"),
+    re_path(r"^api/proxy/models/(?P<model>[^?#]+?)/expert-shard/?$", prepare_views.expert_shard,
+            name="market-expert-shard"),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     re_path(r"^api/(?P<rest>.*)$", views.api_not_found, name="api-not-found"),  # JSON, never HTML (§1.0)

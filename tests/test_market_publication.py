@@ -73,3 +73,137 @@ def test_command_lists_a_published_model_and_refuses_an_unknown_one(capsys):
     call_command("market_add_model", "--model-id", "ext", "--n-embd", "8", "--n-layer", "2", "--n-expert", "4",
                  "--expert-layers", "1")
     assert market.published_shape("ext") is None and MarketModel.objects.get(model_id="ext").n_expert == 4
+
+
+# ------------------------------------------------------------------ item 2: shard download (§1.10)
+
+SERVICE = "svc-secret-for-tests"
+
+
+@pytest.fixture
+def service(settings):
+    settings.TENZRO = {**settings.TENZRO, "MARKET_SERVICE_TOKEN": SERVICE}
+    return SERVICE
+
+
+def shard(client, model, query, token=None, **headers):
+    if token:
+        headers["HTTP_AUTHORIZATION"] = f"Bearer {token}"
+    return client.get(f"/api/proxy/models/{model}/expert-shard?{query}", **headers)
+
+
+def body_of(r) -> bytes:
+    return b"".join(r.streaming_content)
+
+
+def read_shard(tmp_path, data: bytes) -> GGUFReader:
+    p = tmp_path / f"s{hashlib.sha256(data).hexdigest()[:8]}.gguf"
+    p.write_bytes(data)
+    return GGUFReader(p)
+
+
+def field(reader, key):
+    return reader.fields[key].contents()
+
+
+def assert_shard_is_the_published_blobs(tmp_path, r, model_id, layer, begin, end, n_total):
+    assert r.status_code == 200, r.content
+    data = body_of(r)
+    assert int(r["Content-Length"]) == len(data)
+    assert r["X-Kvasir-Shard-Digest"] == hashlib.sha256(data).hexdigest()
+    g = read_shard(tmp_path, data)
+    assert int(r["X-Kvasir-Shard-Manifest-Bytes"]) == g.data_offset
+    rows = {x.expert: x.blob_hash for x in ExpertBlob.objects.filter(model_id=model_id, layer=layer)}
+    hashes = [rows[e] for e in range(begin, end)]
+    assert {k: field(g, "kvasir.expert_shard." + k) for k in
+            ("model", "layer", "expert_begin", "expert_end", "n_expert_total", "source_digest")} == {
+        "model": model_id, "layer": layer, "expert_begin": begin, "expert_end": end, "n_expert_total": n_total,
+        "source_digest": hashlib.sha256("\n".join(hashes).encode()).hexdigest()}
+    arch = field(g, "general.architecture")
+    assert field(g, f"{arch}.expert_count") == n_total
+    store = BlobStore(__import__("django.conf").conf.settings.TENZRO["BLOB_DIR"])
+    tensors = {t.name: t for t in g.tensors}
+    assert sorted(tensors) == sorted(f"blk.{layer}.ffn_{p}_exps.weight" for p in ("gate", "up", "down"))
+    for p in ("gate", "up", "down"):
+        t = tensors[f"blk.{layer}.ffn_{p}_exps.weight"]
+        assert int(t.shape[-1]) == end - begin  # GGUF lists the expert dimension last
+        stacked = np.asarray(t.data).reshape(end - begin, -1)
+        for i, h in enumerate(hashes):
+            raw, _ = loads_safetensors(store.get(h))
+            assert stacked[i].tobytes() == bytes(raw[f"{p}_proj.weight"].data), (p, begin + i)
+    return g, data
+
+
+def test_quantized_shard_holds_the_published_blocks_in_both_dialects(client, tmp_path, service):
+    publish_checkpoint(QWEN, "q", quant="q4_k_m")
+    _, tok = login(client)
+    r = shard(client, "q", "layer=1&expert_begin=4&expert_end=9", token=tok)
+    g, data = assert_shard_is_the_published_blobs(tmp_path, r, "q", 1, 4, 9, 16)
+    assert [t.tensor_type.name for t in g.tensors] == ["Q4_K", "Q4_K", "Q6_K"]
+    assert (field(g, "qwen3moe.embedding_length"), field(g, "qwen3moe.block_count")) == (256, 2)
+    # the phones' dialect, the service token as a header and as a query parameter: the same bytes
+    for query, headers in [("layers=1:2&experts=4:9", {"HTTP_X_KVASIR_SERVICE_TOKEN": SERVICE}),
+                           ("layers=1&experts=4:9", {"HTTP_X_LINKCPP_SERVICE_TOKEN": tok}),
+                           (f"layers=1:1&experts=4:9&service_token={SERVICE}", {})]:
+        r2 = shard(client, "q", query, **headers)
+        assert r2.status_code == 200, (query, r2.content)
+        assert body_of(r2) == data and r2["X-Kvasir-Shard-Digest"] == r["X-Kvasir-Shard-Digest"]
+    # a market listing's name reaches the same model; a trailing slash is accepted
+    market.add_model("q", name="tiny-q")
+    r3 = client.get("/api/proxy/models/tiny-q/expert-shard/?layer=1&expert_begin=4&expert_end=9",
+                    HTTP_AUTHORIZATION=f"Bearer {tok}")
+    assert body_of(r3) == data
+
+
+def test_dense_shard_and_the_refusals(client, tmp_path, service):
+    publish_checkpoint(DEEPSEEK, "ds")  # dense experts in the source dtype; layer 0 is a dense MLP
+    _, tok = login(client)
+    assert_shard_is_the_published_blobs(tmp_path, shard(client, "ds", "layer=2&expert_begin=0&expert_end=16",
+                                                        token=tok), "ds", 2, 0, 16, 16)
+    cases = [
+        ("ds", "layer=0&expert_begin=0&expert_end=4", 400, "layer 0 holds no routed experts"),
+        ("ds", "layer=3&expert_begin=0&expert_end=4", 400, "layer 3 is outside [0, 3) of model 'ds'"),
+        ("ds", "layer=1&expert_begin=8&expert_end=17", 400, "expert range [8, 17) is outside [0, 16)"),
+        ("ds", "layer=1&expert_begin=5&expert_end=5", 400, "invalid expert range [5, 5)"),
+        ("ds", "layer=1&expert_begin=-1&expert_end=5", 400, "invalid expert range [-1, 5)"),
+        ("ds", "expert_begin=0&expert_end=4", 400, "layer is required"),
+        ("ds", "layer=1&expert_end=4", 400, "expert_begin is required"),
+        ("ds", "layer=1&expert_begin=0", 400, "expert_end is required"),
+        ("ds", "", 400, "layer is required"),
+        ("ds", "layer=x&expert_begin=0&expert_end=4", 400, "layer must be an integer"),
+        ("ds", "layers=1:2&experts=4", 400, "experts must be A:B"),
+        ("ds", "layers=1:2&experts=a:b", 400, "experts must be A:B"),
+        ("ds", "layers=1:2&experts=9:4", 400, "invalid expert range [9, 4)"),
+        ("ds", "layers=x&experts=0:4", 400, "layers must be A:B or a comma list"),
+        ("ds", "layers=&experts=0:4", 400, "no layers requested"),
+        ("ds", "experts=0:4", 400, "no layers requested"),
+        ("ds", "layers=1:3&experts=0:4", 400, "a shard holds one layer"),
+        ("nope", "layer=1&expert_begin=0&expert_end=4", 404, "unknown model 'nope'"),
+    ]
+    for model, query, status, message in cases:
+        r = shard(client, model, query, token=tok)
+        assert (r.status_code, r["Content-Type"]) == (status, "application/json"), (query, r.content)
+        assert message in r.json()["error"], (query, r.json())
+    assert shard(client, "ds", "layer=1&expert_begin=0&expert_end=4").json() == {"error": "authentication required"}
+    assert shard(client, "ds", "layer=1&expert_begin=0&expert_end=4&service_token=wrong").status_code == 401
+    assert shard(client, "ds", "layer=1&expert_begin=0&expert_end=4&service_token=" + tok).status_code == 401
+    r = client.post("/api/proxy/models/ds/expert-shard?layer=1&expert_begin=0&expert_end=4",
+                    HTTP_AUTHORIZATION=f"Bearer {tok}")
+    assert (r.status_code, r.json()) == (405, {"error": "use GET"})
+    ExpertBlob.objects.filter(model_id="ds", layer=1, expert=3).delete()
+    r = shard(client, "ds", "layer=1&expert_begin=0&expert_end=4", token=tok)
+    assert r.status_code == 404 and "experts [3] of model 'ds' are not published" in r.json()["error"]
+
+
+def test_more_than_64_experts_is_413(client):
+    from registry.models import MoeModel
+
+    MoeModel.objects.create(model_id="wide", family="qwen3_moe", num_experts=128, top_k=8, hidden_size=64,
+                            expert_d_ff=32, moe_layers=[0], config={"num_hidden_layers": 1})
+    _, tok = login(client)
+    r = shard(client, "wide", "layer=0&expert_begin=0&expert_end=65", token=tok)
+    assert (r.status_code, r.json()) == (413, {"error": "at most 64 experts per request"})
+    r = shard(client, "wide", "layers=0:1&experts=63:128", token=tok)
+    assert r.status_code == 413
+    r = shard(client, "wide", "layer=0&expert_begin=0&expert_end=64", token=tok)  # 64 passes the cap
+    assert r.status_code == 404 and "not published" in r.json()["error"]
