@@ -15,7 +15,8 @@ CLOSE_UNKNOWN_PATH = 4404
 
 class UnknownPathConsumer(AsyncWebsocketConsumer):
     """Accepts, then closes with ``CLOSE_UNKNOWN_PATH`` and reason ``no WebSocket endpoint at <path>``
-    (the reason cut to the protocol's 123-byte limit)."""
+    (the reason cut to the protocol's 123-byte limit; daphne 4.2 sends the code only, other ASGI
+    servers the reason too)."""
 
     async def connect(self):
         await self.accept()
