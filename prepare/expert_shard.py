@@ -23,10 +23,8 @@ from pathlib import Path
 
 from moe.blobs import BlobStore
 from prepare.gguf_export import ExportError, ShardSpec, expert_from_blob, write_expert_shard
-from registry.market import MarketError, basename
+from registry.market import MAX_SHARD_EXPERTS, MarketError, basename
 from registry.models import ExpertBlob, MarketModel, MoeModel
-
-MAX_SHARD_EXPERTS = 64
 
 
 @dataclass(frozen=True)

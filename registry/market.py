@@ -41,6 +41,7 @@ MAX_CHALLENGES = 10_000
 MAX_WORKERS = 4_096
 MAX_SEGMENTS = 256
 MAX_WALLET = 64
+MAX_SHARD_EXPERTS = 64  # the shard download's cap (§1.10); assignments are clipped to it
 _B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 
 
@@ -339,7 +340,8 @@ def demand(ref: str | None) -> dict:
 
 def volunteer(wallet: str, body: dict) -> dict:
     """``POST /api/expert-volunteer`` (§1.4, §1.11 item 5): the scarcest run (ties: wider before
-    clipping, then first), clipped to ``max_experts`` (≤ 0 or missing: no cap); a wallet's
+    clipping, then first), clipped to ``max_experts`` and to ``MAX_SHARD_EXPERTS`` (the shard
+    download's 413 cap, as §1.10 advises; ``max_experts`` ≤ 0 or missing: that cap alone); a wallet's
     assignment is claimed as one replica for 120 s (a repeat refreshes it)."""
     now = timezone.now()
     _evict(now)
@@ -361,8 +363,9 @@ def volunteer(wallet: str, body: dict) -> dict:
         return {"assigned": False, "reason": "expert coverage at target"}
     m, layer, seg, _ = best
     begin, end = seg["experts"]
-    if cap > 0:
-        end = min(end, begin + cap)
+    # clipped to what one shard download may hold, so an assignment can always be downloaded
+    cap = min(cap, MAX_SHARD_EXPERTS) if cap > 0 else MAX_SHARD_EXPERTS
+    end = min(end, begin + cap)
     if wallet:
         try:
             with transaction.atomic():

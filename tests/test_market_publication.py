@@ -207,3 +207,9 @@ def test_more_than_64_experts_is_413(client):
     assert r.status_code == 413
     r = shard(client, "wide", "layer=0&expert_begin=0&expert_end=64", token=tok)  # 64 passes the cap
     assert r.status_code == 404 and "not published" in r.json()["error"]
+    # volunteering never hands out a window the download would refuse
+    market.add_model("wide")
+    # (each assignment is claimed as one replica, so the next goes to the next scarcest window)
+    for body, want in [({}, [0, 64]), ({"max_experts": 128}, [64, 128]), ({"max_experts": 16}, [0, 16])]:
+        status, a = post(client, "/api/expert-volunteer", body, token=tok)
+        assert (status, a["experts"]) == (200, want), body
