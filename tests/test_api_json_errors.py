@@ -8,8 +8,8 @@ from channels.testing import WebsocketCommunicator
 pytestmark = pytest.mark.django_db
 
 
-@pytest.mark.parametrize("path", ["/api/expert-relay", "/api/expert-dispatch-map?model=m", "/api/moe/recruitment",
-                                  "/api/expert-relay/sessions", "/api/nope/", "/api/v1/no-such-thing",
+@pytest.mark.parametrize("path", ["/api/expert-relay", "/api/expert-dispatch-map/x?model=m", "/api/moe/nope",
+                                  "/api/expert-relay/nope", "/api/nope/", "/api/v1/no-such-thing",
                                   "/api/proxy/models/m/nothing"])
 @pytest.mark.parametrize("method", ["get", "post", "delete"])
 def test_unknown_api_paths_answer_json_404(client, path, method):
