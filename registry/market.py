@@ -262,6 +262,22 @@ def post_coverage(wallet: str, body: dict) -> dict:
     now = timezone.now()
     segs = _segments(body.get("segments"))
     _evict(now)
+    for _ in range(3):  # a lost race for a relay port (unique column) retries with the next free one
+        try:
+            w, wiring = _store_coverage(wallet, worker_id, model, segs, body, now)
+            break
+        except IntegrityError:
+            continue
+    else:
+        raise MarketError(503, "the coverage census is busy; try again shortly")
+    wired = wiring is not None and w.listen_port is not None
+    return {"ok": True, "workers": MarketWorker.objects.count(), "wired": wired,
+            "listen_port": w.listen_port if wired else None, "session": wiring}
+
+
+def _store_coverage(wallet: str, worker_id: str, model: str, segs: list, body: dict, now):
+    """One attempt at storing a coverage post: ``(worker, session or None)``. Raises
+    ``IntegrityError`` when a concurrent post took the same worker id or relay port."""
     with transaction.atomic():
         w = MarketWorker.objects.select_for_update().filter(worker_id=worker_id).first()
         if w is None and MarketWorker.objects.count() >= MAX_WORKERS:
@@ -287,16 +303,14 @@ def post_coverage(wallet: str, body: dict) -> dict:
             for c in MarketClaim.objects.filter(wallet=wallet):
                 if any(s[0] == c.layer and s[1] <= c.begin and s[2] >= c.end for s in segs):
                     c.delete()
-    wired = wiring is not None and w.listen_port is not None
-    return {"ok": True, "workers": MarketWorker.objects.count(), "wired": wired,
-            "listen_port": w.listen_port if wired else None, "session": wiring}
+    return w, wiring
 
 
 def _wire(w: MarketWorker, worker_id: str, now) -> str:
     """Give a relay-wired worker its session and a coordinator port (kept while it stays live);
-    returns the session. Runs inside ``post_coverage``'s transaction, the worker row locked;
+    returns the session. Runs inside ``_store_coverage``'s transaction, the worker row locked;
     the port column is unique, so two workers racing for one port cannot both get it (the
-    loser's transaction fails and its client retries the heartbeat)."""
+    loser's transaction fails and ``post_coverage`` retries it)."""
     session = (w.url[len("relay:"):].strip() or f"expert-{worker_id}")[:MAX_SESSION]
     if w.session != session or w.relay_claimed is None:
         w.relay_claimed = now

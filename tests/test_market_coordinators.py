@@ -198,3 +198,23 @@ def test_relay_register_is_refused_clearly(client, model):
     status, out = post(client, "/api/expert-relay/register", body, **SVC)
     assert status == 501 and "does not register relay listeners" in out["error"]
     assert not MarketWorker.objects.exists()
+
+
+def test_a_lost_port_race_retries_with_the_next_free_port(client, model, monkeypatch):
+    """Two first posts racing for one port: the unique column refuses the loser, whose post is
+    retried (not a 500) and gets the next free port."""
+    _, tok = login(client)
+    assert cover(client, tok, "a", [[1, 0, 4]])["listen_port"] == 52970
+    real, calls = market._wire, []
+
+    def racing(w, worker_id, now):  # the first attempt saw a stale free-port set
+        calls.append(worker_id)
+        session = real(w, worker_id, now)
+        if len(calls) == 1:
+            w.listen_port = 52970
+        return session
+
+    monkeypatch.setattr(market, "_wire", racing)
+    out = cover(client, tok, "b", [[1, 4, 8]])
+    assert out["listen_port"] == 52971 and calls == ["b", "b"]
+    assert MarketWorker.objects.get(worker_id="b").listen_port == 52971
