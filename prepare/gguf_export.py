@@ -26,7 +26,8 @@ from typing import Callable
 import numpy as np
 
 from moe.config import GGUF_ARCHITECTURES, ModelConfig, is_moe_layer
-from moe.ffn import PROJECTIONS, ExpertWeights
+from moe.codec import loads_safetensors
+from moe.ffn import BIASES, PROJECTIONS, ExpertWeights
 from moe.gating import Gate
 from moe.quant import QuantizedMatrix
 from prepare.gguf import BLOCK_TENSORS
@@ -329,6 +330,83 @@ def _tensors(model: ExportModel, cfg: ModelConfig, notes: dict):
                     yield name, m.blocks, gguf.GGMLQuantizationType[_GGML[m.qtype]]
                 else:
                     yield _add(name, m, dt.upper())
+
+
+def expert_from_blob(blob: bytes, what: str = "expert blob") -> tuple[ExpertWeights, str]:
+    """An expert blob as ``(ExpertWeights, dense dtype)``: the dtype (``"F32"``/``"F16"``/``"BF16"``)
+    its dense projections were stored in, ``"F32"`` when mixed or all quantized (``U8`` blocks).
+    Raises ``ValueError`` (``CheckpointError``) for a malformed blob; ``what`` names it."""
+    tensors, _ = loads_safetensors(blob, what)
+    dense = {t.dtype for n, t in tensors.items() if n.endswith(".weight") and t.dtype != "U8"}
+    return ExpertWeights.from_blob(blob), (dense.pop() if len(dense) == 1 else "F32")
+
+
+@dataclass
+class ShardSpec:
+    """One expert shard (Kvasir contract §1.10): routed experts ``[expert_begin, expert_end)`` of MoE
+    layer ``layer`` of ``model`` (``family`` its HF ``model_type``), with the model's ``n_embd``
+    (hidden size), ``n_layer`` (block count), ``n_expert_total`` (routed experts per layer),
+    ``expert_d_ff`` and ``source_digest`` (what the slice was cut from)."""
+
+    model: str
+    family: str
+    layer: int
+    expert_begin: int
+    expert_end: int
+    n_expert_total: int
+    n_embd: int
+    n_layer: int
+    expert_d_ff: int
+    source_digest: str
+
+
+def write_expert_shard(spec: ShardSpec, experts: list[ExpertWeights], dtypes: set[str], out: str | Path) -> dict:
+    """Write a mini-GGUF of one expert range, as ``linkcpp-expert-worker`` loads it:
+    ``blk.L.ffn_{gate,up,down}_exps.weight`` stacked over the range's experts (local expert i =
+    global ``expert_begin + i``) in the blobs' types (Q8_0 / Q4_K / Q6_K blocks byte for byte;
+    dense as their common dtype, else F32; ``_stack``), the arch's ``block_count`` /
+    ``embedding_length`` / ``expert_count`` / ``expert_feed_forward_length``, and the shard keys
+    ``kvasir.expert_shard.{model, layer, expert_begin, expert_end, n_expert_total, source_digest}``
+    (plus the older ``linkcpp.expert_shard.*`` set). ``experts`` are the range's in order, each a
+    SiLU-gated FFN without biases (the worker computes ``W_down·(silu(W_gate·h) ⊙ W_up·h)``).
+    Returns ``{"tensors": 3, "notes": {...}, "manifest_bytes": bytes before the tensor data}``.
+    Raises ``ExportError`` for an empty range or experts the worker cannot compute."""
+    import gguf
+
+    n = spec.expert_end - spec.expert_begin
+    if n < 1 or len(experts) != n:
+        raise ExportError(f"expert range [{spec.expert_begin}, {spec.expert_end}) needs {max(n, 0)} experts, "
+                          f"got {len(experts)}")
+    for i, ew in enumerate(experts):
+        if ew.activation != "silu" or any(getattr(ew, b) is not None for b in BIASES):
+            raise ExportError(f"layer {spec.layer} expert {spec.expert_begin + i} has biases or a non-SiLU "
+                              "activation, which the expert worker does not compute")
+    arch = ARCH_OF.get(spec.family, spec.family)
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_block_count(spec.n_layer)
+    w.add_embedding_length(spec.n_embd)
+    w.add_expert_count(spec.n_expert_total)
+    w.add_expert_feed_forward_length(spec.expert_d_ff)
+    k = "kvasir.expert_shard."
+    w.add_string(k + "model", spec.model)
+    w.add_string(k + "source_digest", spec.source_digest)
+    for key, v in (("layer", spec.layer), ("expert_begin", spec.expert_begin), ("expert_end", spec.expert_end),
+                   ("n_expert_total", spec.n_expert_total)):
+        w.add_uint32(k + key, v)
+    for key, v in (("expert_begin", spec.expert_begin), ("expert_end", spec.expert_end),
+                   ("n_expert_global", spec.n_expert_total), ("n_embd", spec.n_embd), ("n_layer", spec.n_layer)):
+        w.add_uint32("linkcpp.expert_shard." + key, v)
+    notes: dict[str, str] = {}
+    for proj in PROJECTIONS:
+        name = f"blk.{spec.layer}.ffn_{_PROJ[proj]}_exps.weight"
+        arr, raw = _stack([getattr(x, proj) for x in experts], name, notes, set(dtypes))
+        name, arr, raw = (name, arr, gguf.GGMLQuantizationType[raw]) if raw in _GGML.values() else _add(name, arr, raw)
+        w.add_tensor(name, arr, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()  # the tensor table, then the data
+    w.close()
+    return {"tensors": 3, "notes": notes, "manifest_bytes": int(gguf.GGUFReader(str(out)).data_offset)}
 
 
 def _dense(m) -> np.ndarray:

@@ -136,3 +136,32 @@ def job_progress(request, job_id):
 
 
 __all__ = ["blob", "jobs", "job_rows", "job_detail", "job_progress"]
+
+
+def expert_shard(request, model: str):
+    """``GET /api/proxy/models/{model}/expert-shard`` (Kvasir contract §1.10; node token or service
+    token, also as ``?service_token=``): the mini-GGUF of ``?layer=L&expert_begin=a&expert_end=b``
+    or ``?layers=A:B&experts=a:b`` (``prepare.expert_shard``), with ``Content-Length``,
+    ``X-Kvasir-Shard-Digest`` (SHA-256 hex of the body) and ``X-Kvasir-Shard-Manifest-Bytes``.
+    Errors are ``{"error"}``: 401, 400, 404, 405, 413."""
+    from django.http import FileResponse
+
+    from prepare import expert_shard as shards
+    from registry import market
+
+    if request.method not in ("GET", "HEAD"):
+        return JsonResponse({"error": "use GET"}, status=405)
+    try:
+        market.authenticate(request.headers, request.GET.get("service_token"))
+        built = shards.build_shard(model, shards.parse_query(request.GET), BlobStore(settings.TENZRO["BLOB_DIR"]))
+    except market.MarketError as exc:
+        return JsonResponse({"error": exc.message}, status=exc.status)
+    fh = open(built.path, "rb")
+    built.path.unlink()  # the open handle keeps the data until the response closes it
+    s = built.spec
+    resp = FileResponse(fh, content_type="application/octet-stream",
+                        filename=f"{market.basename(s.model)}-L{s.layer}-E{s.expert_begin}-{s.expert_end}.gguf")
+    resp["Content-Length"] = str(built.size)
+    resp["X-Kvasir-Shard-Digest"] = built.digest
+    resp["X-Kvasir-Shard-Manifest-Bytes"] = str(built.manifest_bytes)
+    return resp

@@ -749,25 +749,28 @@ def repair_status(p: dict) -> dict:
 
 
 class MarketModelParams(serializers.Serializer):
-    """``{model_id, name?, n_embd, n_layer, n_expert, expert_layers}`` of ``tenzro_moeMarketAddModel``."""
+    """``{model_id, name?, n_embd?, n_layer?, n_expert?, expert_layers?}`` of ``tenzro_moeMarketAddModel``:
+    the shape fields are taken from the publication of a model published here, and are required
+    for one that is not (``registry.market.add_model``)."""
 
     model_id = serializers.CharField(max_length=200)
     name = serializers.CharField(max_length=200, required=False, default="", allow_blank=True)
-    n_embd = serializers.IntegerField(min_value=1, max_value=1 << 20)
-    n_layer = serializers.IntegerField(min_value=1, max_value=10_000)
-    n_expert = serializers.IntegerField(min_value=1, max_value=1 << 16)
+    n_embd = serializers.IntegerField(min_value=1, max_value=1 << 20, required=False)
+    n_layer = serializers.IntegerField(min_value=1, max_value=10_000, required=False)
+    n_expert = serializers.IntegerField(min_value=1, max_value=1 << 16, required=False)
     expert_layers = serializers.ListField(child=serializers.IntegerField(min_value=0, max_value=10_000),
-                                          allow_empty=False, max_length=10_000)
+                                          allow_empty=False, max_length=10_000, required=False)
 
 
 @rpc_methods.method("tenzro_moeMarketAddModel", params=MarketModelParams, operator=True)
 def market_add_model(p: dict) -> dict:
-    """List a catalog model on the expert-coverage market (``registry.market.add_model``)."""
+    """List a model on the expert-coverage market (``registry.market.add_model``): a model published
+    here takes its shape (MoE layers, expert count, hidden size, block count) from the publication."""
     from registry import market
 
     try:
-        return market.add_model(p["model_id"], p["n_embd"], p["n_layer"], p["n_expert"], p["expert_layers"],
-                                p.get("name", ""))
+        return market.add_model(p["model_id"], p.get("n_embd"), p.get("n_layer"), p.get("n_expert"),
+                                p.get("expert_layers"), p.get("name", ""))
     except ValueError as exc:
         field, message = exc.args
         raise RpcError(INVALID_PARAMS, message, {"field": field}) from exc

@@ -1,5 +1,7 @@
-"""The Kvasir-compatible expert-coverage market (``kvasir_market_contract.md`` §1.0–1.5,
-§1.11–1.13, §2): wallet auth, node tokens, the coverage census, demand and volunteer.
+"""The Kvasir-compatible expert-coverage market (``kvasir_market_contract.md`` §1.0–1.7, §1.9,
+§1.11–1.13, §2): wallet auth, node tokens, the coverage census with relay wiring (sessions and
+sticky coordinator ports), demand, volunteer, and what external coordinators read: the
+dispatch map, recruitment and the relay session list.
 
 Services only (the thin views are ``registry.market_views``). State lives in the database:
 ``MarketChallenge`` (nonces, 5 min, single use, bound to a wallet), ``MarketWorker`` (last
@@ -19,6 +21,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import json
 import math
 import secrets
 import time
@@ -31,7 +34,7 @@ from nacl.exceptions import BadSignatureError
 from nacl.signing import VerifyKey
 
 from registry import governance, ratelimit, selectors
-from registry.models import Holding, MarketChallenge, MarketClaim, MarketModel, MarketWorker
+from registry.models import Holding, MarketChallenge, MarketClaim, MarketModel, MarketWorker, MoeModel
 from moe.jsonrpc import ParamError
 from registry.model_ids import validate_model_id
 
@@ -41,6 +44,12 @@ MAX_CHALLENGES = 10_000
 MAX_WORKERS = 4_096
 MAX_SEGMENTS = 256
 MAX_WALLET = 64
+MAX_SHARD_EXPERTS = 64  # the shard download's cap (§1.10); assignments are clipped to it
+RELAY_PORT_BASE = 52970  # coordinator ports handed to relay-wired workers (§1.5): 52970–53029
+RELAY_PORTS = 60
+RELAY_HOST = "127.0.0.1"
+MAX_SESSION = 128
+RECRUIT_SATURATE_SLOTS = 2  # §1.11 item 6, reported by /api/moe/recruitment
 _B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 
 
@@ -171,10 +180,15 @@ def issue_node_token(wallet, nonce, signature) -> dict:
     return {"node_token": token, "wallet": wallet, "expires_in": ttl}
 
 
-def authenticate(headers) -> str:
+def authenticate(headers, service_token: str | None = None) -> str:
     """The caller's wallet from ``Authorization: Bearer <token>`` (case-insensitive prefix) or a
     node token in ``X-Kvasir-Service-Token`` / ``X-Linkcpp-Service-Token``; ``""`` for the
-    service secret (``TENZRO_MARKET_SERVICE_TOKEN``, no wallet). Raises ``MarketError`` 401."""
+    service secret (``TENZRO_MARKET_SERVICE_TOKEN``, no wallet), also accepted as
+    ``service_token`` (the shard download's ``service_token`` query parameter, §1.10; only the
+    secret, never a node token, since URLs end up in logs). Raises ``MarketError`` 401."""
+    service = settings.TENZRO.get("MARKET_SERVICE_TOKEN") or ""
+    if service and isinstance(service_token, str) and hmac.compare_digest(service_token.encode(), service.encode()):
+        return ""
     candidates = []
     auth = headers.get("Authorization", "")
     if auth[:7].lower() == "bearer ":
@@ -182,7 +196,6 @@ def authenticate(headers) -> str:
     for h in ("X-Kvasir-Service-Token", "X-Linkcpp-Service-Token"):
         if headers.get(h):
             candidates.append(headers[h].strip())
-    service = settings.TENZRO.get("MARKET_SERVICE_TOKEN") or ""
     for c in candidates:
         if service and hmac.compare_digest(c.encode(), service.encode()):
             return ""
@@ -200,7 +213,8 @@ def _evict(now) -> None:
     MarketClaim.objects.filter(ts__lt=cutoff).delete()
 
 
-def _basename(ref: str) -> str:
+def basename(ref: str) -> str:
+    """The last ``/`` component of a model reference (how workers name models, §1.5)."""
     return ref.rstrip("/").rsplit("/", 1)[-1]
 
 
@@ -234,7 +248,11 @@ def _segments(raw) -> list[list[int]]:
 def post_coverage(wallet: str, body: dict) -> dict:
     """``POST /api/expert-coverage`` (the worker heartbeat). Raises ``MarketError`` 400 / 503.
 
-    Relay wiring (§1.6–1.10) is not offered by this site: ``wired`` is false.
+    A ``url`` of ``relay:<session>`` wires the worker (§1.5): the session (``expert-<worker_id>``
+    when empty, cut to 128 chars) and a coordinator port from 52970–53029, sticky to the worker
+    until it is evicted; all 60 taken → ``wired: false, listen_port: null`` but still the
+    session (the JS bridge's answer). Any other ``url`` answers ``wired: false`` and leaves an
+    earlier wiring to age out of the dispatch map (``relay_ts`` is not refreshed).
     """
     worker_id = body.get("worker_id").strip() if isinstance(body.get("worker_id"), str) else ""
     model = body.get("model").strip() if isinstance(body.get("model"), str) else ""
@@ -244,13 +262,29 @@ def post_coverage(wallet: str, body: dict) -> dict:
     now = timezone.now()
     segs = _segments(body.get("segments"))
     _evict(now)
+    for _ in range(3):  # a lost race for a relay port (unique column) retries with the next free one
+        try:
+            w, wiring = _store_coverage(wallet, worker_id, model, segs, body, now)
+            break
+        except IntegrityError:
+            continue
+    else:
+        raise MarketError(503, "the coverage census is busy; try again shortly")
+    wired = wiring is not None and w.listen_port is not None
+    return {"ok": True, "workers": MarketWorker.objects.count(), "wired": wired,
+            "listen_port": w.listen_port if wired else None, "session": wiring}
+
+
+def _store_coverage(wallet: str, worker_id: str, model: str, segs: list, body: dict, now):
+    """One attempt at storing a coverage post: ``(worker, session or None)``. Raises
+    ``IntegrityError`` when a concurrent post took the same worker id or relay port."""
     with transaction.atomic():
         w = MarketWorker.objects.select_for_update().filter(worker_id=worker_id).first()
         if w is None and MarketWorker.objects.count() >= MAX_WORKERS:
             raise MarketError(503, "the coverage census is full; try again shortly")
         w = w or MarketWorker(worker_id=worker_id)
         w.wallet = wallet or w.wallet
-        w.model = _basename(model)[:200]
+        w.model = basename(model)[:200]
         w.n_layer = int(body["n_layer"]) if isinstance(body.get("n_layer"), int) else 0
         w.n_expert = int(body["n_expert"]) if isinstance(body.get("n_expert"), int) else 0
         w.segments = segs
@@ -263,13 +297,149 @@ def post_coverage(wallet: str, body: dict) -> dict:
                 platform[k] = body[k][:64]
         w.platform = platform
         w.ts = now
+        wiring = _wire(w, worker_id, now) if w.url.startswith("relay:") else None
         w.save()
         if wallet:  # a claim ends once its wallet reports a segment covering the range
             for c in MarketClaim.objects.filter(wallet=wallet):
                 if any(s[0] == c.layer and s[1] <= c.begin and s[2] >= c.end for s in segs):
                     c.delete()
-    return {"ok": True, "workers": MarketWorker.objects.count(), "wired": False, "listen_port": None,
-            "session": None}
+    return w, wiring
+
+
+def _wire(w: MarketWorker, worker_id: str, now) -> str:
+    """Give a relay-wired worker its session and a coordinator port (kept while it stays live);
+    returns the session. Runs inside ``_store_coverage``'s transaction, the worker row locked;
+    the port column is unique, so two workers racing for one port cannot both get it (the
+    loser's transaction fails and ``post_coverage`` retries it)."""
+    session = (w.url[len("relay:"):].strip() or f"expert-{worker_id}")[:MAX_SESSION]
+    if w.session != session or w.relay_claimed is None:
+        w.relay_claimed = now
+    w.session = session
+    w.relay_ts = now
+    if w.listen_port is None:
+        taken = set(MarketWorker.objects.exclude(worker_id=worker_id).filter(listen_port__isnull=False)
+                    .values_list("listen_port", flat=True))
+        w.listen_port = next((p for p in range(RELAY_PORT_BASE, RELAY_PORT_BASE + RELAY_PORTS) if p not in taken),
+                             None)
+    return session
+
+
+def _require_service(wallet: str, what: str) -> None:
+    """Service-only endpoints: ``authenticate`` returned a wallet, so a node token was used."""
+    if wallet:
+        raise MarketError(403, f"a service token is required to {what}")
+
+
+def _first_segment(w: MarketWorker) -> tuple[int, list[int]]:
+    """The relay target's layer and experts: the first segment's, else layer 0, experts [0, 0] (§1.5)."""
+    if w.segments:
+        layer, b, e = w.segments[0]
+        return layer, [b, e]
+    return 0, [0, 0]
+
+
+def _query_number(query, field: str, default: float, lo: float) -> float:
+    """A query parameter as a finite number ≥ ``lo`` (``default`` when absent or empty);
+    raises ``MarketError`` 400 naming the field."""
+    raw = query.get(field)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        v = float(raw.strip())
+    except ValueError:
+        v = math.nan
+    if not math.isfinite(v) or v < lo:
+        raise MarketError(400, f"{field} must be a number ≥ {lo:g}")
+    return v
+
+
+def dispatch_map(wallet: str, query) -> dict:
+    """``GET /api/expert-dispatch-map?model=<m>&layer=<L|-1>&stale=<s=120>`` (§1.6), service token
+    only (rows name the relay sessions a worker's socket joins).
+
+    ``{"model": <basename>, "rows": [{"worker_id", "layer", "experts": [a, b], "listen_port",
+    "session", "node_id"}]}``: one row per relay-wired worker with a port whose last relay-wired
+    coverage post is at most ``stale`` seconds old (and live, §1.11), its stored model equal to
+    ``model``'s basename and, for ``layer`` ≥ 0, its first segment on that layer; rows sorted by
+    worker_id. For the backbone's hand-written parser, which finds rows by the text
+    ``"worker_id"``: that key comes first in each row with a string value, and a row whose JSON
+    would hold that text a second time (a worker or session named so) is left out, as is a
+    ``model`` containing it (400). Integers are JSON integers. ``stale`` may be fractional.
+    Raises ``MarketError`` 400 (``model`` missing, ``layer`` not an integer ≥ -1, ``stale``
+    not a number ≥ 0), 403 (node token)."""
+    _require_service(wallet, "read the dispatch map")
+    ref = query.get("model")
+    model = basename(ref.strip()) if isinstance(ref, str) else ""
+    if not model:
+        raise MarketError(400, "model is required")
+    if "worker_id" in model:
+        raise MarketError(400, "model must not contain the text worker_id (the dispatch parser keys rows on it)")
+    layer = _query_number(query, "layer", -1, -1)
+    if layer != int(layer):
+        raise MarketError(400, "layer must be an integer ≥ -1")
+    layer = int(layer)
+    stale = _query_number(query, "stale", LIVE_S, 0)
+    now = timezone.now()
+    _evict(now)
+    rows = []
+    for w in (MarketWorker.objects.filter(model=model, listen_port__isnull=False, relay_ts__isnull=False,
+                                          relay_ts__gte=now - timedelta(seconds=stale)).order_by("worker_id")):
+        w_layer, experts = _first_segment(w)
+        if layer >= 0 and w_layer != layer:
+            continue
+        row = {"worker_id": w.worker_id, "layer": w_layer, "experts": experts, "listen_port": w.listen_port,
+               "session": w.session, "node_id": w.worker_id}
+        if json.dumps(row).count('"worker_id"') == 1:
+            rows.append(row)
+    return {"model": model, "rows": rows}
+
+
+def relay_sessions(wallet: str) -> dict:
+    """``GET /api/expert-relay/sessions`` (§1.9, JS shape), service token only: the relay
+    sessions of live relay-wired workers, sorted by session. ``claimed_at`` = when the session
+    was first named (epoch ms, as the JS bridge reports times). No relay socket joins a session
+    yet (issue 27 item 3), so ``connected`` is false and ``bytes`` null. Raises ``MarketError`` 403."""
+    _require_service(wallet, "list relay sessions")
+    _evict(timezone.now())
+    out = []
+    for w in MarketWorker.objects.exclude(session="").filter(relay_claimed__isnull=False).order_by("session"):
+        layer, experts = _first_segment(w)
+        out.append({"session": w.session, "node_id": w.worker_id, "owner": w.owner or None,
+                    "model": w.model, "layer": layer, "experts": experts,
+                    "listen_host": RELAY_HOST if w.listen_port is not None else None,
+                    "listen_port": w.listen_port, "claimed_at": int(w.relay_claimed.timestamp() * 1000),
+                    "connected": False, "bytes": None})
+    return {"sessions": out}
+
+
+def relay_register(wallet: str, body: dict) -> dict:
+    """``POST /api/expert-relay/register`` (§1.9, Py hub), service token only: refused with 501.
+    A registration names a host:port this site would dial on a worker's behalf; this site's
+    relay joins sessions only to the coordinator ports its coverage census hands out (§1.5),
+    so it accepts no outside listener. Raises ``MarketError`` 403 (node token) or 501."""
+    _require_service(wallet, "register a relay listener")
+    raise MarketError(501, "this site does not register relay listeners: a relay session joins the coordinator "
+                           "port its coverage post was given (see /api/expert-dispatch-map)")
+
+
+def recruitment(wallet: str) -> dict:
+    """``GET /api/moe/recruitment`` (§1.7), node or service token, read-only.
+
+    The Py hub's recruitment boosts a model's target while an external coordinator's
+    llama-server reports ``busy ≥ saturate_at`` slots. This site reads no coordinator's
+    ``/slots`` (§1.12 item 7: a constant target), so ``boost`` is 0, every model's
+    ``effective_target`` equals ``base_target`` (the policy's ``min_replication``),
+    ``recruiting`` is true as in ``/api/expert-demand``, and ``busy``/``slots``/``age_s`` are
+    null (no reading). ``expert_workers`` counts the live market workers reporting the model."""
+    _evict(timezone.now())
+    target = governance.current_policy().min_replication
+    models = []
+    for m in _models(None):
+        names = {basename(m.model_id), m.model_id} | ({m.name, basename(m.name)} if m.name else set())
+        models.append({"model": m.model_id, "busy": None, "slots": None, "saturated": False, "recruiting": True,
+                       "base_target": target, "effective_target": target,
+                       "expert_workers": MarketWorker.objects.filter(model__in=names).count(), "age_s": None})
+    return {"saturate_at": RECRUIT_SATURATE_SLOTS, "boost": 0, "target_base": target, "models": models}
 
 
 def _models(ref: str | None) -> list[MarketModel]:
@@ -284,7 +454,7 @@ def fold(m: MarketModel) -> dict[int, list[int]]:
     n = m.n_expert
     layers = sorted({int(x) for x in m.expert_layers})
     r = {layer: [0] * n for layer in layers}
-    names = {_basename(m.model_id), m.model_id} | ({m.name, _basename(m.name)} if m.name else set())
+    names = {basename(m.model_id), m.model_id} | ({m.name, basename(m.name)} if m.name else set())
     for segs in MarketWorker.objects.filter(model__in=names).values_list("segments", flat=True):
         for layer, b, e in segs:
             if layer in r:
@@ -334,7 +504,8 @@ def demand(ref: str | None) -> dict:
 
 def volunteer(wallet: str, body: dict) -> dict:
     """``POST /api/expert-volunteer`` (§1.4, §1.11 item 5): the scarcest run (ties: wider before
-    clipping, then first), clipped to ``max_experts`` (≤ 0 or missing: no cap); a wallet's
+    clipping, then first), clipped to ``max_experts`` and to ``MAX_SHARD_EXPERTS`` (the shard
+    download's 413 cap, as §1.10 advises; ``max_experts`` ≤ 0 or missing: that cap alone); a wallet's
     assignment is claimed as one replica for 120 s (a repeat refreshes it)."""
     now = timezone.now()
     _evict(now)
@@ -356,8 +527,9 @@ def volunteer(wallet: str, body: dict) -> dict:
         return {"assigned": False, "reason": "expert coverage at target"}
     m, layer, seg, _ = best
     begin, end = seg["experts"]
-    if cap > 0:
-        end = min(end, begin + cap)
+    # clipped to what one shard download may hold, so an assignment can always be downloaded
+    cap = min(cap, MAX_SHARD_EXPERTS) if cap > 0 else MAX_SHARD_EXPERTS
+    end = min(end, begin + cap)
     if wallet:
         try:
             with transaction.atomic():
@@ -370,20 +542,61 @@ def volunteer(wallet: str, body: dict) -> dict:
             "n_layer": m.n_layer, "n_expert": m.n_expert}
 
 
-def add_model(model_id: str, n_embd: int, n_layer: int, n_expert: int, expert_layers: list[int],
-              name: str = "") -> dict:
-    """List (or update) a catalog model on the market. Raises ``ValueError(field, message)``
-    for an expert layer outside ``[0, n_layer)`` or a ``model_id`` outside ``registry.model_ids``' rule."""
+SHAPE_FIELDS = ("n_embd", "n_layer", "n_expert", "expert_layers")
+
+
+def published_shape(model_id: str) -> dict | None:
+    """The market shape of a model published on this site (``MoeModel``), or None when none is:
+    ``n_embd`` = hidden size, ``n_layer`` = the config's block count (else last MoE layer + 1),
+    ``n_expert`` = routed experts (the shared slot is not offered), ``expert_layers`` = the MoE
+    layers whose experts are published. Raises ``ValueError("model_id", …)`` for a dense-slice
+    set (``prepare.dense``), which has no routed experts to offer."""
+    pub = MoeModel.objects.filter(model_id=model_id).first()
+    if pub is None:
+        return None
+    if pub.family == "dense":
+        raise ValueError("model_id", f"{model_id!r} is a set of dense-layer slices, not an MoE model; "
+                                     "list the MoE model it belongs to")
+    layers = sorted({int(x) for x in pub.moe_layers})
+    n_layer = int((pub.config or {}).get("num_hidden_layers") or 0) or (layers[-1] + 1 if layers else 0)
+    return {"n_embd": pub.hidden_size, "n_layer": n_layer, "n_expert": pub.num_experts, "expert_layers": layers}
+
+
+def add_model(model_id: str, n_embd: int | None = None, n_layer: int | None = None, n_expert: int | None = None,
+              expert_layers: list[int] | None = None, name: str = "") -> dict:
+    """List (or update) a model on the market; returns its row plus ``created`` and ``published``.
+
+    A model published on this site (``MoeModel``) takes its shape from the publication
+    (``published_shape``): its MoE layers are the market's expert layers, so demand and
+    volunteering cover them. Shape fields given for it must agree with the publication. A model
+    not published here needs all four shape fields (an external catalog listing).
+
+    Raises ``ValueError(field, message)``: ``model_id`` outside ``registry.model_ids``' rule, a
+    dense-slice set, or an unpublished model without a full shape; a shape field that disagrees
+    with the publication; an expert layer outside ``[0, n_layer)``."""
     try:
         validate_model_id(model_id, hub=True)
     except ParamError as exc:
         raise ValueError("model_id", str(exc)) from None
-    layers = sorted(set(expert_layers))
-    bad = [x for x in layers if not 0 <= x < n_layer]
+    given = {"n_embd": n_embd, "n_layer": n_layer, "n_expert": n_expert,
+             "expert_layers": sorted(set(expert_layers)) if expert_layers is not None else None}
+    shape = published_shape(model_id)
+    if shape is not None:
+        if not shape["expert_layers"]:
+            raise ValueError("model_id", f"published model {model_id!r} has no published MoE layer")
+        for f in SHAPE_FIELDS:
+            if given[f] is not None and given[f] != shape[f]:
+                raise ValueError(f, f"{model_id!r} is published with {f} {shape[f]}; leave {f} out or give that")
+    else:
+        missing = [f for f in SHAPE_FIELDS if given[f] is None]
+        if missing:
+            raise ValueError("model_id", f"no model {model_id!r} is published on this site; publish it first, "
+                                         f"or give its shape ({', '.join(missing)} missing)")
+        shape = given
+    bad = [x for x in shape["expert_layers"] if not 0 <= x < shape["n_layer"]]
     if bad:
-        raise ValueError("expert_layers", f"expert layers {bad} are outside [0, {n_layer})")
-    m, created = MarketModel.objects.update_or_create(
-        model_id=model_id, defaults={"name": name, "n_embd": n_embd, "n_layer": n_layer, "n_expert": n_expert,
-                                     "expert_layers": layers})
+        raise ValueError("expert_layers", f"expert layers {bad} are outside [0, {shape['n_layer']})")
+    m, created = MarketModel.objects.update_or_create(model_id=model_id, defaults={"name": name, **shape})
     return {"model_id": m.model_id, "name": m.name, "n_embd": m.n_embd, "n_layer": m.n_layer,
-            "n_expert": m.n_expert, "expert_layers": m.expert_layers, "created": created}
+            "n_expert": m.n_expert, "expert_layers": m.expert_layers, "created": created,
+            "published": MoeModel.objects.filter(model_id=model_id).exists()}

@@ -86,3 +86,27 @@ def demand(request, wallet, body):
 def volunteer(request, wallet, body):
     """``POST /api/expert-volunteer {model?, max_experts?}`` → an assignment or ``{assigned: false}``."""
     return market.volunteer(wallet, body)
+
+
+@_endpoint("GET", auth=True)
+def dispatch_map(request, wallet, body):
+    """``GET /api/expert-dispatch-map?model=&layer=&stale=`` (service token) → ``{model, rows}``."""
+    return market.dispatch_map(wallet, request.GET)
+
+
+@_endpoint("GET", auth=True)
+def recruitment(request, wallet, body):
+    """``GET /api/moe/recruitment`` → ``{saturate_at, boost, target_base, models}``."""
+    return market.recruitment(wallet)
+
+
+@_endpoint("GET", auth=True)
+def relay_sessions(request, wallet, body):
+    """``GET /api/expert-relay/sessions`` (service token) → ``{sessions}``."""
+    return market.relay_sessions(wallet)
+
+
+@_endpoint("POST", auth=True)
+def relay_register(request, wallet, body):
+    """``POST /api/expert-relay/register`` (service token) → refused with 501 (see ``market.relay_register``)."""
+    return market.relay_register(wallet, body)

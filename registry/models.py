@@ -364,6 +364,12 @@ class MarketWorker(models.Model):
     owner = models.CharField(max_length=64, blank=True, default="")
     platform = models.JSONField(default=dict, blank=True)
     ts = models.DateTimeField()
+    # Relay wiring (contract §1.5): session name and coordinator port, sticky to the worker until
+    # it is evicted; relay_ts = its last relay-wired coverage post (the dispatch map's staleness).
+    session = models.CharField(max_length=128, blank=True, default="")
+    listen_port = models.IntegerField(null=True, blank=True, unique=True)
+    relay_claimed = models.DateTimeField(null=True, blank=True)
+    relay_ts = models.DateTimeField(null=True, blank=True)
 
     def __str__(self) -> str:
         return self.worker_id

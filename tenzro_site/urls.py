@@ -52,9 +52,15 @@ urlpatterns = [
     re_path(r"^api/expert-coverage/?$", market.coverage, name="market-coverage"),
     re_path(r"^api/expert-demand/?$", market.demand, name="market-demand"),
     re_path(r"^api/expert-volunteer/?$", market.volunteer, name="market-volunteer"),
+    re_path(r"^api/expert-dispatch-map/?$", market.dispatch_map, name="market-dispatch-map"),
+    re_path(r"^api/moe/recruitment/?$", market.recruitment, name="market-recruitment"),
+    re_path(r"^api/expert-relay/sessions/?$", market.relay_sessions, name="market-relay-sessions"),
+    re_path(r"^api/expert-relay/register/?$", market.relay_register, name="market-relay-register"),
+    re_path(r"^api/proxy/models/(?P<model>[^?#]+?)/expert-shard/?$", prepare_views.expert_shard,
+            name="market-expert-shard"),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
-    re_path(r"^api/(?P<rest>.*)$", views.api_not_found),  # API clients parse a JSON 404, not HTML
+    re_path(r"^api/(?P<rest>.*)$", views.api_not_found, name="api-not-found"),  # JSON, never HTML (§1.0)
     path("blobs/<str:blob_hash>", blob, name="blob"),
     path("prepare/", prepare_views.jobs, name="prepare-jobs"),
     path("prepare/<uuid:job_id>", prepare_views.job_detail, name="prepare-job"),

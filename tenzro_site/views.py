@@ -53,6 +53,19 @@ def metrics(request):
 
 @csrf_exempt  # no state changes: a POST gets the same JSON 404, not the CSRF failure page
 def api_not_found(request, rest: str = ""):
-    """Any ``/api/`` path without a view: a JSON 404 in the REST mirror's error shape
-    (``{"error": ...}``), not Django's HTML page, so API clients can parse it."""
+    """Any ``/api/`` path no route serves: JSON ``{"error"}`` 404 (Kvasir contract §1.0: never an
+    HTML error page). A GET/HEAD for a path that exists with a trailing slash (``/api/docs``)
+    is redirected there, as Django's ``APPEND_SLASH`` would have done without this catch-all;
+    other methods are never redirected (a redirected POST loses its body)."""
+    from django.http import HttpResponsePermanentRedirect
+    from django.urls import Resolver404, resolve
+
+    if request.method in ("GET", "HEAD") and not request.path.endswith("/"):
+        try:
+            match = resolve(request.path + "/")
+        except Resolver404:
+            match = None
+        if match is not None and match.url_name != "api-not-found":
+            query = request.META.get("QUERY_STRING", "")
+            return HttpResponsePermanentRedirect(request.path + "/" + (f"?{query}" if query else ""))
     return JsonResponse({"error": f"unknown endpoint {request.method} {request.path}"}, status=404)

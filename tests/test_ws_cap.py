@@ -147,3 +147,21 @@ def test_agent_holding_100000_experts_heartbeats_below_the_cap(site_factory, tmp
             await asyncio.gather(task, return_exceptions=True)
 
     assert asyncio.run(go()) == want
+
+
+def test_unknown_paths_on_a_real_daphne_are_json_404_and_a_4404_close_not_500(site_factory):
+    """Issue 27 item 7 on the server where the 500 came from: daphne answered the handshake of
+    ``/api/expert-relay`` (no route) with HTTP 500; now it is a 101 and a 4404 close."""
+    site = site_factory()
+    r = httpx.get(f"{site.url}/api/expert-relay", timeout=30)
+    assert (r.status_code, r.json()) == (404, {"error": "unknown endpoint GET /api/expert-relay"})
+
+    async def dial(path):
+        async with connect(site.url.replace("http", "ws") + path) as ws:
+            assert ws.response.status_code == 101
+            with pytest.raises(ConnectionClosed) as closed:
+                await asyncio.wait_for(ws.recv(), 30)
+            return closed.value.rcvd.code
+
+    for path in ("/api/expert-relay?session=s&token=t", "/ws/nope/"):
+        assert asyncio.run(dial(path)) == 4404, path

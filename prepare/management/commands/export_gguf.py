@@ -16,7 +16,7 @@ from moe.codec import loads_safetensors
 from moe.ffn import ExpertWeights
 from moe.gating import Gate
 from prepare.dense import dense_model_id
-from prepare.gguf_export import ExportError, ExportModel, write_gguf
+from prepare.gguf_export import ExportError, ExportModel, expert_from_blob, write_gguf
 from registry.models import ExpertBlob, GateBlob, MoeModel
 
 
@@ -42,9 +42,7 @@ def gather(model_id: str, store: BlobStore) -> ExportModel:
         r = rows.get((layer, e))
         if r is None:
             raise ExportError(f"model {model_id!r}: layer {layer} expert {e} was never published")
-        tensors, _ = loads_safetensors(store.get(r.blob_hash), f"expert blob {layer}/{e}")
-        dense = {t.dtype for n, t in tensors.items() if n.endswith(".weight") and t.dtype != "U8"}
-        return ExpertWeights.from_blob(store.get(r.blob_hash)), (dense.pop() if len(dense) == 1 else "F32")
+        return expert_from_blob(store.get(r.blob_hash), f"expert blob {layer}/{e}")
 
     dense = {}
     slices: dict[int, list] = {}

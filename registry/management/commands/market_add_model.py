@@ -1,4 +1,4 @@
-"""``manage.py market_add_model --model-id ID --n-embd N --n-layer N --n-expert N --expert-layers 1-47``."""
+"""``manage.py market_add_model --model-id ID [--n-embd N --n-layer N --n-expert N --expert-layers 1-47]``."""
 from __future__ import annotations
 
 import json
@@ -17,25 +17,27 @@ def _layers(text: str) -> list[int]:
 
 
 class Command(BaseCommand):
-    """List a catalog model on the expert-coverage market (as ``tenzro_moeMarketAddModel``)."""
+    """List a model on the expert-coverage market (as ``tenzro_moeMarketAddModel``): a model published
+    on this site takes its shape from the publication; any other needs the four shape options."""
 
-    help = "List a model on the expert-coverage market (Kvasir-compatible /api/expert-* endpoints)."
+    help = ("List a model on the expert-coverage market (Kvasir-compatible /api/expert-* endpoints). A model "
+            "published here needs only --model-id; its MoE layers, expert count and sizes come from the publication.")
 
     def add_arguments(self, parser):
         parser.add_argument("--model-id", required=True)
         parser.add_argument("--name", default="")
-        parser.add_argument("--n-embd", type=int, required=True)
-        parser.add_argument("--n-layer", type=int, required=True, help="block count")
-        parser.add_argument("--n-expert", type=int, required=True)
-        parser.add_argument("--expert-layers", required=True, help="e.g. 1-47 or 0,2,4")
+        parser.add_argument("--n-embd", type=int, help="hidden size (unpublished models)")
+        parser.add_argument("--n-layer", type=int, help="block count (unpublished models)")
+        parser.add_argument("--n-expert", type=int, help="routed experts per layer (unpublished models)")
+        parser.add_argument("--expert-layers", help="e.g. 1-47 or 0,2,4 (unpublished models)")
 
     def handle(self, *args, **o):
         for f in ("n_embd", "n_layer", "n_expert"):
-            if o[f] < 1:
+            if o[f] is not None and o[f] < 1:
                 raise CommandError(f"--{f.replace('_', '-')} must be at least 1")
+        layers = _layers(o["expert_layers"]) if o["expert_layers"] is not None else None
         try:
-            res = market.add_model(o["model_id"], o["n_embd"], o["n_layer"], o["n_expert"],
-                                   _layers(o["expert_layers"]), o["name"])
+            res = market.add_model(o["model_id"], o["n_embd"], o["n_layer"], o["n_expert"], layers, o["name"])
         except ValueError as exc:
             raise CommandError(f"--{exc.args[0].replace('_', '-')}: {exc.args[1]}") from exc
         self.stdout.write(json.dumps(res))

@@ -1,0 +1,54 @@
+"""Issue 27 item 7: every unknown ``/api/`` path answers JSON ``{"error"}`` (404; 405 for a known
+path with the wrong method), never Django's HTML page; no WebSocket handshake answers 500."""
+from __future__ import annotations
+
+import pytest
+from channels.testing import WebsocketCommunicator
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.mark.parametrize("path", ["/api/expert-relay", "/api/expert-dispatch-map/x?model=m", "/api/moe/nope",
+                                  "/api/expert-relay/nope", "/api/nope/", "/api/v1/no-such-thing",
+                                  "/api/proxy/models/m/nothing"])
+@pytest.mark.parametrize("method", ["get", "post", "delete"])
+def test_unknown_api_paths_answer_json_404(client, path, method):
+    r = getattr(client, method)(path)
+    assert r.status_code == 404
+    assert r["Content-Type"].startswith("application/json")
+    assert r.json()["error"].startswith(f"unknown endpoint {method.upper()} /api/")
+
+
+def test_known_api_paths_with_the_wrong_method_answer_json_405(client):
+    for method, path in [("get", "/api/expert-coverage"), ("post", "/api/expert-demand"),
+                         ("delete", "/api/v1/providers")]:
+        r = getattr(client, method)(path)
+        assert r.status_code == 405, path
+        assert r["Content-Type"].startswith("application/json")
+        assert r.json().get("error") or r.json().get("detail"), path
+
+
+def test_slash_redirect_of_get_pages_still_works(client):
+    r = client.get("/api/docs?x=1")
+    assert r.status_code == 301 and r["Location"] == "/api/docs/?x=1"
+    r = client.post("/api/docs")  # a POST is never redirected
+    assert r.status_code == 404 and r.json()["error"]
+
+
+def test_non_api_paths_keep_their_pages(client):
+    assert client.get("/healthz").status_code == 200
+    assert not client.get("/no-such-page")["Content-Type"].startswith("application/json")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("path", ["/api/expert-relay?session=s&token=t", "/ws/nope/", "/"])
+async def test_unknown_websocket_paths_are_refused_with_a_close_frame(path):
+    from tenzro_site.asgi import application
+
+    comm = WebsocketCommunicator(application, path)
+    connected, _ = await comm.connect(timeout=10)
+    assert connected  # the 101 completes (Android requires it) ...
+    out = await comm.receive_output(timeout=10)
+    assert out["type"] == "websocket.close" and out["code"] == 4404  # ... then a deliberate close
+    assert out["reason"] == f"no WebSocket endpoint at {path.split('?')[0]}"
+    await comm.wait()
