@@ -13,7 +13,8 @@ orders an expert's holders by observation instead (issue 15 item 2):
   after proven ones and earns its record through hedged probes (or as primary where every
   holder is unproven, e.g. a fresh cluster).
 - **observed quality**: among holders of one tier, a success-rate EWMA below 0.9 ranks
-  later, then latency more than 2× (+50 ms) the best candidate's, then site reputation;
+  later, then latency more than 2× (+50 ms) the best candidate's, then one whose socket is
+  in another site process (``here``: reached through the channel layer), then site reputation;
   the view's own order (residency, then declared numbers, then id) only breaks ties.
 
 A *hedged probe* is a copy of a batch whose proven primary also has it: its answer never
@@ -104,7 +105,8 @@ class Scoreboard:
     ``clock``: monotonic seconds (tests pass a fake one). ``probation``: successes before a
     holder counts as proven. ``cooldown_s`` / ``max_cooldown_s``: circuit-open time after the
     first / any later consecutive fault. ``probe_interval_s``: least time between two probes
-    of one holder.
+    of one holder. ``here(provider) -> bool``: whether this process holds the holder's socket
+    (``router.ws.held_here``; None: every holder counts as held here).
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, probation: int = PROBATION_SUCCESSES,
