@@ -7,11 +7,13 @@ drops its own database) and ``TENZRO_TEST_REDIS_URL`` (defaults as the tests').
 
 For each entry of ``--sites``: ``tenzro_cluster --sites N --balancer --holders H`` of the
 qwen3 fixture (HAProxy in front of every count, so both take the same path), a warm-up
-round (every distinct prompt once per process), then ``--requests`` greedy
-``/v1/completions`` from ``--clients`` concurrent clients through the balancer. Reports
-requests/s, p50/p99 latency, errors, and whether every answer equals the first run's. The
-runs share this machine's cores: on a 2-core machine it shows that nothing slows down or is
-lost with more processes, not that they scale.
+round (every distinct prompt once per process: the balancer sends one model's generations to
+one process, so warm-up reaches every process only when round robin does), then ``--requests``
+greedy ``/v1/completions`` from ``--clients`` concurrent clients through the balancer. Reports
+requests/s, p50/p99 latency, errors, the 1-minute load average before and after each run,
+and whether every answer equals the first run's. The runs share this machine's cores: on a
+2-core machine it shows that nothing slows down or is lost with more processes, not that
+they scale; on a shared machine compare the ratios within one invocation (alternate the order).
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from machine import cpu_model  # noqa: E402
+
 from tests.cluster_util import env_for, fresh_postgres_db, running_cluster  # noqa: E402
 from tests.load_util import complete_once_retrying  # noqa: E402
 
@@ -42,6 +46,7 @@ def run(sites: int, args) -> dict:
     pg = os.environ.get("TENZRO_TEST_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
     redis = os.environ.get("TENZRO_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
     prompts = [[1 + i % 6, 7, 3 + i % 4, 11] for i in range(args.requests)]
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-sites-") as tmp, fresh_postgres_db(pg) as db:
         env = env_for(Path(tmp), database_url=db, redis_url=redis)
         with running_cluster(Path(tmp), [QWEN], holders=args.holders, env=env,
@@ -69,6 +74,7 @@ def run(sites: int, args) -> dict:
             "req_per_s": round(len(prompts) / wall, 3), "p50_s": round(statistics.median(lat), 2),
             "p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 2),
             "errors": sum(c.token_ids is None for c in outs), "retried": sum(c.retried for c in outs),
+            "load1": [round(load_before, 2), round(os.getloadavg()[0], 2)],
             "answers": {tuple(p): c.token_ids for p, c in zip(prompts, outs)}}
 
 
@@ -89,13 +95,14 @@ def main() -> None:
     for r in results:
         r["vs_first"] = round(r["req_per_s"] / base, 3) if base else None
     if args.json:
-        print(json.dumps({"cpus": os.cpu_count(), "results": results, "answers_equal": same}))
+        print(json.dumps({"cpus": os.cpu_count(), "cpu_model": cpu_model(), "results": results,
+                          "answers_equal": same}))
         return
-    print(f"{os.cpu_count()} CPUs; {args.requests} greedy completions ({args.tokens} tokens) "
+    print(f"{os.cpu_count()} CPUs ({cpu_model()}); {args.requests} greedy completions ({args.tokens} tokens) "
           f"from {args.clients} clients")
     for r in results:
         print(f"  {r['sites']} site process(es): {r['req_per_s']} req/s ({r['vs_first']}x), p50 {r['p50_s']} s, "
-              f"p99 {r['p99_s']} s, errors {r['errors']}, retried {r['retried']}")
+              f"p99 {r['p99_s']} s, errors {r['errors']}, retried {r['retried']}, load {r['load1'][0]}->{r['load1'][1]}")
     print(f"  every answer equal across runs: {same}")
 
 

@@ -13,7 +13,8 @@ orders an expert's holders by observation instead (issue 15 item 2):
   after proven ones and earns its record through hedged probes (or as primary where every
   holder is unproven, e.g. a fresh cluster).
 - **observed quality**: among holders of one tier, a success-rate EWMA below 0.9 ranks
-  later, then latency more than 2× (+50 ms) the best candidate's, then site reputation;
+  later, then latency more than 2× (+50 ms) the best candidate's, then one whose socket is
+  in another site process (``here``: reached through the channel layer), then site reputation;
   the view's own order (residency, then declared numbers, then id) only breaks ties.
 
 A *hedged probe* is a copy of a batch whose proven primary also has it: its answer never
@@ -104,13 +105,14 @@ class Scoreboard:
     ``clock``: monotonic seconds (tests pass a fake one). ``probation``: successes before a
     holder counts as proven. ``cooldown_s`` / ``max_cooldown_s``: circuit-open time after the
     first / any later consecutive fault. ``probe_interval_s``: least time between two probes
-    of one holder.
+    of one holder. ``here(provider) -> bool``: whether this process holds the holder's socket
+    (``router.ws.held_here``; None: every holder counts as held here).
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, probation: int = PROBATION_SUCCESSES,
                  cooldown_s: float = COOLDOWN_S, max_cooldown_s: float = MAX_COOLDOWN_S,
-                 probe_interval_s: float = PROBE_INTERVAL_S):
-        self.clock, self.probation = clock, probation
+                 probe_interval_s: float = PROBE_INTERVAL_S, here: Callable[[str], bool] | None = None):
+        self.clock, self.probation, self.here = clock, probation, here
         self.cooldown_s, self.max_cooldown_s, self.probe_interval_s = cooldown_s, max_cooldown_s, probe_interval_s
         self._stats: dict[str, HolderStats] = {}
         self._lock = threading.Lock()
@@ -209,12 +211,17 @@ class Scoreboard:
         """``holders`` (``HolderInfo``-like: ``provider``, ``residency``, ``reputation``) best
         first: residency (Warm before Cold, so split batches still deal over Warm holders),
         then tier (proven, probation, half-open, open), then success rate ≥ 0.9, then latency
-        bucket against the best candidate, then reputation descending, then input position."""
+        bucket against the best candidate, then held here (``here(provider)``: its socket is in
+        this process, so no relay through another), then reputation descending, then the
+        nearer, then input position."""
         with self._lock:
             stats = [self._stats.get(h.provider) for h in holders]
             tiers = [_TIERS[self._state(s)] for s in stats]
             # Rounded to 5 ms: jitter between equally near holders must not reorder them each call.
             rtts = [None if s is None or not s.recent else 5 * round(s.rtt_ms() / 5) for s in stats]
+        # Among otherwise equal holders, one whose socket this process holds saves two process hops
+        # and a Redis round trip each way (router.ws): under load each hop waits for a core.
+        relayed = [0] * len(holders) if self.here is None else [0 if self.here(h.provider) else 1 for h in holders]
         lats = [s.latency_ms for s in stats if s is not None and s.latency_ms is not None]
         fast = 2 * min(lats) + 50.0 if lats else math.inf
 
@@ -224,7 +231,7 @@ class Scoreboard:
             bucket = 0 if lat is None or lat <= fast else 1 + int(math.log2(lat / fast))
             rate = 0 if s is None or s.success_rate >= 0.9 else 1
             near = rtts[i] if rtts[i] is not None else math.inf  # equal otherwise: the nearer first
-            return (_RESIDENCY.get(h.residency, 2), tiers[i], rate, bucket, -int(h.reputation), near, i)
+            return (_RESIDENCY.get(h.residency, 2), tiers[i], rate, bucket, relayed[i], -int(h.reputation), near, i)
 
         return [holders[i] for i in sorted(range(len(holders)), key=key)]
 

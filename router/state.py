@@ -43,6 +43,7 @@ from router.metrics import ServingMetrics
 from router.forward import ForwardConfig, ForwardError, ForwardResult, LayerForward
 from router.hooks import ForwardRecord, emit_forwards
 from router.scoreboard import Scoreboard
+from router.ws import held_here
 
 
 class UnknownModel(GateNotLoaded):
@@ -64,7 +65,7 @@ class Router:
                  site_runtime: ExpertRuntime | None = None):
         self._config, self._fixed = config, config is not None
         self._config_of: object = None  # the settings.TENZRO mapping ``_config`` was built from
-        self.scoreboard = scoreboard if scoreboard is not None else Scoreboard()
+        self.scoreboard = scoreboard if scoreboard is not None else Scoreboard(here=held_here)
         self.fallback = FallbackReplica()
         self._site_runtime = site_runtime
         self._runtime_lock = threading.Lock()

@@ -91,6 +91,15 @@ def _local_socket(provider: str) -> LocalSocket | None:
     return next((s for s in reversed(_local.get(provider, ())) if s.loop is loop), None)
 
 
+def held_here(provider: str) -> bool:
+    """Whether this process holds a socket of ``provider`` on the running loop (a request to it
+    skips the channel layer); False outside an event loop."""
+    try:
+        return _local_socket(provider) is not None
+    except RuntimeError:  # no running loop
+        return False
+
+
 def presence_event(provider: str, connected: bool) -> dict:
     """The ``ROUTERS_GROUP`` message a consumer sends when ``provider``'s socket opens or closes."""
     return {"type": "agent.back" if connected else "agent.gone", "provider": provider}

@@ -10,12 +10,14 @@ deployment is refused by a database another one claimed.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import psycopg
@@ -54,7 +56,8 @@ def test_two_sites_behind_haproxy_survive_a_site_process_kill(tmp_path):
                     h = client.get(f"{url}/healthz").json()
                     seen[h["pid"]] = h["deployment"]
                 assert set(seen) == set(info["site_pids"]) and set(seen.values()) == {info["deployment"]}
-                # Before the kill: each distinct prompt twice (round robin: once per process), one answer.
+                # Before the kill: each distinct prompt twice, one answer. (The balancer hashes the
+                # model: every generation of it goes to one process, the one killed below.)
                 before: dict[tuple, list[int]] = {}
                 distinct = sorted({tuple(p) for p in PROMPTS})
                 with ThreadPoolExecutor(4) as pool:
@@ -64,7 +67,11 @@ def test_two_sites_behind_haproxy_survive_a_site_process_kill(tmp_path):
                     assert c.first == 200, c
                     assert before.setdefault(p, c.token_ids) == c.token_ids, p
 
-            victim = info["site_pids"][0]
+            # The process serving the model's generations (HAProxy logs "backend/server" per request).
+            owner = re.findall(r" by_model/site(\d+) .*\"POST /v1/completions ",
+                               (Path(info["logs"]) / "balancer.log").read_text())
+            assert owner and len(set(owner)) == 1, owner
+            victim = info["site_pids"][int(owner[0])]
             with psycopg.connect(db_url) as conn:
                 t0 = conn.execute("SELECT now()").fetchone()[0]
             killer = threading.Timer(3.0, os.kill, (victim, signal.SIGKILL))

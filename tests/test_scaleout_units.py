@@ -3,14 +3,20 @@
 deployment claim, and the multiprocess metrics exposition."""
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 
 from registry.deployment import DeploymentMismatch, check_name, claim, current
 from registry.periodic import claim_period
 from tenzro_site.balancer import ERRORS_DIR, Balancer, render_config
+from tenzro_site.cluster import free_port
+from tests.cluster_util import wait_for
 
 
 def test_the_balancer_config_names_every_site_and_answers_errors_in_json(tmp_path):
@@ -29,6 +35,70 @@ def test_the_balancer_config_names_every_site_and_answers_errors_in_json(tmp_pat
         assert cmd[-1] == str(tmp_path / "haproxy.cfg")
         assert subprocess.run([cmd[0], "-c", "-f", cmd[-1]], capture_output=True).returncode == 0
 
+
+
+class _NameServer(ThreadingHTTPServer):
+    """A stand-in site process: answers every request with its name (JSON)."""
+
+    def __init__(self, name: str):
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = json.dumps({"site": name}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self.thread.start()
+
+
+@pytest.mark.skipif(shutil.which("haproxy") is None, reason="needs HAProxy")
+def test_the_balancer_sends_a_models_requests_to_one_process_and_fails_over(tmp_path):
+    sites = [_NameServer("site0"), _NameServer("site1")]
+    port = free_port()
+    cmd = Balancer(f"127.0.0.1:{port}", [(s_name, f"127.0.0.1:{srv.server_address[1]}")
+                                         for s_name, srv in zip(("site0", "site1"), sites)], tmp_path).command()
+    lb = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(timeout=30) as client:
+            def site(method="GET", path="/healthz", body=None):
+                try:
+                    return client.request(method, url + path, json=body).json()["site"]
+                except (httpx.HTTPError, ValueError):
+                    return None
+
+            wait_for(lambda: site(), 30, "HAProxy answering")
+            assert {site() for _ in range(4)} == {"site0", "site1"}  # round robin for the rest
+            for model in ("m-a", "m-b", "m-c", "m-d"):  # each model's generations and calls: one process
+                got = {site("POST", "/v1/completions", {"model": model, "prompt": [1]}) for _ in range(4)}
+                got |= {site("POST", "/v1/chat/completions", {"model": model, "messages": []}) for _ in range(2)}
+                got |= {site("POST", "/rpc", {"jsonrpc": "2.0", "id": i, "method": "tenzro_moeGenerate",
+                                              "params": {"model_id": model}}) for i in range(2)}
+                assert len(got) == 1 and None not in got, (model, got)
+            owner = site("POST", "/v1/completions", {"model": "m-a"})
+            # A body without a model (a JSON-RPC batch here) goes round robin.
+            assert {site("POST", "/rpc", [{"jsonrpc": "2.0", "id": 1, "method": "x"}]) for _ in range(4)} \
+                == {"site0", "site1"}
+            dead = sites[int(owner[-1])]
+            dead.shutdown()
+            dead.server_close()  # connections refused now, before any health check notices
+            other = "site1" if owner == "site0" else "site0"
+            assert {site("POST", "/v1/completions", {"model": "m-a"}) for _ in range(4)} == {other}
+    finally:
+        lb.terminate()
+        lb.wait(10)
+        for srv in sites:
+            srv.server_close()
 
 def test_claim_period_lets_one_caller_run_each_period():
     assert claim_period("t.sweep", 60, now=600.0)

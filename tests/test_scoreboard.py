@@ -137,3 +137,16 @@ def test_a_new_process_is_seeded_from_what_other_processes_recorded():
     sb.probe_done("hole")
     sb.success("hole", 9.0, 8)
     assert sb.state("hole") == "probation"
+
+
+def test_a_holder_whose_socket_this_process_holds_ranks_before_an_equal_relayed_one():
+    sb = Scoreboard(clock=Clock(), here=lambda p: p.startswith("here"))
+    for p in ("here", "there", "here-slow"):
+        proven(sb, p)
+    hs = [holder("there", reputation=900), holder("here")]  # the relayed one has the better reputation
+    assert names(sb.order(hs)) == ["here", "there"]
+    proven(sb, "here-slow", ms=500.0, n=8)  # a latency bucket worse than the best: locality does not save it
+    assert names(sb.order([holder("here-slow"), holder("there")])) == ["there", "here-slow"]
+    sb.fault("here")  # nor a failing holder
+    assert names(sb.order(hs)) == ["there", "here"]
+    assert names(Scoreboard(clock=Clock()).order([holder("b", reputation=100), holder("a")])) == ["a", "b"]
