@@ -91,13 +91,25 @@ class OverlapModel:
     request's sequences stay together). No split while the wait is under 10 % of the step's
     compute (nothing to hide: each split only adds a message per holder per layer) or before
     anything was measured.
+
+    The model assumes the wait is time the router's cores are free; where the holders share
+    those cores (or the forwards' own per-batch work dominates) a split only adds forwards,
+    messages and receipts. So the split is also checked against what it delivers:
+    ``realized(count, wall_ms, rows)`` keeps per count an EWMA of step wall time per row, and
+    a split whose rows cost no less than unsplit steps' (by ``MARGIN``) is not used; every
+    ``PROBE_EVERY``-th step that the model would split runs the other way, so both figures stay
+    current when the link or the load changes.
     """
 
     ALPHA = 0.3
+    MARGIN = 0.05
+    PROBE_EVERY = 16
 
     def __init__(self):
         self.wait_ms: float | None = None  # per layer
         self.compute_ms: float | None = None  # per layer and sequence
+        self.per_row_ms: dict[int, float] = {}  # micro-batch count -> step wall per row (EWMA)
+        self._decisions = 0  # steps the model would have split
         self._lock = threading.Lock()
 
     def observe(self, wait_ms: float, compute_ms: float, layers: int, sequences: int) -> None:
@@ -119,10 +131,28 @@ class OverlapModel:
         total = sequences * c
         if w < 0.1 * total:
             return 1
-        for m in range(2, most + 1):
-            if (m - 1) * total / m >= w:
-                return m
-        return most
+        m = next((m for m in range(2, most + 1) if (m - 1) * total / m >= w), most)
+        return self._checked(m)
+
+    def _checked(self, m: int) -> int:
+        """``m`` (> 1, the model's count) or 1, by what each delivered per row (class docstring)."""
+        with self._lock:
+            self._decisions += 1
+            probe = self._decisions % self.PROBE_EVERY == 0
+            one, split = self.per_row_ms.get(1), self.per_row_ms.get(m)
+        if one is None or split is None:
+            return 1 if probe and one is None else m  # the model's count until both were measured
+        pays = split < (1 - self.MARGIN) * one
+        return (1 if pays else m) if probe else (m if pays else 1)
+
+    def realized(self, count: int, wall_ms: float, rows: int) -> None:
+        """A step run in ``count`` micro-batches took ``wall_ms`` for ``rows`` rows."""
+        if rows <= 0 or wall_ms < 0:
+            return
+        v = wall_ms / rows
+        with self._lock:
+            old = self.per_row_ms.get(count)
+            self.per_row_ms[count] = v if old is None else (1 - self.ALPHA) * old + self.ALPHA * v
 
 
 def kv_reservation(backbone, prompt_tokens: int, max_new_tokens: int) -> int:
@@ -496,6 +526,7 @@ class ModelScheduler:
             select.append("all" if keep else "last" if last else "none")
         count = self.overlap.count(config.microbatches, len({id(s.request) for s, _ in batch}), len(batch))
         logits, entry = self._forward(batch, select, count)
+        self.overlap.realized(entry["microbatches"], entry["wall"], entry["rows"])
         now = time.perf_counter()
         rows = entry["rows"]
         self.steps += 1
