@@ -179,6 +179,10 @@ DATABASES = {
     )
 }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # A thread keeps its SQLite connection: reopening one per database_sync_to_async call (WAL
+    # pragmas, Django's ~40 SQL functions registered again) was a visible share of the site's
+    # CPU under load. Autocommit holds no lock between statements.
+    DATABASES["default"]["CONN_MAX_AGE"] = 600
     # IMMEDIATE makes writers queue on the busy timeout instead of failing on lock upgrade.
     DATABASES["default"]["OPTIONS"] = {
         "transaction_mode": "IMMEDIATE",
