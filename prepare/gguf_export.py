@@ -179,7 +179,13 @@ def add_tokenizer(w, tokenizer_json: str, n_vocab: int = 0) -> str | None:
     w.add_tokenizer_pre("qwen2" if "\\p{N}|" in pre else "default")
     w.add_token_list(tokens)
     w.add_token_types(types)
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    if merges:
+        w.add_token_merges(merges)
+    else:  # llama.cpp refuses a gpt2 vocabulary without the key; gguf-py drops an empty array (``_Writer``)
+        from gguf import GGUFValueType, Keys
+
+        w.add_key_value(Keys.Tokenizer.MERGES, [], GGUFValueType.ARRAY, sub_type=GGUFValueType.STRING)
     for a in data.get("added_tokens") or []:
         if a.get("special") and a["content"] in ("<|endoftext|>", "</s>", "<|im_end|>", "<｜end▁of▁sentence｜>"):
             w.add_eos_token_id(a["id"])
@@ -222,6 +228,19 @@ def _stack(mats: list, what: str, notes: dict, dtypes: set[str]):
     return arr, (dtypes.pop() if len(dtypes) == 1 and kinds == {"dense"} else "F32")
 
 
+def _writer(gguf):
+    """gguf-py's ``GGUFWriter`` that also writes an empty typed array (``n = 0``: the format
+    allows it, gguf-py refuses it); a byte-level BPE without merges needs one."""
+
+    class Writer(gguf.GGUFWriter):
+        def _pack_val(self, val, vtype, add_vtype, sub_type=None):
+            if vtype == gguf.GGUFValueType.ARRAY and sub_type is not None and len(val) == 0:
+                return (self._pack("I", vtype) if add_vtype else b"") + self._pack("I", sub_type) + self._pack("Q", 0)
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+
+    return Writer
+
+
 def write_gguf(model: ExportModel, out: str | Path, progress: bool = False) -> dict:
     """Write ``model`` to ``out`` (module docstring), streaming: tensors are produced one at a
     time (a layer's experts at most in memory) twice, once for the tensor table and once for
@@ -237,7 +256,7 @@ def write_gguf(model: ExportModel, out: str | Path, progress: bool = False) -> d
         raise ExportError(f"model family {fam!r} has no GGUF architecture here; supported: {', '.join(ARCH_OF)}")
     if "model.embed_tokens.weight" not in model.backbone:
         raise ExportError("the published backbone has no model.embed_tokens.weight")
-    w = gguf.GGUFWriter(str(out), ARCH_OF[fam])
+    w = _writer(gguf)(str(out), ARCH_OF[fam])
     add_metadata(w, cfg, model.config)
     notes: dict[str, str] = {}
     if model.gguf_vocab:

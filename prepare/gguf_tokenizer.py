@@ -78,7 +78,8 @@ def tokenizer_from_gguf(meta: Mapping):
     unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < n else None
     if kind == "gpt2":
         merges = []
-        for j, m in enumerate(_list(meta, "tokenizer.ggml.merges", None)):
+        # No key: a byte-level BPE without merges (gguf-py's writer drops an empty array).
+        for j, m in enumerate(_list(meta, "tokenizer.ggml.merges", None, required=False) or []):
             parts = m.split(" ")
             if len(parts) != 2:
                 raise GgufTokenizerError(f"GGUF tokenizer.ggml.merges[{j}]={m!r} is not two pieces",

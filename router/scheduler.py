@@ -91,13 +91,27 @@ class OverlapModel:
     request's sequences stay together). No split while the wait is under 10 % of the step's
     compute (nothing to hide: each split only adds a message per holder per layer) or before
     anything was measured.
+
+    The model assumes the wait is time the router's cores are free; where the holders share
+    those cores (or the forwards' own per-batch work dominates) a split only adds forwards,
+    messages and receipts. So a split is also checked against what it delivers:
+    ``realized(count, wall_ms, rows, sequences)`` keeps an EWMA of step wall time per row for
+    each count and step size (sequences, in powers of two: a step of 16 is not compared with
+    steps of one), and a split whose rows cost no less than unsplit steps' of that size (by
+    ``MARGIN``) is not used. The unsplit figure is measured on the step after the first split
+    one, and every ``PROBE_EVERY``-th step the other way is run again, so both figures stay
+    current when the link or the load changes.
     """
 
     ALPHA = 0.3
+    MARGIN = 0.05
+    PROBE_EVERY = 16
 
     def __init__(self):
         self.wait_ms: float | None = None  # per layer
         self.compute_ms: float | None = None  # per layer and sequence
+        self.per_row_ms: dict[tuple[int, int], float] = {}  # (micro-batches, size class) -> wall per row
+        self._decisions: dict[int, int] = {}  # size class -> steps the model would have split
         self._lock = threading.Lock()
 
     def observe(self, wait_ms: float, compute_ms: float, layers: int, sequences: int) -> None:
@@ -119,10 +133,33 @@ class OverlapModel:
         total = sequences * c
         if w < 0.1 * total:
             return 1
-        for m in range(2, most + 1):
-            if (m - 1) * total / m >= w:
-                return m
-        return most
+        m = next((m for m in range(2, most + 1) if (m - 1) * total / m >= w), most)
+        return self._checked(m, sequences.bit_length())
+
+    def _checked(self, m: int, size: int) -> int:
+        """``m`` (> 1, the model's count) or 1 for a step of size class ``size``, by what each
+        delivered per row (class docstring)."""
+        with self._lock:
+            n = self._decisions[size] = self._decisions.get(size, 0) + 1
+            one, split = self.per_row_ms.get((1, size)), self.per_row_ms.get((m, size))
+        if split is None:
+            return m
+        if one is None:
+            return 1  # the unsplit baseline of this size, once a split step was measured
+        pays = split < (1 - self.MARGIN) * one
+        if n % self.PROBE_EVERY == 0:
+            return 1 if pays else m
+        return m if pays else 1
+
+    def realized(self, count: int, wall_ms: float, rows: int, sequences: int) -> None:
+        """A step of ``sequences`` sequences and ``rows`` rows run in ``count`` micro-batches
+        took ``wall_ms``."""
+        if rows <= 0 or sequences <= 0 or wall_ms < 0:
+            return
+        v, key = wall_ms / rows, (count, sequences.bit_length())
+        with self._lock:
+            old = self.per_row_ms.get(key)
+            self.per_row_ms[key] = v if old is None else (1 - self.ALPHA) * old + self.ALPHA * v
 
 
 def kv_reservation(backbone, prompt_tokens: int, max_new_tokens: int) -> int:
@@ -496,6 +533,7 @@ class ModelScheduler:
             select.append("all" if keep else "last" if last else "none")
         count = self.overlap.count(config.microbatches, len({id(s.request) for s, _ in batch}), len(batch))
         logits, entry = self._forward(batch, select, count)
+        self.overlap.realized(entry["microbatches"], entry["wall"], entry["rows"], len(batch))
         now = time.perf_counter()
         rows = entry["rows"]
         self.steps += 1

@@ -179,15 +179,17 @@ def settle_many(pks: list[int]) -> int:
     """Claim and pay pending settlements ``pks`` exactly once, in one transaction; returns how
     many this call paid.
 
-    Each claim is ``UPDATE … SET state='settled' WHERE id=pk AND state='pending'`` inside the
-    transaction that credits the holders (``balance += holder_amount``, reputation +1 per paid
-    row capped at ``REPUTATION_CAP`` when ``holder_amount > 0``: the only way reputation rises).
+    Claims go by price group: ``UPDATE … SET state='settled' WHERE id IN (rows of one holder
+    and one gross) AND state='pending'`` inside the transaction that credits the holders
+    (``balance += holder_amount`` per claimed row, reputation +1 per paid row capped at
+    ``REPUTATION_CAP`` when ``holder_amount > 0``: the only way reputation rises); only the rows
+    the update claimed are paid, so a row is never paid twice. One statement per group instead
+    of one per row: a generation's flush holds hundreds of rows of a handful of prices.
     The pending rows are locked first (``SELECT … FOR UPDATE`` on PostgreSQL), so a second
     worker, a retried task or another beat waits, then finds them settled and pays nothing.
     Pricing: the holder's advertised ``price_per_input_token`` / ``minimum_price`` (signed
     heartbeat; defaults 10 / 100), split by ``settlement_holder_share_bps``. One policy read,
-    one price read and one credit per holder for the whole list (a generation settles
-    hundreds of layer forwards at once).
+    one price read and one credit per holder for the whole list.
     """
     if not pks:
         return 0
@@ -199,21 +201,22 @@ def settle_many(pks: list[int]) -> int:
         share = current_policy().settlement_holder_share_bps
         prices = {p: (ppt, mp) for p, ppt, mp in Provider.objects.filter(provider__in={r[1] for r in rows})
                   .values_list("provider", "price_per_input_token", "minimum_price")}
-        credit: dict[str, list[int]] = {}  # provider -> [amount, paid rows with an amount]
-        paid = 0
+        groups: dict[tuple[str, int, int, int], list[int]] = {}  # (provider, gross, holder, fee) -> pks
         for pk, provider, tokens in rows:
             ppt, mp = prices.get(provider, (DEFAULT_PRICE_PER_INPUT_TOKEN, DEFAULT_MINIMUM_PRICE))
-            gross, holder, fee = price(tokens, ppt, mp, share)
-            claimed = Settlement.objects.filter(pk=pk, state=Settlement.State.PENDING).update(
+            groups.setdefault((provider, *price(tokens, ppt, mp, share)), []).append(pk)
+        credit: dict[str, list[int]] = {}  # provider -> [amount, paid rows with an amount]
+        paid = 0
+        settled_at = now_ms()
+        for (provider, gross, holder, fee), group in sorted(groups.items()):
+            claimed = Settlement.objects.filter(pk__in=group, state=Settlement.State.PENDING).update(
                 state=Settlement.State.SETTLED, gross=gross, holder_amount=holder, network_fee=fee,
-                settled_at_ms=now_ms())
-            if claimed != 1:
-                continue
-            paid += 1
-            if holder > 0:
+                settled_at_ms=settled_at)
+            paid += claimed
+            if holder > 0 and claimed:
                 c = credit.setdefault(provider, [0, 0])
-                c[0] += holder
-                c[1] += 1
+                c[0] += holder * claimed
+                c[1] += claimed
         for provider, (amount, n) in sorted(credit.items()):  # provider order: no deadlock with other writers
             Provider.objects.filter(provider=provider).update(
                 balance=F("balance") + amount, reputation=Least(F("reputation") + n, Value(REPUTATION_CAP)))

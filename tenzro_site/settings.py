@@ -190,6 +190,10 @@ except ValueError as exc:  # dj-database-url's UnknownSchemeError and malformed 
     raise RuntimeError(f"DATABASE_URL must be a dj-database-url URL such as postgres://user@host/db or "
                        f"sqlite:///path, got {os.environ.get('DATABASE_URL')!r}: {exc}") from exc
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # A thread keeps its SQLite connection: reopening one per database_sync_to_async call (WAL
+    # pragmas, Django's ~40 SQL functions registered again) was a visible share of the site's
+    # CPU under load. Autocommit holds no lock between statements.
+    DATABASES["default"]["CONN_MAX_AGE"] = 600
     # IMMEDIATE makes writers queue on the busy timeout instead of failing on lock upgrade.
     DATABASES["default"]["OPTIONS"] = {
         "transaction_mode": "IMMEDIATE",

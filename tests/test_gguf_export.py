@@ -153,3 +153,27 @@ def test_export_streams_tensor_by_tensor(tmp_path):
             == (16, 256, 256)
     assert peaks[8] < 1.25 * peaks[2], peaks
     assert peaks[8] < 3 * layer_bytes < (tmp_path / "s8.gguf").stat().st_size / 2, (peaks, layer_bytes)
+
+
+def test_byte_level_tokenizer_without_merges_keeps_an_empty_merges_array(tmp_path):
+    """llama.cpp refuses a gpt2 vocabulary without ``tokenizer.ggml.merges``; gguf-py drops an
+    empty array, so the exporter's writer writes it empty (n = 0) and the reader gets []."""
+    import gguf
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from prepare.gguf import parse_gguf_header
+    from prepare.gguf_export import _writer, add_tokenizer
+
+    tok = Tokenizer(models.BPE(vocab={"a": 0, "b": 1}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    path = tmp_path / "v.gguf"
+    w = _writer(gguf)(str(path), "qwen3moe")
+    assert add_tokenizer(w, tok.to_str(), 2) is None
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = path.read_bytes()
+    meta, _ = parse_gguf_header(lambda o, n: data[o:o + n], len(data), str(path))
+    assert meta["tokenizer.ggml.merges"] == [] and meta["tokenizer.ggml.tokens"] == ["a", "b"]

@@ -82,3 +82,11 @@ def test_bad_vocabulary_metadata_is_refused_naming_the_key():
         tokenizer_from_gguf({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab"],
                              "tokenizer.ggml.merges": ["a b c"]})
     assert exc.value.key == "tokenizer.ggml.merges"
+
+
+def test_gpt2_vocabulary_without_merges_is_byte_level():
+    """gguf-py's writer drops an empty ``merges`` array: such a file's tokenizer is the byte-level
+    BPE without merges it was written from (bench_serving's, token id = byte value)."""
+    tokens = ["a", "b", "c"]
+    tok = tokenizer_from_gguf({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens})
+    assert tok.encode("cab").ids == [2, 0, 1]

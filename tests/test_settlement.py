@@ -123,6 +123,31 @@ def test_record_keeps_exact_carrier_and_commitment_rows_and_settles_exactly_once
     assert lst["count"] == 1 and lst["settlements"][0]["holder_amount"] == st.holder_amount
 
 
+def test_settle_many_pays_each_row_its_own_price_exactly_once():
+    """Rows of two holders at several prices (under and over the minimum) settled in one call:
+    each row gets its own gross, each holder the sum and +1 reputation per row; a second call
+    pays nothing."""
+    a, b = SigningKey.generate(), SigningKey.generate()
+    holder(a, price_per_input_token=7, minimum_price=20)
+    holder(b, price_per_input_token=3, minimum_price=50)
+    rep = {k: Provider.objects.get(provider=provider_id(k)).reputation for k in (a, b)}
+    tokens = {a: [1, 2, 2, 5, 9, 9], b: [4, 17, 30, 4]}
+    rows = [Settlement.objects.create(forward_id=uuid.uuid4().hex, provider=provider_id(k), model_id="m", tokens=t,
+                                      batches=1, commitments_digest="0" * 64, created_ms=1)
+            for k, ts in tokens.items() for t in ts]
+    assert services.settle_many([r.pk for r in rows]) == len(rows)
+    assert services.settle_many([r.pk for r in rows]) == 0
+    share = current_policy().settlement_holder_share_bps
+    for k, (ppt, mp) in ((a, (7, 20)), (b, (3, 50))):
+        got = sorted((s.tokens, s.gross, s.holder_amount, s.network_fee, s.state)
+                     for s in Settlement.objects.filter(provider=provider_id(k)))
+        want = sorted((t, g, g * share // 10000, g - g * share // 10000, Settlement.State.SETTLED)
+                      for t in tokens[k] for g in [max(t * ppt, mp)])
+        assert got == want
+        p = Provider.objects.get(provider=provider_id(k))
+        assert p.balance == sum(w[2] for w in want) and p.reputation == rep[k] + len(tokens[k])
+
+
 def test_minimum_price_and_reputation_cap(blob):
     w, h = blob
     key = SigningKey.generate()

@@ -127,6 +127,22 @@ def test_overlap_count_covers_the_wait_with_the_others_compute():
     assert mid.count(4, 16, 16) == 2  # half the compute (16 ms) already covers 10 ms
 
 
+def test_overlap_split_is_dropped_when_it_does_not_pay_and_probed_again():
+    m = OverlapModel()
+    m.observe(wait_ms=80.0, compute_ms=32.0, layers=2, sequences=16)  # the model says 4
+    m.realized(1, wall_ms=30.0, rows=1, sequences=1)  # one client alone: another size, not compared
+    assert m.count(4, 16, 16) == 4  # nothing realized at this size: the model's count
+    m.realized(4, wall_ms=160.0, rows=16, sequences=16)  # 10 ms a row split ...
+    assert m.count(4, 16, 16) == 1  # ... then the unsplit baseline of the same size
+    m.realized(1, wall_ms=96.0, rows=16, sequences=16)  # 6 ms a row: the split does not pay (shared cores)
+    picks = [m.count(4, 16, 16) for _ in range(2 * OverlapModel.PROBE_EVERY)]
+    assert picks.count(4) == 2 and picks.count(1) == 2 * OverlapModel.PROBE_EVERY - 2  # split only to re-measure
+    for _ in range(10):  # the link got far: split steps now cost half a row's time
+        m.realized(4, wall_ms=48.0, rows=16, sequences=16)
+    picks = [m.count(4, 16, 16) for _ in range(2 * OverlapModel.PROBE_EVERY)]
+    assert picks.count(1) == 2 and picks.count(4) == 2 * OverlapModel.PROBE_EVERY - 2
+
+
 def test_split_keeps_requests_whole_and_balances_rows():
     class Req:
         pass
