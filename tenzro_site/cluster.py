@@ -15,6 +15,7 @@ import atexit
 import ctypes
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -347,8 +348,25 @@ class LocalCluster:
                                               "params": params}, headers=headers, timeout=timeout)
         body = resp.json()
         if "error" in body:
-            raise ClusterError(f"{method}: {body['error']['message']} ({body['error'].get('data')})")
+            raise ClusterError(self.rpc_error_text(method, body["error"]))
         return body["result"]
+
+    #: Longest error ``data`` printed inline; a longer one (a failed forward lists every attempt)
+    #: is written to ``VAR_DIR/last_rpc_error.json`` and the message names the file.
+    ERROR_DATA_INLINE = 400
+
+    @classmethod
+    def rpc_error_text(cls, method: str, error: dict) -> str:
+        """One readable line for a JSON-RPC error object: its message, its ``data`` when short."""
+        data = error.get("data")
+        if data is None:
+            return f"{method}: {error.get('message')}"
+        detail = json.dumps(data, default=str)
+        if len(detail) > cls.ERROR_DATA_INLINE:
+            path = settings.VAR_DIR / "last_rpc_error.json"
+            path.write_text(json.dumps(error, indent=1, default=str))
+            detail = f"the whole error object is in {path}"
+        return f"{method}: {error.get('message')} ({detail})"
 
     def _acquire_lock(self) -> None:
         """Hold ``VAR_DIR/cluster.lock`` (flock, released when this process ends however it ends):

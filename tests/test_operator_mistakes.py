@@ -100,3 +100,18 @@ def _still_serving(info: dict) -> None:
     assert "result" in resp, resp
     out = wire.decode_f32(wire.b64decode(resp["result"]["outputs"], "outputs"), x.shape[1])
     assert max_rel_err(out, ref["layer1.output"]) <= 1e-5
+
+
+def test_a_long_rpc_error_names_a_file_instead_of_flooding_the_terminal(settings, tmp_path):
+    """A failed forward's ``data`` lists every attempt (several KB under load, once printed whole
+    by ``make demo``): the message keeps the error's own text and names the file with the rest."""
+    settings.VAR_DIR = tmp_path
+    failures = [{"expert": e, "error": "no answer within its 10 s deadline", "tokens": list(range(48))}
+                for e in range(40)]
+    error = {"code": -32010, "message": "every holder of expert l0/e0 failed", "data": {"failures": failures}}
+    text = LocalCluster.rpc_error_text("tenzro_moeForward", error)
+    assert text.startswith("tenzro_moeForward: every holder of expert l0/e0 failed (the whole error object is in ")
+    assert len(text) < 300
+    assert (tmp_path / "last_rpc_error.json").read_text().count("deadline") == 40
+    short = {"code": -32602, "message": "invalid params", "data": {"field": "layer"}}
+    assert LocalCluster.rpc_error_text("m", short) == 'm: invalid params ({"field": "layer"})'
