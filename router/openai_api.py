@@ -76,6 +76,10 @@ class ApiError(Exception):
                                        "code": self.code}}, status=self.status, headers=headers)
 
 
+#: The chat roles OpenAI's API accepts; anything else is refused naming the message.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 def _body(request: HttpRequest) -> dict:
     try:
         raw = request.body or b"{}"
@@ -230,15 +234,20 @@ def chat_prompt(served: ServedModel, messages) -> str | list[int]:
     a model without ``tokenizer.json``."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", "messages")
-    if served.tokenizer is None:
-        raise ApiError(400, f"model {served.model_id!r} ships no tokenizer.json, so chat (text) is not available; "
-                            f"use /v1/completions with token ids as prompt", "model")
     turns = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be {{role: string, content: string or text parts}}",
                            f"messages[{i}]")
+        if m["role"] not in CHAT_ROLES:
+            raise ApiError(400, f"messages[{i}].role {m['role']!r} is not one of {', '.join(CHAT_ROLES)}",
+                           f"messages[{i}].role")
+        if "name" in m and not isinstance(m["name"], str):
+            raise ApiError(400, f"messages[{i}].name must be a string", f"messages[{i}].name")
         turns.append({"role": m["role"], "content": message_text(m.get("content"), f"messages[{i}].content")})
+    if served.tokenizer is None:
+        raise ApiError(400, f"model {served.model_id!r} ships no tokenizer.json, so chat (text) is not available; "
+                            f"use /v1/completions with token ids as prompt", "model")
     if served.chat_template is None:
         return plain_chat(turns)
     try:

@@ -179,6 +179,9 @@ def test_extreme_sampling_values_are_the_greedy_limit_not_nan(client, words, sam
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "t1 \udfff t2"}]}, "messages[0].content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
      "messages[0].content[0].text"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "t1"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "t1"},
+                                           {"role": "user", "name": 5, "content": "t2"}]}, "messages[1].name"),
 ])
 def test_out_of_range_ids_and_lone_surrogates_are_a_json_400(client, words, path, body, param, stream):
     status, ctype, r = post(client, path, {"model": words, "max_tokens": 2, **body, "stream": stream})
