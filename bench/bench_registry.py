@@ -10,6 +10,7 @@ of several runs) with its ratio to the goal (< 1.0 is within the goal). Run:
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import random
@@ -79,8 +80,11 @@ def _best(fn, repeat: int) -> tuple[float, object]:
     return best, result
 
 
-def main() -> int:
-    """Run the benchmarks and print timings; exit code 0 (timings are informative)."""
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmarks and print timings; exit code 0 (timings are informative). It takes no
+    options: an unknown one is refused (exit 2) instead of silently ignored."""
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     t0 = time.perf_counter()
     providers = _providers()
     expected = [(layer, expert) for layer in range(LAYERS) for expert in range(SLOTS)]

@@ -20,7 +20,7 @@ from moe.identity import SignatureError, loads_signed
 from moe.ranges import format_ranges
 from registry import catalog, governance, selectors, services
 from registry.heartbeat import HeartbeatError
-from registry.models import Holding, Provider, Proposal
+from registry.models import Holding, MoeModel, Provider, Proposal
 from registry.planner import PlanningError, TokenRouting, plan_dispatch
 from moe.shardmap import ROLES
 from registry.operator import is_operator
@@ -226,8 +226,13 @@ def op_holdings(p: dict) -> dict:
 
 
 def op_shard_map(p: dict) -> dict:
-    """The ``tenzro_moeShardMap`` result (see ``ShardView.to_json``)."""
-    return selectors.shard_map_json(p["model_id"])
+    """The ``tenzro_moeShardMap`` result (see ``ShardView.to_json``); ``NotFound`` for a model
+    neither published here nor declared by any provider (a typo is not an empty map)."""
+    model_id = p["model_id"]
+    if not (MoeModel.objects.filter(model_id=model_id).exists()
+            or Holding.objects.filter(model_id=model_id).exists()):
+        raise NotFound(f"unknown model {model_id[:200]!r}: not published here and held by no provider", "model_id")
+    return selectors.shard_map_json(model_id)
 
 
 def op_plan(p: dict) -> dict:

@@ -22,8 +22,8 @@ Parameters, like OpenAI's own server: a field it does not know is refused (400 "
 request argument", naming it); OpenAI parameters this server cannot honour (``logprobs``,
 ``top_logprobs``, ``echo``, ``best_of`` > 1, ``logit_bias``, ``suffix``, non-zero
 ``presence_penalty``/``frequency_penalty``) are accepted only at their no-op value (null,
-false, 1, {} or 0) and otherwise refused (400 "... is not supported", naming it); ``user`` is
-accepted and ignored. ``max_tokens`` has one upper limit, reported in one message: the
+false, 1, {} or 0) and otherwise refused (400 "... is not supported", naming it); ``user`` (a
+string) is accepted and ignored. ``max_tokens`` has one upper limit, reported in one message: the
 smallest of the context left after the prompt, the site's new-token cap and the KV budget
 (``router.generate.new_token_limit``). Every check, including the generation size
 (``router.generate.check_size``), runs before a stream starts, so a bad request gets its
@@ -271,6 +271,8 @@ async def _run(served: ServedModel, body: dict, prompt, chat: bool):
     if not isinstance(opts, dict):
         raise ApiError(400, "stream_options must be an object", "stream_options")
     include_usage = _flag(opts, "include_usage")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise ApiError(400, "user must be a string", "user")  # OpenAI's type; ignored otherwise
     prompt_field, tokens_field = ("messages" if chat else "prompt"), _tokens_field(body)
     try:
         prompts = encode_prompts(served, prompt, prompt_field)

@@ -1,6 +1,8 @@
 """Reads of the receipts economy: kept receipts, disputes, settlements (list shapes of the RPC methods)."""
 from __future__ import annotations
 
+from django.db.models import Count, Sum
+
 from settlement.models import Dispute, ReceiptSample, Settlement
 from settlement.services import EconomyError, dispute_json, sample_json
 from moe.jsonrpc import EXECUTION_ERROR
@@ -80,10 +82,15 @@ def settlement_json(s: Settlement) -> dict:
 
 def list_settlements(model_id: str | None = None, provider: str | None = None, forward_id: str | None = None,
                      limit: int = 100) -> dict:
-    """``tenzro_moeListSettlements``: settled records, newest first, ``{settlements, count}``."""
+    """``tenzro_moeListSettlements``: settled records, newest first, ``{settlements, count, total,
+    holder_amount_total}``: ``count`` rows listed (at most ``limit``), ``total`` settled records
+    matching the filters and ``holder_amount_total`` the sum paid to holders over all of them, so a
+    ledger check does not depend on the listing's limit."""
     qs = Settlement.objects.filter(state=Settlement.State.SETTLED)
     for name, value in (("model_id", model_id), ("provider", provider), ("forward_id", forward_id)):
         if value is not None:
             qs = qs.filter(**{name: value})
     rows = [settlement_json(s) for s in qs.order_by("-id")[:limit]]
-    return {"settlements": rows, "count": len(rows)}
+    agg = qs.aggregate(total=Count("id"), paid=Sum("holder_amount"))
+    return {"settlements": rows, "count": len(rows), "total": agg["total"],
+            "holder_amount_total": agg["paid"] or 0}

@@ -28,15 +28,19 @@ client address then comes from ``X-Forwarded-For``).
 from __future__ import annotations
 
 import gc
+import json
 import os
 import sys
 
 APPLICATION = "tenzro_site.asgi:application"
 
 
-def deadline_channel(header_s: float, body_s: float, body_min_rate: int):
+def deadline_channel(header_s: float, body_s: float, body_min_rate: int, max_body: int = 0):
     """The ``twisted.web.http.HTTPChannel`` subclass that enforces the request deadlines of the
-    module doc (``header_s``, ``body_s`` seconds, ``body_min_rate`` bytes per extra second)."""
+    module doc (``header_s``, ``body_s`` seconds, ``body_min_rate`` bytes per extra second) and
+    refuses, as soon as its headers arrive, a request declaring a ``Content-Length`` over
+    ``max_body`` bytes (413 JSON and close; 0: no cap): no view accepts such a body, and twisted
+    would otherwise spool it to disk before Django's own limit sees it."""
     from twisted.internet import reactor
     from twisted.web import http
 
@@ -47,6 +51,7 @@ def deadline_channel(header_s: float, body_s: float, body_min_rate: int):
         _body_start = 0.0
         _body_bytes = 0
         _between = True  # no request in progress: the next line starts one
+        _refused = False  # answered early (413): what the client still sends is dropped
 
         def connectionMade(self):
             super().connectionMade()
@@ -60,11 +65,23 @@ def deadline_channel(header_s: float, body_s: float, body_min_rate: int):
             super().lineReceived(line)
 
         def allHeadersReceived(self):
+            if max_body and (self.length or 0) > max_body:
+                self._disarm()
+                self._refused = True
+                self._answer(413, "Payload Too Large", f"request body is {self.length} bytes, over this "
+                                                       f"site's {max_body}-byte limit (TENZRO_MAX_BODY)")
+                return
             super().allHeadersReceived()
             self._body_start, self._body_bytes = reactor.seconds(), 0
             self._arm(body_s)
 
+        def dataReceived(self, data):
+            if not self._refused:
+                super().dataReceived(data)
+
         def rawDataReceived(self, data):
+            if self._refused:
+                return
             self._body_bytes += len(data)
             if self._deadline is not None and self._deadline.active() and body_min_rate > 0:
                 due = self._body_start + body_s + self._body_bytes / body_min_rate
@@ -91,12 +108,17 @@ def deadline_channel(header_s: float, body_s: float, body_min_rate: int):
 
         def _too_slow(self) -> None:
             self._deadline = None
+            self._answer(408, "Request Timeout", "request timeout: the request did not arrive in time")
+
+        def _answer(self, status: int, reason: str, message: str) -> None:
+            """Write a JSON error response and close the connection."""
             transport = self.transport
             if transport is None:
                 return
-            body = b'{"error": "request timeout: the request did not arrive in time"}'
-            transport.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
-                            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+            body = json.dumps({"error": message}).encode()
+            transport.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+                            % (status, reason.encode(), len(body), body))
             transport.loseConnection()
             self.callLater(5, transport.abortConnection)  # a peer that does not read: drop it
 
@@ -137,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
 
     t = settings.TENZRO
     channel = deadline_channel(float(t["HTTP_HEADER_TIMEOUT_S"]), float(t["HTTP_BODY_TIMEOUT_S"]),
-                               int(t["HTTP_BODY_MIN_RATE"]))
+                               int(t["HTTP_BODY_MIN_RATE"]), int(settings.DATA_UPLOAD_MAX_MEMORY_SIZE))
 
     class TenzroServer(Server):
         """Daphne's server with a clean close (code 1009, not a dropped socket) over the cap

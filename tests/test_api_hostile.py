@@ -182,6 +182,8 @@ def test_extreme_sampling_values_are_the_greedy_limit_not_nan(client, words, sam
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "t1"}]}, "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "t1"},
                                            {"role": "user", "name": 5, "content": "t2"}]}, "messages[1].name"),
+    ("/v1/completions", {"prompt": [1, 2], "user": 5}, "user"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "t1"}], "user": ["x"]}, "user"),
 ])
 def test_out_of_range_ids_and_lone_surrogates_are_a_json_400(client, words, path, body, param, stream):
     status, ctype, r = post(client, path, {"model": words, "max_tokens": 2, **body, "stream": stream})

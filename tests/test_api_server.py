@@ -84,3 +84,22 @@ def test_slowloris_connections_are_closed(site):
     assert max(closed.values()) < 30, closed
     assert all(a.startswith(b"HTTP/1.1 408") for a in answers.values() if a), answers
     assert httpx.get(site["url"] + "/v1/ping", timeout=30).status_code == 404  # serving on (JSON 404)
+
+
+def test_a_declared_body_over_the_limit_is_413_at_once(site):
+    """A request declaring a Content-Length over TENZRO_MAX_BODY is answered 413 (JSON) as soon
+    as its headers arrive (before: the server waited for a body that never came, then 408), and
+    what the client sends after is dropped; the site serves on."""
+    with socket.create_connection(_address(site), timeout=30) as s:
+        s.sendall(b"POST /rpc HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000000000000\r\n\r\n" + b"{" * 4096)
+        answer = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), answer[:300]
+    assert b"1000000000000" in body and b"TENZRO_MAX_BODY" in body, body
+    assert httpx.get(site["url"] + "/v1/ping", timeout=30).status_code == 404  # serving on (JSON 404)

@@ -74,6 +74,7 @@ def test_odd_query_strings_never_500(client):
             assert r.status_code in (200, 400, 404), (url, q, r.status_code)
     assert client.get("/coverage/m/holders?layer=-1&expert=0").status_code == 400
     assert client.get("/providers/nobody").status_code == 404
+    assert client.get("/coverage/nope").status_code == 404  # an unknown model is not an empty heatmap
     assert "ignored invalid filter" in client.get("/governance/?status=Nope").content.decode()
 
 

@@ -116,6 +116,11 @@ def test_rest_mirror_answers_what_rpc_answers(client):
     catalog = client.get("/api/v1/catalog").json()
     assert catalog["count"] >= 29 and {m["model_id"] for m in catalog["models"]} >= {"kimi-k3", "gpt-oss-120b"}
     assert client.get("/api/v1/catalog/nope-model").status_code == 404
+    # A model no one publishes or holds is an error naming the field, not an empty shard map.
+    gone = client.get("/api/v1/shard-map", {"model_id": "nope-model"})
+    assert gone.status_code == 404 and "nope-model" in gone.json()["error"], gone.content
+    err = rpc(client, "tenzro_moeShardMap", {"model_id": "nope-model"})["error"]
+    assert err["code"] == -32602 and err["data"]["field"] == "model_id"
     holdings = client.get("/api/v1/holdings", {"model_id": "m", "limit": 3}).json()
     assert holdings["count"] == 10 + 5 + 2 and len(holdings["holdings"]) == 3
     assert client.get("/api/v1/providers", {"role": "Router"}).json()["count"] == 1

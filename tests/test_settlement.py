@@ -121,6 +121,7 @@ def test_record_keeps_exact_carrier_and_commitment_rows_and_settles_exactly_once
     assert p.balance == st.holder_amount and p.reputation == rep0 + 1
     lst = selectors.list_settlements(forward_id=rec.forward_id)
     assert lst["count"] == 1 and lst["settlements"][0]["holder_amount"] == st.holder_amount
+    assert (lst["total"], lst["holder_amount_total"]) == (1, st.holder_amount)
 
 
 def test_settle_many_pays_each_row_its_own_price_exactly_once():
@@ -146,6 +147,9 @@ def test_settle_many_pays_each_row_its_own_price_exactly_once():
         assert got == want
         p = Provider.objects.get(provider=provider_id(k))
         assert p.balance == sum(w[2] for w in want) and p.reputation == rep[k] + len(tokens[k])
+        # The listing's totals cover every matching row, not only the ones a limit of 1 lists.
+        lst = selectors.list_settlements(provider=provider_id(k), limit=1)
+        assert (lst["count"], lst["total"], lst["holder_amount_total"]) == (1, len(want), p.balance)
 
 
 def test_minimum_price_and_reputation_cap(blob):

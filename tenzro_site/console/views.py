@@ -141,8 +141,12 @@ def coverage_index(request):
 
 def coverage(request, model_id: str):
     """``/coverage/<model_id>``: layer × expert heatmap by replication (hot marked), holders on
-    click, the under-replicated list and a histogram of slots by replication."""
-    return render(request, "console/coverage.html", {"nav_section": "coverage", **selectors.coverage(model_id),
+    click, the under-replicated list and a histogram of slots by replication; 404 for a model with
+    no slots (not published, not in the catalog, held by no one)."""
+    ctx = selectors.coverage(model_id)
+    if not ctx["slots"]:
+        raise Http404(f"no model {model_id} is published, catalogued or held here")
+    return render(request, "console/coverage.html", {"nav_section": "coverage", **ctx,
                                                      "repair_passes": selectors.repair_passes(model_id)})
 
 
