@@ -289,3 +289,56 @@ def test_kvasir_workers_are_listed_only_while_connected_live_and_unquarantined(s
 
     infos = KvasirHolders().infos("org/tiny-moe")
     assert [i.provider for i in infos] == ["kvasir:a"] and [h.expert for h in infos[0].holdings] == [0, 1, 2, 3]
+
+
+@pytest.mark.asyncio
+@pytest.mark.django_db(transaction=True)
+async def test_router_speaks_v2f16_then_falls_back_to_v2_and_goes_through_the_channel_layer(relay_settings):
+    from router import ws as router_ws
+    from router.kvasir import KvasirHolders, Shard
+
+    tok, _ = market.make_token("W" * 40)
+    await sync_to_async(_cover)("W" * 40, "w", [[0, 4, 8]], "relay:s")
+    holders = KvasirHolders()
+    provider = codec.provider_id("w")
+    holders.shards[provider] = Shard(0, 4, 8)
+    rows = np.arange(8, dtype=np.float32).reshape(2, 4)
+
+    def req():
+        return BatchRequest(__import__("uuid").uuid4().hex, "org/tiny-moe", 0, 6, [0, 3], "f32", rows.tobytes(),
+                            "f32", 4)
+
+    async def joined():
+        comm = await _dial(f"/api/expert-relay?session=s&token={tok}")
+        for _ in range(100):
+            if router_ws.held_here(provider):
+                return comm
+            await asyncio.sleep(0.05)
+        raise AssertionError("the relay never joined")
+
+    comm = await joined()
+    first = asyncio.ensure_future(holders.send(provider, req()))
+    sent = (await comm.receive_output(timeout=10))["bytes"]
+    assert struct.unpack_from("<iii", sent) == (-3, 2, 2) and np.frombuffer(sent, "<i4", 2, 12 + 16 + 8).tolist() == [2, 2]
+    await comm.disconnect()  # a worker without v2f16 closes the connection (§3: no error frame)
+    with pytest.raises(AgentUnavailable):
+        await asyncio.wait_for(first, 10)
+    assert holders.variant[provider] == "v2"
+    comm = await joined()
+    # Through the channel layer this time (a router in another process or loop).
+    local = router_ws._local.pop(provider)
+    try:
+        second = asyncio.ensure_future(holders.send(provider, req()))
+        sent = (await comm.receive_output(timeout=10))["bytes"]
+        assert struct.unpack_from("<iii", sent) == (-2, 2, 2)
+        out = (rows * 2).astype("<f4").tobytes()
+        await comm.send_to(bytes_data=out[:5])
+        await comm.send_to(bytes_data=out[5:])
+        ans = await asyncio.wait_for(second, 10)
+    finally:
+        router_ws._local[provider] = local
+    assert ans.transport == "kvasir" and ans.receipt is None and np.array_equal(ans.rows, rows * 2)
+    assert (provider, "v2") in holders.proven
+    with pytest.raises(AgentUnavailable, match="does not serve"):
+        await holders.send(provider, BatchRequest("x", "org/tiny-moe", 0, 9, [0], "f32", rows[:1].tobytes(), "f32", 4))
+    await comm.disconnect()
