@@ -33,7 +33,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 
 from moe import wire
-from moe.messages import BatchAnswer, BatchRequest, HolderFault
+from moe.messages import BatchAnswer, BatchRequest, HolderFault, Rejected
 from moe.shardmap import HoldingInfo, ProviderInfo
 from moe.transports import kvasir as codec
 from registry import governance, market
@@ -79,14 +79,18 @@ class KvasirHolders:
     async def send(self, provider: str, req: BatchRequest) -> BatchAnswer:
         """One planned batch on a Kvasir worker over its relay. Raises ``ConnectionError``
         (``AgentUnavailable``: socket closed, not held, no answer in time), ``HolderFault``
-        (an answer of the wrong size or with non-finite values)."""
+        (an answer of the wrong size or with non-finite values), ``Rejected`` (a batch above the
+        protocol's 8,192 rows)."""
         shard = self.shards.get(provider)
         if shard is None or req.layer != shard.layer or not shard.begin <= req.expert < shard.end:
             raise AgentUnavailable(f"Kvasir worker {provider} does not serve l{req.layer}/e{req.expert}")
         n = len(req.tokens)
         rows = wire.decode_rows(req.payload, req.carrier, req.d_model, n)
         variant = self.variant.get(provider, codec.VARIANTS[0])
-        payload = codec.encode_request(variant, rows, req.expert - shard.begin)
+        try:
+            payload = codec.encode_request(variant, rows, req.expert - shard.begin)
+        except codec.KvasirProtocolError as exc:  # our batch is beyond what the protocol carries: not its fault
+            raise Rejected(str(exc)) from exc
         expect = codec.response_size(variant, n, req.d_model)
         link = await AgentLink.get()
         try:
