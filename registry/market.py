@@ -623,10 +623,11 @@ def quarantined(now) -> tuple[set[str], set[str]]:
     return {r[0] for r in rows}, {r[1] for r in rows if r[1]}
 
 
-def relay_open(token, session) -> tuple[str, str]:
+def relay_open(token, session, channel: str = "") -> tuple[str, str]:
     """A relay socket dialed ``/api/expert-relay?session=&token=``: ``(worker_id, owner)`` of the
     session once the socket may join it. A session without an owner gets the dialing token's
-    wallet (how phones get paid, §1.8); the worker is marked connected.
+    wallet (how phones get paid, §1.8); the worker is marked connected, held by ``channel`` (the
+    socket's channel name: a newer socket of the same session supersedes it).
 
     Raises ``MarketError`` with a close code as status: ``CLOSE_AUTH`` (no valid node token or
     service secret), ``CLOSE_UNKNOWN_SESSION`` (no live coverage post created the session),
@@ -653,7 +654,8 @@ def relay_open(token, session) -> tuple[str, str]:
         if not w.owner and wallet:
             w.owner = wallet
         w.relay_connected = True
-        w.save(update_fields=["owner", "relay_connected"])
+        w.relay_channel = channel[:200]
+        w.save(update_fields=["owner", "relay_connected", "relay_channel"])
     return w.worker_id, w.owner or w.wallet
 
 
@@ -670,11 +672,13 @@ def relay_live(worker_id: str) -> bool:
     return not (worker_id in banned_ids or (w.wallet and w.wallet in banned_wallets))
 
 
-def relay_credit(worker_id: str, owner: str, ws2tcp: int, tcp2ws: int, closed: bool = False) -> float:
+def relay_credit(worker_id: str, owner: str, ws2tcp: int, tcp2ws: int, closed: bool = False,
+                 channel: str = "") -> float:
     """Record ``ws2tcp`` / ``tcp2ws`` fresh bytes a relay socket carried since its last credit and
     credit the fresh part of max(ws→tcp, tcp→ws) / 1e6 × ``MARKET_RELAY_UNITS_PER_MB`` to the
     session owner (the worker row's owner, else ``owner`` known when the socket opened; no
-    owner, no credit). ``closed``: the socket ended (the worker is marked not connected).
+    owner, no credit). ``closed``: the socket ``channel`` ended (the worker is marked not connected
+    unless a newer socket holds it).
     Returns the units credited."""
     with transaction.atomic():
         w = MarketWorker.objects.select_for_update().filter(worker_id=worker_id).first()
@@ -685,9 +689,11 @@ def relay_credit(worker_id: str, owner: str, ws2tcp: int, tcp2ws: int, closed: b
             fresh = max(w.relay_ws2tcp, w.relay_tcp2ws) - w.relay_credited
             w.relay_credited += fresh
             owner = w.owner or owner
-            if closed:
+            if closed and w.relay_channel == channel[:200]:
                 w.relay_connected = False
-            w.save(update_fields=["relay_ws2tcp", "relay_tcp2ws", "relay_credited", "relay_connected"])
+                w.relay_channel = ""
+            w.save(update_fields=["relay_ws2tcp", "relay_tcp2ws", "relay_credited", "relay_connected",
+                                  "relay_channel"])
         else:  # evicted meanwhile: credit what this socket carried
             fresh = max(ws2tcp, tcp2ws, 0)
         units = fresh / 1e6 * float(settings.TENZRO.get("MARKET_RELAY_UNITS_PER_MB", 1.0))
@@ -697,6 +703,11 @@ def relay_credit(worker_id: str, owner: str, ws2tcp: int, tcp2ws: int, closed: b
             c.units += units
             c.save()
     return units if owner else 0.0
+
+
+def relay_holder(worker_id: str) -> str:
+    """The channel name of the relay socket holding ``worker_id``'s session ("" when none)."""
+    return MarketWorker.objects.filter(worker_id=worker_id).values_list("relay_channel", flat=True).first() or ""
 
 
 def kvasir_workers(model_id: str) -> list[tuple[str, int, int, int]]:

@@ -376,6 +376,7 @@ class MarketWorker(models.Model):
     # The relay socket (contract §1.8): whether a site process holds it now, the bytes it carried
     # each way since it first joined, and how many of those bytes were already credited.
     relay_connected = models.BooleanField(default=False)
+    relay_channel = models.CharField(max_length=200, blank=True, default="")  # the socket holding it (newest wins)
     relay_ws2tcp = models.BigIntegerField(default=0)
     relay_tcp2ws = models.BigIntegerField(default=0)
     relay_credited = models.BigIntegerField(default=0)

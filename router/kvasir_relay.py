@@ -14,7 +14,8 @@ requests at once (a closed socket is a failed worker).
 
 Refusals complete the 101 and then close, as the JS bridge does: 4401 (no valid node token or
 service secret), 4404 (no coverage post created the session), 4403 (the worker is quarantined
-for fraud). The site sends binary frames only; a text frame from the worker closes with 1003.
+for fraud). The newest socket of a session wins: an older one is closed with 4410. The site
+sends binary frames only; a text frame from the worker closes with 1003.
 Every ``MARKET_RELAY_CHECK_S`` the socket checks its session is still live (a worker quiet for
 120 s is evicted and its socket closed with 4404); every ``MARKET_RELAY_CREDIT_S`` and on close
 the bytes it carried are credited to the session owner (``registry.market.relay_credit``).
@@ -37,6 +38,7 @@ from router.ws import ROUTERS_GROUP, agent_group, presence_event, register_local
 log = logging.getLogger(__name__)
 
 CLOSE_UNSUPPORTED = 1003  # a text frame: the relay carries a byte stream
+CLOSE_SUPERSEDED = 4410  # a newer socket of the same session joined (as agent sockets, router.consumers)
 
 
 class KvasirRelayConsumer(AsyncWebsocketConsumer):
@@ -55,11 +57,15 @@ class KvasirRelayConsumer(AsyncWebsocketConsumer):
         query = parse_qs((self.scope.get("query_string") or b"").decode("latin-1"))
         try:
             self.worker_id, self.owner = await database_sync_to_async(market.relay_open)(
-                (query.get("token") or [""])[0], (query.get("session") or [""])[0])
+                (query.get("token") or [""])[0], (query.get("session") or [""])[0], self.channel_name)
         except market.MarketError as exc:
             await self.close(code=exc.status, reason=exc.message)
             return
         self.provider = provider_id(self.worker_id)
+        # The newest socket of a session wins: an older one (a redial before the old TCP died)
+        # would otherwise get the same requests through the group.
+        await self.channel_layer.group_send(agent_group(self.provider), {"type": "kvasir.superseded",
+                                                                         "channel": self.channel_name})
         register_local(self.provider, self)
         await self.channel_layer.group_add(agent_group(self.provider), self.channel_name)
         await self.channel_layer.group_send(ROUTERS_GROUP, presence_event(self.provider, True))
@@ -82,7 +88,8 @@ class KvasirRelayConsumer(AsyncWebsocketConsumer):
 
     async def _credit(self, closed: bool) -> None:
         out, back, self.ws2tcp, self.tcp2ws = self.ws2tcp, self.tcp2ws, 0, 0
-        await database_sync_to_async(market.relay_credit)(self.worker_id, self.owner, out, back, closed)
+        await database_sync_to_async(market.relay_credit)(self.worker_id, self.owner, out, back, closed,
+                                                          self.channel_name)
 
     async def disconnect(self, code):
         """Fail the pending requests at once, leave the group, tell the routers, credit the bytes."""
@@ -96,8 +103,10 @@ class KvasirRelayConsumer(AsyncWebsocketConsumer):
             await self._reply(reply_to, req_id, messages.failure(req_id, "disconnected", "Kvasir worker disconnected"),
                               b"")
         await self.channel_layer.group_discard(agent_group(self.provider), self.channel_name)
-        await self.channel_layer.group_send(ROUTERS_GROUP, presence_event(self.provider, False))
         await self._credit(True)
+        if await database_sync_to_async(market.relay_holder)(self.worker_id) in ("", self.channel_name):
+            # the session's last socket: routers fail its pending requests at once (not when superseded)
+            await self.channel_layer.group_send(ROUTERS_GROUP, presence_event(self.provider, False))
 
     async def receive(self, text_data=None, bytes_data=None):
         """Worker → site bytes: complete the oldest pending requests they answer."""
@@ -151,6 +160,11 @@ class KvasirRelayConsumer(AsyncWebsocketConsumer):
     async def kvasir_quarantined(self, event):
         """Channel-layer event: an audit caught this worker; close its relay."""
         await self.close(code=market.CLOSE_QUARANTINED, reason="quarantined for returning wrong rows")
+
+    async def kvasir_superseded(self, event):
+        """Channel-layer event: a newer socket joined this session; close this one."""
+        if event.get("channel") != self.channel_name:
+            await self.close(code=CLOSE_SUPERSEDED, reason="superseded by a newer relay socket of this session")
 
     async def agent_ping(self, event):
         """Answer a liveness ping (same contract as ``AgentConsumer.agent_ping``)."""

@@ -342,3 +342,21 @@ async def test_router_speaks_v2f16_then_falls_back_to_v2_and_goes_through_the_ch
     with pytest.raises(AgentUnavailable, match="does not serve"):
         await holders.send(provider, BatchRequest("x", "org/tiny-moe", 0, 9, [0], "f32", rows[:1].tobytes(), "f32", 4))
     await comm.disconnect()
+
+
+@pytest.mark.asyncio
+@pytest.mark.django_db(transaction=True)
+async def test_a_newer_socket_of_a_session_supersedes_the_older_one(relay_settings):
+    tok, _ = market.make_token("W" * 40)
+    await sync_to_async(_cover)("W" * 40, "w", [[0, 0, 4]], "relay:s")
+    old = await _dial(f"/api/expert-relay?session=s&token={tok}")
+    new = await _dial(f"/api/expert-relay?session=s&token={tok}")
+    assert await _closed_with(old) == 4410
+    link = await AgentLink.get()
+    task = asyncio.ensure_future(link.request(codec.provider_id("w"), {"type": "kvasir", "expect": 2}, b"Q", 10))
+    assert (await new.receive_output(timeout=10))["bytes"] == b"Q"
+    await new.send_to(bytes_data=b"ok")
+    assert (await asyncio.wait_for(task, 10))[1] == b"ok"
+    assert await sync_to_async(lambda: MarketWorker.objects.get(worker_id="w").relay_connected)()
+    await new.disconnect()
+    assert not await sync_to_async(lambda: MarketWorker.objects.get(worker_id="w").relay_connected)()
