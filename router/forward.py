@@ -18,6 +18,10 @@ and tokens) unless ``allow_partial``: then each token's routed weights are renor
 over the routed experts that answered (the shared slot keeps weight 1.0; a missing shared
 expert is always fatal) and the pairs are reported in ``missing``.
 
+Receiptless Kvasir holders (``kvasir:<worker_id>``, ``router.kvasir``) get only batches something
+trusted could re-execute; a drawn audit that fails quarantines the worker, and every pair it
+answered in this forward is unfilled and recomputed in the next round (``revoke_quarantined``).
+
 Source: reference §6.3 with its §14 fixes 5 (request-keyed combine, duplicate guard),
 11 (shared slot never renormalized), 12 (zero-holder experts handled by ``allow_partial``),
 23 (per-batch deadline, warm backup), 24 (frames below the message size, batches executed

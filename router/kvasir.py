@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import random
-import uuid
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -179,11 +178,4 @@ def policy_audit_terms() -> tuple[int, tuple[float, float, float]]:
     """(``kvasir_audit_one_in``, dispute tolerances) of the policy in force (database read)."""
     p = governance.current_policy()
     return p.kvasir_audit_one_in, (p.dispute_min_overlap, p.dispute_max_rel_delta, p.dispute_min_rows_passed)
-
-
-def audit_request(model_id: str, layer: int, expert: int, tokens: list[int], carrier: str, payload: bytes,
-                  output: str, d_model: int) -> BatchRequest:
-    """The re-execution of an audited batch on a receipt-signing holder (purpose "selftest": not metered)."""
-    return BatchRequest(uuid.uuid4().hex, model_id, layer, expert, tokens, carrier, payload, output, d_model,
-                        purpose="selftest")
 

@@ -157,7 +157,8 @@ class Router:
         holders this process has not seen are seeded into the scoreboard from the database)."""
         infos = self.cached(("infos", model_id), lambda: self._infos(model_id))
         banned = self.kvasir.banned
-        return ShardView.build(model_id, [p for p in infos[0] if p.provider not in exclude and p.provider not in banned],
+        return ShardView.build(model_id, [p for p in infos[0] if p.provider not in exclude
+                                          and p.provider not in banned],
                                policy=ReplicationPolicy(), expected=infos[1])
 
     def _infos(self, model_id: str) -> tuple:
@@ -176,7 +177,8 @@ class Router:
         if infos is None:
             return await database_sync_to_async(self.live_view)(model_id, excluded)
         banned = self.kvasir.banned
-        return ShardView.build(model_id, [p for p in infos[0] if p.provider not in excluded and p.provider not in banned],
+        return ShardView.build(model_id, [p for p in infos[0] if p.provider not in excluded
+                                          and p.provider not in banned],
                                policy=ReplicationPolicy(), expected=infos[1])
 
     # -- transports ----------------------------------------------------------------------------

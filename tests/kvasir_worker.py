@@ -142,29 +142,32 @@ async def serve_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
         writer.close()
 
 
+async def join(ws, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy bytes both ways between the relay socket and the loopback connection until either ends."""
+
+    async def up():  # worker → site
+        while data := await reader.read(65536):
+            await ws.send(data)
+        await ws.close()
+
+    async def down():  # site → worker
+        async for msg in ws:
+            writer.write(msg if isinstance(msg, bytes) else msg.encode())
+            await writer.drain()
+
+    tasks = [asyncio.ensure_future(up()), asyncio.ensure_future(down())]
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for t in tasks:
+        t.cancel()
+    writer.close()
+
+
 async def relay(url: str, port: int, stop: asyncio.Event) -> None:
-    """Dial the relay and join it to a fresh loopback connection, bytes both ways; redial after a close."""
+    """Dial the relay and join it to a fresh loopback connection; redial a second after a close."""
     while not stop.is_set():
         try:
             async with websockets.connect(url, max_size=None, open_timeout=10) as ws:
-                reader, writer = await asyncio.open_connection("127.0.0.1", port)
-
-                async def up():  # worker → site
-                    while data := await reader.read(65536):
-                        await ws.send(data)
-                    await ws.close()
-
-                async def down():  # site → worker
-                    async for msg in ws:
-                        writer.write(msg if isinstance(msg, bytes) else msg.encode())
-                        await writer.drain()
-                    writer.close()
-
-                tasks = [asyncio.ensure_future(up()), asyncio.ensure_future(down())]
-                await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-                for t in tasks:
-                    t.cancel()
-                writer.close()
+                await join(ws, *await asyncio.open_connection("127.0.0.1", port))
         except (OSError, websockets.WebSocketException, asyncio.TimeoutError):
             pass
         await asyncio.sleep(1.0)
