@@ -360,3 +360,50 @@ async def test_a_newer_socket_of_a_session_supersedes_the_older_one(relay_settin
     assert await sync_to_async(lambda: MarketWorker.objects.get(worker_id="w").relay_connected)()
     await new.disconnect()
     assert not await sync_to_async(lambda: MarketWorker.objects.get(worker_id="w").relay_connected)()
+
+
+@pytest.mark.asyncio
+async def test_without_a_fallback_replica_a_receipt_signing_holder_audits():
+    from moe.gating import Routing
+    from router.forward import ForwardConfig, LayerForward
+    from router.kvasir import KvasirAudit, KvasirHolders
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    w = rng.standard_normal((2, 8, 8)).astype(np.float32)
+    liar, signer = "kvasir:liar", "b" * 64
+    providers = [ProviderInfo(provider=p, holdings=tuple(HoldingInfo("m", 0, e, "Warm") for e in range(2)),
+                              reputation=r) for p, r in ((liar, 900), (signer, 100))]
+    sent = []
+
+    async def get_view(excluded):
+        return ShardView.build("m", [p for p in providers if p.provider not in excluded])
+
+    async def send(provider, info, req: BatchRequest):
+        sent.append((provider, req.purpose))
+        out = np.frombuffer(req.payload, np.float32).reshape(len(req.tokens), 8) @ w[req.expert]
+        return BatchAnswer(-out if provider == liar else out, None, "kvasir" if provider == liar else "ws", 0, 0)
+
+    holders = KvasirHolders()
+    proofs = []
+
+    async def quarantine(provider, proof):
+        holders.banned.add(provider)
+        proofs.append(proof)
+
+    holders.quarantine = quarantine
+
+    async def no_fallback(expert):
+        return False
+
+    async def make():
+        return KvasirAudit(holders, "m", 0, 8, (0.75, 0.05, 0.9), lambda e, r: None, no_fallback)
+
+    routing = Routing(np.array([[0, 1]] * 3, dtype=np.int64), np.full((3, 2), 0.5, np.float32), None, 2, None)
+    res = await LayerForward(ForwardConfig(deadline_s=5.0, verify=False), gate=None, routing=routing, model_id="m",
+                             layer=0, hidden_states=x, get_view=get_view, send=send, carrier="f32",
+                             audit=make).run()
+    assert proofs and proofs[0]["executed_by"] == signer
+    assert (signer, "selftest") in sent  # the re-execution is not metered
+    assert res.holders == [signer]
+    assert np.allclose(res.output, 0.5 * (x @ w[0]) + 0.5 * (x @ w[1]), rtol=1e-5, atol=1e-5)
