@@ -585,7 +585,7 @@ class LayerForward:
         """Unfill the pairs answered by Kvasir holders an audit quarantined during this forward (their
         unaudited answers are lies too, likely), so the next round recomputes them elsewhere;
         whether any were."""
-        banned = self.audit.holders.banned if self.audit is not None else ()
+        banned = self.audit.holders.banned_now() if self.audit is not None else set()
         revoked = False
         for provider in [p for p in self.receiptless if p in banned]:
             for expert, tokens in self.receiptless.pop(provider):

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
+import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -52,23 +54,34 @@ class Shard:
 
 class KvasirHolders:
     """Per-router state of the Kvasir workers it coordinates: their shards (from the last view
-    read), the protocol variant each speaks, and the audit counters. Thread-safe enough for its
-    use: the shard map is replaced whole; counters are touched on the event loop only."""
+    read), the protocol variant each speaks, the audit counters and the workers it quarantined.
+    Shards are written from the database thread one key at a time; counters are touched on the
+    event loop only; ``banned`` under a lock."""
 
     def __init__(self):
         self.shards: dict[str, Shard] = {}
         self.variant: dict[str, str] = {}  # provider → protocol variant in use
         self.proven: set[tuple[str, str]] = set()  # (provider, variant) that answered at least once
         self.served: dict[str, int] = {}  # provider → batches answered (the audit counter)
-        self.banned: set[str] = set()  # quarantined by this router (until the view drops them)
+        self.banned: dict[str, float] = {}  # quarantined by this router → monotonic end of the quarantine
         self.rng = random.Random()
+        self._lock = threading.Lock()
+
+    def banned_now(self) -> set[str]:
+        """The workers this router quarantined whose quarantine still runs (the database's
+        ``MarketFraud`` rows keep them out of later views too; this covers the cached ones)."""
+        now = time.monotonic()
+        with self._lock:  # read from the database thread (views) and the event loop
+            for p in [p for p, until in self.banned.items() if until <= now]:
+                del self.banned[p]
+            return set(self.banned)
 
     def infos(self, model_id: str) -> list[ProviderInfo]:
         """The relay-connected workers of ``model_id`` as shard-view rows (database read)."""
         out = []
         for worker_id, layer, begin, end in market.kvasir_workers(model_id):
             pid = codec.provider_id(worker_id)
-            if pid in self.banned:
+            if pid in self.banned_now():
                 continue
             self.shards[pid] = Shard(layer, begin, end)
             out.append(ProviderInfo(provider=pid, roles=("ExpertHolder",), holdings=tuple(
@@ -117,11 +130,14 @@ class KvasirHolders:
 
     async def quarantine(self, provider: str, proof: dict) -> dict:
         """Record the fraud proof, quarantine the worker and close its relay (wherever it is held)."""
-        self.banned.add(provider)
+        with self._lock:  # at once: answers racing the database write are refused
+            self.banned[provider] = float("inf")
         worker_id = provider[len(codec.PREFIX):]
         row = await database_sync_to_async(market.quarantine_worker)(
             worker_id, proof["model_id"], proof["layer"], proof["expert"], proof["tokens"], proof["verification"],
             proof["executed_by"])
+        with self._lock:
+            self.banned[provider] = time.monotonic() + max(0.0, row["quarantined_until_ms"] / 1000 - time.time())
         try:
             await get_channel_layer().group_send(agent_group(provider), {"type": "kvasir.quarantined"})
         except Exception:  # the relay closes at its next liveness check anyway

@@ -156,7 +156,7 @@ class Router:
         """The live shard view of ``model_id`` without ``exclude`` (provider rows cached briefly;
         holders this process has not seen are seeded into the scoreboard from the database)."""
         infos = self.cached(("infos", model_id), lambda: self._infos(model_id))
-        banned = self.kvasir.banned
+        banned = self.kvasir.banned_now()
         return ShardView.build(model_id, [p for p in infos[0] if p.provider not in exclude
                                           and p.provider not in banned],
                                policy=ReplicationPolicy(), expected=infos[1])
@@ -176,7 +176,7 @@ class Router:
         infos = self.fresh(("infos", model_id))
         if infos is None:
             return await database_sync_to_async(self.live_view)(model_id, excluded)
-        banned = self.kvasir.banned
+        banned = self.kvasir.banned_now()
         return ShardView.build(model_id, [p for p in infos[0] if p.provider not in excluded
                                           and p.provider not in banned],
                                policy=ReplicationPolicy(), expected=infos[1])

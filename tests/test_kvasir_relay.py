@@ -230,7 +230,7 @@ async def test_forward_audits_a_kvasir_worker_quarantines_a_liar_and_recomputes(
 
     async def quarantine(provider, proof):
         caught.append((provider, proof))
-        holders.banned.add(provider)  # as KvasirHolders.quarantine does, without the database
+        holders.banned[provider] = float("inf")  # as KvasirHolders.quarantine does, without the database
         excluded_by_view.add(provider)
         return proof
 
@@ -388,7 +388,7 @@ async def test_without_a_fallback_replica_a_receipt_signing_holder_audits():
     proofs = []
 
     async def quarantine(provider, proof):
-        holders.banned.add(provider)
+        holders.banned[provider] = float("inf")
         proofs.append(proof)
 
     holders.quarantine = quarantine
