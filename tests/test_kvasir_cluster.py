@@ -23,8 +23,9 @@ import pytest
 from safetensors.numpy import load_file
 
 from moe import wire
-from tests.cluster_util import ROOT, env_for, pid_alive, rpc, rpc_served, running_cluster, stop, wait_for
-from tests.conftest import QWEN
+from tests.cluster_util import (ROOT, env_for, fresh_postgres_db, pid_alive, rpc, rpc_served, running_cluster, stop,
+                                wait_for)
+from tests.conftest import PG_URL, QWEN, REDIS_URL, needs_services
 
 pytestmark = pytest.mark.cluster
 
@@ -44,8 +45,11 @@ def start_worker(info, tmp, worker_id, flip=False):
     return proc, json.loads(line)
 
 
-def forward(info, x):
-    resp = rpc_served(info["rpc"], "tenzro_moeForward", {"model_id": MODEL, "layer": 0, "d_model": int(x.shape[1]),
+def forward(rpcs: list[str], x):
+    """One layer-0 forward on the next site of ``rpcs`` (rotated: with two sites, every other forward
+    lands on the site that does not hold a given relay)."""
+    rpcs.append(rpcs.pop(0))
+    resp = rpc_served(rpcs[0], "tenzro_moeForward", {"model_id": MODEL, "layer": 0, "d_model": int(x.shape[1]),
                                                          "carrier": "f32",
                                                          "hidden_states": wire.b64encode(wire.encode_f32(x))})
     assert "result" in resp, resp
@@ -58,15 +62,32 @@ def rel_err(res, ref, d):
 
 
 def test_kvasir_workers_serve_layer_forwards_and_a_liar_is_quarantined(tmp_path):
-    env = env_for(tmp_path)
+    scenario(tmp_path, env_for(tmp_path))
+
+
+@needs_services
+@pytest.mark.services
+@pytest.mark.timeout(1800)
+def test_across_two_site_processes_the_relay_is_reached_through_the_channel_layer(tmp_path):
+    """Two sites behind the balancer (PostgreSQL, Redis): a forward that lands on the site not
+    holding a worker's relay reaches it through the channel layer, and a quarantine decided there
+    closes the relay held by the other site."""
+    with fresh_postgres_db(PG_URL) as db_url:
+        scenario(tmp_path, env_for(tmp_path, database_url=db_url, redis_url=REDIS_URL), ("--sites", "2"))
+
+
+def scenario(tmp_path, env: dict, extra: tuple[str, ...] = ()):
+    """The done-when (module docstring) on a cluster started with ``env`` and ``extra`` flags."""
     env.update({"TENZRO_VIEW_CACHE": "0", "TENZRO_MARKET_RELAY_CHECK": "2",
                 "TENZRO_MARKET_SERVICE_TOKEN": "svc-kvasir-cluster"})
     ref = load_file(str(QWEN / "reference.safetensors"))
     x, want = ref["layer0.hidden_states"].astype(np.float32), ref["layer0.output"]
     d = int(x.shape[1])
     workers = []
-    with running_cluster(tmp_path, [QWEN], holders=2, env=env) as (info, _):
+    with running_cluster(tmp_path, [QWEN], holders=2, env=env, extra=extra) as (info, _):
         url, tok = info["rpc"], info["operator_token"]
+        sites = [u.rstrip("/") + "/rpc" for u in info["sites"]]
+        assert len(sites) == (int(extra[1]) if extra else 1)
         listed = rpc(url, "tenzro_moeMarketAddModel", {"model_id": MODEL}, tok)
         assert "result" in listed, listed
         try:
@@ -78,7 +99,7 @@ def test_kvasir_workers_serve_layer_forwards_and_a_liar_is_quarantined(tmp_path)
 
             def served_by_worker():
                 try:
-                    res = forward(info, x)
+                    res = forward(sites, x)
                 except AssertionError:
                     return None  # the view still lists a stopped agent, or the relay is not joined yet
                 return res if res["holders"] == ["kvasir:honest-1"] else None
@@ -101,7 +122,7 @@ def test_kvasir_workers_serve_layer_forwards_and_a_liar_is_quarantined(tmp_path)
             forwards = []
             caught = False
             for _ in range(32):
-                r = forward(info, x)
+                r = forward(sites, x)
                 forwards.append(r)
                 # Every answer is exact: an audited lie is recomputed, and so is every other batch
                 # the liar answered in that forward once it is caught.
@@ -110,7 +131,7 @@ def test_kvasir_workers_serve_layer_forwards_and_a_liar_is_quarantined(tmp_path)
                     caught = True
                     break
             assert caught, f"the cheat was not quarantined within {len(forwards)} forwards"
-            later = [forward(info, x) for _ in range(3)]
+            later = [forward(sites, x) for _ in range(3)]
             for r in later:
                 assert "kvasir:cheat-1" not in r["holders"] and r["holders"] == ["kvasir:honest-1"]
                 assert rel_err(r, want, d) <= 1e-2
