@@ -1,5 +1,6 @@
 """ASGI entry point (daphne): HTTP through Django, ``/ws/agent/`` to the holder-agent consumer,
-``/api/expert-relay`` to the Kvasir relay (``router.kvasir_relay``); any other WebSocket path is refused with a close frame (``tenzro_site.ws``), never an HTTP 500."""
+``/api/expert-relay`` to the Kvasir relay (``router.kvasir_relay``); any other WebSocket path is
+refused with a close frame (``tenzro_site.ws``), never an HTTP 500."""
 import os
 
 from django.core.asgi import get_asgi_application
