@@ -35,6 +35,9 @@ ROLES = ("Replica", "Router", "ExpertHolder", "PrefillDecode", "Prefill", "Decod
 
 _RANK = {name: i for i, name in enumerate(RESIDENCIES)}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+# A relay-wired Kvasir market worker (``moe.transports.kvasir.provider_id``): ``kvasir:<worker_id>``,
+# the id up to 200 printable characters (the market's worker_id column).
+_KVASIR = re.compile(r"kvasir:[^\x00-\x1f\x7f]{1,200}")
 
 
 def is_int(value: object) -> bool:
@@ -43,9 +46,11 @@ def is_int(value: object) -> bool:
 
 
 def check_provider_id(value: object, field: str = "provider") -> None:
-    """Raise ``ValueError`` naming ``field`` unless ``value`` is a 64-char lowercase hex key."""
-    if not isinstance(value, str) or _HEX64.fullmatch(value) is None:
-        raise ValueError(f"{field} must be a 64-character lowercase hex ed25519 key, got {value!r}")
+    """Raise ``ValueError`` naming ``field`` unless ``value`` is a 64-char lowercase hex key or a
+    Kvasir worker's ``kvasir:<worker_id>`` (1–200 printable characters)."""
+    if not isinstance(value, str) or (_HEX64.fullmatch(value) is None and _KVASIR.fullmatch(value) is None):
+        raise ValueError(f"{field} must be a 64-character lowercase hex ed25519 key or kvasir:<worker_id>, "
+                         f"got {value!r}")
 
 
 def expert_key(item: object, field: str = "expert") -> tuple[int, int]:

@@ -58,6 +58,7 @@ POLICY_FIELDS: dict[str, type] = {
     "dispute_penalty": int,
     "quarantine_after_upheld": int,
     "quarantine_ms": int,
+    "kvasir_audit_one_in": int,
 }
 _SHARD_FIELDS = ("min_replication", "max_replication", "hot_threshold_tps", "repair_interval_s",
                  "max_repairs_per_pass")
@@ -124,7 +125,8 @@ def validate_changes(changes, base: dict | None = None) -> dict:
                         ("settlement_holder_share_bps", 0, 10_000), ("dispute_min_overlap", 0, 1),
                         ("dispute_max_rel_delta", 0, 1), ("dispute_min_rows_passed", 0, 1),
                         ("receipt_sample_one_in", 1, 1 << 30), ("dispute_penalty", 0, 1000),
-                        ("quarantine_after_upheld", 1, 1000), ("quarantine_ms", 0, 30 * 86_400_000)):
+                        ("quarantine_after_upheld", 1, 1000), ("quarantine_ms", 0, 30 * 86_400_000),
+                        ("kvasir_audit_one_in", 1, 1 << 20)):
         if not lo <= merged[key] <= hi:
             raise GovernanceError(f"{key} must lie in [{lo}, {hi}], got {merged[key]}", f"changes.{key}")
     if merged["dispute_min_rows_passed"] == 0 or merged["dispute_min_overlap"] == 0:

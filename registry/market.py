@@ -34,7 +34,8 @@ from nacl.exceptions import BadSignatureError
 from nacl.signing import VerifyKey
 
 from registry import governance, ratelimit, selectors
-from registry.models import Holding, MarketChallenge, MarketClaim, MarketModel, MarketWorker, MoeModel
+from registry.models import (Holding, MarketChallenge, MarketClaim, MarketCredit, MarketFraud, MarketModel,
+                             MarketWorker, MoeModel)
 from moe.jsonrpc import ParamError
 from registry.model_ids import validate_model_id
 
@@ -49,6 +50,9 @@ RELAY_PORT_BASE = 52970  # coordinator ports handed to relay-wired workers (§1.
 RELAY_PORTS = 60
 RELAY_HOST = "127.0.0.1"
 MAX_SESSION = 128
+CLOSE_AUTH = 4401  # relay refusals (§1.8): 101, then these close codes
+CLOSE_QUARANTINED = 4403
+CLOSE_UNKNOWN_SESSION = 4404
 RECRUIT_SATURATE_SLOTS = 2  # §1.11 item 6, reported by /api/moe/recruitment
 _B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 
@@ -297,7 +301,9 @@ def _store_coverage(wallet: str, worker_id: str, model: str, segs: list, body: d
                 platform[k] = body[k][:64]
         w.platform = platform
         w.ts = now
-        wiring = _wire(w, worker_id, now) if w.url.startswith("relay:") else None
+        banned_ids, banned_wallets = quarantined(now)
+        banned = worker_id in banned_ids or bool(w.wallet and w.wallet in banned_wallets)
+        wiring = _wire(w, worker_id, now) if w.url.startswith("relay:") and not banned else None
         w.save()
         if wallet:  # a claim ends once its wallet reports a segment covering the range
             for c in MarketClaim.objects.filter(wallet=wallet):
@@ -397,8 +403,9 @@ def dispatch_map(wallet: str, query) -> dict:
 def relay_sessions(wallet: str) -> dict:
     """``GET /api/expert-relay/sessions`` (§1.9, JS shape), service token only: the relay
     sessions of live relay-wired workers, sorted by session. ``claimed_at`` = when the session
-    was first named (epoch ms, as the JS bridge reports times). No relay socket joins a session
-    yet (issue 27 item 3), so ``connected`` is false and ``bytes`` null. Raises ``MarketError`` 403."""
+    was first named (epoch ms, as the JS bridge reports times); ``connected``: whether a relay
+    socket holds the session now; ``bytes``: ``{ws2tcp, tcp2ws}`` carried since its socket first
+    joined (null before). Raises ``MarketError`` 403."""
     _require_service(wallet, "list relay sessions")
     _evict(timezone.now())
     out = []
@@ -408,7 +415,9 @@ def relay_sessions(wallet: str) -> dict:
                     "model": w.model, "layer": layer, "experts": experts,
                     "listen_host": RELAY_HOST if w.listen_port is not None else None,
                     "listen_port": w.listen_port, "claimed_at": int(w.relay_claimed.timestamp() * 1000),
-                    "connected": False, "bytes": None})
+                    "connected": w.relay_connected,
+                    "bytes": ({"ws2tcp": w.relay_ws2tcp, "tcp2ws": w.relay_tcp2ws}
+                              if w.relay_connected or w.relay_ws2tcp or w.relay_tcp2ws else None)})
     return {"sessions": out}
 
 
@@ -455,7 +464,11 @@ def fold(m: MarketModel) -> dict[int, list[int]]:
     layers = sorted({int(x) for x in m.expert_layers})
     r = {layer: [0] * n for layer in layers}
     names = {basename(m.model_id), m.model_id} | ({m.name, basename(m.name)} if m.name else set())
-    for segs in MarketWorker.objects.filter(model__in=names).values_list("segments", flat=True):
+    banned_ids, banned_wallets = quarantined(timezone.now())
+    for wid, wallet, segs in MarketWorker.objects.filter(model__in=names).values_list("worker_id", "wallet",
+                                                                                     "segments"):
+        if wid in banned_ids or (wallet and wallet in banned_wallets):
+            continue  # a quarantined worker's coverage is not counted (issue 27 item 5)
         for layer, b, e in segs:
             if layer in r:
                 for i in range(max(0, b), min(e, n)):
@@ -600,3 +613,141 @@ def add_model(model_id: str, n_embd: int | None = None, n_layer: int | None = No
     return {"model_id": m.model_id, "name": m.name, "n_embd": m.n_embd, "n_layer": m.n_layer,
             "n_expert": m.n_expert, "expert_layers": m.expert_layers, "created": created,
             "published": MoeModel.objects.filter(model_id=model_id).exists()}
+
+
+# --------------------------------------------------------------------------- relay sockets (§1.8) and audits
+
+def quarantined(now) -> tuple[set[str], set[str]]:
+    """(worker ids, wallets) under a fraud proof's quarantine at ``now`` (``MarketFraud``)."""
+    rows = MarketFraud.objects.filter(quarantined_until__gt=now).values_list("worker_id", "wallet")
+    return {r[0] for r in rows}, {r[1] for r in rows if r[1]}
+
+
+def relay_open(token, session, channel: str = "") -> tuple[str, str]:
+    """A relay socket dialed ``/api/expert-relay?session=&token=``: ``(worker_id, owner)`` of the
+    session once the socket may join it. A session without an owner gets the dialing token's
+    wallet (how phones get paid, §1.8); the worker is marked connected, held by ``channel`` (the
+    socket's channel name: a newer socket of the same session supersedes it).
+
+    Raises ``MarketError`` with a close code as status: ``CLOSE_AUTH`` (no valid node token or
+    service secret), ``CLOSE_UNKNOWN_SESSION`` (no live coverage post created the session),
+    ``CLOSE_QUARANTINED`` (the worker or its wallet is quarantined for fraud)."""
+    token = token.strip() if isinstance(token, str) else ""
+    service = settings.TENZRO.get("MARKET_SERVICE_TOKEN") or ""
+    if service and token and hmac.compare_digest(token.encode(), service.encode()):
+        wallet = ""
+    else:
+        wallet = token_wallet(token)
+        if not wallet:
+            raise MarketError(CLOSE_AUTH, "authentication required")
+    session = session.strip() if isinstance(session, str) else ""
+    now = timezone.now()
+    _evict(now)
+    with transaction.atomic():
+        w = (MarketWorker.objects.select_for_update().filter(session=session, relay_claimed__isnull=False).first()
+             if session else None)
+        if w is None:
+            raise MarketError(CLOSE_UNKNOWN_SESSION, "unknown relay session")
+        banned_ids, banned_wallets = quarantined(now)
+        if w.worker_id in banned_ids or (w.wallet and w.wallet in banned_wallets):
+            raise MarketError(CLOSE_QUARANTINED, "this worker is quarantined for returning wrong rows")
+        if not w.owner and wallet:
+            w.owner = wallet
+        w.relay_connected = True
+        w.relay_channel = channel[:200]
+        w.save(update_fields=["owner", "relay_connected", "relay_channel"])
+    return w.worker_id, w.owner or w.wallet
+
+
+def relay_live(worker_id: str) -> bool:
+    """Whether the relay socket of ``worker_id`` may stay open: its worker is live (a coverage
+    post in the last 120 s; a quiet one is evicted here, freeing its port and session) and not
+    quarantined."""
+    now = timezone.now()
+    _evict(now)
+    w = MarketWorker.objects.filter(worker_id=worker_id, relay_claimed__isnull=False).first()
+    if w is None:
+        return False
+    banned_ids, banned_wallets = quarantined(now)
+    return not (worker_id in banned_ids or (w.wallet and w.wallet in banned_wallets))
+
+
+def relay_credit(worker_id: str, owner: str, ws2tcp: int, tcp2ws: int, closed: bool = False,
+                 channel: str = "") -> float:
+    """Record ``ws2tcp`` / ``tcp2ws`` fresh bytes a relay socket carried since its last credit and
+    credit the fresh part of max(ws→tcp, tcp→ws) / 1e6 × ``MARKET_RELAY_UNITS_PER_MB`` to the
+    session owner (the worker row's owner, else ``owner`` known when the socket opened; no
+    owner, no credit). ``closed``: the socket ``channel`` ended (the worker is marked not connected
+    unless a newer socket holds it).
+    Returns the units credited."""
+    with transaction.atomic():
+        w = MarketWorker.objects.select_for_update().filter(worker_id=worker_id).first()
+        fresh = 0
+        if w is not None:
+            w.relay_ws2tcp += max(0, ws2tcp)
+            w.relay_tcp2ws += max(0, tcp2ws)
+            fresh = max(w.relay_ws2tcp, w.relay_tcp2ws) - w.relay_credited
+            w.relay_credited += fresh
+            owner = w.owner or owner
+            if closed and w.relay_channel == channel[:200]:
+                w.relay_connected = False
+                w.relay_channel = ""
+            w.save(update_fields=["relay_ws2tcp", "relay_tcp2ws", "relay_credited", "relay_connected",
+                                  "relay_channel"])
+        else:  # evicted meanwhile: credit what this socket carried
+            fresh = max(ws2tcp, tcp2ws, 0)
+        units = fresh / 1e6 * float(settings.TENZRO.get("MARKET_RELAY_UNITS_PER_MB", 1.0))
+        if owner and fresh > 0:
+            c, _ = MarketCredit.objects.select_for_update().get_or_create(wallet=owner[:64])
+            c.bytes += fresh
+            c.units += units
+            c.save()
+    return units if owner else 0.0
+
+
+def relay_holder(worker_id: str) -> str:
+    """The channel name of the relay socket holding ``worker_id``'s session ("" when none)."""
+    return MarketWorker.objects.filter(worker_id=worker_id).values_list("relay_channel", flat=True).first() or ""
+
+
+def kvasir_workers(model_id: str) -> list[tuple[str, int, int, int]]:
+    """The relay-connected, live, unquarantined market workers holding experts of ``model_id``
+    (stored model equal to its id or basename): ``(worker_id, layer, begin, end)`` of each one's
+    first segment (the shard its worker process serves, §1.5), ``end > begin``; sorted by id."""
+    now = timezone.now()
+    banned_ids, banned_wallets = quarantined(now)
+    out = []
+    for wid, wallet, segs in (MarketWorker.objects.filter(
+            model__in={model_id, basename(model_id)}, relay_connected=True,
+            ts__gte=now - timedelta(seconds=LIVE_S)).order_by("worker_id")
+            .values_list("worker_id", "wallet", "segments")):
+        if wid in banned_ids or (wallet and wallet in banned_wallets) or not segs:
+            continue
+        layer, b, e = segs[0]
+        if e > b >= 0:
+            out.append((wid, layer, b, e))
+    return out
+
+
+def quarantine_worker(worker_id: str, model_id: str, layer: int, expert: int, tokens: list[int],
+                      verification: dict, executed_by: str) -> dict:
+    """Record a fraud proof against ``worker_id`` (an audited batch failed) and quarantine it and
+    its wallet for the policy's ``quarantine_ms``: its coverage leaves the fold, its relay is
+    refused. Returns the proof as JSON."""
+    now = timezone.now()
+    until = now + timedelta(milliseconds=governance.current_policy().quarantine_ms)
+    w = MarketWorker.objects.filter(worker_id=worker_id).first()
+    f = MarketFraud.objects.create(worker_id=worker_id, wallet=(w.wallet if w else ""), model_id=model_id,
+                                   layer=layer, expert=expert, tokens=[int(t) for t in tokens],
+                                   verification=verification, executed_by=executed_by[:64], created=now,
+                                   quarantined_until=until)
+    MarketWorker.objects.filter(worker_id=worker_id).update(relay_connected=False)
+    return fraud_json(f)
+
+
+def fraud_json(f: MarketFraud) -> dict:
+    """A fraud proof as the API lists it."""
+    return {"id": f.id, "worker_id": f.worker_id, "wallet": f.wallet, "model_id": f.model_id, "layer": f.layer,
+            "expert": f.expert, "tokens": f.tokens, "verification": f.verification, "executed_by": f.executed_by,
+            "created_ms": int(f.created.timestamp() * 1000),
+            "quarantined_until_ms": int(f.quarantined_until.timestamp() * 1000)}

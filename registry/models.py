@@ -146,6 +146,9 @@ class ReplicationPolicy(models.Model):
     dispute_penalty = models.PositiveIntegerField(default=15, db_default=15)
     quarantine_after_upheld = models.PositiveIntegerField(default=3, db_default=3)
     quarantine_ms = models.BigIntegerField(default=300_000, db_default=300_000)
+    # Receiptless Kvasir workers: about one in this many of a worker's batches is re-executed
+    # on a trusted executor and compared under the dispute tolerances (issue 27 item 5).
+    kvasir_audit_one_in = models.PositiveIntegerField(default=8, db_default=8)
     version = models.PositiveIntegerField(default=1)
     updated = models.DateTimeField(auto_now=True)
     applied_proposal = models.ForeignKey("Proposal", null=True, blank=True, on_delete=models.SET_NULL,
@@ -370,9 +373,50 @@ class MarketWorker(models.Model):
     listen_port = models.IntegerField(null=True, blank=True, unique=True)
     relay_claimed = models.DateTimeField(null=True, blank=True)
     relay_ts = models.DateTimeField(null=True, blank=True)
+    # The relay socket (contract §1.8): whether a site process holds it now, the bytes it carried
+    # each way since it first joined, and how many of those bytes were already credited.
+    relay_connected = models.BooleanField(default=False)
+    relay_channel = models.CharField(max_length=200, blank=True, default="")  # the socket holding it (newest wins)
+    relay_ws2tcp = models.BigIntegerField(default=0)
+    relay_tcp2ws = models.BigIntegerField(default=0)
+    relay_credited = models.BigIntegerField(default=0)
 
     def __str__(self) -> str:
         return self.worker_id
+
+
+class MarketCredit(models.Model):
+    """Relay bytes credited to a session owner's wallet (contract §1.8): ``units`` =
+    Σ fresh max(ws→tcp, tcp→ws) bytes / 1e6 × ``TENZRO_MARKET_RELAY_UNITS_PER_MB``."""
+
+    wallet = models.CharField(max_length=64, primary_key=True)
+    bytes = models.BigIntegerField(default=0)
+    units = models.FloatField(default=0.0)
+    updated = models.DateTimeField(auto_now=True)
+
+
+class MarketFraud(models.Model):
+    """A fraud proof against a receiptless Kvasir worker (issue 27 item 5): one audited batch whose
+    re-execution by ``executed_by`` ("site" = the fallback replica, or a holder's provider id)
+    failed the worker's rows under the dispute tolerances. The worker id and its wallet are
+    quarantined until ``quarantined_until`` (coverage ignored, relay refused)."""
+
+    worker_id = models.CharField(max_length=200, db_index=True)
+    wallet = models.CharField(max_length=64, blank=True, default="", db_index=True)
+    model_id = models.CharField(max_length=200)
+    layer = models.IntegerField()
+    expert = models.IntegerField()
+    tokens = models.JSONField(default=list)
+    verification = models.JSONField(default=dict)
+    executed_by = models.CharField(max_length=64)
+    created = models.DateTimeField()
+    quarantined_until = models.DateTimeField(db_index=True)
+
+    class Meta:
+        ordering = ["-id"]
+
+    def __str__(self) -> str:
+        return f"fraud by {self.worker_id} l{self.layer}/e{self.expert}"
 
 
 class MarketChallenge(models.Model):

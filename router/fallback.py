@@ -44,6 +44,12 @@ class FallbackReplica:
                 self._cache.popitem(last=False)
         return w
 
+    def holds(self, model_id: str, layer: int, expert: int) -> bool:
+        """Whether the site's blob store holds the published blob of (model_id, layer, expert)."""
+        h = ExpertBlob.objects.filter(model_id=model_id, layer=layer, expert=expert).values_list(
+            "blob_hash", flat=True).first()
+        return h is not None and BlobStore(settings.TENZRO["BLOB_DIR"]).has(h)
+
     def for_layer(self, model_id: str, layer: int):
         """``fallback(expert, rows f32 [n, H]) -> f32 [n, H] | None`` for ``LayerForward``: runs
         the expert from the site's blob store, None when the site does not have its blob.

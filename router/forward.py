@@ -18,6 +18,10 @@ and tokens) unless ``allow_partial``: then each token's routed weights are renor
 over the routed experts that answered (the shared slot keeps weight 1.0; a missing shared
 expert is always fatal) and the pairs are reported in ``missing``.
 
+Receiptless Kvasir holders (``kvasir:<worker_id>``, ``router.kvasir``) get only batches something
+trusted could re-execute; a drawn audit that fails quarantines the worker, and every pair it
+answered in this forward is unfilled and recomputed in the next round (``revoke_quarantined``).
+
 Source: reference §6.3 with its §14 fixes 5 (request-keyed combine, duplicate guard),
 11 (shared slot never renormalized), 12 (zero-holder experts handled by ``allow_partial``),
 23 (per-batch deadline, warm backup), 24 (frames below the message size, batches executed
@@ -51,6 +55,7 @@ from moe.ffn import combine
 from moe.gating import Gate, Routing, route
 # The request/answer records live with the other messages; re-exported for the forward's callers.
 from moe.messages import AuthRefusal, BatchAnswer, BatchRequest, HolderFault, Rejected, Send  # noqa: F401
+from moe.transports.kvasir import is_kvasir
 from moe.receipts import ReceiptError, entry_in_seal, is_entry, sealed, verify_entry, verify_receipt
 from router.scoreboard import Scoreboard
 from moe.jsonrpc import ParamError
@@ -58,6 +63,10 @@ from registry.planner import DispatchPlan, plan_expert_batches
 from moe.shardmap import ShardView
 
 MAX_REPLANS = 2
+
+
+class AuditUnavailable(Exception):
+    """A drawn audit of a receiptless batch could not re-execute it (its executor failed)."""
 
 
 @dataclass(frozen=True)
@@ -202,6 +211,12 @@ class _Rows:
         self.rows[expert][idx] = rows
         self.filled[expert][idx] = True
 
+    def unfill(self, expert: int, tokens: list[int]) -> None:
+        """Forget the rows of these pairs (an answer revoked after its holder was caught lying)."""
+        idx = [self.pos[expert][t] for t in tokens]
+        self.rows[expert][idx] = 0.0
+        self.filled[expert][idx] = False
+
     def outstanding(self) -> dict[int, list[int]]:
         return {e: self.tokens[e][~f].tolist() for e, f in self.filled.items() if not f.all()}
 
@@ -227,6 +242,9 @@ class LayerForward:
     ``saturated(t)``: whether the router itself was saturated since monotonic time ``t``; a
     deadline that expires then still moves the batch to the backup but is recorded with
     ``fault: False, saturated: True`` (the holder is not blamed for the router's own overload).
+    ``audit()``: returns the forward's ``router.kvasir.KvasirAudit`` for receiptless Kvasir
+    holders (``kvasir:<worker_id>``, transport "kvasir"), called once on a Kvasir holder's first
+    batch; None refuses them work.
 
     Steps: ``route`` (gate or given routing, carrier choice, carrier rows encoded once),
     ``run_local`` (experts the router holds), ``plan_round`` (planner over the live view minus
@@ -245,8 +263,11 @@ class LayerForward:
                  carrier: str = "auto", routing: Routing | None = None,
                  local: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
                  fallback: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
-                 scoreboard: Scoreboard | None = None, saturated: Callable[[float], bool] | None = None):
+                 scoreboard: Scoreboard | None = None, saturated: Callable[[float], bool] | None = None,
+                 audit: Callable[[], Awaitable[object]] | None = None):
         self.gate, self.model_id, self.layer = gate, model_id, layer
+        self.audit_of, self.audit = audit, None
+        self.view_now: ShardView | None = None  # the last round's view (audit executors are found in it)
         self.scoreboard, self.saturated = scoreboard, saturated
         self.deadline_s, self.attempt_timeout_s = config.deadline_s, config.timeout_s
         # 0 (TENZRO_PLAN_SPLIT_THRESHOLD=0) never splits, as tenzro_moePlanDispatch reads it.
@@ -259,10 +280,11 @@ class LayerForward:
         self.excluded: set[str] = set()
         self.failures: list[dict] = []
         self.latencies: dict[str, list[float]] = {}
-        self.transports: dict[str, int] = {"local": 0, "ws": 0, "http": 0, "iroh": 0}
+        self.transports: dict[str, int] = {"local": 0, "ws": 0, "http": 0, "iroh": 0, "kvasir": 0}
         self.receipts: list[dict] = []
         self.verified: list[VerifiedBatch] = []
         self.used: set[str] = set()
+        self.receiptless: dict[str, list[tuple[int, list[int]]]] = {}  # kvasir holder → its accepted pairs
         self.batches = 0
         self.bytes_out = 0
         self.bytes_back = 0
@@ -313,6 +335,17 @@ class LayerForward:
         (another answer filled the pairs first), "refused" (auth or a rejected request, no penalty) or "fault"
         (exclude the holder). Outcomes are recorded on the scoreboard."""
         layer, d_model = self.layer, self.d_model
+        receiptless = is_kvasir(provider)
+        executor = None
+        if receiptless:  # nothing signs its rows: only work something trusted can re-execute goes there
+            if self.audit is None and self.audit_of is not None:
+                self.audit = await self.audit_of()
+            executor = await self.audit.executor_for(expert, self.view_now) if self.audit is not None else None
+            if executor is None:
+                self.failures.append({"provider": provider, "expert": expert, "fault": False,
+                                      "error": "receiptless work refused: no fallback replica or receipt-signing "
+                                               "holder could audit it"})
+                return "refused"
         req = BatchRequest(uuid.uuid4().hex, self.model_id, layer, expert, tokens, self.carrier_kind, payload,
                            self.output_kind, d_model)
         t = time.perf_counter()
@@ -328,7 +361,15 @@ class LayerForward:
                 except HolderFault as exc:  # a concurrent answer (a backup's) filled the pairs first
                     self.failures.append({"provider": provider, "expert": expert, "error": str(exc), "fault": False})
                     return "late"
-                if self.verify and ans.transport != "local":
+                if receiptless:
+                    try:
+                        await self.audit.check(provider, expert, tokens, self.x[np.asarray(tokens, dtype=np.int64)],
+                                               ans.rows, lambda ex: self.redo(ex, expert, tokens, payload), executor)
+                    except AuditUnavailable as exc:  # a drawn audit that cannot run: the answer is not trusted
+                        self.failures.append({"provider": provider, "expert": expert, "fault": False,
+                                              "error": f"audit could not run: {exc}"})
+                        return "refused"
+                elif self.verify and ans.transport != "local":
                     receipt = await self.verified_receipt(provider, req, ans)
         except AuthRefusal as exc:
             self.failures.append({"provider": provider, "expert": expert, "error": f"auth refused: {exc}",
@@ -352,6 +393,8 @@ class LayerForward:
             self.failures.append({"provider": provider, "expert": expert, "error": str(exc), "fault": False})
             return "late"
         self.latencies.setdefault(provider, []).append(ms)
+        if receiptless:
+            self.receiptless.setdefault(provider, []).append((expert, tokens))
         self.transports[ans.transport] = self.transports.get(ans.transport, 0) + 1
         self.bytes_out += ans.bytes_out
         self.bytes_back += ans.bytes_back
@@ -362,6 +405,34 @@ class LayerForward:
             if self.verify and ans.transport != "local":
                 self.verified.append(VerifiedBatch(provider, req, receipt, ans.rows))
         return "ok"
+
+    async def redo(self, executor: str, expert: int, tokens: list[int], payload: bytes) -> np.ndarray:
+        """Re-execute a receiptless batch for its audit on ``executor``: "site" (the fallback
+        replica, from the exact f32 rows) or a receipt-signing holder of the last view (its
+        receipt verified). Raises ``AuditUnavailable`` when that fails."""
+        x = self.x[np.asarray(tokens, dtype=np.int64)]
+        try:
+            if executor == "site":
+                out = await asyncio.to_thread(self.audit.fallback, expert, x)
+                if out is None:
+                    raise AuditUnavailable("the fallback replica lacks the expert's blob")
+                return np.asarray(out, dtype=np.float32).reshape(len(tokens), self.d_model)
+            info = next((h for h in (self.view_now.holders(self.layer, expert) if self.view_now else ())
+                         if h.provider == executor), None)
+            req = BatchRequest(uuid.uuid4().hex, self.model_id, self.layer, expert, tokens, self.carrier_kind,
+                               payload, self.output_kind, self.d_model, purpose="selftest")
+            async with asyncio.timeout(self.attempt_timeout_s):
+                ans = await self.send(executor, info, req)
+                if ans.rows.shape != (len(tokens), self.d_model):
+                    raise HolderFault(f"returned rows of shape {ans.rows.shape}")
+                if self.verify and ans.transport != "local":
+                    await self.verified_receipt(executor, req, ans)
+            return ans.rows
+        except AuditUnavailable:
+            raise
+        except (asyncio.TimeoutError, HolderFault, ReceiptError, AuthRefusal, Rejected, ConnectionError,
+                ValueError, LookupError, OSError) as exc:
+            raise AuditUnavailable(f"{executor}: {str(exc) or type(exc).__name__}") from exc
 
     async def verified_receipt(self, provider: str, req: BatchRequest, ans: BatchAnswer) -> dict:
         """The receipt of ``req``'s remote answer once verified: a single receipt as it came, a
@@ -403,7 +474,7 @@ class LayerForward:
             ans = await asyncio.wait_for(self.send(provider, info, req), self.deadline_s)
             if ans.rows.shape != (len(tokens), self.d_model):
                 raise HolderFault(f"returned rows of shape {ans.rows.shape}")
-            if self.verify and ans.transport != "local":
+            if self.verify and ans.transport not in ("local", "kvasir"):
                 async with asyncio.timeout(self.deadline_s):
                     await self.verified_receipt(provider, req, ans)
         except (AuthRefusal, Rejected):
@@ -480,6 +551,7 @@ class LayerForward:
         """Plan the outstanding pairs ``{expert: [tokens]}`` over the live view without the
         excluded providers. Raises ``ForwardError("planning")`` when the planner cannot."""
         view = await self.get_view(frozenset(self.excluded))
+        self.view_now = view
         # The pairs are already grouped by expert with ascending tokens: the planner's batch step
         # directly, without plan_dispatch's per-token regrouping and validation.
         batches, unplanned, _ = plan_expert_batches(
@@ -502,11 +574,26 @@ class LayerForward:
             # Each planned batch goes whole: the holder runs exactly the rows the monolithic forward
             # runs together (bit for bit); the transport splits it into frames and reassembles it.
             await asyncio.gather(*(self.run_batch(b, b.token_indices) for b in plan.batches))
-            if not rows.outstanding() or self.replans == MAX_REPLANS:
+            revoked = self.revoke_quarantined()
+            if not rows.outstanding() or (self.replans >= MAX_REPLANS and not revoked):
                 break
             if not plan.batches:
                 break  # nothing was plannable: another round cannot change that
             self.replans += 1
+
+    def revoke_quarantined(self) -> bool:
+        """Unfill the pairs answered by Kvasir holders an audit quarantined during this forward (their
+        unaudited answers are lies too, likely), so the next round recomputes them elsewhere;
+        whether any were."""
+        banned = self.audit.holders.banned_now() if self.audit is not None else set()
+        revoked = False
+        for provider in [p for p in self.receiptless if p in banned]:
+            for expert, tokens in self.receiptless.pop(provider):
+                self.rows.unfill(expert, tokens)
+                revoked = True
+            self.used.discard(provider)
+            self.excluded.add(provider)
+        return revoked
 
     async def run_fallback(self) -> None:
         """Pairs every remote holder failed, executed by the router's fallback replica

@@ -42,6 +42,8 @@ from router.fallback import FallbackReplica
 from router.metrics import ServingMetrics
 from router.forward import ForwardConfig, ForwardError, ForwardResult, LayerForward
 from router.hooks import ForwardRecord, emit_forwards
+from router.kvasir import KvasirAudit, KvasirHolders, policy_audit_terms
+from moe.transports.kvasir import is_kvasir
 from router.scoreboard import Scoreboard
 from router.ws import held_here
 
@@ -67,6 +69,7 @@ class Router:
         self._config_of: object = None  # the settings.TENZRO mapping ``_config`` was built from
         self.scoreboard = scoreboard if scoreboard is not None else Scoreboard(here=held_here)
         self.fallback = FallbackReplica()
+        self.kvasir = KvasirHolders()  # relay-wired Kvasir workers this router coordinates
         self._site_runtime = site_runtime
         self._runtime_lock = threading.Lock()
         self._gates: dict[str, Gate] = {}  # by blob hash
@@ -153,13 +156,15 @@ class Router:
         """The live shard view of ``model_id`` without ``exclude`` (provider rows cached briefly;
         holders this process has not seen are seeded into the scoreboard from the database)."""
         infos = self.cached(("infos", model_id), lambda: self._infos(model_id))
-        return ShardView.build(model_id, [p for p in infos[0] if p.provider not in exclude],
+        banned = self.kvasir.banned_now()
+        return ShardView.build(model_id, [p for p in infos[0] if p.provider not in exclude
+                                          and p.provider not in banned],
                                policy=ReplicationPolicy(), expected=infos[1])
 
     def _infos(self, model_id: str) -> tuple:
         """(live provider infos, expected experts) of ``model_id`` from the database, after seeding
         the scoreboard with the providers it has not seen (``Scoreboard.seed``)."""
-        infos = (provider_infos(model_id), expected_experts(model_id))
+        infos = (provider_infos(model_id) + self.kvasir.infos(model_id), expected_experts(model_id))
         unknown = self.scoreboard.unseeded([p.provider for p in infos[0]])
         if unknown:
             self.scoreboard.seed(holder_records(unknown), unknown)
@@ -171,7 +176,9 @@ class Router:
         infos = self.fresh(("infos", model_id))
         if infos is None:
             return await database_sync_to_async(self.live_view)(model_id, excluded)
-        return ShardView.build(model_id, [p for p in infos[0] if p.provider not in excluded],
+        banned = self.kvasir.banned_now()
+        return ShardView.build(model_id, [p for p in infos[0] if p.provider not in excluded
+                                          and p.provider not in banned],
                                policy=ReplicationPolicy(), expected=infos[1])
 
     # -- transports ----------------------------------------------------------------------------
@@ -211,6 +218,8 @@ class Router:
         """Send one request by the preferred transport the holder advertises (``config.transport``),
         then over its agent socket, then over its HTTP endpoint, moving on only when a path cannot
         connect (a ``ConnectionError``); the last path's error propagates."""
+        if is_kvasir(provider):  # a relay-wired Kvasir worker: its relay socket is its only path
+            return await self.kvasir.send(provider, req)
         mode = self.config.transport
         endpoint = getattr(holder, "http_endpoint", None)
         iroh_id = getattr(holder, "iroh_endpoint_id", None)
@@ -290,7 +299,27 @@ class Router:
             allow_cold=allow_cold, allow_partial=allow_partial, carrier=carrier,
             local=local if rt is not None else None,
             fallback=self.fallback.for_layer(model_id, layer) if fallback else None,
-            scoreboard=self.scoreboard, saturated=admission.saturated_since))
+            scoreboard=self.scoreboard, saturated=admission.saturated_since,
+            audit=lambda: self.kvasir_audit(model_id, layer)))
+
+    async def kvasir_audit(self, model_id: str, layer: int) -> KvasirAudit:
+        """The audit of one forward's Kvasir batches (``router.kvasir``): the policy's audit rate
+        and dispute tolerances, the site's fallback replica of the layer as the executor of
+        choice (``has_fallback``: whether it holds an expert's blob, cached like the view)."""
+        terms = self.fresh(("kvasir_terms",))
+        if terms is None:
+            terms = await database_sync_to_async(self.cached)(("kvasir_terms",), policy_audit_terms)
+        run = self.fallback.for_layer(model_id, layer)
+
+        async def has_fallback(expert: int) -> bool:
+            key = ("fallback_blob", model_id, layer, expert)
+            hit = self.fresh(key)
+            if hit is None:
+                hit = await database_sync_to_async(self.cached)(
+                    key, lambda: self.fallback.holds(model_id, layer, expert))
+            return hit
+
+        return KvasirAudit(self.kvasir, model_id, layer, terms[0], terms[1], run, has_fallback)
 
     async def dense_forward(self, model_id: str, layer: int, hidden_states: np.ndarray, *, carrier: str = "auto",
                             fallback: bool = False, outcomes: "ForwardOutcomes | None" = None) -> ForwardResult:

@@ -23,7 +23,9 @@ says ``agent.back`` first. Presence listeners (``AgentLink.presence_listeners``)
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import re
 import time
 import uuid
 from typing import Callable, Protocol
@@ -54,9 +56,16 @@ ROUTERS_GROUP = "tenzro.routers"
 GONE_GRACE_S = 3.0
 
 
+_GROUP_SAFE = re.compile(r"[A-Za-z0-9_.\-]{1,90}")
+
+
 def agent_group(provider: str) -> str:
-    """Channel-layer group of a provider's agent socket(s)."""
-    return f"agent.{provider}"
+    """Channel-layer group of a provider's agent socket(s): ``agent.<provider>``; a holder id that
+    is not a valid group name (a Kvasir worker's ``kvasir:<worker_id>``: Channels allows only
+    ``[A-Za-z0-9_.-]``, under 100 characters) is named by its BLAKE2b digest instead."""
+    if _GROUP_SAFE.fullmatch(provider):
+        return f"agent.{provider}"
+    return "agent.h" + hashlib.blake2b(provider.encode(), digest_size=16).hexdigest()
 
 
 class LocalSocket(Protocol):

@@ -392,6 +392,12 @@ TENZRO = {
     "MARKET_CHALLENGE_RATE_PER_MINUTE": _env_int("TENZRO_MARKET_CHALLENGE_RATE", 30, minimum=0),
     # Machine-to-machine secret accepted in X-Kvasir-Service-Token / X-Linkcpp-Service-Token (unset: none).
     "MARKET_SERVICE_TOKEN": os.environ.get("TENZRO_MARKET_SERVICE_TOKEN", ""),
+    # Relay sockets (contract §1.8): credit units per MB carried (max of the two directions),
+    # seconds between credits of an open socket, and seconds between a socket's checks that its
+    # session is still live (a session quiet for 120 s is evicted, and its socket closed).
+    "MARKET_RELAY_UNITS_PER_MB": _env_float("TENZRO_MARKET_RELAY_UNITS_PER_MB", 1.0, zero_ok=True),
+    "MARKET_RELAY_CREDIT_S": _env_float("TENZRO_MARKET_RELAY_CREDIT", 60.0),
+    "MARKET_RELAY_CHECK_S": _env_float("TENZRO_MARKET_RELAY_CHECK", 15.0),
 }
 
 LOGGING = {

@@ -41,7 +41,7 @@ def test_non_api_paths_keep_their_pages(client):
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("path", ["/api/expert-relay?session=s&token=t", "/ws/nope/", "/"])
+@pytest.mark.parametrize("path", ["/api/expert-relayx?session=s&token=t", "/ws/nope/", "/"])
 async def test_unknown_websocket_paths_are_refused_with_a_close_frame(path):
     from tenzro_site.asgi import application
 

@@ -151,7 +151,8 @@ def test_agent_holding_100000_experts_heartbeats_below_the_cap(site_factory, tmp
 
 def test_unknown_paths_on_a_real_daphne_are_json_404_and_a_4404_close_not_500(site_factory):
     """Issue 27 item 7 on the server where the 500 came from: daphne answered the handshake of
-    ``/api/expert-relay`` (no route) with HTTP 500; now it is a 101 and a 4404 close."""
+    ``/api/expert-relay`` (no route) with HTTP 500; now it is a 101 and a close (4404 for a path
+    nothing serves, 4401 for the relay with a bad token)."""
     site = site_factory()
     r = httpx.get(f"{site.url}/api/expert-relay", timeout=30)
     assert (r.status_code, r.json()) == (404, {"error": "unknown endpoint GET /api/expert-relay"})
@@ -163,5 +164,6 @@ def test_unknown_paths_on_a_real_daphne_are_json_404_and_a_4404_close_not_500(si
                 await asyncio.wait_for(ws.recv(), 30)
             return closed.value.rcvd.code
 
-    for path in ("/api/expert-relay?session=s&token=t", "/ws/nope/"):
-        assert asyncio.run(dial(path)) == 4404, path
+    # The relay (issue 27 item 3) refuses a bad token the same way: 101, then 4401.
+    for path, code in (("/api/expert-relay?session=s&token=t", 4401), ("/ws/nope/", 4404)):
+        assert asyncio.run(dial(path)) == code, path
