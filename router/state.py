@@ -72,6 +72,7 @@ class Router:
         self._gates: dict[str, Gate] = {}  # by blob hash
         self._gate_lock = threading.Lock()
         self._ttl: dict[tuple, tuple[float, object]] = {}
+        self._views: dict[str, tuple[tuple, ShardView]] = {}  # model id -> (provider rows, full view)
         # Holder clients keep connections bound to the event loop that opened them: one per loop.
         self._http: dict[int, HttpHolderClient] = {}
         self._iroh: dict[int, iroh.IrohHolderClient] = {}
@@ -153,8 +154,23 @@ class Router:
         """The live shard view of ``model_id`` without ``exclude`` (provider rows cached briefly;
         holders this process has not seen are seeded into the scoreboard from the database)."""
         infos = self.cached(("infos", model_id), lambda: self._infos(model_id))
-        return ShardView.build(model_id, [p for p in infos[0] if p.provider not in exclude],
+        return self._built(model_id, infos, exclude)
+
+    def _built(self, model_id: str, infos: tuple, exclude: frozenset) -> ShardView:
+        """The shard view of the provider rows ``infos`` (``_infos``) without ``exclude``. The
+        full view (nothing excluded) is kept while ``infos`` is the cached object it was built
+        from: a view is immutable and materializes each expert's holder list on first use, so
+        every forward in the cache window plans on one view instead of re-indexing every
+        holding per layer forward."""
+        if not exclude:
+            hit = self._views.get(model_id)
+            if hit is not None and hit[0] is infos:
+                return hit[1]
+        view = ShardView.build(model_id, [p for p in infos[0] if p.provider not in exclude],
                                policy=ReplicationPolicy(), expected=infos[1])
+        if not exclude:
+            self._views[model_id] = (infos, view)
+        return view
 
     def _infos(self, model_id: str) -> tuple:
         """(live provider infos, expected experts) of ``model_id`` from the database, after seeding
@@ -171,8 +187,7 @@ class Router:
         infos = self.fresh(("infos", model_id))
         if infos is None:
             return await database_sync_to_async(self.live_view)(model_id, excluded)
-        return ShardView.build(model_id, [p for p in infos[0] if p.provider not in excluded],
-                               policy=ReplicationPolicy(), expected=infos[1])
+        return self._built(model_id, infos, excluded)
 
     # -- transports ----------------------------------------------------------------------------
 
