@@ -34,7 +34,7 @@ from moe.transports import iroh
 from moe.transports.http import HttpHolderClient
 from prepare.dense import dense_model_id, dense_routing
 from registry.models import GateBlob, MoeModel
-from registry.selectors import expected_experts, holder_records, iroh_peers, provider_infos
+from registry.selectors import expected_experts, holder_records, iroh_peers, live_rows, provider_infos
 from registry.services import record_holder_outcomes
 from router import services
 from router.admission import Admission, Busy, overloaded
@@ -73,6 +73,7 @@ class Router:
         self._gate_lock = threading.Lock()
         self._ttl: dict[tuple, tuple[float, object]] = {}
         self._views: dict[str, tuple[tuple, ShardView]] = {}  # model id -> (provider rows, full view)
+        self._infos_of: dict[str, tuple[tuple, tuple]] = {}  # model id -> ((live rows, expected), infos)
         # Holder clients keep connections bound to the event loop that opened them: one per loop.
         self._http: dict[int, HttpHolderClient] = {}
         self._iroh: dict[int, iroh.IrohHolderClient] = {}
@@ -174,8 +175,17 @@ class Router:
 
     def _infos(self, model_id: str) -> tuple:
         """(live provider infos, expected experts) of ``model_id`` from the database, after seeding
-        the scoreboard with the providers it has not seen (``Scoreboard.seed``)."""
-        infos = (provider_infos(model_id), expected_experts(model_id))
+        the scoreboard with the providers it has not seen (``Scoreboard.seed``). The holdings
+        are read again only when the live provider rows (``registry.selectors.live_rows``: each
+        provider's fields and ``holdings_version``) or the expected experts changed; otherwise
+        the previous object is returned, so its built view (``_built``) stays in use."""
+        rows, expected = live_rows(), expected_experts(model_id)
+        prev = self._infos_of.get(model_id)
+        if prev is not None and prev[0] == (rows, expected):
+            infos = prev[1]
+        else:
+            infos = (provider_infos(model_id, rows), expected)
+            self._infos_of[model_id] = ((rows, expected), infos)
         unknown = self.scoreboard.unseeded([p.provider for p in infos[0]])
         if unknown:
             self.scoreboard.seed(holder_records(unknown), unknown)
