@@ -86,21 +86,23 @@ _LIVE_FIELDS = ("provider", "roles", "status", "moe_gpu", "iroh_endpoint_id", "h
                 "holdings_version")
 
 
-def _live_rows() -> tuple[tuple, ...]:
-    """Live providers as hashable tuples of ``_LIVE_FIELDS`` (roles as a tuple), sorted by id."""
+def live_rows() -> tuple[tuple, ...]:
+    """Live providers as hashable tuples of ``_LIVE_FIELDS`` (roles as a tuple), sorted by id: one
+    query whose result changes whenever a provider's liveness, fields or holdings change
+    (``holdings_version``), so views built from it can be reused while it is equal."""
     return tuple((pid, tuple(roles), *rest) for pid, roles, *rest in
                  live_providers().order_by("provider").values_list(*_LIVE_FIELDS))
 
 
 def provider_infos(model_id: str | None = None, rows: tuple[tuple, ...] | None = None) -> list[ProviderInfo]:
-    """Live providers (``rows`` from ``_live_rows``, read when None) as planner dataclasses, with
+    """Live providers (``rows`` from ``live_rows``, read when None) as planner dataclasses, with
     their holdings (of ``model_id`` when given).
 
     Rows are read as tuples, not model instances, and become ``HoldingInfo`` without
     re-validation (heartbeat ingest validated them): at Kimi-K2 scale (70k holdings) both
     would cost seconds.
     """
-    live = _live_rows() if rows is None else rows
+    live = live_rows() if rows is None else rows
     holdings = Holding.objects.filter(provider__in=live_providers())
     if model_id is not None:
         holdings = holdings.filter(model_id=model_id)
@@ -160,8 +162,8 @@ def iroh_peers() -> dict[str, tuple[str, list[str]]]:
 def expected_experts(model_id: str) -> list[tuple[int, int]] | None:
     """Every (layer, expert) slot of ``model_id``: from the published model, else from the seed
     catalog when its layer map is known, else None (the view then knows only covered experts)."""
-    m = MoeModel.objects.filter(model_id=model_id).first()
-    if m:
+    m = MoeModel.objects.filter(model_id=model_id).only("num_experts", "n_shared_experts", "moe_layers").first()
+    if m:  # not the config column: a published backbone's record is kilobytes of JSON to decode
         return m.expert_keys()
     try:
         shape = catalog.get(model_id)
@@ -180,7 +182,7 @@ _VIEWS_MAX = 8
 
 def _cached_view(model_id: str) -> list:
     """``[view, to_json() or None]`` for ``model_id`` from the cache, building it on a miss."""
-    rows = _live_rows()
+    rows = live_rows()
     policy = shard_policy()
     expected = expected_experts(model_id)
     key = (model_id, policy, None if expected is None else tuple(expected), rows)

@@ -34,7 +34,7 @@ from moe.transports import iroh
 from moe.transports.http import HttpHolderClient
 from prepare.dense import dense_model_id, dense_routing
 from registry.models import GateBlob, MoeModel
-from registry.selectors import expected_experts, holder_records, iroh_peers, provider_infos
+from registry.selectors import expected_experts, holder_records, iroh_peers, live_rows, provider_infos
 from registry.services import record_holder_outcomes
 from router import services
 from router.admission import Admission, Busy, overloaded
@@ -75,6 +75,8 @@ class Router:
         self._gates: dict[str, Gate] = {}  # by blob hash
         self._gate_lock = threading.Lock()
         self._ttl: dict[tuple, tuple[float, object]] = {}
+        self._views: dict[str, tuple[tuple, ShardView]] = {}  # model id -> (provider rows, full view)
+        self._infos_of: dict[str, tuple[tuple, tuple]] = {}  # model id -> ((live rows, expected), infos)
         # Holder clients keep connections bound to the event loop that opened them: one per loop.
         self._http: dict[int, HttpHolderClient] = {}
         self._iroh: dict[int, iroh.IrohHolderClient] = {}
@@ -156,15 +158,39 @@ class Router:
         """The live shard view of ``model_id`` without ``exclude`` (provider rows cached briefly;
         holders this process has not seen are seeded into the scoreboard from the database)."""
         infos = self.cached(("infos", model_id), lambda: self._infos(model_id))
-        banned = self.kvasir.banned_now()
-        return ShardView.build(model_id, [p for p in infos[0] if p.provider not in exclude
-                                          and p.provider not in banned],
+        return self._built(model_id, infos, exclude)
+
+    def _built(self, model_id: str, infos: tuple, exclude: frozenset) -> ShardView:
+        """The shard view of the provider rows ``infos`` (``_infos``) without ``exclude`` and the
+        Kvasir workers this router quarantined. The full view (nothing excluded) is kept while
+        ``infos`` is the cached object it was built from: a view is immutable and materializes
+        each expert's holder list on first use, so every forward in the cache window plans on
+        one view instead of re-indexing every holding per layer forward."""
+        exclude = frozenset(exclude) | self.kvasir.banned_now()
+        if not exclude:
+            hit = self._views.get(model_id)
+            if hit is not None and hit[0] is infos:
+                return hit[1]
+        view = ShardView.build(model_id, [p for p in infos[0] if p.provider not in exclude],
                                policy=ReplicationPolicy(), expected=infos[1])
+        if not exclude:
+            self._views[model_id] = (infos, view)
+        return view
 
     def _infos(self, model_id: str) -> tuple:
         """(live provider infos, expected experts) of ``model_id`` from the database, after seeding
-        the scoreboard with the providers it has not seen (``Scoreboard.seed``)."""
-        infos = (provider_infos(model_id) + self.kvasir.infos(model_id), expected_experts(model_id))
+        the scoreboard with the providers it has not seen (``Scoreboard.seed``). The holdings
+        are read again only when the live provider rows (``registry.selectors.live_rows``: each
+        provider's fields and ``holdings_version``), the relay-connected Kvasir workers or the
+        expected experts changed; otherwise the previous object is returned, so its built view
+        (``_built``) stays in use."""
+        rows, expected, workers = live_rows(), expected_experts(model_id), self.kvasir.infos(model_id)
+        prev = self._infos_of.get(model_id)
+        if prev is not None and prev[0] == (rows, expected, workers):
+            infos = prev[1]
+        else:
+            infos = (provider_infos(model_id, rows) + workers, expected)
+            self._infos_of[model_id] = ((rows, expected, workers), infos)
         unknown = self.scoreboard.unseeded([p.provider for p in infos[0]])
         if unknown:
             self.scoreboard.seed(holder_records(unknown), unknown)
@@ -176,10 +202,7 @@ class Router:
         infos = self.fresh(("infos", model_id))
         if infos is None:
             return await database_sync_to_async(self.live_view)(model_id, excluded)
-        banned = self.kvasir.banned_now()
-        return ShardView.build(model_id, [p for p in infos[0] if p.provider not in excluded
-                                          and p.provider not in banned],
-                               policy=ReplicationPolicy(), expected=infos[1])
+        return self._built(model_id, infos, excluded)
 
     # -- transports ----------------------------------------------------------------------------
 

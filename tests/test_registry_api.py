@@ -228,3 +228,24 @@ def test_cached_shard_view_follows_every_input():
     assert provider_id(KEYS[1]) not in selectors.shard_view("m").distinct_providers()
     assert selectors.shard_map_json("m") == selectors.shard_view("m").to_json()
     assert provider_id(KEYS[0]) not in selectors.shard_view("m", exclude={provider_id(KEYS[0])}).distinct_providers()
+
+
+def test_router_live_view_rereads_holdings_only_when_a_provider_changed():
+    from router.forward import ForwardConfig
+    from router.state import Router
+
+    registry()
+    router = Router(ForwardConfig(view_cache_s=0))  # every forward asks the database
+    first = router.live_view("m")
+    assert router.live_view("m") is first  # same live rows: the same infos, so the same built view
+    ingest(signed_heartbeat(KEYS[2], [{"model_id": "m", "layer": 1, "experts": "0,3", "committed_tps": 10}],
+                            name="replica-c", roles=["Replica", "ExpertHolder", "PrefillDecode"]))
+    assert router.live_view("m") is first  # a heartbeat repeating its holdings changes nothing
+    ingest(signed_heartbeat(KEYS[2], [{"model_id": "m", "layer": 1, "experts": "0-3"}],
+                            ts_ms=int(time.time() * 1000) + 50, roles=["ExpertHolder"]))
+    second = router.live_view("m")
+    assert second is not first and second.replication(1, 2) == 2
+    Provider.objects.filter(provider=provider_id(KEYS[1])).update(connected=False)
+    third = router.live_view("m")
+    assert provider_id(KEYS[1]) not in third.distinct_providers()
+    assert provider_id(KEYS[0]) not in router.live_view("m", frozenset({provider_id(KEYS[0])})).distinct_providers()

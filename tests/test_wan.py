@@ -19,7 +19,7 @@ from moe.handoff import HandoffError, RoleRunner, kv_chunk_message
 from moe.identity import DOMAIN_KV_HANDOFF, provider_id, sign
 from router.apps import current
 from router.metrics import ServingMetrics
-from router.scheduler import ModelScheduler, OverlapModel
+from router.scheduler import HostIdle, ModelScheduler, OverlapModel
 from router.scoreboard import DEADLINE_FLOOR_S, DEADLINE_SAMPLES, Scoreboard
 from tenzro_site.cluster import ClusterError, LocalCluster
 from tenzro_site.console.serving import serving_state
@@ -141,6 +141,37 @@ def test_overlap_split_is_dropped_when_it_does_not_pay_and_probed_again():
         m.realized(4, wall_ms=48.0, rows=16, sequences=16)
     picks = [m.count(4, 16, 16) for _ in range(2 * OverlapModel.PROBE_EVERY)]
     assert picks.count(1) == 2 and picks.count(4) == 2 * OverlapModel.PROBE_EVERY - 2
+
+
+
+def test_overlap_no_split_while_the_host_has_no_idle_core():
+    m = OverlapModel()
+    m.observe(wait_ms=80.0, compute_ms=32.0, layers=2, sequences=16)  # the model says 4
+    m.idle(None)  # not measured: the gate stays open
+    assert m.count(4, 16, 16) == 4
+    m.idle(0.1)  # the host's cores were busy through an unsplit step: nothing to overlap with
+    assert m.count(4, 16, 16) == 1
+    for _ in range(10):  # the cores went idle (holders far away, the router waiting on them)
+        m.idle(1.6)
+    assert m.count(4, 16, 16) == 4
+    m.idle(-1.0)  # a bad reading is ignored
+    assert m.count(4, 16, 16) == 4
+
+
+def test_host_idle_reads_idle_cores_from_proc_stat(tmp_path):
+    stat = tmp_path / "stat"
+
+    def write(user, idle, iowait):
+        stat.write_text(f"cpu  {user} 0 0 {idle} {iowait} 0 0 0 0 0\ncpu0 1 0 0 1 0 0 0 0 0 0\n"
+                        f"cpu1 1 0 0 1 0 0 0 0 0 0\nintr 5\n")
+
+    write(100, 100, 0)
+    h = HostIdle(str(stat))
+    assert h.cpus == 2
+    write(130, 160, 10)  # 100 ticks passed, 70 of them idle or waiting on I/O: 1.4 of 2 cores
+    assert h.sample() == pytest.approx(1.4)
+    assert h.sample() is None  # no tick passed since
+    assert HostIdle(str(tmp_path / "missing")).sample() is None  # not Linux: unknown
 
 
 def test_split_keeps_requests_whole_and_balances_rows():

@@ -1,0 +1,36 @@
+"""``router.state.Router.view``: the full shard view is built once per cached set of provider
+rows and reused by every forward in the cache window; an exclusion or fresh rows build anew."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from moe.shardmap import HoldingInfo, ProviderInfo
+from router.forward import ForwardConfig
+from router.state import Router
+
+A, B = "a" * 64, "b" * 64
+
+
+def infos(*providers: str) -> tuple:
+    rows = [ProviderInfo(p, roles=("ExpertHolder",), holdings=tuple(HoldingInfo("m", 0, e, "Warm", 0, None)
+                                                                    for e in range(4))) for p in providers]
+    return rows, [(0, e) for e in range(4)]
+
+
+def test_full_view_is_reused_while_the_provider_rows_are_cached():
+    router = Router(ForwardConfig(view_cache_s=3600))
+    router._ttl[("infos", "m")] = (time.monotonic(), infos(A, B))
+
+    async def scene():
+        first = await router.view("m", frozenset())
+        assert await router.view("m", frozenset()) is first  # same rows: the same (immutable) view
+        assert [h.provider for h in first.holders(0, 1)] == [A, B]
+        without = await router.view("m", frozenset({A}))  # a forward that excluded a failed holder
+        assert without is not first and [h.provider for h in without.holders(0, 1)] == [B]
+        assert await router.view("m", frozenset()) is first  # the exclusion did not replace the full view
+        router._ttl[("infos", "m")] = (time.monotonic(), infos(B))  # the rows were read again
+        fresh = await router.view("m", frozenset())
+        assert fresh is not first and [h.provider for h in fresh.holders(0, 1)] == [B]
+
+    asyncio.run(scene())
