@@ -137,6 +137,8 @@ class AgentLink:
     _by_loop: dict[int, "AgentLink"] = {}
     # Called with (provider, connected: bool) on agent.gone / agent.back (the router's scoreboard).
     presence_listeners: list[Callable[[str, bool], None]] = []
+    # Called with "local" or "relay" per request sent (the router's metrics).
+    path_listeners: list[Callable[[str], None]] = []
 
     def __init__(self):
         self.layer = get_channel_layer()
@@ -231,6 +233,8 @@ class AgentLink:
         self.provider_of[req_id] = provider
         try:
             sock = _local_socket(provider)
+            for fn in self.path_listeners:
+                fn("relay" if sock is None else "local")
             if sock is not None:
                 try:
                     await sock.relay(req_id, {**header, "id": req_id}, payload, fut)
