@@ -119,7 +119,8 @@ def main() -> None:
     for r in results:
         print(f"  {r['sites']} site process(es): {r['req_per_s']} req/s ({r['vs_first']}x), p50 {r['p50_s']} s, "
               f"p99 {r['p99_s']} s, errors {r['errors']}, retried {r['retried']}, "
-              f"agent requests {r['agent_requests']} ({r['relay_share']:.0%} relayed), load {r['load1'][0]}->{r['load1'][1]}")
+              f"agent requests {r['agent_requests']} ({r['relay_share']:.0%} relayed), "
+              f"load {r['load1'][0]}->{r['load1'][1]}")
     print(f"  every answer equal across runs: {same}")
 
 
