@@ -14,9 +14,9 @@ requests/s, p50/p99 latency, errors, the share of agent requests relayed through
 layer (``tenzro_agent_requests_total`` of ``/metrics``), the CPU time the cluster's processes
 spent per request in the timed round (sites, agents, balancer, Celery: less noisy than
 requests/s on a shared machine, where other work slows a run's wall time but not its CPU), the
-1-minute load average before and after each run, and whether every answer equals the first run's. The runs share this machine's cores: on a
-2-core machine it shows that nothing slows down or is lost with more processes, not that
-they scale; on a shared machine compare the ratios within one invocation (alternate the order).
+1-minute load average before and after each run, and whether every answer equals the first
+run's. The runs share this machine's cores: on a 2-core machine it shows that nothing slows
+down or is lost with more processes, not that they scale; on a shared machine compare the ratios within one invocation (alternate the order).
 """
 from __future__ import annotations
 
