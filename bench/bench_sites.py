@@ -16,7 +16,8 @@ spent per request in the timed round (sites, agents, balancer, Celery: less nois
 requests/s on a shared machine, where other work slows a run's wall time but not its CPU), the
 1-minute load average before and after each run, and whether every answer equals the first
 run's. The runs share this machine's cores: on a 2-core machine it shows that nothing slows
-down or is lost with more processes, not that they scale; on a shared machine compare the ratios within one invocation (alternate the order).
+down or is lost with more processes, not that they scale; on a shared machine compare the
+ratios within one invocation (alternate the order).
 """
 from __future__ import annotations
 
