@@ -10,10 +10,14 @@ qwen3 fixture (HAProxy in front of every count, so both take the same path), a w
 round (every distinct prompt once per process: the balancer sends one model's generations to
 one process, so warm-up reaches every process only when round robin does), then ``--requests``
 greedy ``/v1/completions`` from ``--clients`` concurrent clients through the balancer. Reports
-requests/s, p50/p99 latency, errors, the 1-minute load average before and after each run,
-and whether every answer equals the first run's. The runs share this machine's cores: on a
-2-core machine it shows that nothing slows down or is lost with more processes, not that
-they scale; on a shared machine compare the ratios within one invocation (alternate the order).
+requests/s, p50/p99 latency, errors, the share of agent requests relayed through the channel
+layer (``tenzro_agent_requests_total`` of ``/metrics``), the CPU time the cluster's processes
+spent per request in the timed round (sites, agents, balancer, Celery: less noisy than
+requests/s on a shared machine, where other work slows a run's wall time but not its CPU), the
+1-minute load average before and after each run, and whether every answer equals the first
+run's. The runs share this machine's cores: on a 2-core machine it shows that nothing slows
+down or is lost with more processes, not that they scale; on a shared machine compare the
+ratios within one invocation (alternate the order).
 """
 from __future__ import annotations
 
@@ -41,6 +45,37 @@ QWEN = ROOT / "tests" / "fixtures" / "qwen3_moe_tiny"
 MODEL = "qwen3-moe-tiny"
 
 
+def agent_paths(client: httpx.Client, url: str) -> dict[str, float]:
+    """``tenzro_agent_requests_total`` by path (``local``, ``relay``) summed over the machine's
+    site processes (``/metrics`` in multiprocess mode)."""
+    out = {"local": 0.0, "relay": 0.0}
+    for line in client.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("tenzro_agent_requests_total{"):
+            path = line.split('path="', 1)[1].split('"', 1)[0]
+            out[path] = out.get(path, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def cpu_seconds(info: dict) -> dict[str, float]:
+    """User + system CPU seconds so far of the cluster's processes by part (``sites``, ``agents``,
+    ``balancer``, ``celery``), from ``/proc/<pid>/stat``; a process that is gone counts 0."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parts = {"sites": info["site_pids"], "agents": [a["pid"] for a in info["agents"]],
+             "balancer": [info["balancer_pid"]] if info.get("balancer_pid") else [],
+             "celery": info.get("celery_pids") or []}
+    out = {}
+    for part, pids in parts.items():
+        total = 0.0
+        for pid in pids:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        out[part] = total
+    return out
+
+
 def run(sites: int, args) -> dict:
     """One cluster of ``sites`` processes: warm-up, then the timed round; its numbers."""
     pg = os.environ.get("TENZRO_TEST_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
@@ -56,6 +91,8 @@ def run(sites: int, args) -> dict:
                 for p in sorted({tuple(p) for p in prompts}):
                     for _ in range(sites):
                         complete_once_retrying(client, url, MODEL, list(p), args.tokens)
+                paths0 = agent_paths(client, url)
+            cpu0 = cpu_seconds(info)
             lat: list[float] = []
 
             def one(client, p):
@@ -69,11 +106,16 @@ def run(sites: int, args) -> dict:
                 t0 = time.perf_counter()
                 outs = list(pool.map(lambda p: one(client, p), prompts))
                 wall = time.perf_counter() - t0
+                cpu = {k: v - cpu0[k] for k, v in cpu_seconds(info).items()}
+                paths = {k: v - paths0.get(k, 0.0) for k, v in agent_paths(client, url).items()}
     lat.sort()
     return {"sites": sites, "requests": len(prompts), "clients": args.clients, "wall_s": round(wall, 2),
             "req_per_s": round(len(prompts) / wall, 3), "p50_s": round(statistics.median(lat), 2),
             "p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 2),
             "errors": sum(c.token_ids is None for c in outs), "retried": sum(c.retried for c in outs),
+            "relay_share": round(paths["relay"] / max(1.0, sum(paths.values())), 3),
+            "agent_requests": int(sum(paths.values())),
+            "cpu_ms_per_request": {k: round(1e3 * v / len(prompts), 1) for k, v in cpu.items()},
             "load1": [round(load_before, 2), round(os.getloadavg()[0], 2)],
             "answers": {tuple(p): c.token_ids for p, c in zip(prompts, outs)}}
 
@@ -102,7 +144,12 @@ def main() -> None:
           f"from {args.clients} clients")
     for r in results:
         print(f"  {r['sites']} site process(es): {r['req_per_s']} req/s ({r['vs_first']}x), p50 {r['p50_s']} s, "
-              f"p99 {r['p99_s']} s, errors {r['errors']}, retried {r['retried']}, load {r['load1'][0]}->{r['load1'][1]}")
+              f"p99 {r['p99_s']} s, errors {r['errors']}, retried {r['retried']}, "
+              f"agent requests {r['agent_requests']} ({r['relay_share']:.0%} relayed), "
+              f"load {r['load1'][0]}->{r['load1'][1]}")
+        cpu = r["cpu_ms_per_request"]
+        parts = ", ".join(f"{k} {v:.0f}" for k, v in cpu.items())
+        print(f"    CPU ms per request: {sum(cpu.values()):.0f} ({parts})")
     print(f"  every answer equal across runs: {same}")
 
 

@@ -211,12 +211,13 @@ class HolderAgent:
         return {"bytes": len(data), "frames": frames, "transport": transport,
                 "ms": round((time.perf_counter() - t0) * 1e3, 3)}
 
-    async def handle(self, header: dict, payload: bytes) -> None:
+    async def handle(self, header: dict, payload: bytes, reply=None) -> None:
         """Answer one (reassembled) request frame from the site through the part it is for
         (``execute``/``batch``: execution, ``load``: loader, ``repair``, Prefill/Decode roles,
         ``rpc``: relayed methods); every request gets a reply (a failure names the error class),
-        except under the ``blackhole`` drill, which never answers a batch."""
-        reply = self.session.reply
+        except under the ``blackhole`` drill, which never answers a batch. ``reply(header,
+        payload)``: sends on the socket the request came on (default: the main socket)."""
+        reply = reply or self.session.reply
         req_id = header.get("id")
         try:
             kind = header.get("type")

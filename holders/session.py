@@ -5,6 +5,13 @@ heartbeats with its holdings every ``heartbeat_interval`` seconds and soon after
 change (so residency and ``committed_tps`` reach the shard map at once), hands each
 (reassembled) request frame to the agent's handler, sends answers back in frames below the
 site's cap, and reconnects with backoff when the site goes away. Imports nothing from Django.
+
+Behind a balancer of several site processes the welcome names the answering process
+(``site``) and every process (``sites``): the session then also holds a *side socket* to each
+other process, ``/ws/agent/?site=<id>`` (the balancer steers it there), which carries only
+requests and their answers, so every process's routers reach this agent over a socket of their
+own instead of relaying through the one holding the main socket. Each side socket reconnects
+on its own (a process that dies takes only its sockets); heartbeats stay on the main socket.
 """
 from __future__ import annotations
 
@@ -14,7 +21,7 @@ import logging
 import secrets
 import time
 from typing import Awaitable, Callable
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
@@ -28,6 +35,7 @@ log = logging.getLogger("tenzro.agent")
 
 CLOSE_AUTH = 4401
 CLOSE_KEY_IN_USE = 4409
+CLOSE_MISDIRECTED = 4421  # a side socket reached another site process than it names
 CLOSE_REFUSED = 4422
 
 
@@ -63,7 +71,8 @@ def ws_url(site: str) -> str:
     return urlunsplit((scheme, parts.netloc, "/ws/agent/", "", ""))
 
 
-Handler = Callable[[dict, bytes], Awaitable[None]]
+Reply = Callable[[dict, bytes], Awaitable[None]]
+Handler = Callable[[dict, bytes, Reply], Awaitable[None]]
 
 
 class SiteSession:
@@ -74,7 +83,8 @@ class SiteSession:
     filters them). ``advertised()``: the heartbeat's endpoint fields, ``http_endpoint``,
     ``iroh_endpoint_id``, ``iroh_addrs``, ``moe_gpu``, read at each heartbeat (the iroh
     endpoint starts after the agent is built). ``faults``: the drill injector (``blackhole``
-    declares what others hold). ``handle(header, payload)``: answers one request frame.
+    declares what others hold). ``handle(header, payload, reply)``: answers one request frame
+    by awaiting ``reply(header, payload)`` (bound to the socket the request came on).
     ``stopping``: the agent's stop event. Raises ``ValueError`` for a malformed ``site``.
     """
 
@@ -101,6 +111,7 @@ class SiteSession:
         self._last_ts = 0
         self._site_error: str | None = None  # the site's last error message (named in a 4422 refusal)
         self._site_holdings: list[dict] = []  # what others declare (blackhole drill only)
+        self._side: dict[str, asyncio.Task] = {}  # site process id → its side socket's task
 
     async def run(self) -> None:
         """Connect and serve until stopped, reconnecting with backoff (1 s … 30 s).
@@ -110,8 +121,17 @@ class SiteSession:
         live session) outlasts the site's ``retry_for_s`` since the first refusal: retrying
         covers a reconnect after a network drop the site has not noticed (the old session
         stops heartbeating and is then replaced), not a second agent started with the same key.
+        Side sockets (module docstring) close when it returns.
         """
         self.loop = asyncio.get_running_loop()
+        try:
+            await self._main_socket()
+        finally:
+            for task in self._side.values():
+                task.cancel()
+            self._side.clear()
+
+    async def _main_socket(self) -> None:
         backoff = 1.0
         in_use_until: float | None = None
         while not self.stopping.is_set():
@@ -148,7 +168,9 @@ class SiteSession:
                 pass
             backoff = min(backoff * 2, 30.0)
 
-    async def _session(self, ws) -> None:
+    async def _handshake(self, ws) -> dict:
+        """Challenge, signed hello, welcome; returns the welcome. Raises ``KeyInUse``,
+        ``AuthRefused`` or ``ConnectionError`` (any other refusal)."""
         challenge = json.loads(await ws.recv())
         if challenge.get("type") != "challenge":
             raise ConnectionError(f"expected a challenge, got {challenge.get('type')!r}")
@@ -165,27 +187,86 @@ class SiteSession:
             raise ConnectionError(f"site refused hello: {welcome.get('message', welcome)}")
         if isinstance(welcome.get("max_message"), int) and welcome["max_message"] > 0:
             self.max_message = welcome["max_message"]
+        return welcome
+
+    async def _session(self, ws) -> None:
+        welcome = await self._handshake(ws)
         log.info("connected to %s as %s", self.site, self.provider)
+        self._open_side_sockets(welcome)
         beat = asyncio.create_task(self._heartbeat_loop())
-        stopper = asyncio.create_task(self.stopping.wait())
-        parts = wire.Reassembler()  # a request above the frame cap arrives in parts: act on it whole
         try:
-            async for frame in ws:
-                if isinstance(frame, bytes):
-                    try:
-                        msg = parts.feed(*wire.unpack_frame(frame))
-                    except wire.WireError as exc:
-                        log.warning("bad frame from site: %s", exc)
-                        continue
-                    if msg is not None:
-                        asyncio.create_task(self.handle(*msg))
-                else:
-                    self._control(frame)
-                if self.stopping.is_set():
-                    break
+            await self._serve(ws, self.reply)
         finally:
             beat.cancel()
-            stopper.cancel()
+
+    async def _serve(self, ws, reply: Reply) -> None:
+        """Hand each (reassembled) request frame of ``ws`` to ``handle`` with ``reply``; until the
+        socket closes or the agent stops."""
+        parts = wire.Reassembler()  # a request above the frame cap arrives in parts: act on it whole
+        async for frame in ws:
+            if isinstance(frame, bytes):
+                try:
+                    msg = parts.feed(*wire.unpack_frame(frame))
+                except wire.WireError as exc:
+                    log.warning("bad frame from site: %s", exc)
+                    continue
+                if msg is not None:
+                    asyncio.create_task(self.handle(*msg, reply))
+            else:
+                self._control(frame)
+            if self.stopping.is_set():
+                break
+
+    def _open_side_sockets(self, welcome: dict) -> None:
+        """Start a side socket (module docstring) for each site process the welcome lists that has
+        none yet, other than the one this main socket reached; stop those no longer listed."""
+        own, ids = welcome.get("site"), welcome.get("sites")
+        if not isinstance(own, str) or not isinstance(ids, list):
+            ids = []
+        ids = [i for i in ids if isinstance(i, str) and i]
+        for sid in set(self._side) - set(ids):
+            self._side.pop(sid).cancel()
+        for sid in ids:
+            if sid != own and (sid not in self._side or self._side[sid].done()):
+                self._side[sid] = asyncio.create_task(self._side_socket(sid))
+
+    async def _side_socket(self, sid: str) -> None:
+        """Hold the side socket to site process ``sid`` until stopped, reconnecting with backoff
+        (1 s … 30 s; a process that is down answers through another one, which refuses with 4421).
+        Ends when the site refuses this agent's identity (4401: the main socket reports it)."""
+        url = f"{self.url}?site={quote(sid)}"
+        backoff = 1.0
+        while not self.stopping.is_set():
+            try:
+                async with connect(url, max_size=None, ping_interval=20, ping_timeout=60, open_timeout=10) as ws:
+                    welcome = await self._handshake(ws)
+                    if welcome.get("site") != sid:
+                        raise ConnectionError(f"side socket for site process {sid!r} reached {welcome.get('site')!r}")
+                    backoff = 1.0
+                    log.info("side socket to site process %s open", sid)
+                    lock = asyncio.Lock()
+                    cap = welcome["max_message"] if isinstance(welcome.get("max_message"), int) else self.max_message
+
+                    async def reply(header: dict, payload: bytes = b"", ws=ws, lock=lock, cap=cap) -> None:
+                        await self._send_frames(ws, lock, cap, header, payload)
+
+                    await self._serve(ws, reply)
+            except AuthRefused as exc:
+                log.warning("side socket to site process %s: %s", sid, exc)
+                return
+            except ConnectionClosed as exc:
+                if exc.rcvd is not None and exc.rcvd.code == CLOSE_AUTH:
+                    return
+                log.info("side socket to site process %s closed: %s", sid, exc)
+            except (OSError, InvalidStatus, asyncio.TimeoutError, ValueError, KeyError) as exc:
+                log.info("side socket to site process %s: %s", sid, exc)
+            if self.stopping.is_set():
+                break
+            try:
+                await asyncio.wait_for(self.stopping.wait(), backoff)
+            except asyncio.TimeoutError:
+                pass
+            backoff = min(backoff * 2, 30.0)
 
     def _control(self, text: str) -> None:
         msg = json.loads(text)
@@ -263,10 +344,16 @@ class SiteSession:
     async def reply(self, header: dict, payload: bytes = b"") -> None:
         """Send one answer, in part frames when it is above the site's cap (``wire.split_frames``);
         dropped with one log line when the socket has closed meanwhile."""
-        frames = wire.split_frames(header, payload, self.max_message)
-        async with self._send_lock:
-            ws = self.ws
-            if ws is None:  # the socket closed while this request ran: nobody to answer
+        await self._send_frames(None, self._send_lock, self.max_message, header, payload)
+
+    async def _send_frames(self, ws, lock: asyncio.Lock, cap: int, header: dict, payload: bytes) -> None:
+        """Send one answer on ``ws`` (None: the main socket as it is now) under ``lock``, in part
+        frames above ``cap``; dropped with a log line when the main socket has closed, raises
+        ``ConnectionClosed`` when ``ws`` closes meanwhile."""
+        frames = wire.split_frames(header, payload, cap)
+        async with lock:
+            ws = self.ws if ws is None else ws
+            if ws is None:  # the main socket closed while this request ran: nobody to answer
                 log.info("answer %r dropped: the site's socket is closed", header.get("id"))
                 return
             for frame in frames:

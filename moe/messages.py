@@ -169,13 +169,18 @@ def hello(provider: str, signature: str) -> dict:
     return {"type": "hello", "provider": provider, "signature": signature}
 
 
-def welcome(provider: str, max_message: int, heartbeat_interval_s: float, deployment: str | None = None) -> dict:
+def welcome(provider: str, max_message: int, heartbeat_interval_s: float, deployment: str | None = None,
+            site: str | None = None, sites: tuple[str, ...] = ()) -> dict:
     """Site → agent after a good hello: the socket's frame cap (bytes), heartbeat interval (s)
-    and, when given, the deployment the site belongs to (every site process of it says the same)."""
+    and, when given, the deployment the site belongs to (every site process of it says the same),
+    the answering process's id ``site`` and every site process's ``sites`` (behind a balancer:
+    the agent opens a socket to each, ``<ws url>?site=<id>``)."""
     msg = {"type": "welcome", "provider": provider, "max_message": max_message,
            "heartbeat_interval_s": heartbeat_interval_s}
     if deployment:
         msg["deployment"] = deployment
+    if site:
+        msg["site"], msg["sites"] = site, list(sites)
     return msg
 
 

@@ -19,13 +19,15 @@ class RouterConfig(AppConfig):
     router: "Router"
 
     def ready(self):
-        """Create the process's ``Router`` and hand agent socket presence to its scoreboard."""
+        """Create the process's ``Router``; hand agent socket presence to its scoreboard and the path of
+        each agent request (local socket or relay) to its metrics."""
         from router.state import Router
         from router.ws import AgentLink
 
         self.router = Router()
         # Through ``current()``: a router installed later (tests) gets the presence, not this one.
         AgentLink.presence_listeners.append(lambda provider, connected: current().presence(provider, connected))
+        AgentLink.path_listeners.append(lambda path: current().metrics.agent_requests.labels(path).inc())
 
 
 def current() -> "Router":

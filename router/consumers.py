@@ -15,6 +15,16 @@ whose session is live (heartbeating, and its consumer answers an ``agent.ping`` 
 as dead); a hello after the old session stopped heartbeating, or whose consumer is gone (the
 site restarted after a crash), replaces it, and the old socket, if still open, is closed
 with 4410.
+
+Several site processes behind a balancer (``TENZRO_SITE_ID`` / ``TENZRO_SITE_IDS``): the welcome
+names the answering process and every process, and the agent opens one more socket per process,
+``/ws/agent/?site=<id>`` (the balancer's ``use-server`` steers it). Such a *side socket*
+authenticates like the main one but carries only requests and answers: no heartbeats, no agent
+session in the database, no channel-layer group and no presence events (the main socket has
+those), so it does not count against one live session per key. Routers of that process find it
+as a local socket (``router.ws.register_local``) and reach the agent without the relay. A side
+socket that reaches another process than the one it names (that one is down and the balancer
+fell back to another) is closed with 4421: the agent retries it later.
 """
 from __future__ import annotations
 
@@ -22,6 +32,7 @@ import asyncio
 import json
 import logging
 import secrets
+from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
 from channels.exceptions import ChannelFull
@@ -41,6 +52,7 @@ log = logging.getLogger(__name__)
 CLOSE_AUTH = 4401
 CLOSE_KEY_IN_USE = 4409  # another live session holds this key
 CLOSE_SUPERSEDED = 4410  # a stale session replaced by a newer one of the same key
+CLOSE_MISDIRECTED = 4421  # a side socket for another site process (that one is down)
 CLOSE_REFUSED = 4422  # a heartbeat field from the agent's configuration (name, pricing...) is invalid
 SESSION_PING_S = 2.0  # how long a live-looking session of the same key has to answer a ping
 # Heartbeat fields set by the agent's configuration, not by its state: refusing one is permanent.
@@ -52,9 +64,12 @@ class AgentConsumer(AsyncWebsocketConsumer):
     """One holder agent's socket: authenticates it, ingests heartbeats, relays requests."""
 
     provider: str | None = None
+    side: str | None = None  # the site process id a side socket names (``?site=``); None: the main socket
 
     async def connect(self):
         """Accept, send the challenge nonce, and arm the hello timeout."""
+        sites = parse_qs(self.scope.get("query_string", b"").decode("latin-1")).get("site")
+        self.side = sites[0] if sites else None
         self.nonce = secrets.token_bytes(32)
         # request id → the router's reply channel, or its future when the router is in this process
         self.pending: dict[str, str | asyncio.Future] = {}
@@ -82,6 +97,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
         for req_id, reply_to in pending.items():  # fail in-flight requests at once, before any slow step
             await self._reply(reply_to, {"type": "agent.reply", "id": req_id, "payload": b"",
                                          "header": messages.failure(req_id, "disconnected", "agent disconnected")})
+        if self.side is not None:
+            return  # a side socket has no group, session or presence of its own
         await self.channel_layer.group_discard(agent_group(self.provider), self.channel_name)
         still = await database_sync_to_async(registry_services.agent_disconnected)(self.provider, self.channel_name)
         if not still:
@@ -108,6 +125,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
             return
         if bytes_data is not None:
             await self._answer(bytes_data)
+            return
+        if self.side is not None:
+            await self._send_error("heartbeats go on the agent's main socket (this is a side socket: ?site=)")
             return
         try:
             msg = loads_signed(text_data)  # heartbeats are signed: a repeated key is refused first
@@ -139,6 +159,9 @@ class AgentConsumer(AsyncWebsocketConsumer):
             await self.close(code=CLOSE_AUTH)
             return
         self._hello_timer.cancel()
+        if self.side is not None:
+            await self._side_hello(msg["provider"])
+            return
         connect = database_sync_to_async(registry_services.agent_connected)
         silent: set[str] = set()
         try:
@@ -171,9 +194,26 @@ class AgentConsumer(AsyncWebsocketConsumer):
         register_local(self.provider, self)
         await self.channel_layer.group_add(agent_group(self.provider), self.channel_name)
         await self.channel_layer.group_send(ROUTERS_GROUP, presence_event(self.provider, True))
-        await self.send(text_data=json.dumps(messages.welcome(self.provider, settings.TENZRO["WS_MAX_MESSAGE"],
-                                                              settings.TENZRO["HEARTBEAT_INTERVAL_S"],
-                                                              settings.TENZRO["DEPLOYMENT"])))
+        await self._welcome()
+
+    async def _welcome(self):
+        t = settings.TENZRO
+        await self.send(text_data=json.dumps(messages.welcome(self.provider, t["WS_MAX_MESSAGE"],
+                                                              t["HEARTBEAT_INTERVAL_S"], t["DEPLOYMENT"],
+                                                              t["SITE_ID"], t["SITE_IDS"])))
+
+    async def _side_hello(self, provider: str):
+        """A proven side socket (module docstring): usable by this process's routers at once, or
+        closed with 4421 when it names another process (or this one runs without site ids)."""
+        if self.side != settings.TENZRO["SITE_ID"]:
+            message = (f"this is site process {settings.TENZRO['SITE_ID']!r}, not {self.side!r}"
+                       if settings.TENZRO["SITE_ID"] else "this site runs no site processes by id (?site= unused)")
+            await self.send(text_data=json.dumps(messages.socket_error(message, code=CLOSE_MISDIRECTED)))
+            await self.close(code=CLOSE_MISDIRECTED)
+            return
+        self.provider = provider
+        register_local(provider, self)
+        await self._welcome()
 
     async def _silent(self, channels: list[str]) -> set[str]:
         """The ``channels`` whose consumer does not answer an ``agent.ping`` within

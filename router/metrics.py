@@ -65,7 +65,8 @@ class ServingMetrics:
     and failures (counter) per provider; with ``scoreboard`` also each holder's RTT and p99
     (``HolderRttCollector``). Forwards: layer forwards by model and outcome ("ok" or the
     ``ForwardError`` kind, "busy"), holder batch failures by kind ("fault", "saturated",
-    "other"), forward slots in use and forwards queued for one (gauges). Repair passes by
+    "other"), requests to agent sockets by path (``local``: a socket this process holds, ``relay``:
+    through the channel layer), forward slots in use and forwards queued for one (gauges). Repair passes by
     outcome; forwards handed to settlement and settlement tasks queued (counters).
     """
 
@@ -118,6 +119,9 @@ class ServingMetrics:
                                 ["model", "outcome"], registry=r)
         self.batch_failures = Counter("tenzro_batch_failures", "Holder batches that did not answer, by kind",
                                       ["kind"], registry=r)
+        self.agent_requests = Counter("tenzro_agent_requests", "Requests to agent sockets by path: local (a socket "
+                                      "this process holds) or relay (the channel layer to another process's)",
+                                      ["path"], registry=r)
         self.slots_busy = Gauge("tenzro_forward_slots_busy", "Forward slots in use", registry=r, **live)
         self.queue_depth = Gauge("tenzro_forward_queue_depth", "Forwards waiting for a slot", registry=r, **live)
         self.repair_passes = Counter("tenzro_repair_passes", "Repair passes this process ran, by outcome",

@@ -19,6 +19,9 @@ pending requests at once instead of letting them wait out the deadline (a reques
 a group whose socket left is dropped by the layer without a word), and refuses new ones
 for ``GONE_GRACE_S`` (until the shard view has dropped the provider) unless the agent
 says ``agent.back`` first. Presence listeners (``AgentLink.presence_listeners``) hear both.
+A process that holds a socket of the provider itself (behind a balancer every process holds a
+side socket of every agent, ``router.consumers``) ignores ``agent.gone``: requests go over its own
+socket, whose close fails them.
 """
 from __future__ import annotations
 
@@ -146,6 +149,8 @@ class AgentLink:
     _by_loop: dict[int, "AgentLink"] = {}
     # Called with (provider, connected: bool) on agent.gone / agent.back (the router's scoreboard).
     presence_listeners: list[Callable[[str, bool], None]] = []
+    # Called with "local" or "relay" per request sent (the router's metrics).
+    path_listeners: list[Callable[[str], None]] = []
 
     def __init__(self):
         self.layer = get_channel_layer()
@@ -203,6 +208,10 @@ class AgentLink:
                                        f"{type(exc).__name__}: {exc}", "backpressure") from exc
 
     def _presence(self, provider: str, connected: bool) -> None:
+        if not connected and _local.get(provider):
+            # Its main socket closed elsewhere, but this process holds a (side) socket of it: the
+            # agent is reachable here, and a close of that socket fails its own requests.
+            connected = True
         if connected:
             self.gone_at.pop(provider, None)
         else:
@@ -232,14 +241,17 @@ class AgentLink:
         req_id = req_id or uuid.uuid4().hex
         if req_id in self.pending:
             raise ValueError(f"request id {req_id} is already in flight")
+        sock = _local_socket(provider)
         gone = self.gone_at.get(provider)
-        if gone is not None and time.monotonic() - gone < GONE_GRACE_S:
+        if sock is None and gone is not None and time.monotonic() - gone < GONE_GRACE_S:
             raise AgentUnavailable(f"holder {provider[:12]}…: agent disconnected", "disconnected")
         fut = asyncio.get_running_loop().create_future() if on_part is None else AnswerStream(on_part)
         self.pending[req_id] = fut
-        self.provider_of[req_id] = provider
+        if sock is None:  # a local socket's own close fails what it carries (AgentConsumer.disconnect)
+            self.provider_of[req_id] = provider
         try:
-            sock = _local_socket(provider)
+            for fn in self.path_listeners:
+                fn("relay" if sock is None else "local")
             if sock is not None:
                 try:
                     await sock.relay(req_id, {**header, "id": req_id}, payload, fut)

@@ -281,18 +281,20 @@ class LocalCluster:
         reaches them), then HAProxy on ``port`` in front of them; waits until each process and
         the balancer answer /healthz."""
         ports = [free_port() for _ in range(self.n_sites)]
+        names = [f"site{i}" for i in range(self.n_sites)]  # the balancer's server names
         for i, port in enumerate(ports):
+            # Each process knows its server name and every one's: agents hold a socket to each.
             self.sites.append(self._spawn(f"site-{i}", [
                 sys.executable, "-m", "tenzro_site.serve", "--proxy-headers",
                 "-e", f"tcp:port={port}:interface=127.0.0.1:backlog={LISTEN_BACKLOG}", "--websocket_timeout", "-1"],
-                env))
+                {**env, "TENZRO_SITE_ID": names[i], "TENZRO_SITE_IDS": ",".join(names)}))
             self.site_urls.append(f"http://127.0.0.1:{port}")
         self.site = self.sites[0]
         for i, url in enumerate(self.site_urls):
             self._wait(lambda url=url: self._healthy(url), timeout, f"site process {i} did not answer /healthz")
         try:
-            cmd = Balancer(f"127.0.0.1:{self.port}", [(f"site{i}", url.removeprefix("http://"))
-                                                      for i, url in enumerate(self.site_urls)],
+            cmd = Balancer(f"127.0.0.1:{self.port}", [(name, url.removeprefix("http://"))
+                                                      for name, url in zip(names, self.site_urls)],
                            settings.VAR_DIR / "balancer").command()
         except BalancerError as exc:
             raise ClusterError(str(exc)) from None

@@ -9,7 +9,9 @@ One place maps the environment to backends (docs/DESIGN.md §4):
   tasks run inline in the calling process.
 - ``TENZRO_VAR_DIR`` (default ``var/``): keys, blobs, operator token, secret key.
 - ``TENZRO_DEPLOYMENT`` (default ``default``): the deployment this process belongs to; one per
-  database (``registry.deployment``). ``TENZRO_DB_POOL`` (connections per process, default 8;
+  database (``registry.deployment``). ``TENZRO_SITE_ID`` / ``TENZRO_SITE_IDS``: behind a
+  balancer, this process's server name and every site process's (comma list); agents open a
+  socket to each (``router.consumers``). ``TENZRO_DB_POOL`` (connections per process, default 8;
   0 = no pool) and ``TENZRO_DB_POOL_TIMEOUT`` (seconds): psycopg's pool on PostgreSQL.
 - ``PROMETHEUS_MULTIPROC_DIR``: set (an empty directory per machine) when several site
   processes or workers run on one machine: ``/metrics`` of any of them then sums all
@@ -91,6 +93,24 @@ def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise RuntimeError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
     return value
+
+
+def _env_site_ids() -> tuple[str | None, tuple[str, ...]]:
+    """``TENZRO_SITE_ID`` (this process's server name in the balancer) and ``TENZRO_SITE_IDS``
+    (comma list: every site process of the deployment); both or neither, names of letters,
+    digits, ``-`` and ``_``, and the list must name this process. Raises ``RuntimeError``."""
+    own = os.environ.get("TENZRO_SITE_ID", "").strip() or None
+    ids = tuple(x.strip() for x in os.environ.get("TENZRO_SITE_IDS", "").split(",") if x.strip())
+    if (own is None) != (not ids):
+        raise RuntimeError("TENZRO_SITE_ID and TENZRO_SITE_IDS go together (this process's balancer server name "
+                           "and every site process's)")
+    for name in ((own,) if own else ()) + ids:
+        if len(name) > 64 or not all(c.isascii() and (c.isalnum() or c in "-_") for c in name):
+            raise RuntimeError(f"TENZRO_SITE_ID / TENZRO_SITE_IDS: {name!r} is not a server name "
+                               "(letters, digits, '-', '_'; at most 64)")
+    if own is not None and own not in ids:
+        raise RuntimeError(f"TENZRO_SITE_IDS {','.join(ids)!r} must include TENZRO_SITE_ID {own!r}")
+    return own, ids
 
 
 def _env_host_port(name: str, default: str) -> str:
@@ -255,6 +275,7 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 # Beat reads its schedule from the database (django-celery-beat: editable in the admin).
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+_SITE_ID, _SITE_IDS = _env_site_ids()
 _HYGIENE_INTERVAL_S = _env_int("TENZRO_HYGIENE_INTERVAL", 300, minimum=1)
 # Receipts economy sweeps (settlement.tasks), synced into the database schedule by beat; without a
 # broker an inline timer does the same.
@@ -308,6 +329,11 @@ TENZRO = {
     # One deployment name per database (registry.deployment): every process of one deployment
     # gives the same; a process of another deployment is refused by the database it would share.
     "DEPLOYMENT": os.environ.get("TENZRO_DEPLOYMENT", "").strip() or "default",
+    # Several site processes behind the balancer: this one's server name and every one's. The
+    # welcome lists them; agents then hold a socket to each (``?site=<id>``, HAProxy use-server),
+    # so every router reaches every agent without the channel-layer relay (router.consumers).
+    "SITE_ID": _SITE_ID,
+    "SITE_IDS": _SITE_IDS,
     "BLOB_DIR": Path(os.environ.get("TENZRO_BLOB_DIR", VAR_DIR / "blobs")).resolve(),
     "HEARTBEAT_INTERVAL_S": _env_int("TENZRO_HEARTBEAT_INTERVAL", 15, minimum=1),
     "MISSED_HEARTBEATS": 3,

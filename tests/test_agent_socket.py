@@ -380,3 +380,52 @@ async def test_a_streamed_batch_resolves_each_request_as_its_answer_arrives(monk
     assert np.array_equal(got[0].rows, rows[0:1])
     assert all(isinstance(g, HolderFault) and "not one answer" in str(g) for g in got[1:])
     await comm.disconnect()
+
+
+async def test_side_sockets_serve_their_process_without_a_session_and_a_misdirected_one_is_refused(settings):
+    """Behind a balancer (site ids set) the welcome names this process and every one; a side
+    socket (``?site=<this process>``) proves the key like the main one, holds no session, joins
+    no group, refuses heartbeats, and carries this process's requests to the agent, even after
+    another process says the agent's main socket is gone. One naming another process (down,
+    so the balancer sent it here) is closed with 4421."""
+    import asyncio
+
+    from router.ws import ROUTERS_GROUP, AgentLink, held_here, presence_event
+
+    settings.TENZRO = {**settings.TENZRO, "SITE_ID": "s1", "SITE_IDS": ("s0", "s1")}
+    key = SigningKey.generate()
+    pid = provider_id(key)
+
+    async def hello(path):
+        comm = WebsocketCommunicator(application, path)
+        assert (await comm.connect())[0]
+        nonce = bytes.fromhex((await comm.receive_json_from())["nonce"])
+        await comm.send_json_to({"type": "hello", "provider": pid, "signature": sign(key, DOMAIN_HELLO, nonce)})
+        return comm, await comm.receive_json_from(5)
+
+    wrong, err = await hello("/ws/agent/?site=s0")
+    assert err["type"] == "error" and err["code"] == 4421 and "'s1', not 's0'" in err["message"]
+    assert (await wrong.receive_output())["code"] == 4421
+    side, welcome = await hello("/ws/agent/?site=s1")
+    assert welcome["type"] == "welcome" and welcome["site"] == "s1" and welcome["sites"] == ["s0", "s1"]
+    assert not await database_sync_to_async(AgentSession.objects.exists)()
+    assert held_here(pid)
+    await side.send_json_to(signed_heartbeat(key))
+    assert "main socket" in (await side.receive_json_from())["message"]
+
+    link = await AgentLink.get()
+    for _ in range(2):
+        answer = asyncio.ensure_future(link.request(pid, {"type": "execute"}, b"x", timeout=30.0))
+        header, payload = wire.unpack_frame(await side.receive_from())
+        assert payload == b"x"
+        await side.send_to(bytes_data=wire.pack_frame({"id": header["id"], "ok": True}, b"ok"))
+        assert (await answer)[1] == b"ok"
+        # The main socket's process (another one) says it closed: this process still reaches the agent.
+        await get_channel_layer().group_send(ROUTERS_GROUP, presence_event(pid, False))
+        await asyncio.sleep(0.1)
+    await side.disconnect()
+    assert not held_here(pid)
+    # The main socket's welcome names the processes too.
+    main, welcome = await hello("/ws/agent/")
+    assert welcome["type"] == "welcome" and welcome["site"] == "s1" and welcome["sites"] == ["s0", "s1"]
+    await main.disconnect()

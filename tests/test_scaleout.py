@@ -3,7 +3,8 @@
 ``tenzro_cluster --sites 2 --holders 3``: 48 greedy ``/v1/completions`` from 16 clients
 through the balancer, one site process SIGKILLed 3 s in. Every request succeeds, or fails
 with a clean retryable JSON error and succeeds on one retry; every agent heartbeats again
-(its socket on the surviving process) within 30 s; the completions after the kill equal
+(its main socket on the surviving process) within 30 s; before the kill every process reaches
+every agent over a socket of its own (side sockets: nothing relayed); the completions after the kill equal
 those before; ``/metrics`` answers Prometheus text through the balancer. Also: a second
 deployment is refused by a database another one claimed.
 """
@@ -34,6 +35,12 @@ PROMPTS = [[1 + i % 4, 7, 3 + i % 3, 11] for i in range(48)]  # 48 requests over
 MAX_TOKENS = 6
 
 
+def _relayed(client: httpx.Client, url: str) -> float:
+    """Agent requests relayed through the channel layer so far, summed over the machine's processes."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in client.get(f"{url}/metrics").text.splitlines()
+               if line.startswith('tenzro_agent_requests_total{path="relay"}'))
+
+
 def _heartbeats_after(db_url: str, since) -> dict[str, bool]:
     """provider → whether its last heartbeat is later than ``since`` (database time): only a
     live site process ingests heartbeats, so True means the agent's socket is on one."""
@@ -60,12 +67,15 @@ def test_two_sites_behind_haproxy_survive_a_site_process_kill(tmp_path):
                 # model: every generation of it goes to one process, the one killed below.)
                 before: dict[tuple, list[int]] = {}
                 distinct = sorted({tuple(p) for p in PROMPTS})
+                relayed = _relayed(client, url)
                 with ThreadPoolExecutor(4) as pool:
                     warm = list(pool.map(lambda p: complete_once_retrying(client, url, MODEL, list(p), MAX_TOKENS),
                                          distinct * 2))
                 for p, c in zip(distinct * 2, warm):
                     assert c.first == 200, c
                     assert before.setdefault(p, c.token_ids) == c.token_ids, p
+                # Every agent holds a (side) socket on every process: no batch went through the relay.
+                assert _relayed(client, url) == relayed
 
             # The process serving the model's generations (HAProxy logs "backend/server" per request).
             owner = re.findall(r" by_model/site(\d+) .*\"POST /v1/completions ",

@@ -61,3 +61,15 @@ def test_the_documented_values_are_accepted(tmp_path):
                  TENZRO_DB_POOL="0", TENZRO_GEN_MICROBATCHES="1", TENZRO_KV_HANDOFF="site",
                  TENZRO_STREAM_ANSWERS="off", TENZRO_PLAN_SPLIT_THRESHOLD="0")
     assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"TENZRO_SITE_ID": "site0"}, "TENZRO_SITE_ID and TENZRO_SITE_IDS go together"),
+    ({"TENZRO_SITE_IDS": "site0,site1"}, "TENZRO_SITE_ID and TENZRO_SITE_IDS go together"),
+    ({"TENZRO_SITE_ID": "site2", "TENZRO_SITE_IDS": "site0,site1"}, "'site0,site1' must include TENZRO_SITE_ID 'site2'"),
+    ({"TENZRO_SITE_ID": "a b", "TENZRO_SITE_IDS": "a b"}, "'a b' is not a server name"),
+])
+def test_site_ids_are_both_or_neither_server_names_holding_the_own(tmp_path, env, says):
+    res = _check(tmp_path, **env)
+    assert res.returncode != 0 and says in res.stderr.strip().splitlines()[-1]
+    assert _check(tmp_path, TENZRO_SITE_ID="site1", TENZRO_SITE_IDS="site0, site1").returncode == 0
