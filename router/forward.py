@@ -465,19 +465,32 @@ class LayerForward:
     async def probe(self, provider: str, info, expert: int, tokens: list[int], payload: bytes) -> None:
         """A hedged probe: the batch's copy to ``provider`` (purpose "selftest", not metered)
         whose answer only scores the holder (verified receipt: success; error, bad answer or
-        no answer within the deadline: fault). Never touches the forward's rows or result."""
+        no answer within the deadline: fault). A receiptless Kvasir holder's probe is audited
+        like its batches (``KvasirAudit.check``: a liar is quarantined on a drawn probe) and
+        skipped when nothing trusted could re-execute it. Never touches the forward's rows or
+        result."""
         sb = self.scoreboard
         req = BatchRequest(uuid.uuid4().hex, self.model_id, self.layer, expert, tokens, self.carrier_kind, payload,
                            self.output_kind, self.d_model, purpose="selftest")
         t = time.perf_counter()
         try:
+            executor = None
+            if is_kvasir(provider):  # unsigned rows earn no record unaudited: a liar's probes are its first batches
+                if self.audit is None and self.audit_of is not None:
+                    self.audit = await self.audit_of()
+                executor = await self.audit.executor_for(expert, self.view_now) if self.audit is not None else None
+                if executor is None:
+                    return
             ans = await asyncio.wait_for(self.send(provider, info, req), self.deadline_s)
             if ans.rows.shape != (len(tokens), self.d_model):
                 raise HolderFault(f"returned rows of shape {ans.rows.shape}")
-            if self.verify and ans.transport not in ("local", "kvasir"):
+            if executor is not None:
+                await self.audit.check(provider, expert, tokens, self.x[np.asarray(tokens, dtype=np.int64)],
+                                       ans.rows, lambda ex: self.redo(ex, expert, tokens, payload), executor)
+            elif self.verify and ans.transport != "local":
                 async with asyncio.timeout(self.deadline_s):
                     await self.verified_receipt(provider, req, ans)
-        except (AuthRefusal, Rejected):
+        except (AuthRefusal, Rejected, AuditUnavailable):
             pass
         except (asyncio.TimeoutError, HolderFault, ReceiptError, ConnectionError, ValueError, OSError):
             sb.fault(provider)
