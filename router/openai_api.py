@@ -53,7 +53,7 @@ from prepare.chat import ChatTemplateError, plain_chat
 from router.forward import ForwardError
 from router.detokenize import settled_text
 from router.generate import (MAX_STOPS, NoBackbone, ServedModel, check_capacity, check_size, encode_prompts, generate,
-                             served_models, served_model)
+                             served_models, served_model_cached)
 from moe.runtime import GateNotLoaded
 
 log = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ async def _served(body: dict) -> ServedModel:
     if not isinstance(model, str) or not model:
         raise ApiError(400, "model is required (a published model id)", "model")
     try:
-        return await database_sync_to_async(served_model)(model)
+        return await served_model_cached(model)
     except NoBackbone as exc:
         raise ApiError(404, str(exc), "model", "not_found_error") from exc
     except BackboneError as exc:  # published, but its backbone or chat template is malformed

@@ -110,6 +110,10 @@ class Router:
             return hit[1]
         return None
 
+    def remember(self, key: tuple, value) -> None:
+        """Hold ``value`` for ``key`` as ``cached`` would, from now (a value read elsewhere)."""
+        self._ttl[key] = (time.monotonic(), value)
+
     def cached(self, key: tuple, fn):
         """``fn()`` memoized for ``view_cache_s`` seconds: per-forward DB reads of the shard view
         were most of a small forward's time; failover covers a view this stale."""
