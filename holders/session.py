@@ -160,13 +160,19 @@ class SiteSession:
                 log.warning("cannot reach %s: %s", self.url, exc)
             finally:
                 self.ws = None
-            if self.stopping.is_set():
+            if not await self._pause(backoff):
                 break
-            try:
-                await asyncio.wait_for(self.stopping.wait(), backoff)
-            except asyncio.TimeoutError:
-                pass
             backoff = min(backoff * 2, 30.0)
+
+    async def _pause(self, seconds: float) -> bool:
+        """Wait ``seconds`` before a reconnect; False when the agent is stopping (now or meanwhile)."""
+        if self.stopping.is_set():
+            return False
+        try:
+            await asyncio.wait_for(self.stopping.wait(), seconds)
+        except asyncio.TimeoutError:
+            return True
+        return False
 
     async def _handshake(self, ws) -> dict:
         """Challenge, signed hello, welcome; returns the welcome. Raises ``KeyInUse``,
@@ -260,12 +266,8 @@ class SiteSession:
                 log.info("side socket to site process %s closed: %s", sid, exc)
             except (OSError, InvalidStatus, asyncio.TimeoutError, ValueError, KeyError) as exc:
                 log.info("side socket to site process %s: %s", sid, exc)
-            if self.stopping.is_set():
+            if not await self._pause(backoff):
                 break
-            try:
-                await asyncio.wait_for(self.stopping.wait(), backoff)
-            except asyncio.TimeoutError:
-                pass
             backoff = min(backoff * 2, 30.0)
 
     def _control(self, text: str) -> None:

@@ -43,7 +43,7 @@ from moe import messages, wire
 
 from router import repair as repair_site
 from moe.identity import DOMAIN_HELLO, SignatureError, loads_signed, verify
-from router.ws import ROUTERS_GROUP, agent_group, presence_event, register_local, unregister_local
+from router.ws import ROUTERS_GROUP, agent_group, hand_reply, presence_event, register_local, unregister_local
 from registry import services as registry_services
 from registry.heartbeat import HeartbeatError
 
@@ -274,16 +274,8 @@ class AgentConsumer(AsyncWebsocketConsumer):
         await self._reply(reply_to, {"type": "agent.reply", "id": header["id"], "header": header, "payload": payload})
 
     async def _reply(self, reply_to: str | asyncio.Future, msg: dict) -> None:
-        """Hand an answer to the waiting router: its future (or ``ws.AnswerStream``), or its reply
-        channel. A full reply channel drops the answer (logged); the router's request then times out."""
-        if not isinstance(reply_to, str):
-            if not reply_to.done():
-                reply_to.set_result(msg)
-            return
-        try:
-            await self.channel_layer.send(reply_to, msg)
-        except Exception:  # the router process is gone or overloaded: nothing to hand the answer to
-            log.warning("answer %s to %s dropped by the channel layer", msg.get("id"), reply_to, exc_info=True)
+        """Hand an answer to the waiting router (``router.ws.hand_reply``)."""
+        await hand_reply(self.channel_layer, reply_to, msg)
 
     async def _send_error(self, message: str, field: str = "frame", ref: str | None = None):
         await self.send(text_data=json.dumps(messages.socket_error(message, field=field, ref=ref)))

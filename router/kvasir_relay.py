@@ -33,7 +33,7 @@ from django.conf import settings
 from moe import messages
 from moe.transports.kvasir import KvasirProtocolError, ResponseStream, provider_id
 from registry import market
-from router.ws import ROUTERS_GROUP, agent_group, presence_event, register_local, unregister_local
+from router.ws import ROUTERS_GROUP, agent_group, hand_reply, presence_event, register_local, unregister_local
 
 log = logging.getLogger(__name__)
 
@@ -127,15 +127,8 @@ class KvasirRelayConsumer(AsyncWebsocketConsumer):
             await self._reply(reply_to, req_id, {"id": req_id, "ok": True, "transport": "kvasir"}, data)
 
     async def _reply(self, reply_to, req_id: str, header: dict, payload: bytes) -> None:
-        msg = {"type": "agent.reply", "id": req_id, "header": header, "payload": payload}
-        if not isinstance(reply_to, str):
-            if not reply_to.done():
-                reply_to.set_result(msg)
-            return
-        try:
-            await self.channel_layer.send(reply_to, msg)
-        except Exception:  # the router process is gone: nothing to hand the answer to
-            log.warning("Kvasir answer %s to %s dropped by the channel layer", req_id, reply_to, exc_info=True)
+        await hand_reply(self.channel_layer, reply_to,
+                         {"type": "agent.reply", "id": req_id, "header": header, "payload": payload})
 
     async def _write(self, req_id: str, header: dict, payload: bytes, reply_to) -> None:
         expect = header.get("expect")

@@ -112,6 +112,21 @@ def held_here(provider: str) -> bool:
         return False
 
 
+async def hand_reply(channel_layer, reply_to, msg: dict) -> None:
+    """Hand a holder's answer ``msg`` (``{"type": "agent.reply", "id", ...}``) to the waiting
+    router: its future (a router in this process) or its reply channel (another process). A
+    channel layer that refuses it (the router process is gone or its channel is full) drops the
+    answer, logged; that router's request then times out."""
+    if not isinstance(reply_to, str):
+        if not reply_to.done():
+            reply_to.set_result(msg)
+        return
+    try:
+        await channel_layer.send(reply_to, msg)
+    except Exception:  # nothing left to hand the answer to
+        log.warning("answer %s to %s dropped by the channel layer", msg.get("id"), reply_to, exc_info=True)
+
+
 def presence_event(provider: str, connected: bool) -> dict:
     """The ``ROUTERS_GROUP`` message a consumer sends when ``provider``'s socket opens or closes."""
     return {"type": "agent.back" if connected else "agent.gone", "provider": provider}
