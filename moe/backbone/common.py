@@ -272,6 +272,16 @@ class Backbone(ABC):
         """Self-attention of ``layer`` for one sequence's new rows ``h`` float32 ``[T, H]`` at
         ``positions`` ``[T]``; appends to ``cache`` and returns float32 ``[T, H]``."""
 
+    def attention_rows(self, layer: int, h: np.ndarray, bounds: np.ndarray, positions: list[np.ndarray],
+                       caches: list[KVCache]) -> np.ndarray:
+        """Self-attention of ``layer`` for the new rows of several sequences stacked in ``h``
+        float32 ``[N, H]`` (sequence ``i``'s rows ``bounds[i]:bounds[i + 1]`` at
+        ``positions[i]``, cache ``caches[i]``); float32 ``[N, H]``. This default runs
+        ``attention`` per sequence; a family whose projections are row-invariant overrides it
+        to run each over every row at once (same bits, one call instead of one per sequence)."""
+        return np.concatenate([self.attention(layer, h[bounds[i]:bounds[i + 1]], positions[i], caches[i])
+                               for i in range(len(caches))])
+
     def forward(self, seqs: list[np.ndarray], caches: list[KVCache], mlp: MlpFn,
                 all_logits: bool = False, select: list[str] | None = None) -> list[np.ndarray | None]:
         """Run new token ids of each sequence (``seqs[i]`` int ``[T_i]``) through the model.
@@ -297,9 +307,7 @@ class Backbone(ABC):
         h = self.w["model.embed_tokens.weight"][np.concatenate(seqs).astype(np.int64)].astype(F32)
         for layer in range(self.num_layers):
             x = rms_norm(h, self.weight(f"model.layers.{layer}.input_layernorm.weight"), self.eps)
-            attn = np.concatenate([self.attention(layer, x[bounds[i]:bounds[i + 1]], positions[i], caches[i])
-                                   for i in range(len(seqs))])
-            h = h + attn
+            h = h + self.attention_rows(layer, x, bounds, positions, caches)
             x = rms_norm(h, self.weight(f"model.layers.{layer}.post_attention_layernorm.weight"), self.eps)
             h = h + np.asarray(mlp(layer, np.ascontiguousarray(x, dtype=F32)), dtype=F32)
         for c, n in zip(caches, lens):

@@ -38,6 +38,13 @@ class GqaBackbone(Backbone):
         return self.num_layers * 2 * self.n_kv * self.head_dim * 4
 
     def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
+        return self.attention_rows(layer, h, np.array([0, h.shape[0]]), [positions], [cache])
+
+    def attention_rows(self, layer: int, h: np.ndarray, bounds: np.ndarray, positions: list[np.ndarray],
+                       caches: list[KVCache]) -> np.ndarray:
+        """Projections, q/k norms and rotary over every sequence's rows at once (each is
+        row-invariant: ``linear``, per-row norms, per-position tables), then each sequence's
+        cache append and causal attention, then one ``o_proj``; float32 ``[N, H]``."""
         p = f"model.layers.{layer}.self_attn."
         w = self.w
         n, d = h.shape[0], self.head_dim
@@ -47,10 +54,14 @@ class GqaBackbone(Backbone):
         if self.qk_norm:
             q = rms_norm(q, self.weight(p + "q_norm.weight"), self.eps)
             k = rms_norm(k, self.weight(p + "k_norm.weight"), self.eps)
-        cos, sin = self.rotary.cos_sin(positions)
+        cos, sin = self.rotary.cos_sin(np.concatenate(positions))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        kv = cache.append(layer, k=k, v=v)
-        out = causal_attention(q, kv["k"], kv["v"], positions, self.scaling, self.sliding_window)
+        out = np.empty((n, self.n_heads, d), dtype=np.float32)
+        for i, cache in enumerate(caches):
+            lo, hi = int(bounds[i]), int(bounds[i + 1])
+            kv = cache.append(layer, k=k[lo:hi], v=v[lo:hi])
+            out[lo:hi] = causal_attention(q[lo:hi], kv["k"], kv["v"], positions[i], self.scaling,
+                                          self.sliding_window)
         return linear(out.reshape(n, self.n_heads * d), self.weight(p + "o_proj.weight"))
 
 
