@@ -23,7 +23,11 @@ BUDGET = 8_000_000  # bytes: each qwen tiny expert decodes to 786 432 bytes, eac
 
 
 def residency_of(info: dict, model_id: str, provider: str) -> dict[tuple[int, int], str]:
-    shard = rpc(info["rpc"], "tenzro_moeShardMap", {"model_id": model_id})["result"]
+    resp = rpc(info["rpc"], "tenzro_moeShardMap", {"model_id": model_id})
+    if "error" in resp:  # neither published nor held by anyone (e.g. the probe model once unloaded)
+        assert resp["error"]["data"]["field"] == "model_id", resp
+        return {}
+    shard = resp["result"]
     return {(r["layer"], r["expert"]): h["residency"] for r in shard["holders"] for h in r["holders"]
             if h["provider"] == provider}
 
