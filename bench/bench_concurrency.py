@@ -8,7 +8,9 @@ Starts ``manage.py tenzro_cluster`` with ``--holders`` agents on the checkpoint,
 two ways: one client at a time (the
 baseline, each request's solo tokens), then ``--clients`` concurrent clients. Reports output
 tokens/s of both, their ratio (issue goal ≥ 6× at 16 clients), p50/p99 latency, errors, and
-how many concurrent requests got exactly their solo tokens (goal: all).
+how many concurrent requests got exactly their solo tokens (goal: all), and the CPU time the
+site and the agents spent per generated token in each phase (``/proc``: steadier than tokens/s on
+a shared machine, and it shows which process bounds the ratio: the site is one GIL-bound process).
 """
 from __future__ import annotations
 
@@ -27,6 +29,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "bench"))
+
+from machine import cpu_seconds  # noqa: E402
 from tests.cluster_util import running_cluster  # noqa: E402
 
 
@@ -81,13 +86,20 @@ def main() -> None:
                                                                holders=a.holders) as (info, _proc):
         url = info["url"]
         asyncio.run(run(url, a.model, prompts[:2], a.tokens, 1))  # warm: JIT, connections, caches
-        solo = asyncio.run(run(url, a.model, prompts, a.tokens, 1))
-        many = asyncio.run(run(url, a.model, prompts, a.tokens, a.clients))
+        phases = []
+        for clients in (1, a.clients):
+            cpu0 = cpu_seconds(info)
+            r = asyncio.run(run(url, a.model, prompts, a.tokens, clients))
+            r["cpu_ms_per_token"] = {k: round(1e3 * (v - cpu0[k]) / max(1, r["tokens"]), 2)
+                                     for k, v in cpu_seconds(info).items() if k in ("sites", "agents")}
+            phases.append(r)
+        solo, many = phases
     same = sum(1 for i, ids in many["ids"].items() if solo["ids"].get(i) == ids)
     ratio = round(many["tokens_per_s"] / solo["tokens_per_s"], 2) if solo["tokens_per_s"] else None
     for r in (solo, many):
         print(f"clients {r['clients']:>3}: {r['tokens']} tokens in {r['wall_s']} s = {r['tokens_per_s']} tok/s, "
-              f"p50 {r['p50_s']} s, p99 {r['p99_s']} s, errors {len(r['errors'])}")
+              f"p50 {r['p50_s']} s, p99 {r['p99_s']} s, errors {len(r['errors'])}; CPU ms per token: "
+              f"site {r['cpu_ms_per_token']['sites']}, agents {r['cpu_ms_per_token']['agents']}")
     print(f"ratio {ratio}x; {same}/{len(many['ids'])} concurrent requests equal their solo tokens")
     if a.json:
         print(json.dumps({"solo": {k: v for k, v in solo.items() if k != "ids"},

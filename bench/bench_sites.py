@@ -5,20 +5,20 @@ Usage:  .venv/bin/python bench/bench_sites.py [--sites 1,2] [--requests 48] [--c
 Needs PostgreSQL and Redis: ``TENZRO_TEST_DATABASE_URL`` (an admin URL: each run creates and
 drops its own database) and ``TENZRO_TEST_REDIS_URL`` (defaults as the tests').
 
-For each entry of ``--sites``: ``tenzro_cluster --sites N --balancer --holders H`` of the
-qwen3 fixture (HAProxy in front of every count, so both take the same path), a warm-up
-round (every distinct prompt once per process: the balancer sends one model's generations to
-one process, so warm-up reaches every process only when round robin does), then ``--rounds``
-timed rounds of ``--requests`` greedy ``/v1/completions`` from ``--clients`` concurrent clients
-through the balancer (a short first round on a just-started cluster ran slower than later ones:
-the median round is reported). Reports requests/s, p50/p99 latency, errors, the share of agent requests relayed through the channel
-layer (``tenzro_agent_requests_total`` of ``/metrics``), the CPU time the cluster's processes
-spent per request in a timed round (sites, agents, balancer, Celery: less noisy than
-requests/s on a shared machine, where other work slows a run's wall time but not its CPU), the
-1-minute load average before and after each run, and whether every answer equals the first
-run's. The runs share this machine's cores: on a 2-core machine it shows that nothing slows
-down or is lost with more processes, not that they scale; on a shared machine compare the
-ratios within one invocation (alternate the order).
+For each entry of ``--sites``: ``tenzro_cluster --sites N --balancer --holders H`` of the qwen3
+fixture (HAProxy in front of every count, so both take the same path), a warm-up round (every
+distinct prompt once per process: the balancer sends one model's generations to one process, so
+warm-up reaches every process only when round robin does), then ``--rounds`` timed rounds of
+``--requests`` greedy ``/v1/completions`` from ``--clients`` concurrent clients through the
+balancer (a short first round on a just-started cluster ran slower than later ones: the median
+round is reported). Reports requests/s, p50/p99 latency, errors, the share of agent requests
+relayed through the channel layer (``tenzro_agent_requests_total`` of ``/metrics``), the CPU
+time the cluster's processes spent per request in a timed round (sites, agents, balancer,
+Celery: less noisy than requests/s on a shared machine, where other work slows a run's wall time
+but not its CPU), the 1-minute load average before and after each run, and whether every answer
+equals the first run's. The runs share this machine's cores: on a 2-core machine it shows that
+nothing slows down or is lost with more processes, not that they scale; on a shared machine
+compare the ratios within one invocation (alternate the order).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from machine import cpu_model  # noqa: E402
+from machine import cpu_model, cpu_seconds  # noqa: E402
 
 from tests.cluster_util import env_for, fresh_postgres_db, running_cluster  # noqa: E402
 from tests.load_util import complete_once_retrying  # noqa: E402
@@ -54,26 +54,6 @@ def agent_paths(client: httpx.Client, url: str) -> dict[str, float]:
         if line.startswith("tenzro_agent_requests_total{"):
             path = line.split('path="', 1)[1].split('"', 1)[0]
             out[path] = out.get(path, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
-def cpu_seconds(info: dict) -> dict[str, float]:
-    """User + system CPU seconds so far of the cluster's processes by part (``sites``, ``agents``,
-    ``balancer``, ``celery``), from ``/proc/<pid>/stat``; a process that is gone counts 0."""
-    tick = os.sysconf("SC_CLK_TCK")
-    parts = {"sites": info["site_pids"], "agents": [a["pid"] for a in info["agents"]],
-             "balancer": [info["balancer_pid"]] if info.get("balancer_pid") else [],
-             "celery": info.get("celery_pids") or []}
-    out = {}
-    for part, pids in parts.items():
-        total = 0.0
-        for pid in pids:
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-        out[part] = total
     return out
 
 

@@ -74,3 +74,23 @@ def kernel_class(isa: str | None) -> str:
     """The machine class of a SIMD path: ``AVX-512 VNNI``, ``AVX2-only`` (avx2, avxvnni), ``ARM NEON``,
     ``portable``, or ``no native kernels`` for None."""
     return KERNEL_CLASSES.get(isa, "no native kernels") if isa else "no native kernels"
+
+
+def cpu_seconds(info: dict) -> dict[str, float]:
+    """User + system CPU seconds so far of the cluster's processes by part (``sites``, ``agents``,
+    ``balancer``, ``celery``), from ``/proc/<pid>/stat``; a process that is gone counts 0."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parts = {"sites": info["site_pids"], "agents": [a["pid"] for a in info["agents"]],
+             "balancer": [info["balancer_pid"]] if info.get("balancer_pid") else [],
+             "celery": info.get("celery_pids") or []}
+    out = {}
+    for part, pids in parts.items():
+        total = 0.0
+        for pid in pids:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        out[part] = total
+    return out
