@@ -78,10 +78,10 @@ class KvasirHolders:
 
     def infos(self, model_id: str) -> list[ProviderInfo]:
         """The relay-connected workers of ``model_id`` as shard-view rows (database read)."""
-        out = []
+        out, banned = [], self.banned_now()
         for worker_id, layer, begin, end in market.kvasir_workers(model_id):
             pid = codec.provider_id(worker_id)
-            if pid in self.banned_now():
+            if pid in banned:
                 continue
             self.shards[pid] = Shard(layer, begin, end)
             out.append(ProviderInfo(provider=pid, roles=("ExpertHolder",), holdings=tuple(
