@@ -587,7 +587,8 @@ class LayerForward:
         # directly, without plan_dispatch's per-token regrouping and validation.
         batches, unplanned, _ = plan_expert_batches(
             view, {(self.layer, e): toks for e, toks in todo.items()}, allow_cold=self.allow_cold,
-            split_threshold=self.split_threshold, order=self.scoreboard.order if self.scoreboard is not None else None,
+            split_threshold=self.split_threshold,
+            order=self.scoreboard.planner_order() if self.scoreboard is not None else None,
             avoid=self.scoreboard.failed_recently if self.scoreboard is not None else None)
         return DispatchPlan(view.model_id, batches, [], unplanned)
 
