@@ -185,7 +185,10 @@ class KVCache:
     concatenated array: attention over them gives the same bits).
     """
 
-    GROW = 64  # spare rows at least, and a quarter of the rows held, when a buffer is (re)allocated
+    # Spare rows when a buffer is (re)allocated: at least GROW, and an eighth of the rows held, so
+    # the copies stay O(1) per row while the memory beyond what the scheduler reserves per
+    # position (Backbone.kv_bytes_per_token) stays within GROW rows and 12.5 %.
+    GROW = 16
 
     def __init__(self, num_layers: int):
         self.layers: list[dict[str, np.ndarray]] = [{} for _ in range(num_layers)]
@@ -203,7 +206,7 @@ class KVCache:
                 raise ValueError(f"kv cache {name}: rows of shape {a.shape[1:]} appended to {held.shape[1:]}")
             buf = bufs.get(name)
             if buf is None or buf.shape[0] < n + m or (held is not None and held.base is not buf):
-                buf = np.empty((n + m + max(self.GROW, n // 4),) + a.shape[1:], dtype=F32)
+                buf = np.empty((n + m + max(self.GROW, n // 8),) + a.shape[1:], dtype=F32)
                 if n:
                     buf[:n] = held
                 bufs[name] = buf
