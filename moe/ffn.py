@@ -351,7 +351,18 @@ def combine(routing: Routing, expert_outputs: Mapping[int, tuple[np.ndarray, np.
         miss_e = ids[miss_t, miss_s]
         missing = {int(e): np.sort(miss_t[miss_e == e]).astype(np.int64) for e in np.unique(miss_e)}
         raise MissingExpertRows(missing)
-    _weighted_sum(out, np.ascontiguousarray(weights, dtype=np.float32), gather, all_rows)
+    return weighted_sum(weights, gather, all_rows)
+
+
+def weighted_sum(weights: np.ndarray, gather: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``combine``'s arithmetic on rows already laid out: float32 ``[T, H]`` with
+    ``out[t] = Σ_j weights[t, j] · rows[gather[t, j]]`` accumulated from zeros in slot order
+    ``j``, each product rounded to float32 before its add. ``weights`` float32 ``[T, S]``,
+    ``gather`` int64 ``[T, S]`` (every entry a row of ``rows``: unchecked, the caller built
+    it), ``rows`` float32 ``[N, H]``."""
+    out = np.zeros((gather.shape[0], rows.shape[1]), dtype=np.float32)
+    _weighted_sum(out, np.ascontiguousarray(weights, dtype=np.float32), np.ascontiguousarray(gather, dtype=np.int64),
+                  np.ascontiguousarray(rows, dtype=np.float32))
     return out
 
 

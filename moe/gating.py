@@ -283,16 +283,30 @@ class Routing:
         """T."""
         return int(self.expert_ids.shape[0])
 
+    def _pair_order(self) -> np.ndarray:
+        """The flat (token, slot) pairs sorted by expert id; the sort is stable, so the row-major
+        flat order keeps tokens ascending within each expert."""
+        return np.argsort(self.expert_ids.ravel(), kind="stable")
+
     def tokens_by_expert(self) -> dict[int, np.ndarray]:
         """Expert id → int64 array of the token indices routed to it, ascending; keys
         ascending (the shared slot, when present, is the last key)."""
         t, s = self.expert_ids.shape
         flat = self.expert_ids.ravel()
-        order = np.argsort(flat, kind="stable")  # row-major flat order keeps tokens ascending per expert
+        order = self._pair_order()
         experts, starts = np.unique(flat[order], return_index=True)
         tokens = (order // s).astype(np.int64)
         bounds = list(starts[1:]) + [len(order)]
         return {int(e): tokens[a:b] for e, a, b in zip(experts, starts, bounds)}
+
+    def pair_rows(self) -> np.ndarray:
+        """int64 ``[T, S]``: where each (token, slot) pair falls when the pairs are listed as
+        ``tokens_by_expert`` lists them (experts ascending, each expert's tokens ascending), i.e.
+        its row once every expert's output rows are stacked in that order."""
+        order = self._pair_order()
+        out = np.empty(order.size, dtype=np.int64)
+        out[order] = np.arange(order.size)
+        return out.reshape(self.expert_ids.shape)
 
     def routed(self, layer: int) -> list[dict]:
         """The ``routed`` JSON of route and forward results: per token ascending

@@ -9,9 +9,9 @@ token) pairs are replanned over a view without any provider that failed, at most
 ``MAX_REPLANS`` times; rows already received stay. Every answer is matched to the request
 it answers by the router's own request id; an answer for a pair that was never sent or
 that is already filled is rejected. Rows are placed as they arrive; the final
-gate-weighted sum (``moe.ffn.combine``) adds each token's slots in ascending expert
-id with the shared slot last, exactly as the monolithic forward does, so both agree bit
-for bit on the same backend.
+gate-weighted sum (``moe.ffn.weighted_sum``, ``combine``'s arithmetic) adds each token's
+slots in ascending expert id with the shared slot last, exactly as the monolithic forward
+does, so both agree bit for bit on the same backend.
 
 Missing pairs after the last round fail the forward (``ForwardError`` naming the experts
 and tokens) unless ``allow_partial``: then each token's routed weights are renormalized
@@ -51,7 +51,7 @@ from typing import Awaitable, Callable, Mapping
 import numpy as np
 
 from moe import wire
-from moe.ffn import combine
+from moe.ffn import weighted_sum
 from moe.gating import Gate, Routing, route
 # The request/answer records live with the other messages; re-exported for the forward's callers.
 from moe.messages import AuthRefusal, BatchAnswer, BatchRequest, HolderFault, Rejected, Send  # noqa: F401
@@ -190,24 +190,40 @@ def renormalized(routing: Routing, missing: dict[int, set[int]]) -> Routing:
 
 
 class _Rows:
-    """Per-expert row buffers filled as answers arrive; refuses pairs not routed or already filled."""
+    """Per-expert row buffers filled as answers arrive; refuses pairs not routed or already filled.
+
+    Every routed (token, slot) pair has one row of ``all`` f32 ``[pairs, d_model]``, expert by
+    expert as ``Routing.tokens_by_expert`` lists them; ``rows[e]`` and ``filled[e]`` are views of
+    expert ``e``'s block and ``gather`` (``Routing.pair_rows``) is the row of each (token, slot),
+    so ``LayerForward.finish`` combines with ``moe.ffn.weighted_sum`` without regrouping."""
 
     def __init__(self, routing: Routing, d_model: int):
-        self.tokens = {e: t for e, t in routing.tokens_by_expert().items()}
-        self.pos = {e: {int(t): i for i, t in enumerate(toks)} for e, toks in self.tokens.items()}
-        self.rows = {e: np.zeros((len(t), d_model), dtype=np.float32) for e, t in self.tokens.items()}
-        self.filled = {e: np.zeros(len(t), dtype=bool) for e, t in self.tokens.items()}
+        self.tokens = routing.tokens_by_expert()
+        self.gather = routing.pair_rows()
+        self.all = np.zeros((self.gather.size, d_model), dtype=np.float32)
+        self.all_filled = np.zeros(self.gather.size, dtype=bool)
+        self.pos, self.rows, self.filled = {}, {}, {}
+        at = 0
+        for e, toks in self.tokens.items():
+            self.pos[e] = {t: i for i, t in enumerate(toks.tolist())}
+            self.rows[e] = self.all[at:at + toks.size]
+            self.filled[e] = self.all_filled[at:at + toks.size]
+            at += toks.size
 
-    def check(self, expert: int, tokens: list[int]) -> None:
+    def check(self, expert: int, tokens: list[int]) -> list[int]:
+        """The rows of ``expert``'s block for ``tokens``; raises ``HolderFault`` for a pair that
+        was never routed or is already filled."""
         pos = self.pos.get(expert)
-        if pos is None or any(t not in pos for t in tokens):
-            raise HolderFault(f"answer for pairs of expert {expert} that were never routed")
-        if self.filled[expert][[pos[t] for t in tokens]].any():
+        try:
+            idx = [pos[t] for t in tokens]
+        except (KeyError, TypeError):  # TypeError: no pairs of this expert at all (pos is None)
+            raise HolderFault(f"answer for pairs of expert {expert} that were never routed") from None
+        if self.filled[expert][idx].any():
             raise HolderFault(f"answer for pairs of expert {expert} that are already filled")
+        return idx
 
     def put(self, expert: int, tokens: list[int], rows: np.ndarray) -> None:
-        self.check(expert, tokens)
-        idx = [self.pos[expert][t] for t in tokens]
+        idx = self.check(expert, tokens)
         self.rows[expert][idx] = rows
         self.filled[expert][idx] = True
 
@@ -218,6 +234,8 @@ class _Rows:
         self.filled[expert][idx] = False
 
     def outstanding(self) -> dict[int, list[int]]:
+        if self.all_filled.all():  # the usual case: one check instead of one per expert
+            return {}
         return {e: self.tokens[e][~f].tolist() for e, f in self.filled.items() if not f.all()}
 
 
@@ -569,7 +587,8 @@ class LayerForward:
         # directly, without plan_dispatch's per-token regrouping and validation.
         batches, unplanned, _ = plan_expert_batches(
             view, {(self.layer, e): toks for e, toks in todo.items()}, allow_cold=self.allow_cold,
-            split_threshold=self.split_threshold, order=self.scoreboard.order if self.scoreboard is not None else None,
+            split_threshold=self.split_threshold,
+            order=self.scoreboard.planner_order() if self.scoreboard is not None else None,
             avoid=self.scoreboard.failed_recently if self.scoreboard is not None else None)
         return DispatchPlan(view.model_id, batches, [], unplanned)
 
@@ -655,7 +674,7 @@ class LayerForward:
                 raise ForwardError("execution", str(exc), {"missing": missing, "failures": failures}) from exc
             for e, toks in todo.items():
                 rows.put(e, toks, np.zeros((len(toks), self.d_model), dtype=np.float32))
-        output = combine(use, {e: (rows.tokens[e], rows.rows[e]) for e in rows.tokens}, self.d_model)
+        output = weighted_sum(use.weights, rows.gather, rows.all)
         return output, use, missing
 
     async def run(self) -> ForwardResult:

@@ -235,6 +235,24 @@ class Scoreboard:
 
         return [holders[i] for i in sorted(range(len(holders)), key=key)]
 
+    def planner_order(self) -> Callable[[Sequence], list]:
+        """``order`` for one planning call (``registry.planner.plan_expert_batches``): a holder
+        set it already ranked in that call is not ranked again. One plan asks for the same few
+        sets, one per expert (3 holders with 2 replicas: 3 sets for 16 experts), and nothing
+        ``order`` reads changes during the synchronous call; the key is what it reads of a
+        holder (provider, residency, reputation) in input order."""
+        ranked: dict[tuple, list[int]] = {}
+
+        def order(holders: Sequence) -> list:
+            key = tuple((h.provider, h.residency, h.reputation) for h in holders)
+            perm = ranked.get(key)
+            if perm is None:
+                at = {id(h): i for i, h in enumerate(holders)}
+                perm = ranked[key] = [at[id(h)] for h in self.order(holders)]
+            return [holders[i] for i in perm]
+
+        return order
+
     def deadline_s(self, provider: str, ceiling_s: float) -> float:
         """Seconds ``provider`` has for one request before its backup gets a copy:
         ``DEADLINE_P99_FACTOR`` × its observed p99, at least ``DEADLINE_FLOOR_S`` and at most

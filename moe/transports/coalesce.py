@@ -44,7 +44,8 @@ def message_receipts() -> bool:
 
 
 def enabled() -> bool:
-    """Whether coalescing is on (``TENZRO_COALESCE``, default 1; read at each call so a bench can flip it)."""
+    """Whether coalescing is on (``TENZRO_COALESCE``, default 1; read at each call so a bench can flip it;
+    ``Coalescer.submit`` reads it once per destination and loop turn)."""
     return os.environ.get("TENZRO_COALESCE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
@@ -63,14 +64,16 @@ class Coalescer(Generic[Req, Ans]):
         ``send_many(requests)`` (``send_many(requests, deliver)`` when ``streaming``: an outcome
         delivered early resolves its caller at once). Returns its answer or raises its own
         exception (whatever ``send_one``/``send_many`` raise or return as its outcome)."""
-        if not enabled():
-            return await send_one(req)
         loop = asyncio.get_running_loop()
-        fut = loop.create_future()
         queue = self._queues.get(key)
         if queue is None:
+            # The switch is read once per destination and loop turn, not per request: the
+            # environment read cost more than the rest of a submit.
+            if not enabled():
+                return await send_one(req)
             queue = self._queues[key] = []
             loop.call_soon(self._flush, key, send_one, send_many, streaming)
+        fut = loop.create_future()
         queue.append((req, fut))
         if len(queue) >= MAX_GROUP:
             self._queues.pop(key)
