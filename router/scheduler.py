@@ -323,7 +323,7 @@ class ModelScheduler:
             if need > config.kv_budget:
                 raise BackboneError(f"max_new_tokens: the sequence may grow to {need} bytes of KV cache, over this "
                                     f"site's budget of {config.kv_budget} (TENZRO_KV_BUDGET_BYTES)", "max_new_tokens")
-            seq.cache = bb.new_cache()
+            seq.cache = bb.new_cache(int(seq.prompt.size) + request.sampling.max_new_tokens)
             slots.append(_Slot(request, seq, need, text=self.served.detokenizer(request.sampling)))
         request.future = self.loop.create_future()
         with self._cond:

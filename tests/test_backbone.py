@@ -153,3 +153,24 @@ def test_backbone_blobs_roundtrip():
 def test_unknown_family():
     with pytest.raises(BackboneError, match="no backbone"):
         build_backbone({"model_type": "llama"}, {})
+
+
+def test_kv_cache_appends_in_place_and_stays_within_its_reservation():
+    """KVCache writes each appended row into a buffer with spare rows (no copy of the whole
+    cache per step), returns exactly the rows appended so far (same values as concatenating),
+    and never allocates more rows than ``max_rows`` (the scheduler's reservation)."""
+    rng = np.random.default_rng(7)
+    rows = [rng.standard_normal((n, 2, 4)).astype(np.float32) for n in (5, 1, 1, 3, 1, 1, 1)]
+    capped, free = KVCache(1, max_rows=13), KVCache(1)
+    for i, r in enumerate(rows):
+        want = np.concatenate(rows[:i + 1])
+        for c in (capped, free):
+            got = c.append(0, k=r)["k"]
+            assert got.flags.c_contiguous and got.dtype == np.float32
+            np.testing.assert_array_equal(got, want)
+        assert capped._buffers[0]["k"].shape[0] <= 13
+    before = free.layers[0]["k"]
+    free.append(0, k=rows[1])
+    assert before.shape[0] == 13  # a view handed out earlier does not grow
+    with pytest.raises(ValueError, match="rows of shape"):
+        free.append(0, k=np.zeros((1, 3, 4), np.float32))

@@ -182,7 +182,9 @@ class KVCache:
     ``layers[i][name]`` is the cached rows only: a C-contiguous view of the first rows of a
     buffer with spare rows (``GROW``), so a decode step writes its row in place instead of
     copying the whole cache (the views hold the same values in the same layout as a
-    concatenated array: attention over them gives the same bits).
+    concatenated array: attention over them gives the same bits). ``max_rows`` (the positions
+    the scheduler reserved: prompt + max new tokens) caps the spare rows, so a cache never holds
+    more memory than its reservation.
     """
 
     # Spare rows when a buffer is (re)allocated: at least GROW, and an eighth of the rows held, so
@@ -190,7 +192,8 @@ class KVCache:
     # position (Backbone.kv_bytes_per_token) stays within GROW rows and 12.5 %.
     GROW = 16
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, max_rows: int | None = None):
+        self.max_rows = max_rows
         self.layers: list[dict[str, np.ndarray]] = [{} for _ in range(num_layers)]
         self._buffers: list[dict[str, np.ndarray]] = [{} for _ in range(num_layers)]
         self.length = 0
@@ -206,7 +209,10 @@ class KVCache:
                 raise ValueError(f"kv cache {name}: rows of shape {a.shape[1:]} appended to {held.shape[1:]}")
             buf = bufs.get(name)
             if buf is None or buf.shape[0] < n + m or (held is not None and held.base is not buf):
-                buf = np.empty((n + m + max(self.GROW, n // 8),) + a.shape[1:], dtype=F32)
+                rows = n + m + max(self.GROW, n // 8)
+                if self.max_rows is not None and n + m <= self.max_rows:
+                    rows = min(rows, self.max_rows)
+                buf = np.empty((rows,) + a.shape[1:], dtype=F32)
                 if n:
                     buf[:n] = held
                 bufs[name] = buf
@@ -281,9 +287,9 @@ class Backbone(ABC):
         except KeyError:
             raise BackboneError(f"backbone weight {name!r} is missing") from None
 
-    def new_cache(self) -> KVCache:
-        """An empty cache for one sequence."""
-        return KVCache(self.num_layers)
+    def new_cache(self, max_rows: int | None = None) -> KVCache:
+        """An empty cache for one sequence (``max_rows``: positions reserved for it, if known)."""
+        return KVCache(self.num_layers, max_rows)
 
     def kv_bytes_per_token(self) -> int:
         """Bytes one position adds to a sequence's ``KVCache`` (all layers, float32): what the
