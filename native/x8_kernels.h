@@ -5,7 +5,8 @@
  *   TK_TARGET     the path's target attribute
  *   TK_VNNI       0: AVX2 (maddubs + madd + add), 1: AVX-VNNI (VEX vpdpwssd / vpdpbusd, 256-bit),
  *                 2: AVX-512 VNNI (512-bit registers: one register holds all eight rows)
- *   TK_TILE       activation rows per tile (weights unpacked once per tile)
+ *   TK_TILE       activation rows per tile (weights unpacked once per tile), Q6_K's and the most
+ *   TK_TILE_Q80, TK_TILE_Q4K  Q8_0's and Q4_K's (see _kernels.c)
  *
  * One register holds eight bytes of each of four rows (256-bit, two halves per row group) or of
  * all eight rows (512-bit); an activation's eight bytes are broadcast to every row, so one
@@ -193,10 +194,10 @@ TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q6k_x8)(long 
 }
 
 /* ---- Q8_0, block of 8 rows x 32 values: d[8] f16; qs: 4 chunks of 8 bytes of every row.
- * VNNI: vpdpbusd on (w ^ 0x80) x x, the chain started at -128 * sum(x) (bias: aux, per activation
- * block, an int64 whose low dword is that value and high dword 0, so one broadcast load puts it in
- * one of each row's two lanes); AVX2: maddubs(|w|, sign(x, w)). Block b's term goes to accumulator
- * b % 8, as portable. */
+ * VNNI: vpdpbusd on (w ^ 0x80) x x, plus -128 * sum(x) (bias: aux, per activation block, an int64
+ * whose low dword is that value and high dword 0: on 512-bit registers one broadcast load puts it
+ * in one of each row's two lanes, as the start of a vpdpbusd chain); AVX2: maddubs(|w|, sign(x, w)).
+ * Block b's term goes to accumulator b % 8, as portable. */
 #if TK_VNNI == 2
 /* 512-bit: two blocks per step. Their row sums are gathered into one register (lanes 0-7: block
  * b's rows, 8-15: block b + 1's), so the scale arithmetic runs once per two blocks on full
@@ -330,31 +331,36 @@ TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q80_x8)(long 
 }
 #endif
 
-/* One row group (8 rows) x n activation rows, in tiles of TK_TILE (the remainder with fewer); the
- * first tile prefetches the weight stream PF_BYTES ahead (the later ones find it in cache). */
+/* One row group (8 rows) x n activation rows, in tiles of the quant type's tile size (the remainder
+ * one row at a time); the first tile prefetches the weight stream PF_BYTES ahead (the later ones
+ * find it in cache). */
 TK_TARGET static void TK_SFX(group_x8)(int qt, const uint8_t *w, int cols, const int8_t *qx, const float *dx,
                                        const void *aux, int n, float *y, size_t ys_) {
     const size_t qs_ = (size_t)cols, ds_ = (size_t)cols / 32;
+    const int nb32 = cols / 32, nbk = cols / 256;
     int i = 0;
-#define TK_RUN(A_)                                                                                          \
-    do {                                                                                                    \
-        const int8_t *q_ = qx + i * qs_;                                                                    \
-        const float *d_ = dx + i * ds_;                                                                     \
-        float *y_ = y + i * ys_;                                                                            \
-        if (qt == 0)                                                                                        \
-            TK_SFX(q80_x8)(i ? 0 : PF_BYTES, w, cols / 32, q_, qs_, d_, ds_, (const int64_t *)aux + i * (cols / 32), cols / 32, A_, y_, ys_); \
-        else if (qt == 1)                                                                                   \
-            TK_SFX(q4k_x8)(i ? 0 : PF_BYTES, w, cols / 256, q_, qs_, d_, ds_, (const int16_t *)aux + i * (cols / 32), cols / 32, A_, y_, ys_); \
-        else                                                                                                \
-            TK_SFX(q6k_x8)(i ? 0 : PF_BYTES, w, cols / 256, q_, qs_, d_, ds_, (const int16_t *)aux + i * (cols / 16), cols / 16, A_, y_, ys_); \
+#define TK_ARGS i ? 0 : PF_BYTES, w
+#define TK_X qx + i * qs_, qs_, dx + i * ds_, ds_
+#define TK_TILES(T, CALL)                               \
+    do {                                                \
+        for (; i + (T) <= n; i += (T)) CALL(T);         \
+        for (; i < n; i++) CALL(1);                     \
     } while (0)
-#if TK_VNNI == 2
-    if (qt == 0) /* measured: four rows as fast as eight here, faster at batch 512 (fewer live pointers) */
-        for (; i + TK_TILE_Q80 <= n; i += TK_TILE_Q80) TK_RUN(TK_TILE_Q80);
-#endif
-    for (; i + TK_TILE <= n; i += TK_TILE) TK_RUN(TK_TILE);
-    for (; i < n; i++) TK_RUN(1);
-#undef TK_RUN
+#define TK_Q80(A_) TK_SFX(q80_x8)(TK_ARGS, nb32, TK_X, (const int64_t *)aux + i * nb32, nb32, A_, y + i * ys_, ys_)
+#define TK_Q4K(A_) TK_SFX(q4k_x8)(TK_ARGS, nbk, TK_X, (const int16_t *)aux + i * nb32, nb32, A_, y + i * ys_, ys_)
+#define TK_Q6K(A_) TK_SFX(q6k_x8)(TK_ARGS, nbk, TK_X, (const int16_t *)aux + i * (cols / 16), cols / 16, A_, y + i * ys_, ys_)
+    if (qt == 0)
+        TK_TILES(TK_TILE_Q80, TK_Q80);
+    else if (qt == 1)
+        TK_TILES(TK_TILE_Q4K, TK_Q4K);
+    else
+        TK_TILES(TK_TILE, TK_Q6K);
+#undef TK_ARGS
+#undef TK_X
+#undef TK_TILES
+#undef TK_Q80
+#undef TK_Q4K
+#undef TK_Q6K
 }
 
 #undef TK_V
