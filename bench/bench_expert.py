@@ -6,7 +6,8 @@ For every batch size, thread setting (one thread; all cores) and cache state it 
 ``moe.ffn.expert_forward`` (the compute seam, selected backend) on dense float32 weights,
 Q8_0 weights and Q4_K_M weights (gate/up Q4_K, down Q6_K, llama.cpp's preset) against a plain
 numpy float32 SwiGLU of the same shape (``x@Wg.T``, ``x@Wu.T``, silu·mul, ``@Wd.T``) measured
-in the same run. ``hot``: one expert, called again and again (weights in cache). ``cold``:
+in the same run. ``hot``: one expert, called again and again (weights in cache: an untimed call
+before each timed round, as the variants run in between stream more than an LLC). ``cold``:
 enough copies of the expert cycled to exceed twice the last-level cache (its size is printed),
 so weights stream from memory, as on a holder serving many experts (at most ``--max-cold-experts``
 copies: a variant the cap keeps under 2 x LLC is flagged "NOT cold" above its table). Variants run round-robin;
@@ -126,6 +127,8 @@ def run_table(experts: dict[str, list], batches: list[int], repeat: int, rng,
             for v, fn in fns.items():
                 es = pool[v]
                 calls = len(es) if len(es) > 1 else 4
+                if len(es) == 1:  # hot: the variants run in between (two f32 copies) streamed past the LLC
+                    fn(es[0], x)
                 t0 = clock()
                 for c in range(calls):
                     fn(es[(r + c) % len(es)], x)

@@ -5,7 +5,8 @@
  *   TK_TARGET     the path's target attribute
  *   TK_VNNI       0: AVX2 (maddubs + madd + add), 1: AVX-VNNI (VEX vpdpwssd / vpdpbusd, 256-bit),
  *                 2: AVX-512 VNNI (512-bit registers: one register holds all eight rows)
- *   TK_TILE       activation rows per tile (weights unpacked once per tile)
+ *   TK_TILE       activation rows per tile (weights unpacked once per tile), Q6_K's and the most
+ *   TK_TILE_Q80, TK_TILE_Q4K  Q8_0's and Q4_K's (see _kernels.c)
  *
  * One register holds eight bytes of each of four rows (256-bit, two halves per row group) or of
  * all eight rows (512-bit); an activation's eight bytes are broadcast to every row, so one
@@ -193,10 +194,81 @@ TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q6k_x8)(long 
 }
 
 /* ---- Q8_0, block of 8 rows x 32 values: d[8] f16; qs: 4 chunks of 8 bytes of every row.
- * VNNI: vpdpbusd on (w ^ 0x80) x x minus 128 * sum(x) (bias: aux, per activation block);
- * AVX2: maddubs(|w|, sign(x, w)). Block b's term goes to accumulator b % 8, as portable. */
-TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q80_x8)(long pf, 
-    const uint8_t *w, int nb, const int8_t *qx, size_t qs_, const float *dx, size_t ds_, const int32_t *bias,
+ * VNNI: vpdpbusd on (w ^ 0x80) x x, plus -128 * sum(x) (bias: aux, per activation block, an int64
+ * whose low dword is that value and high dword 0: on 512-bit registers one broadcast load puts it
+ * in one of each row's two lanes, as the start of a vpdpbusd chain); AVX2: maddubs(|w|, sign(x, w)).
+ * Block b's term goes to accumulator b % 8, as portable. */
+#if TK_VNNI == 2
+/* 512-bit: two blocks per step. Their row sums are gathered into one register (lanes 0-7: block
+ * b's rows, 8-15: block b + 1's), so the scale arithmetic runs once per two blocks on full
+ * registers (llvm-mca, icelake-server: 6.1 cycles per block and activation row, 7.5 one block at a
+ * time); accumulator p holds blocks 2p and 2p + 1 (mod 8) in its two halves, the same lane-wise
+ * float operations as portable. An odd last block pairs with a zero block (sum 0, scales 0: it
+ * adds +0.0, which leaves every sum as it is: a sum started at +0.0 is never -0.0).
+ * q80_pair: blocks b and b + 1 (two = 0: block b alone) of A activation rows into acc[a][(b / 2) % 4]. */
+TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q80_pair)(long pf, int two, int b,
+    const uint8_t *w, const int8_t *qx, size_t qs_, const float *dx, size_t ds_, const int64_t *bias,
+    size_t bias_, int A, __m512 acc[][4]) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512i ia = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i ib = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    const __m512i i01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const uint8_t *b0 = w + (size_t)b * X8_Q80, *b1 = b0 + X8_Q80;
+    tk_prefetch(b0, pf, two ? 2 * X8_Q80 : X8_Q80);
+    __m512i w0[4], w1[4];
+    for (int m = 0; m < 4; m++) {
+        w0[m] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(b0 + 16 + 64 * m)), flip);
+        if (two) w1[m] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(b1 + 16 + 64 * m)), flip);
+    }
+    __m256 h0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b0));
+    __m256 h1 = two ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b1)) : _mm256_setzero_ps();
+    __m512 dv = _mm512_insertf32x8(_mm512_castps256_ps512(h0), h1, 1);
+#pragma GCC unroll 8 /* GCC kept the loop otherwise: acc indexed at run time, in memory */
+    for (int a = 0; a < A; a++) {
+        const int8_t *x = qx + a * qs_ + 32 * b;
+        const int64_t *bi = bias + a * bias_ + b;
+        /* two chains per block (vpdpbusd's latency), the bias starting one */
+        __m512i s0 = _mm512_dpbusd_epi32(_mm512_set1_epi64(bi[0]), w0[0], TK_BCAST8(x));
+        __m512i u0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0[1], TK_BCAST8(x + 8));
+        s0 = _mm512_dpbusd_epi32(s0, w0[2], TK_BCAST8(x + 16));
+        u0 = _mm512_dpbusd_epi32(u0, w0[3], TK_BCAST8(x + 24));
+        s0 = _mm512_add_epi32(s0, u0);
+        __m512i s1 = _mm512_setzero_si512();
+        if (two) {
+            s1 = _mm512_dpbusd_epi32(_mm512_set1_epi64(bi[1]), w1[0], TK_BCAST8(x + 32));
+            __m512i u1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1[1], TK_BCAST8(x + 40));
+            s1 = _mm512_dpbusd_epi32(s1, w1[2], TK_BCAST8(x + 48));
+            u1 = _mm512_dpbusd_epi32(u1, w1[3], TK_BCAST8(x + 56));
+            s1 = _mm512_add_epi32(s1, u1);
+        }
+        __m512i s = _mm512_add_epi32(_mm512_permutex2var_epi32(s0, ia, s1), _mm512_permutex2var_epi32(s0, ib, s1));
+        const float *d = dx + a * ds_ + b;
+        __m512 dxv = _mm512_permutexvar_ps(i01, _mm512_castps128_ps512(
+            two ? _mm_castpd_ps(_mm_load_sd((const double *)d)) : _mm_load_ss(d)));
+        __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, dxv));
+        acc[a][(b >> 1) & 3] = _mm512_add_ps(acc[a][(b >> 1) & 3], t);
+    }
+}
+
+TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q80_x8)(long pf,
+    const uint8_t *w, int nb, const int8_t *qx, size_t qs_, const float *dx, size_t ds_, const int64_t *bias,
+    size_t bias_, int A, float *y, size_t ys_) {
+    __m512 acc[TK_TILE][4];
+    for (int a = 0; a < A; a++)
+        for (int k = 0; k < 4; k++) acc[a][k] = _mm512_setzero_ps();
+    int b = 0;
+    for (; b + 1 < nb; b += 2) TK_SFX(q80_pair)(pf, 1, b, w, qx, qs_, dx, ds_, bias, bias_, A, acc);
+    if (b < nb) TK_SFX(q80_pair)(pf, 0, b, w, qx, qs_, dx, ds_, bias, bias_, A, acc);
+    for (int a = 0; a < A; a++) {
+        __m256 c[4];
+        for (int k = 0; k < 4; k++)
+            c[k] = _mm256_add_ps(_mm512_castps512_ps256(acc[a][k]), _mm512_extractf32x8_ps(acc[a][k], 1));
+        _mm256_storeu_ps(y + a * ys_, _mm256_add_ps(_mm256_add_ps(c[0], c[1]), _mm256_add_ps(c[2], c[3])));
+    }
+}
+#else
+TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q80_x8)(long pf,
+    const uint8_t *w, int nb, const int8_t *qx, size_t qs_, const float *dx, size_t ds_, const int64_t *bias,
     size_t bias_, int A, float *y, size_t ys_) {
     __m256 acc[TK_TILE][8];
     for (int a = 0; a < A; a++)
@@ -220,19 +292,10 @@ TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q80_x8)(long 
                 const int8_t *x = qx + a * qs_ + 32 * b;
                 TK_V s0 = TK_ZERO(), s1 = TK_ZERO(); /* two chains: vpdpbusd's latency */
                 for (int m = 0; m < 4; m += 2) {
-#if TK_VNNI == 2
-                    s0 = _mm512_dpbusd_epi32(s0, wv[m], TK_BCAST8(x + 8 * m));
-                    s1 = _mm512_dpbusd_epi32(s1, wv[m + 1], TK_BCAST8(x + 8 * m + 8));
-#else
                     s0 = _mm256_dpbusd_avx_epi32(s0, wv[m], TK_BCAST8(x + 8 * m));
                     s1 = _mm256_dpbusd_avx_epi32(s1, wv[m + 1], TK_BCAST8(x + 8 * m + 8));
-#endif
                 }
-#if TK_VNNI == 2
-                si[a][h] = _mm512_add_epi32(s0, s1);
-#else
                 si[a][h] = _mm256_add_epi32(s0, s1);
-#endif
             }
 #else
             TK_V wa[4];
@@ -246,20 +309,14 @@ TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q80_x8)(long 
             }
 #endif
         }
-        __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-#if TK_NH == 2
         /* rows in hadd's order (0 1 4 5 2 3 6 7): the scales permuted once per block, the sums not
          * per activation row; the store puts the rows back (the same lane-wise float operations) */
-        dv = _mm256_permutevar8x32_ps(dv, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
-#endif
+        __m256 dv = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)),
+                                             _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
         for (int a = 0; a < A; a++) {
-#if TK_NH == 2
             __m256i s = _mm256_hadd_epi32(si[a][0], si[a][1]);
-#else
-            __m256i s = TK_SFX(rows8)(si[a]);
-#endif
 #if TK_VNNI
-            s = _mm256_sub_epi32(s, _mm256_set1_epi32(bias[a * bias_ + b]));
+            s = _mm256_add_epi32(s, _mm256_set1_epi32((int32_t)bias[a * bias_ + b])); /* low dword: -128 * sum(x) */
 #endif
             __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_set1_ps(dx[a * ds_ + b])));
             acc[a][b & 7] = _mm256_add_ps(acc[a][b & 7], t);
@@ -269,34 +326,41 @@ TK_TARGET static inline __attribute__((always_inline)) void TK_SFX(q80_x8)(long 
         __m256 *c = acc[a];
         __m256 r = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(c[0], c[1]), _mm256_add_ps(c[2], c[3])),
                                  _mm256_add_ps(_mm256_add_ps(c[4], c[5]), _mm256_add_ps(c[6], c[7])));
-#if TK_NH == 2
-        r = _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
-#endif
-        _mm256_storeu_ps(y + a * ys_, r);
+        _mm256_storeu_ps(y + a * ys_, _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7)));
     }
 }
+#endif
 
-/* One row group (8 rows) x n activation rows, in tiles of TK_TILE (the remainder with fewer); the
- * first tile prefetches the weight stream PF_BYTES ahead (the later ones find it in cache). */
+/* One row group (8 rows) x n activation rows, in tiles of the quant type's tile size (the remainder
+ * one row at a time); the first tile prefetches the weight stream PF_BYTES ahead (the later ones
+ * find it in cache). */
 TK_TARGET static void TK_SFX(group_x8)(int qt, const uint8_t *w, int cols, const int8_t *qx, const float *dx,
                                        const void *aux, int n, float *y, size_t ys_) {
     const size_t qs_ = (size_t)cols, ds_ = (size_t)cols / 32;
+    const int nb32 = cols / 32, nbk = cols / 256;
     int i = 0;
-#define TK_RUN(A_)                                                                                          \
-    do {                                                                                                    \
-        const int8_t *q_ = qx + i * qs_;                                                                    \
-        const float *d_ = dx + i * ds_;                                                                     \
-        float *y_ = y + i * ys_;                                                                            \
-        if (qt == 0)                                                                                        \
-            TK_SFX(q80_x8)(i ? 0 : PF_BYTES, w, cols / 32, q_, qs_, d_, ds_, (const int32_t *)aux + i * (cols / 32), cols / 32, A_, y_, ys_); \
-        else if (qt == 1)                                                                                   \
-            TK_SFX(q4k_x8)(i ? 0 : PF_BYTES, w, cols / 256, q_, qs_, d_, ds_, (const int16_t *)aux + i * (cols / 32), cols / 32, A_, y_, ys_); \
-        else                                                                                                \
-            TK_SFX(q6k_x8)(i ? 0 : PF_BYTES, w, cols / 256, q_, qs_, d_, ds_, (const int16_t *)aux + i * (cols / 16), cols / 16, A_, y_, ys_); \
+#define TK_ARGS i ? 0 : PF_BYTES, w
+#define TK_X qx + i * qs_, qs_, dx + i * ds_, ds_
+#define TK_TILES(T, CALL)                               \
+    do {                                                \
+        for (; i + (T) <= n; i += (T)) CALL(T);         \
+        for (; i < n; i++) CALL(1);                     \
     } while (0)
-    for (; i + TK_TILE <= n; i += TK_TILE) TK_RUN(TK_TILE);
-    for (; i < n; i++) TK_RUN(1);
-#undef TK_RUN
+#define TK_Q80(A_) TK_SFX(q80_x8)(TK_ARGS, nb32, TK_X, (const int64_t *)aux + i * nb32, nb32, A_, y + i * ys_, ys_)
+#define TK_Q4K(A_) TK_SFX(q4k_x8)(TK_ARGS, nbk, TK_X, (const int16_t *)aux + i * nb32, nb32, A_, y + i * ys_, ys_)
+#define TK_Q6K(A_) TK_SFX(q6k_x8)(TK_ARGS, nbk, TK_X, (const int16_t *)aux + i * (cols / 16), cols / 16, A_, y + i * ys_, ys_)
+    if (qt == 0)
+        TK_TILES(TK_TILE_Q80, TK_Q80);
+    else if (qt == 1)
+        TK_TILES(TK_TILE_Q4K, TK_Q4K);
+    else
+        TK_TILES(TK_TILE, TK_Q6K);
+#undef TK_ARGS
+#undef TK_X
+#undef TK_TILES
+#undef TK_Q80
+#undef TK_Q4K
+#undef TK_Q6K
 }
 
 #undef TK_V
