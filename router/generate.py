@@ -25,7 +25,7 @@ from router import services
 from router.apps import current
 from router.detokenize import MAX_STOP_CHARS, Detokenizer
 from router.forward import ForwardResult
-from router.scheduler import Request, scheduler_for
+from router.scheduler import Request, Reservation, scheduler_for
 from moe.backbone import Backbone, BackboneError
 from moe.backbone.decode import Sampling, Sequence
 from moe.backbone.weights import BACKBONE_KEY, load_backbone
@@ -274,16 +274,18 @@ def check_size(served: ServedModel, prompts: list[np.ndarray], sampling: Samplin
             raise BackboneError(f"stop: a stop string has {len(text)} characters; at most {MAX_STOP_CHARS}", "stop")
 
 
-def check_capacity(served: ServedModel, prompts: int = 1) -> None:
-    """Raise ``Busy`` (HTTP 429 / -32005 with ``retry_after_s``) when ``prompts`` more
-    sequences would overflow the model's scheduler queue (``TENZRO_GEN_QUEUE``): the
-    streaming endpoint asks before its 200 goes out. Called on the event loop."""
-    scheduler_for(current(), served).capacity_check(prompts)
+def reserve_capacity(served: ServedModel, prompts: int = 1) -> Reservation:
+    """Room for ``prompts`` sequences in the model's scheduler queue (``TENZRO_GEN_QUEUE``),
+    taken now for a ``generate(..., reservation=)`` to come: the streaming endpoint decides
+    its 429 before its 200 goes out, and concurrent requests cannot overflow the queue
+    between that decision and the submission. Raises ``Busy`` (HTTP 429 / -32005 with
+    ``retry_after_s``) when the queue is full. Called on the event loop."""
+    return scheduler_for(current(), served).reserve(prompts)
 
 
 async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "auto", return_logits: bool = False,
                    on_tokens=None, fallback: bool = True, prompt_field: str = "input_ids",
-                   tokens_field: str = "max_new_tokens") -> dict:
+                   tokens_field: str = "max_new_tokens", reservation: Reservation | None = None) -> dict:
     """``tenzro_moeGenerate``: prefill and decode ``prompt`` (see ``encode_prompts``) on the
     published backbone with distributed MLP layers, every sequence batched with the others
     of the model in its scheduler (``router.scheduler``: one distributed forward per layer
@@ -294,6 +296,7 @@ async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "au
     chosen. ``fallback`` (default on): the site's fallback replica (``router.fallback``) runs
     batches that every remote holder failed. ``prompt_field``/``tokens_field``: the caller's
     names of the prompt and of ``max_new_tokens``, named by size errors (``check_size``).
+    ``reservation``: queue room taken by ``reserve_capacity`` (then the queue cannot refuse it).
     Cancelling the awaiting task makes the sequences leave at the next step.
     Returns ``{model_id, output_ids ([ids] for one prompt, [[ids], …] for several), text?,
     finish_reasons, prompt_logits? (f32 array [T, vocab]; one prompt only), forward_ids
@@ -311,7 +314,7 @@ async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "au
     req = Request(uuid.uuid4().hex[:12], prompts, sampling, generation_carrier(carrier), fallback, stats,
                   keep_logits=return_logits, on_tokens=on_tokens)
     scheduler = scheduler_for(current(), served)
-    scheduler.submit(req)
+    scheduler.submit(req, reservation)
     try:
         seqs: list[Sequence] = await req.future
     except asyncio.CancelledError:  # the client went away (Django cancels the view): free the slot
