@@ -29,6 +29,7 @@ from router.scheduler import Request, Reservation, scheduler_for
 from moe.backbone import Backbone, BackboneError
 from moe.backbone.decode import Sampling, Sequence
 from moe.backbone.weights import BACKBONE_KEY, load_backbone
+from prepare.backbone import how_to_publish
 from prepare.chat import ChatTemplate, ChatTemplateError
 from prepare.dense import dense_model_id
 from registry.models import MoeModel
@@ -90,8 +91,7 @@ def served_model(model_id: str) -> ServedModel:
         raise NoBackbone(f"model {model_id!r} is not published on this site")
     record = (m.config or {}).get(BACKBONE_KEY)
     if not record:
-        raise NoBackbone(f"model {model_id!r} has experts but no backbone: publish it with "
-                         f"prepare.backbone.publish_backbone (tenzro_cluster and verify_generate do)")
+        raise NoBackbone(f"model {model_id!r} has experts but no backbone: {how_to_publish(model_id)}")
     chat = record.get("chat_template")
     key = (model_id, tuple(sorted(record["blobs"].items())), record.get("tokenizer"),
            json.dumps(chat, sort_keys=True) if chat else None)

@@ -35,7 +35,6 @@ from moe.transports import iroh
 from moe.identity import load_or_create_key, provider_id
 from prepare.checkpoint import CheckpointError
 from prepare.remote import open_checkpoint
-from prepare.backbone import publish_backbone
 from prepare.services import default_model_id, publish_checkpoint, publish_dense
 from registry.models import Provider
 from registry.services import reset_sessions
@@ -209,8 +208,8 @@ class LocalCluster:
             raise ClusterError(str(exc)) from None
         for ckpt, mid, quant in zip(self.checkpoints, self.model_id_overrides, self.quants):
             self.say(f"publishing {ckpt}{f' as {quant}' if quant else ''} ...")
+            # experts, gates and (its job's last step) the backbone: the site generates
             self.model_ids.append(publish_checkpoint(ckpt, mid, quant=quant).model_id)
-            publish_backbone(ckpt, self.model_ids[-1])  # embeddings, attention, norms, head: the site generates
             if quant is None:
                 dense = publish_dense(ckpt, self.model_ids[-1], self.dense_parts)
                 if dense is not None:
