@@ -40,6 +40,24 @@ def test_non_api_paths_keep_their_pages(client):
     assert not client.get("/no-such-page")["Content-Type"].startswith("application/json")
 
 
+
+@pytest.mark.parametrize("method,path", [("get", "/v1/models"), ("post", "/v1/completions"), ("post", "/rpc"),
+                                         ("get", "/api/v1/providers"), ("get", "/healthz")])
+def test_a_disallowed_host_is_a_json_400_naming_the_host_and_the_setting(client, method, path):
+    r = getattr(client, method)(path, HTTP_HOST="evil.com")
+    assert r.status_code == 400 and r["Content-Type"].startswith("application/json"), r.content[:200]
+    body = r.json()
+    if path.startswith("/v1/"):
+        err = body["error"]
+        assert err["type"] == "invalid_request_error" and set(err) == {"message", "type", "param", "code"}
+        message = err["message"]
+    elif path == "/rpc":
+        assert body["jsonrpc"] == "2.0" and body["id"] is None and body["error"]["code"] == -32600
+        message = body["error"]["message"]
+    else:
+        message = body["error"]
+    assert "'evil.com'" in message and "TENZRO_ALLOWED_HOSTS" in message, message
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("path", ["/api/expert-relayx?session=s&token=t", "/ws/nope/", "/"])
 async def test_unknown_websocket_paths_are_refused_with_a_close_frame(path):
