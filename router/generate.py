@@ -185,7 +185,13 @@ def encode_prompts(served: ServedModel, prompt, field: str = "input_ids") -> lis
             raise BackboneError(f"{field}: model {served.model_id!r} ships no tokenizer.json, so text is not "
                                 f"accepted; send token ids", field)
         texts = [prompt] if isinstance(prompt, str) else prompt
-        return [np.asarray(served.tokenizer.encode(t).ids, dtype=np.int64) for t in texts]
+        out = [np.asarray(served.tokenizer.encode(t).ids, dtype=np.int64) for t in texts]
+        for i, (t, p) in enumerate(zip(texts, out)):
+            if not p.size and t:  # (an empty text is check_size's "needs at least one token")
+                where = field if isinstance(prompt, str) else f"{field}[{i}]"
+                raise BackboneError(f"{where}: the text encodes to no tokens of model {served.model_id!r}'s "
+                                    f"vocabulary (none of its characters is in it)", field)
+        return out
 
     def ids(p: list) -> np.ndarray:
         try:

@@ -131,6 +131,16 @@ def test_stream_sends_a_split_character_once_and_never_a_replacement(client, byt
     assert not any(d.endswith("\ufffd") for d in deltas[:-1]), deltas
 
 
+
+@pytest.mark.parametrize("prompt,where", [("世界🎉", "prompt"), (["世界", "🎉"], "prompt[0]")])
+def test_text_outside_the_vocabulary_is_named_as_such(client, byte_model, prompt, where):
+    """Text none of whose characters the vocabulary has encodes to no token: the 400 says so
+    (not the empty prompt's "needs at least one token")."""
+    status, _, r = post(client, "/v1/completions", {"model": byte_model, "prompt": prompt, "max_tokens": 2})
+    msg = r["error"]["message"]
+    assert status == 400 and r["error"]["param"] == "prompt", r
+    assert msg.startswith(f"{where}: the text encodes to no tokens of model {byte_model!r}'s vocabulary"), msg
+
 def test_detokenizer_on_a_byte_fallback_vocabulary():
     """SentencePiece with byte fallback (``<0xC3>`` ``<0xA9>`` for é): pieces settle whole
     characters, keep the leading space, and add up to the decoded text."""
