@@ -70,3 +70,26 @@ def test_a_model_published_from_a_checkpoint_has_a_catalog_shape(client):
     listed = client.get("/api/v1/catalog").json()["models"]
     assert [m["model_id"] for m in listed].count(model.model_id) == 1
     assert client.get(f"/api/v1/catalog/{model.model_id}").json() == shape
+
+
+@pytest.mark.django_db(transaction=True)
+def test_readme_export_example_runs_as_written(tmp_path):
+    """The README's ``export_gguf`` example publishes the model it exports (in the database the
+    commands run with), so its commands, run in order, write the file."""
+    import shlex
+
+    from django.core.management import call_command
+
+    block = next(b for b in re.findall(r"```\n(.*?)```", README.read_text(), re.S) if "export_gguf --model-id" in b)
+    ran = []
+    for line in block.splitlines():
+        argv = shlex.split(line)
+        if argv[:2] != ["python", "manage.py"] or argv[2] not in ("prepare_experts", "export_gguf"):
+            continue  # tenzro_cluster of a 30B GGUF: not here
+        if argv[2] == "export_gguf":
+            argv[argv.index("--out") + 1] = str(tmp_path / "x.gguf")
+        else:
+            argv.append("--no-progress")
+        call_command(*argv[2:])
+        ran.append(argv[2])
+    assert ran[-1] == "export_gguf" and (tmp_path / "x.gguf").stat().st_size > 0
