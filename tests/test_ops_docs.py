@@ -93,3 +93,18 @@ def test_readme_export_example_runs_as_written(tmp_path):
         call_command(*argv[2:])
         ran.append(argv[2])
     assert ran[-1] == "export_gguf" and (tmp_path / "x.gguf").stat().st_size > 0
+
+
+def test_files_named_in_the_commands_help_exist():
+    """A ``--help`` that points at a script names one this checkout has."""
+    from django.core.management import get_commands, load_command_class
+
+    root = README.parent
+    named = set()
+    for name, app in get_commands().items():
+        if app.startswith("django") or app in ("rest_framework", "drf_spectacular", "channels", "daphne"):
+            continue
+        text = load_command_class(app, name).create_parser("manage.py", name).format_help()
+        named |= {(name, p) for p in re.findall(r"\b[\w./-]+/[\w.-]+\.py\b", text.replace("\n", " "))}
+    assert named, "no command names a file: the pattern is wrong"
+    assert not [(n, p) for n, p in named if not (root / p).is_file()], named
