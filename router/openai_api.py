@@ -202,7 +202,7 @@ async def _served(body: dict) -> ServedModel:
     try:
         return await served_model_cached(model)
     except NoBackbone as exc:
-        raise ApiError(404, str(exc), "model", "not_found_error") from exc
+        raise _generation_error(exc) from exc
     except BackboneError as exc:  # published, but its backbone or chat template is malformed
         raise ApiError(400, str(exc), "model") from exc
 
@@ -319,8 +319,8 @@ async def _run(served: ServedModel, body: dict, prompt, chat: bool):
 def _generation_error(exc: Exception) -> ApiError:
     if isinstance(exc, Busy):  # admission control: OpenAI's code for "slow down"
         return ApiError(429, exc.message, exc.field, "rate_limit_error", retry_after_s=exc.retry_after_s)
-    if isinstance(exc, NoBackbone):
-        return ApiError(404, str(exc), "model", "not_found_error")
+    if isinstance(exc, NoBackbone):  # OpenAI's answer for a model it does not serve (as GET /v1/models/{model})
+        return ApiError(404, str(exc), "model", "invalid_request_error", code="model_not_found")
     if isinstance(exc, BackboneError):
         return ApiError(400, str(exc), exc.field)
     return ApiError(503, getattr(exc, "message", str(exc)), "model", "server_error")
