@@ -58,3 +58,11 @@ def test_demo_refuses_fewer_than_two_holders_before_starting(tmp_path):
                           env=env_for(tmp_path), capture_output=True, text=True, timeout=300)
     assert demo.returncode != 0 and "--holders 1" in demo.stderr and "at least 2" in demo.stderr, demo.stderr
     assert "publishing" not in demo.stdout and not (tmp_path / "var" / "demo").exists()
+
+
+def test_demo_names_a_checkpoint_that_does_not_exist(tmp_path):
+    demo = subprocess.run([sys.executable, str(ROOT / "manage.py"), "tenzro_demo", "--checkpoint",
+                           str(tmp_path / "nonexistent")], cwd=ROOT, env=env_for(tmp_path), capture_output=True,
+                          text=True, timeout=300)
+    assert demo.returncode != 0 and f"--checkpoint {tmp_path / 'nonexistent'}: no such file or directory" in demo.stderr
+    assert not (tmp_path / "var" / "demo").exists()

@@ -89,6 +89,9 @@ class Command(BaseCommand):
         if opts["holders"] < 2:  # before anything starts: the failover scene stops one holder
             raise CommandError(f"--holders {opts['holders']}: the demo needs at least 2 holders (its failover "
                                "scene stops one and another must take over)")
+        for c in opts["checkpoint"] or []:
+            if not Path(c).exists():
+                raise CommandError(f"--checkpoint {c}: no such file or directory")
         if os.environ.get(DEMO_MARKER) != "1":
             self._exec_in_demo_state(opts)
         t0 = time.perf_counter()
