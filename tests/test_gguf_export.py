@@ -99,6 +99,8 @@ def test_export_names_a_bad_out_and_leaves_no_partial_file(tmp_path):
         call_command("export_gguf", "--model-id", "m", "--out", str(tmp_path))
     with pytest.raises(CommandError, match="^--out: directory .* does not exist"):
         call_command("export_gguf", "--model-id", "m", "--out", str(tmp_path / "no" / "x.gguf"))
+    with pytest.raises(CommandError, match="^--out is empty"):
+        call_command("export_gguf", "--model-id", "m", "--out", "")
     ExpertBlob.objects.filter(model_id="m", layer=1, expert=3).delete()
     with pytest.raises(CommandError, match="layer 1 expert 3 was never published"):
         call_command("export_gguf", "--model-id", "m", "--out", str(tmp_path / "x.gguf"))

@@ -71,6 +71,8 @@ class Command(BaseCommand):
 
     def handle(self, *args, **opts):
         store = BlobStore(settings.TENZRO["BLOB_DIR"])
+        if not opts["out"].strip():
+            raise CommandError("--out is empty; give the .gguf file to write")
         out = Path(opts["out"])
         if out.is_dir():
             raise CommandError(f"--out: {out} is a directory; give the .gguf file to write")
