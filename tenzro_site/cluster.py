@@ -33,6 +33,7 @@ from django.core.management import call_command
 
 from moe.transports import iroh
 from moe.identity import load_or_create_key, provider_id
+from moe.jsonrpc import ParamError
 from prepare.checkpoint import CheckpointError
 from prepare.remote import open_checkpoint
 from prepare.services import default_model_id, publish_checkpoint, publish_dense
@@ -41,6 +42,7 @@ from registry.services import reset_sessions
 from registry.selectors import shard_view
 from registry.operator import operator_token
 from registry.deployment import DeploymentMismatch, check_name, claim
+from registry.model_ids import validate_model_id
 from tenzro_site.balancer import Balancer, BalancerError
 from tenzro_site.celery import queue_workers
 
@@ -141,6 +143,11 @@ class LocalCluster:
             raise ClusterError("give one model id and one quant plan per checkpoint")
         seen: dict[str, Path] = {}
         for ckpt, mid in zip(self.checkpoints, self.model_id_overrides):
+            if mid is not None:  # refused here, before "publishing …", not by the job afterwards
+                try:
+                    validate_model_id(mid, "--model-id")
+                except ParamError as exc:
+                    raise ClusterError(str(exc)) from None
             mid = mid or default_model_id(ckpt)
             if mid in seen:  # the second publish would overwrite the first under the same id
                 if seen[mid].resolve() == ckpt.resolve():
