@@ -14,6 +14,7 @@ from router.apps import current
 from tenzro_site.celery import cached_queue_workers
 
 
+@csrf_exempt  # a POST gets the JSON 405 below, not the CSRF failure page
 def healthz(request):
     """``GET /healthz``: 200 while the site answers and its database is reachable, with
     ``{"ok": true, "deployment", "pid", **registry.selectors.health()}`` (``pid``: the site
@@ -21,7 +22,10 @@ def healthz(request):
     failing, experts under-replicated, and with a broker configured no Celery worker on the
     task queue: ``celery_workers``, asked at most every 10 s, 2 s while none answers;
     ``problems`` says which). 503 ``{"ok": false, "status": "down", "error"}`` when the database
-    cannot be read."""
+    cannot be read. Another method: JSON 405."""
+    if request.method not in ("GET", "HEAD"):
+        return JsonResponse({"error": f"{request.method} is not allowed on /healthz; use GET"}, status=405,
+                            headers={"Allow": "GET, HEAD"})
     try:
         body = selectors.health()
     except DatabaseError as exc:

@@ -35,6 +35,14 @@ def test_slash_redirect_of_get_pages_still_works(client):
     assert r.status_code == 404 and r.json()["error"]
 
 
+def test_healthz_with_another_method_is_a_json_405_not_the_csrf_page():
+    from django.test import Client
+
+    r = Client(enforce_csrf_checks=True).post("/healthz")
+    assert r.status_code == 405 and r["Content-Type"].startswith("application/json") and r["Allow"] == "GET, HEAD"
+    assert "use GET" in r.json()["error"]
+
+
 def test_non_api_paths_keep_their_pages(client):
     assert client.get("/healthz").status_code == 200
     assert not client.get("/no-such-page")["Content-Type"].startswith("application/json")
