@@ -41,9 +41,14 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
 def loads_signed(text: str | bytes):
     """``json.loads`` for messages whose signature will be checked: an object that repeats a key is
     refused before any verification (parsers disagree on which value wins, so the signer and a
-    verifier could read different bodies). Raises ``SignatureError`` for a repeated key and
-    ``ValueError`` / ``RecursionError`` as ``json.loads`` does."""
-    return json.loads(text, object_pairs_hook=_unique_keys)
+    verifier could read different bodies). ``NaN``/``Infinity`` are refused as every JSON
+    surface of the site refuses them (``moe.jsonrpc.loads``). Raises ``SignatureError`` for a
+    repeated key and ``ValueError`` / ``RecursionError`` as ``json.loads`` does."""
+    return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON (non-finite numbers are refused)")
 
 
 def canonical_json(body: dict) -> bytes:

@@ -62,9 +62,24 @@ def group_blob(ckpt: Checkpoint, names: list[str]) -> bytes:
     return dumps_safetensors(tensors, {"format": "tenzro-backbone"})
 
 
-def publish_backbone(checkpoint: str | Path, model_id: str) -> dict:
-    """Store ``checkpoint``'s backbone groups in the site's blob store and record them on the
-    (already published) ``MoeModel`` ``model_id``. Idempotent.
+def has_backbone(ckpt: Checkpoint) -> bool:
+    """Whether ``ckpt`` ships a backbone (its token embeddings), so ``publish_backbone`` can
+    serve it; an experts-only checkpoint does not."""
+    return bool(backbone_groups(ckpt)["embed"])
+
+
+def how_to_publish(model_id: str) -> str:
+    """The operator's way to publish ``model_id``'s backbone, for messages about a model
+    that has experts but none (an experts-only checkpoint, or one published before jobs did)."""
+    return (f"run `python manage.py prepare_experts --checkpoint CHECKPOINT --model-id {model_id}` with a checkpoint "
+            f"that ships its embeddings, attention and head (it publishes the backbone with the experts; "
+            f"tenzro_cluster does too)")
+
+
+def publish_backbone(checkpoint: str | Path, model_id: str, revision: str | None = None) -> dict:
+    """Store ``checkpoint``'s backbone groups (at ``revision``, for a Hub URL) in the site's
+    blob store and record them on the (already published) ``MoeModel`` ``model_id``.
+    Idempotent. A completed preparation job calls it (``prepare.jobs.run_job``).
 
     Returns the record ``{"blobs": {group: hash}, "nbytes": {group: n}, "tokenizer": hash | None,
     "chat_template": {template, special_tokens} | None}`` (``prepare.chat.read_chat_template``),
@@ -76,7 +91,7 @@ def publish_backbone(checkpoint: str | Path, model_id: str) -> dict:
     from moe.blobs import BlobStore
     from registry.models import MoeModel
 
-    ckpt = open_checkpoint(checkpoint)
+    ckpt = open_checkpoint(checkpoint, revision)
     try:
         store = BlobStore(settings.TENZRO["BLOB_DIR"])
         blobs, sizes = {}, {}

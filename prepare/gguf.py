@@ -428,7 +428,13 @@ class GgufCheckpoint:
             return self._raw(src.tensor)[0]
         if src.kind == "slab" and src.tensor.type in DENSE_TYPES:
             return self._raw(src.tensor, src.arg)[0]
-        return np.ascontiguousarray(self.read(name), dtype="<f4").tobytes()
+        a = np.ascontiguousarray(self.read(name), dtype="<f4")
+        dtype = self.info(name).dtype  # a rearranged BF16/F16 tensor keeps its dtype: its values convert back exactly
+        if dtype == "BF16":
+            return (a.view("<u4") >> 16).astype("<u2").tobytes()
+        if dtype == "F16":
+            return a.astype("<f2").tobytes()
+        return a.tobytes()
 
     def read_slab(self, name: str, index: int) -> np.ndarray:
         """Slab ``[index]`` of a 3-D HF tensor; GGUF files expose experts per name, so this

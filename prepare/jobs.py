@@ -9,7 +9,9 @@ an ``PrepareItem`` row written as soon as the expert is published, so:
   ends with exactly the blob URIs an uninterrupted run gives;
 * one expert failing (unreadable tensor, non-finite weights, ...) is recorded with its
   error and the others go on; the job ends ``failed`` with the count;
-* ``cancel_job`` sets a flag the runner reads before each expert (state ``cancelled``).
+* ``cancel_job`` sets a flag the runner reads before each expert (state ``cancelled``);
+* once every expert is done, the checkpoint's backbone (when it ships one) is published too
+  (``prepare.backbone.publish_backbone``), so the model can generate and be exported.
 
 Progress (experts done/total, bytes written, the tensor being read) is on the job row, for
 ``tenzro_moePrepareStatus``, the admin and the web page. Reference behaviour: reference
@@ -28,6 +30,8 @@ from moe.blobs import BlobStore
 
 from moe.content import BlobError
 from moe.codec import CheckpointError
+from prepare.backbone import has_backbone, publish_backbone
+from prepare.chat import ChatTemplateError
 from prepare.layouts import MoeSpec, expert_sources, load_expert, load_gate, source_dtype, spec_from_config
 from prepare.models import PrepareItem, PrepareJob
 from registry.models import ExpertBlob, GateBlob
@@ -243,6 +247,12 @@ def _run(job: PrepareJob, ckpt, spec: MoeSpec, plan, progress) -> PrepareJob:
     if job.failed_experts:
         return _finish(job, PrepareJob.State.FAILED, f"{job.failed_experts} of {job.total_experts} experts "
                                                      f"(or gates) failed; see the failures list")
+    if has_backbone(ckpt):  # embeddings, attention, norms, head: the site can generate and export the model
+        _refresh_counters(job, current_tensor="backbone")
+        try:
+            publish_backbone(job.source, job.model_id, job.revision or None)
+        except (*_EXPERT_ERRORS, ChatTemplateError) as exc:
+            return _finish(job, PrepareJob.State.FAILED, f"backbone: {exc}")
     return _finish(job, PrepareJob.State.COMPLETED)
 
 

@@ -189,7 +189,7 @@ class UnknownModelError(KeyError):
         else:
             msg = (
                 f"unknown model id {model_id!r}; no close match among "
-                f"{len(CATALOG)} catalog models (see registry.catalog.all_models())"
+                f"{len(CATALOG)} catalog models (GET /api/v1/catalog lists the models this site knows)"
             )
         super().__init__(msg)
         self.message = msg

@@ -48,7 +48,7 @@ from datetime import datetime, timezone
 from django.conf import settings
 from django.db import connection, transaction
 
-from moe.identity import DOMAIN_HEARTBEAT, SignatureError, verify_body
+from moe.identity import DOMAIN_HEARTBEAT, PROVIDER_RE, SignatureError, verify_body
 from moe.content import URI_PREFIX, BlobError, parse_blob_uri
 from registry.models import Holding, Provider, new_holdings_version
 from moe import ranges
@@ -266,6 +266,9 @@ def ingest(message: dict, expected_provider: str | None = None, now_ms: int | No
     if not isinstance(body, dict):
         raise HeartbeatError("body must be an object", "body")
     provider = body.get("provider")
+    if not isinstance(provider, str) or not PROVIDER_RE.match(provider):  # the body's field, not the signature
+        raise HeartbeatError("body.provider must be 64 lowercase hex characters (an ed25519 public key)",
+                             "body.provider")
     try:
         verify_body(provider, DOMAIN_HEARTBEAT, body, signature if isinstance(signature, str) else "")
     except RecursionError:

@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from registry import catalog
 from registry.governance import shard_policy
-from registry.models import Holding, MoeModel, Provider
+from registry.models import ExpertBlob, Holding, MoeModel, Provider
 from moe.shardmap import HoldingInfo, ProviderInfo, ShardView
 
 
@@ -219,14 +219,25 @@ def shard_map_json(model_id: str) -> dict:
     return entry[1]
 
 
+def _fallback_covers(model_id: str) -> bool:
+    """Whether the site's blob store holds every published expert blob of ``model_id``, so its
+    fallback replica (``router.fallback``) runs the batches no live holder takes."""
+    from moe.blobs import BlobStore
+
+    store = BlobStore(settings.TENZRO["BLOB_DIR"])
+    hashes = set(ExpertBlob.objects.filter(model_id=model_id).values_list("blob_hash", flat=True))
+    return bool(hashes) and all(store.has(h) for h in hashes)
+
+
 def health() -> dict:
     """The ``/healthz`` body: ``status`` "ok" or "degraded", ``providers`` and ``live_providers``
     counts, ``failing_holders`` (live provider ids whose latest batch failed, ``is_failing``),
     ``under_replicated`` (``{model_id: slots below the policy's min_replication}`` over published
     models some live provider holds, models at target omitted), ``unserved_models`` (published
     models no live provider holds any expert of: e.g. ones a finished ``make demo`` placed on
-    its agents, now offline; still degraded: a request for them fails) and ``problems`` (one
-    sentence per finding)."""
+    its agents, now offline; still degraded: their generations run on the site's fallback replica
+    when its blob store holds their experts, else fail, and ``problems`` says which) and
+    ``problems`` (one sentence per finding)."""
     live = list(live_providers())
     failing = sorted(p.provider for p in live if is_failing(p))
     under, unserved = {}, []
@@ -240,10 +251,14 @@ def health() -> dict:
             under[model_id] = n
     problems = [f"{len(failing)} live holder(s) failing their latest batches"] if failing else []
     problems += [f"{m}: {n} expert slot(s) below min_replication" for m, n in under.items()]
-    if unserved:
-        problems.append(f"{len(unserved)} published model(s) with no live holder: {', '.join(unserved[:5])}"
-                        f"{' ...' if len(unserved) > 5 else ''}: requests for them fail (their holders are offline, "
-                        "e.g. a finished demo's agents, or they were never placed: tenzro_moePlaceModel)")
+    covered = [m for m in unserved if _fallback_covers(m)]
+    why = "their holders are offline, e.g. a finished demo's agents, or they were never placed: tenzro_moePlaceModel"
+    for models, outcome in ((covered, "the site's fallback replica serves their generations from its blob store "
+                                      "(slowly: the site computes every expert); tenzro_moeForward calls fail"),
+                            ([m for m in unserved if m not in covered], "requests for them fail")):
+        if models:
+            problems.append(f"{len(models)} published model(s) with no live holder: {', '.join(models[:5])}"
+                            f"{' ...' if len(models) > 5 else ''}: {outcome} ({why})")
     return {"status": "degraded" if problems else "ok", "providers": Provider.objects.count(),
             "live_providers": len(live), "failing_holders": failing, "under_replicated": under,
             "unserved_models": unserved, "problems": problems}

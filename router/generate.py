@@ -25,10 +25,11 @@ from router import services
 from router.apps import current
 from router.detokenize import MAX_STOP_CHARS, Detokenizer
 from router.forward import ForwardResult
-from router.scheduler import Request, scheduler_for
+from router.scheduler import Request, Reservation, scheduler_for
 from moe.backbone import Backbone, BackboneError
 from moe.backbone.decode import Sampling, Sequence
 from moe.backbone.weights import BACKBONE_KEY, load_backbone
+from prepare.backbone import how_to_publish
 from prepare.chat import ChatTemplate, ChatTemplateError
 from prepare.dense import dense_model_id
 from registry.models import MoeModel
@@ -90,8 +91,7 @@ def served_model(model_id: str) -> ServedModel:
         raise NoBackbone(f"model {model_id!r} is not published on this site")
     record = (m.config or {}).get(BACKBONE_KEY)
     if not record:
-        raise NoBackbone(f"model {model_id!r} has experts but no backbone: publish it with "
-                         f"prepare.backbone.publish_backbone (tenzro_cluster and verify_generate do)")
+        raise NoBackbone(f"model {model_id!r} has experts but no backbone: {how_to_publish(model_id)}")
     chat = record.get("chat_template")
     key = (model_id, tuple(sorted(record["blobs"].items())), record.get("tokenizer"),
            json.dumps(chat, sort_keys=True) if chat else None)
@@ -185,7 +185,13 @@ def encode_prompts(served: ServedModel, prompt, field: str = "input_ids") -> lis
             raise BackboneError(f"{field}: model {served.model_id!r} ships no tokenizer.json, so text is not "
                                 f"accepted; send token ids", field)
         texts = [prompt] if isinstance(prompt, str) else prompt
-        return [np.asarray(served.tokenizer.encode(t).ids, dtype=np.int64) for t in texts]
+        out = [np.asarray(served.tokenizer.encode(t).ids, dtype=np.int64) for t in texts]
+        for i, (t, p) in enumerate(zip(texts, out)):
+            if not p.size and t:  # (an empty text is check_size's "needs at least one token")
+                where = field if isinstance(prompt, str) else f"{field}[{i}]"
+                raise BackboneError(f"{where}: the text encodes to no tokens of model {served.model_id!r}'s "
+                                    f"vocabulary (none of its characters is in it)", field)
+        return out
 
     def ids(p: list) -> np.ndarray:
         try:
@@ -274,16 +280,18 @@ def check_size(served: ServedModel, prompts: list[np.ndarray], sampling: Samplin
             raise BackboneError(f"stop: a stop string has {len(text)} characters; at most {MAX_STOP_CHARS}", "stop")
 
 
-def check_capacity(served: ServedModel, prompts: int = 1) -> None:
-    """Raise ``Busy`` (HTTP 429 / -32005 with ``retry_after_s``) when ``prompts`` more
-    sequences would overflow the model's scheduler queue (``TENZRO_GEN_QUEUE``): the
-    streaming endpoint asks before its 200 goes out. Called on the event loop."""
-    scheduler_for(current(), served).capacity_check(prompts)
+def reserve_capacity(served: ServedModel, prompts: int = 1) -> Reservation:
+    """Room for ``prompts`` sequences in the model's scheduler queue (``TENZRO_GEN_QUEUE``),
+    taken now for a ``generate(..., reservation=)`` to come: the streaming endpoint decides
+    its 429 before its 200 goes out, and concurrent requests cannot overflow the queue
+    between that decision and the submission. Raises ``Busy`` (HTTP 429 / -32005 with
+    ``retry_after_s``) when the queue is full. Called on the event loop."""
+    return scheduler_for(current(), served).reserve(prompts)
 
 
 async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "auto", return_logits: bool = False,
                    on_tokens=None, fallback: bool = True, prompt_field: str = "input_ids",
-                   tokens_field: str = "max_new_tokens") -> dict:
+                   tokens_field: str = "max_new_tokens", reservation: Reservation | None = None) -> dict:
     """``tenzro_moeGenerate``: prefill and decode ``prompt`` (see ``encode_prompts``) on the
     published backbone with distributed MLP layers, every sequence batched with the others
     of the model in its scheduler (``router.scheduler``: one distributed forward per layer
@@ -294,6 +302,7 @@ async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "au
     chosen. ``fallback`` (default on): the site's fallback replica (``router.fallback``) runs
     batches that every remote holder failed. ``prompt_field``/``tokens_field``: the caller's
     names of the prompt and of ``max_new_tokens``, named by size errors (``check_size``).
+    ``reservation``: queue room taken by ``reserve_capacity`` (then the queue cannot refuse it).
     Cancelling the awaiting task makes the sequences leave at the next step.
     Returns ``{model_id, output_ids ([ids] for one prompt, [[ids], …] for several), text?,
     finish_reasons, prompt_logits? (f32 array [T, vocab]; one prompt only), forward_ids
@@ -311,7 +320,7 @@ async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "au
     req = Request(uuid.uuid4().hex[:12], prompts, sampling, generation_carrier(carrier), fallback, stats,
                   keep_logits=return_logits, on_tokens=on_tokens)
     scheduler = scheduler_for(current(), served)
-    scheduler.submit(req)
+    scheduler.submit(req, reservation)
     try:
         seqs: list[Sequence] = await req.future
     except asyncio.CancelledError:  # the client went away (Django cancels the view): free the slot

@@ -26,9 +26,10 @@ false, 1, {} or 0) and otherwise refused (400 "... is not supported", naming it)
 string) is accepted and ignored. ``max_tokens`` has one upper limit, reported in one message: the
 smallest of the context left after the prompt, the site's new-token cap and the KV budget
 (``router.generate.new_token_limit``). Every check, including the generation size
-(``router.generate.check_size``), runs before a stream starts, so a bad request gets its
-4xx, never a 200 stream with an error. A client that disconnects cancels its generation
-(``router.generate.generate``).
+(``router.generate.check_size``) and admission to the generation queue
+(``router.generate.reserve_capacity``: a full queue is 429 with ``Retry-After``), runs before
+a stream starts, so a refused request gets its 4xx, never a 200 stream with an error. A
+client that disconnects cancels its generation (``router.generate.generate``).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ from moe.backbone.decode import Sampling
 from prepare.chat import ChatTemplateError, plain_chat
 from router.forward import ForwardError
 from router.detokenize import settled_text
-from router.generate import (MAX_STOPS, NoBackbone, ServedModel, check_capacity, check_size, encode_prompts, generate,
+from router.generate import (MAX_STOPS, NoBackbone, ServedModel, check_size, encode_prompts, generate, reserve_capacity,
                              served_models, served_model_cached)
 from moe.runtime import GateNotLoaded
 
@@ -201,7 +202,7 @@ async def _served(body: dict) -> ServedModel:
     try:
         return await served_model_cached(model)
     except NoBackbone as exc:
-        raise ApiError(404, str(exc), "model", "not_found_error") from exc
+        raise _generation_error(exc) from exc
     except BackboneError as exc:  # published, but its backbone or chat template is malformed
         raise ApiError(400, str(exc), "model") from exc
 
@@ -307,8 +308,8 @@ async def _run(served: ServedModel, body: dict, prompt, chat: bool):
             choice(i, o, f) for i, (o, f) in enumerate(zip(res["output_ids"], res["finish_reasons"]))],
             "usage": {"prompt_tokens": res["prompt_tokens"], "completion_tokens": done,
                       "total_tokens": res["prompt_tokens"] + done}, "timings_ms": res["timings_ms"]})
-    try:  # a full queue answers 429 now, not inside a 200 stream
-        check_capacity(served, len(ids))
+    try:  # a full queue answers 429 now, not inside a 200 stream; the room is held for the stream
+        fields["reservation"] = reserve_capacity(served, len(ids))
     except Busy as exc:
         raise _generation_error(exc) from exc
     return StreamingHttpResponse(_stream(served, ids, sampling, carrier, base, chat, include_usage, fields),
@@ -318,8 +319,8 @@ async def _run(served: ServedModel, body: dict, prompt, chat: bool):
 def _generation_error(exc: Exception) -> ApiError:
     if isinstance(exc, Busy):  # admission control: OpenAI's code for "slow down"
         return ApiError(429, exc.message, exc.field, "rate_limit_error", retry_after_s=exc.retry_after_s)
-    if isinstance(exc, NoBackbone):
-        return ApiError(404, str(exc), "model", "not_found_error")
+    if isinstance(exc, NoBackbone):  # OpenAI's answer for a model it does not serve (as GET /v1/models/{model})
+        return ApiError(404, str(exc), "model", "invalid_request_error", code="model_not_found")
     if isinstance(exc, BackboneError):
         return ApiError(400, str(exc), exc.field)
     return ApiError(503, getattr(exc, "message", str(exc)), "model", "server_error")
@@ -381,6 +382,8 @@ async def _stream(served: ServedModel, prompts: list[list[int]], sampling: Sampl
     finally:  # the client went away (or the stream ended): never leave the generation computing
         if not task.done():
             task.cancel()
+        if (fields or {}).get("reservation") is not None:  # queue room of a generation that never submitted
+            fields["reservation"].release()
 
 
 async def _handle(request: HttpRequest, chat: bool):

@@ -42,6 +42,7 @@ import asyncio
 import collections
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -274,6 +275,20 @@ class _Slot:
     text: Detokenizer | None = None
 
 
+class Reservation:
+    """Room for ``sequences`` in a scheduler's waiting queue (``ModelScheduler.reserve``),
+    given back once: when ``submit`` consumes it, on ``release()``, or when it is dropped
+    unused (a stream whose iterator never started)."""
+
+    def __init__(self, scheduler: "ModelScheduler", sequences: int):
+        self.sequences = sequences
+        self._finalizer = weakref.finalize(self, scheduler._unreserve, sequences)
+
+    def release(self) -> None:
+        """Give the room back (idempotent)."""
+        self._finalizer()
+
+
 class ModelScheduler:
     """The continuous-batching scheduler of one served model (``router.generate.ServedModel``)
     on one event loop (module docstring). ``submit`` (on the loop) queues a ``Request`` and
@@ -289,6 +304,7 @@ class ModelScheduler:
         self._waiting: collections.deque[_Slot] = collections.deque()
         self._running: list[_Slot] = []
         self._reserved = 0
+        self._reserved_seqs = 0  # room taken by reserve() for submits to come
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.step_sizes: collections.deque[tuple[int, int]] = collections.deque(maxlen=1000)  # (sequences, rows)
@@ -301,20 +317,35 @@ class ModelScheduler:
 
     # -- the loop's side -----------------------------------------------------------------------
 
-    def capacity_check(self, sequences: int = 1) -> None:
-        """Raise ``Busy`` when ``sequences`` more would overflow the waiting queue."""
-        config = SchedulerConfig.from_settings()
-        with self._cond:
-            waiting = len(self._waiting)
-        if waiting + sequences > config.queue and (waiting or sequences > config.max_running):
-            raise Busy(f"the router is busy: {waiting} sequences wait for model {self.model_id!r} "
-                       f"(TENZRO_GEN_QUEUE {config.queue})", "capacity", 1.0)
+    def _full(self, config: SchedulerConfig, sequences: int) -> Busy | None:
+        """``Busy`` when ``sequences`` more would overflow the waiting queue (waiting and
+        reserved count alike), else None. Called under ``_cond``."""
+        queued = len(self._waiting) + self._reserved_seqs
+        if queued + sequences > config.queue and (queued or sequences > config.max_running):
+            return Busy(f"the router is busy: {queued} sequences wait for model {self.model_id!r} "
+                        f"(TENZRO_GEN_QUEUE {config.queue})", "capacity", 1.0)
+        return None
 
-    def submit(self, request: Request) -> None:
+    def reserve(self, sequences: int = 1) -> Reservation:
+        """Take room for ``sequences`` in the waiting queue now, for a ``submit`` to come (the
+        streaming endpoint decides its 429 before its 200 goes out, and the requests admitted
+        meanwhile cannot take that room). Raises ``Busy`` when the queue is full."""
+        with self._cond:
+            busy = self._full(SchedulerConfig.from_settings(), sequences)
+            if busy is not None:
+                raise busy
+            self._reserved_seqs += sequences
+        return Reservation(self, sequences)
+
+    def _unreserve(self, sequences: int) -> None:
+        with self._cond:
+            self._reserved_seqs -= sequences
+
+    def submit(self, request: Request, reservation: Reservation | None = None) -> None:
         """Queue ``request``'s sequences (called on the scheduler's loop; sets
-        ``request.future``). Raises ``Busy`` when the waiting queue is full and
-        ``BackboneError`` (field ``max_new_tokens``) when one sequence alone needs more KV
-        cache than the whole budget."""
+        ``request.future``). Raises ``Busy`` when the waiting queue is full (never with a
+        ``reservation`` from ``reserve``, which it consumes) and ``BackboneError`` (field
+        ``max_new_tokens``) when one sequence alone needs more KV cache than the whole budget."""
         config = SchedulerConfig.from_settings()
         bb = self.served.backbone
         slots = []
@@ -327,9 +358,12 @@ class ModelScheduler:
             slots.append(_Slot(request, seq, need, text=self.served.detokenizer(request.sampling)))
         request.future = self.loop.create_future()
         with self._cond:
-            if len(self._waiting) + len(slots) > config.queue and (self._waiting or len(slots) > config.max_running):
-                raise Busy(f"the router is busy: {len(self._waiting)} sequences wait for model {self.model_id!r} "
-                           f"(TENZRO_GEN_QUEUE {config.queue})", "capacity", 1.0)
+            if reservation is not None:  # admitted when reserved: its room becomes these waiting sequences
+                reservation.release()
+            else:
+                busy = self._full(config, len(slots))
+                if busy is not None:
+                    raise busy
             self._waiting.extend(slots)
             self._m.waiting.labels(self.model_id).set(len(self._waiting))
             if self._thread is None:

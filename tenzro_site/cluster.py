@@ -33,15 +33,16 @@ from django.core.management import call_command
 
 from moe.transports import iroh
 from moe.identity import load_or_create_key, provider_id
+from moe.jsonrpc import ParamError
 from prepare.checkpoint import CheckpointError
 from prepare.remote import open_checkpoint
-from prepare.backbone import publish_backbone
 from prepare.services import default_model_id, publish_checkpoint, publish_dense
 from registry.models import Provider
 from registry.services import reset_sessions
 from registry.selectors import shard_view
 from registry.operator import operator_token
 from registry.deployment import DeploymentMismatch, check_name, claim
+from registry.model_ids import validate_model_id
 from tenzro_site.balancer import Balancer, BalancerError
 from tenzro_site.celery import queue_workers
 
@@ -142,6 +143,11 @@ class LocalCluster:
             raise ClusterError("give one model id and one quant plan per checkpoint")
         seen: dict[str, Path] = {}
         for ckpt, mid in zip(self.checkpoints, self.model_id_overrides):
+            if mid is not None:  # refused here, before "publishing …", not by the job afterwards
+                try:
+                    validate_model_id(mid, "--model-id")
+                except ParamError as exc:
+                    raise ClusterError(str(exc)) from None
             mid = mid or default_model_id(ckpt)
             if mid in seen:  # the second publish would overwrite the first under the same id
                 if seen[mid].resolve() == ckpt.resolve():
@@ -209,8 +215,8 @@ class LocalCluster:
             raise ClusterError(str(exc)) from None
         for ckpt, mid, quant in zip(self.checkpoints, self.model_id_overrides, self.quants):
             self.say(f"publishing {ckpt}{f' as {quant}' if quant else ''} ...")
+            # experts, gates and (its job's last step) the backbone: the site generates
             self.model_ids.append(publish_checkpoint(ckpt, mid, quant=quant).model_id)
-            publish_backbone(ckpt, self.model_ids[-1])  # embeddings, attention, norms, head: the site generates
             if quant is None:
                 dense = publish_dense(ckpt, self.model_ids[-1], self.dense_parts)
                 if dense is not None:

@@ -71,3 +71,5 @@ urlpatterns = [
     # the site ships without a CDN or a separate static server.
     re_path(r"^static/(?P<path>.*)$", serve_static, {"insecure": True}),
 ]
+
+handler400 = "tenzro_site.views.bad_request"  # JSON, never Django's HTML "Bad Request (400)"

@@ -14,6 +14,7 @@ from router.apps import current
 from tenzro_site.celery import cached_queue_workers
 
 
+@csrf_exempt  # a POST gets the JSON 405 below, not the CSRF failure page
 def healthz(request):
     """``GET /healthz``: 200 while the site answers and its database is reachable, with
     ``{"ok": true, "deployment", "pid", **registry.selectors.health()}`` (``pid``: the site
@@ -21,7 +22,10 @@ def healthz(request):
     failing, experts under-replicated, and with a broker configured no Celery worker on the
     task queue: ``celery_workers``, asked at most every 10 s, 2 s while none answers;
     ``problems`` says which). 503 ``{"ok": false, "status": "down", "error"}`` when the database
-    cannot be read."""
+    cannot be read. Another method: JSON 405."""
+    if request.method not in ("GET", "HEAD"):
+        return JsonResponse({"error": f"{request.method} is not allowed on /healthz; use GET"}, status=405,
+                            headers={"Allow": "GET, HEAD"})
     try:
         body = selectors.health()
     except DatabaseError as exc:
@@ -69,3 +73,29 @@ def api_not_found(request, rest: str = ""):
             query = request.META.get("QUERY_STRING", "")
             return HttpResponsePermanentRedirect(request.path + "/" + (f"?{query}" if query else ""))
     return JsonResponse({"error": f"unknown endpoint {request.method} {request.path}"}, status=404)
+
+
+def bad_request(request, exception=None):
+    """Django's ``handler400`` (a ``SuspiciousOperation`` such as a ``Host`` header outside
+    ``ALLOWED_HOSTS``): JSON in the shape of the path's API, never Django's HTML page:
+    OpenAI's ``{"error": {message, type, param, code}}`` under ``/v1/``, a JSON-RPC error
+    object under ``/rpc``, ``{"error": message}`` elsewhere. A refused host is named with
+    the setting that admits it (``TENZRO_ALLOWED_HOSTS``)."""
+    from django.core.exceptions import DisallowedHost
+
+    from moe import jsonrpc
+
+    if isinstance(exception, DisallowedHost):  # request.get_host() would raise again: the raw header
+        host = request.META.get("HTTP_HOST") or request.META.get("SERVER_NAME", "")
+        message = (f"Host {host!r} is not allowed on this site; the operator admits it by adding it to "
+                   f"TENZRO_ALLOWED_HOSTS (a comma list) and restarting the site")
+    else:
+        message = f"bad request ({type(exception).__name__})" if exception is not None else "bad request"
+    path = request.path
+    if path == "/v1" or path.startswith("/v1/"):
+        body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+    elif path.rstrip("/") == "/rpc":
+        body = jsonrpc.error_response(None, jsonrpc.RpcError(jsonrpc.INVALID_REQUEST, message))
+    else:
+        body = {"error": message}
+    return JsonResponse(body, status=400)

@@ -131,6 +131,16 @@ def test_stream_sends_a_split_character_once_and_never_a_replacement(client, byt
     assert not any(d.endswith("\ufffd") for d in deltas[:-1]), deltas
 
 
+
+@pytest.mark.parametrize("prompt,where", [("世界🎉", "prompt"), (["世界", "🎉"], "prompt[0]")])
+def test_text_outside_the_vocabulary_is_named_as_such(client, byte_model, prompt, where):
+    """Text none of whose characters the vocabulary has encodes to no token: the 400 says so
+    (not the empty prompt's "needs at least one token")."""
+    status, _, r = post(client, "/v1/completions", {"model": byte_model, "prompt": prompt, "max_tokens": 2})
+    msg = r["error"]["message"]
+    assert status == 400 and r["error"]["param"] == "prompt", r
+    assert msg.startswith(f"{where}: the text encodes to no tokens of model {byte_model!r}'s vocabulary"), msg
+
 def test_detokenizer_on_a_byte_fallback_vocabulary():
     """SentencePiece with byte fallback (``<0xC3>`` ``<0xA9>`` for é): pieces settle whole
     characters, keep the leading space, and add up to the decoded text."""
@@ -323,6 +333,33 @@ def test_openai_sdk_chat_parts_models_retrieve_and_limits(words, sdk):
     assert isinstance(image, openai.BadRequestError) and "text only" in image.message
     assert isinstance(huge, openai.BadRequestError) and isinstance(big, openai.BadRequestError)
     assert huge.message.replace("100000", "N") == big.message.replace("9000", "N")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_openai_sdk_streamed_requests_past_the_queue_get_429_with_retry_after(words, sdk, settings, chat):
+    """Concurrent streamed requests over a full generation queue (1 running, 1 waiting): the
+    ones refused get 429 + Retry-After before any stream (the SDK's RateLimitError, which it
+    retries), never a 200 stream with an error inside; the admitted ones stream to the end."""
+    import openai
+
+    settings.TENZRO = {**settings.TENZRO, "GEN_MAX_RUNNING": 1, "GEN_QUEUE": 1}
+
+    async def one():
+        if chat:
+            stream = await sdk.chat.completions.create(model=words, max_tokens=6, stream=True,
+                                                       messages=[{"role": "user", "content": "t5 t6"}])
+        else:
+            stream = await sdk.completions.create(model=words, prompt=PROMPT, max_tokens=6, stream=True)
+        return [c async for c in stream]
+
+    async def go():
+        return await asyncio.gather(*(one() for _ in range(6)), return_exceptions=True)
+
+    results = asyncio.run(go())
+    refused = [r for r in results if isinstance(r, BaseException)]
+    assert refused and all(isinstance(r, openai.RateLimitError) for r in refused), results
+    assert all(int(r.response.headers["Retry-After"]) >= 1 and "TENZRO_GEN_QUEUE" in r.message for r in refused)
+    assert len(refused) < len(results)  # the admitted ones streamed
 
 
 # -- item 10: a JSON-RPC generation whose client left ---------------------------------------------

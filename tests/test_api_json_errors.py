@@ -35,10 +35,36 @@ def test_slash_redirect_of_get_pages_still_works(client):
     assert r.status_code == 404 and r.json()["error"]
 
 
+def test_healthz_with_another_method_is_a_json_405_not_the_csrf_page():
+    from django.test import Client
+
+    r = Client(enforce_csrf_checks=True).post("/healthz")
+    assert r.status_code == 405 and r["Content-Type"].startswith("application/json") and r["Allow"] == "GET, HEAD"
+    assert "use GET" in r.json()["error"]
+
+
 def test_non_api_paths_keep_their_pages(client):
     assert client.get("/healthz").status_code == 200
     assert not client.get("/no-such-page")["Content-Type"].startswith("application/json")
 
+
+
+@pytest.mark.parametrize("method,path", [("get", "/v1/models"), ("post", "/v1/completions"), ("post", "/rpc"),
+                                         ("get", "/api/v1/providers"), ("get", "/healthz")])
+def test_a_disallowed_host_is_a_json_400_naming_the_host_and_the_setting(client, method, path):
+    r = getattr(client, method)(path, HTTP_HOST="evil.com")
+    assert r.status_code == 400 and r["Content-Type"].startswith("application/json"), r.content[:200]
+    body = r.json()
+    if path.startswith("/v1/"):
+        err = body["error"]
+        assert err["type"] == "invalid_request_error" and set(err) == {"message", "type", "param", "code"}
+        message = err["message"]
+    elif path == "/rpc":
+        assert body["jsonrpc"] == "2.0" and body["id"] is None and body["error"]["code"] == -32600
+        message = body["error"]["message"]
+    else:
+        message = body["error"]
+    assert "'evil.com'" in message and "TENZRO_ALLOWED_HOSTS" in message, message
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("path", ["/api/expert-relayx?session=s&token=t", "/ws/nope/", "/"])

@@ -503,6 +503,8 @@ def test_get_unknown_lists_close_matches():
     with pytest.raises(KeyError) as none:
         get("zzzzzzzz-unrelated")
     assert "no close match" in str(none.value) and none.value.suggestions == []
+    # what an HTTP client can follow, not a Python function of the site
+    assert "GET /api/v1/catalog" in str(none.value) and "registry.catalog" not in str(none.value)
 
 
 def test_shape_json_unknown_model_raises_keyerror():

@@ -49,3 +49,20 @@ def test_cluster_after_demo_sees_none_of_it(tmp_path):
         health = httpx.get(f"{info['url']}/healthz", timeout=30).json()
         assert not health["failing_holders"] and not health["unserved_models"], health
         assert health["status"] == "ok", health
+
+
+def test_demo_refuses_fewer_than_two_holders_before_starting(tmp_path):
+    """Its failover scene stops a holder, so one holder cannot pass: refused at once naming
+    --holders, before any state is made or any checkpoint published."""
+    demo = subprocess.run([sys.executable, str(ROOT / "manage.py"), "tenzro_demo", "--holders", "1"], cwd=ROOT,
+                          env=env_for(tmp_path), capture_output=True, text=True, timeout=300)
+    assert demo.returncode != 0 and "--holders 1" in demo.stderr and "at least 2" in demo.stderr, demo.stderr
+    assert "publishing" not in demo.stdout and not (tmp_path / "var" / "demo").exists()
+
+
+def test_demo_names_a_checkpoint_that_does_not_exist(tmp_path):
+    demo = subprocess.run([sys.executable, str(ROOT / "manage.py"), "tenzro_demo", "--checkpoint",
+                           str(tmp_path / "nonexistent")], cwd=ROOT, env=env_for(tmp_path), capture_output=True,
+                          text=True, timeout=300)
+    assert demo.returncode != 0 and f"--checkpoint {tmp_path / 'nonexistent'}: no such file or directory" in demo.stderr
+    assert not (tmp_path / "var" / "demo").exists()

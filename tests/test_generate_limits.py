@@ -128,6 +128,18 @@ def test_v1_models_and_unknown_v1_paths(client, model):
         assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
 
 
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": [1]}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_unknown_model_is_model_not_found_like_openai(client, model, path, body, stream):
+    """The error OpenAI (and ``GET /v1/models/{model}``) gives: 404 invalid_request_error,
+    code model_not_found, param model."""
+    status, r = openai(client, {"model": "nope", **body, "stream": stream}, path)
+    assert status == 404 and r["error"]["type"] == "invalid_request_error", r
+    assert r["error"]["code"] == "model_not_found" and r["error"]["param"] == "model"
+    assert client.get("/v1/models/nope").json()["error"]["code"] == "model_not_found"
+
+
 @pytest.mark.asyncio
 async def test_a_generation_passes_arrays_not_base64_between_its_layers():
     """Each MoE layer of each decode step hands the forward numpy arrays and gets arrays back:

@@ -14,6 +14,7 @@ from prepare.backbone import publish_backbone
 from prepare.gguf import GgufCheckpoint
 from prepare.services import publish_checkpoint, publish_dense
 from registry.models import ExpertBlob, GateBlob
+from tests.ckpt_util import make_checkpoint
 from tests.conftest import DEEPSEEK, MIXTRAL, QWEN, QWEN2
 from tests.gguf_util import train_tokenizer, write_fixture_gguf
 from tests.test_gguf import in_process
@@ -80,8 +81,10 @@ def test_export_refuses_an_unpublished_model(tmp_path):
 
     with pytest.raises(CommandError, match="no published model 'nope'"):
         call_command("export_gguf", "--model-id", "nope", "--out", str(tmp_path / "x.gguf"))
-    publish_checkpoint(QWEN, "nobb")
-    with pytest.raises(CommandError, match="has no published backbone"):
+    ck = tmp_path / "experts-only"
+    make_checkpoint(ck, "qwen3_moe", experts=4, layers=1)
+    publish_checkpoint(ck, "nobb")
+    with pytest.raises(CommandError, match="has no published backbone: run `python manage.py prepare_experts"):
         call_command("export_gguf", "--model-id", "nobb", "--out", str(tmp_path / "x.gguf"))
 
 
@@ -96,6 +99,8 @@ def test_export_names_a_bad_out_and_leaves_no_partial_file(tmp_path):
         call_command("export_gguf", "--model-id", "m", "--out", str(tmp_path))
     with pytest.raises(CommandError, match="^--out: directory .* does not exist"):
         call_command("export_gguf", "--model-id", "m", "--out", str(tmp_path / "no" / "x.gguf"))
+    with pytest.raises(CommandError, match="^--out is empty"):
+        call_command("export_gguf", "--model-id", "m", "--out", "")
     ExpertBlob.objects.filter(model_id="m", layer=1, expert=3).delete()
     with pytest.raises(CommandError, match="layer 1 expert 3 was never published"):
         call_command("export_gguf", "--model-id", "m", "--out", str(tmp_path / "x.gguf"))

@@ -240,6 +240,21 @@ def test_rest_heartbeat_with_a_repeated_key_is_refused_before_verifying(client):
     assert state() == before
 
 
+
+@pytest.mark.parametrize("text,field,words", [
+    ('{"body":{},"signature":"x"}', "body.provider", "body.provider must be 64 lowercase hex"),
+    ('{"body":{"provider":"ab"},"signature":"x"}', "body.provider", "body.provider must be 64 lowercase hex"),
+    ('{"body":NaN}', "body", "JSON parse error - NaN is not JSON"),
+    ('{"body":{"x":Infinity},"signature":"x"}', "body", "JSON parse error - Infinity is not JSON"),
+])
+def test_rest_heartbeat_errors_name_the_right_field(client, text, field, words):
+    """A malformed provider id is the body's field (not ``signature``); NaN is the parse error
+    every other JSON endpoint gives, not "body must be an object"."""
+    before = state()
+    resp = client.post("/api/v1/providers/heartbeat", text, content_type="application/json")
+    assert resp.status_code == 400 and resp.json()["field"] == field and words in resp.json()["error"], resp.json()
+    assert state() == before
+
 def test_compact_holdings_round_trip_through_the_parser():
     import random
 

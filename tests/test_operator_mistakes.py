@@ -41,6 +41,8 @@ def test_a_checkpoint_or_model_id_given_twice_is_refused_before_anything_starts(
     with pytest.raises(ClusterError, match="--model-id: .* would both publish as 'same'"):
         LocalCluster([QWEN, DEEPSEEK], holders=1, model_ids=["same", "same"])
     LocalCluster([QWEN, QWEN], holders=1, model_ids=[None, "qwen-again"])  # two ids: allowed
+    with pytest.raises(ClusterError, match="^--model-id 'bad/id' is not a valid model id"):
+        LocalCluster([QWEN], holders=1, model_ids=["bad/id"])
 
 
 def _time_wait_port() -> int:

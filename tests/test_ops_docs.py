@@ -70,3 +70,41 @@ def test_a_model_published_from_a_checkpoint_has_a_catalog_shape(client):
     listed = client.get("/api/v1/catalog").json()["models"]
     assert [m["model_id"] for m in listed].count(model.model_id) == 1
     assert client.get(f"/api/v1/catalog/{model.model_id}").json() == shape
+
+
+@pytest.mark.django_db(transaction=True)
+def test_readme_export_example_runs_as_written(tmp_path):
+    """The README's ``export_gguf`` example publishes the model it exports (in the database the
+    commands run with), so its commands, run in order, write the file."""
+    import shlex
+
+    from django.core.management import call_command
+
+    block = next(b for b in re.findall(r"```\n(.*?)```", README.read_text(), re.S) if "export_gguf --model-id" in b)
+    ran = []
+    for line in block.splitlines():
+        argv = shlex.split(line)
+        if argv[:2] != ["python", "manage.py"] or argv[2] not in ("prepare_experts", "export_gguf"):
+            continue  # tenzro_cluster of a 30B GGUF: not here
+        if argv[2] == "export_gguf":
+            argv[argv.index("--out") + 1] = str(tmp_path / "x.gguf")
+        else:
+            argv.append("--no-progress")
+        call_command(*argv[2:])
+        ran.append(argv[2])
+    assert ran[-1] == "export_gguf" and (tmp_path / "x.gguf").stat().st_size > 0
+
+
+def test_files_named_in_the_commands_help_exist():
+    """A ``--help`` that points at a script names one this checkout has."""
+    from django.core.management import get_commands, load_command_class
+
+    root = README.parent
+    named = set()
+    for name, app in get_commands().items():
+        if app.startswith("django") or app in ("rest_framework", "drf_spectacular", "channels", "daphne"):
+            continue
+        text = load_command_class(app, name).create_parser("manage.py", name).format_help()
+        named |= {(name, p) for p in re.findall(r"\b[\w./-]+/[\w.-]+\.py\b", text.replace("\n", " "))}
+    assert named, "no command names a file: the pattern is wrong"
+    assert not [(n, p) for n, p in named if not (root / p).is_file()], named

@@ -249,3 +249,30 @@ def test_resolver_local_first_then_peers_and_hash_checked(tmp_path):
     assert fetch_blob(uri, store, ["http://good"], client=client) == data and calls == []  # local store first
     with pytest.raises(BlobError, match="must look like"):
         fetch_blob("http://x", store, [], client=client)
+
+
+def test_prepare_experts_publishes_the_backbone_so_the_model_generates_and_exports(client, tmp_path):
+    """README's operator way (``prepare_experts``, then place) gives a model that generates and
+    exports: the job publishes the checkpoint's backbone with its experts. An experts-only
+    checkpoint publishes experts only, and generating with it names the command to run."""
+    from django.core.management import call_command
+
+    from moe.backbone.weights import BACKBONE_KEY
+
+    call_command("prepare_experts", "--checkpoint", str(QWEN), "--model-id", "q3x", "--quant", "q8_0",
+                 "--no-progress")
+    assert MoeModel.objects.get(model_id="q3x").config[BACKBONE_KEY]["blobs"]
+    r = client.post("/v1/completions", data=json.dumps({"model": "q3x", "prompt": [1, 2, 3], "max_tokens": 2}),
+                    content_type="application/json")
+    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2, r.content
+    call_command("export_gguf", "--model-id", "q3x", "--out", str(tmp_path / "q3x.gguf"))
+    assert (tmp_path / "q3x.gguf").stat().st_size > 0
+
+    ck = tmp_path / "experts-only"
+    make_checkpoint(ck, "qwen3_moe", experts=4, layers=1)
+    call_command("prepare_experts", "--checkpoint", str(ck), "--model-id", "eo", "--no-progress")
+    assert BACKBONE_KEY not in MoeModel.objects.get(model_id="eo").config
+    r = client.post("/v1/completions", data=json.dumps({"model": "eo", "prompt": [1], "max_tokens": 1}),
+                    content_type="application/json")
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 404 and "prepare_experts --checkpoint" in msg and "publish_backbone" not in msg, msg

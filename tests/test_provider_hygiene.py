@@ -185,4 +185,20 @@ def test_healthz_names_published_models_no_live_provider_holds():
     body = Client().get("/healthz").json()
     assert body["status"] == "degraded" and body["under_replicated"] == {}
     assert body["unserved_models"] == ["gone-q4-k-m"]
-    assert any("gone-q4-k-m" in p and "no live holder" in p for p in body["problems"])
+    assert any("gone-q4-k-m" in p and "no live holder" in p and "requests for them fail" in p
+               for p in body["problems"]), body["problems"]
+
+
+def test_healthz_says_the_fallback_replica_serves_a_model_with_no_live_holder(tmp_path):
+    """A published model whose experts are in the site's blob store still generates (the fallback
+    replica runs them) with no holder: ``problems`` says so instead of "requests fail"."""
+    from django.test import Client
+
+    from prepare.services import publish_checkpoint
+    from tests.conftest import QWEN
+
+    publish_checkpoint(QWEN, "fb")
+    body = Client().get("/healthz").json()
+    assert body["status"] == "degraded" and body["unserved_models"] == ["fb"]
+    [p] = [p for p in body["problems"] if "fb" in p]
+    assert "fallback replica serves their generations" in p and "requests for them fail" not in p, p

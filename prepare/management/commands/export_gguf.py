@@ -15,6 +15,7 @@ from moe.blobs import BlobStore
 from moe.codec import loads_safetensors
 from moe.ffn import ExpertWeights
 from moe.gating import Gate
+from prepare.backbone import how_to_publish
 from prepare.dense import dense_model_id
 from prepare.gguf_export import ExportError, ExportModel, expert_from_blob, write_gguf
 from registry.models import ExpertBlob, GateBlob, MoeModel
@@ -28,8 +29,7 @@ def gather(model_id: str, store: BlobStore) -> ExportModel:
         raise ExportError(f"--model-id: no published model {model_id!r}")
     record = (model.config or {}).get(BACKBONE_KEY)
     if not record or not record.get("blobs"):
-        raise ExportError(f"model {model_id!r} has no published backbone (tenzro_cluster publishes it; or "
-                          "prepare.backbone.publish_backbone)")
+        raise ExportError(f"model {model_id!r} has no published backbone: {how_to_publish(model_id)}")
     backbone = {}
     for group, h in record["blobs"].items():
         tensors, _ = loads_safetensors(store.get(h), f"backbone blob {group}")
@@ -71,6 +71,8 @@ class Command(BaseCommand):
 
     def handle(self, *args, **opts):
         store = BlobStore(settings.TENZRO["BLOB_DIR"])
+        if not opts["out"].strip():
+            raise CommandError("--out is empty; give the .gguf file to write")
         out = Path(opts["out"])
         if out.is_dir():
             raise CommandError(f"--out: {out} is a directory; give the .gguf file to write")

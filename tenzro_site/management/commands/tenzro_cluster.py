@@ -50,7 +50,7 @@ class Command(BaseCommand):
                                  "routers use it with TENZRO_DATA_TRANSPORT=iroh")
         parser.add_argument("--agent-site", default=None, metavar="URL",
                             help="the site URL the agents dial (a reverse proxy or a latency emulator in front of "
-                                 "the site, e.g. bench/wan.py's); default the site's own http://127.0.0.1:PORT")
+                                 "the site, e.g. tests/wan_proxy.py's); default the site's own http://127.0.0.1:PORT")
         parser.add_argument("--model-id", action="append", default=None,
                             help="model id per checkpoint (default: from the directory name)")
         parser.add_argument("--repair-interval", type=int, default=None, metavar="S",

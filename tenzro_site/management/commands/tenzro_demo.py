@@ -79,13 +79,19 @@ class Command(BaseCommand):
         parser.add_argument("--checkpoint", action="append", default=None,
                             help="checkpoint directory (or GGUF file) with reference.safetensors beside it "
                                  "(default: the shipped fixtures)")
-        parser.add_argument("--holders", type=int, default=4)
+        parser.add_argument("--holders", type=int, default=4, help="holder agents to start (at least 2; default 4)")
         parser.add_argument("--keep-running", action="store_true", help="leave the cluster up until Ctrl-C")
         parser.add_argument("--quant", default="q4_k_m",
                             help="also publish every checkpoint quantized with this preset or JSON object and report "
                                  "the quantized forward's error against the dense one ('none' to skip; default q4_k_m)")
 
     def handle(self, *args, **opts):
+        if opts["holders"] < 2:  # before anything starts: the failover scene stops one holder
+            raise CommandError(f"--holders {opts['holders']}: the demo needs at least 2 holders (its failover "
+                               "scene stops one and another must take over)")
+        for c in opts["checkpoint"] or []:
+            if not Path(c).exists():
+                raise CommandError(f"--checkpoint {c}: no such file or directory")
         if os.environ.get(DEMO_MARKER) != "1":
             self._exec_in_demo_state(opts)
         t0 = time.perf_counter()
