@@ -47,7 +47,8 @@ Per site run it also prints what the site's own ``/metrics`` said (aiperf scrape
 the run): holder batches, the worst per-holder p99 and failed batches. Prints a table per
 model, and with ``--json`` one JSON object last. aiperf's own artifacts (per-request records,
 its scrape of ``/metrics``) are kept under ``--artifacts`` when given. Exits non-zero, naming
-what failed, when a run did not finish or any request failed (a missed speed goal is
+what failed, when a run did not finish or any request to the site failed (llama-server's own
+failed requests are listed, not fatal: it is the anchor, not the system measured; a missed speed goal is
 reported, not fatal: the machine may be shared); a mode whose executable is missing is skipped
 and said so.
 """
@@ -80,6 +81,7 @@ from tests.conftest import QWEN  # noqa: E402
 MODEL = "qwen3-moe-tiny"
 SLICE = "qwen3-30b-a3b-slice"
 MODES = ("distributed", "in-process", "llama-server")
+OURS = ("distributed", "in-process")  # the modes whose request errors fail the bench (llama-server is the anchor)
 MODELS = ("fixture", "slice")
 CHAT_OVERHEAD = 16  # bytes the plain chat rendering ("user: …\nassistant:") adds to a prompt, rounded up
 
@@ -322,8 +324,11 @@ def summarize(report: dict, concurrency: int, server: dict | None = None) -> dic
         v = (report.get(name) or {}).get(key)
         return None if v is None else round(float(v), 2)
 
-    errors = sum(int(e.get("count", 1)) for e in report.get("error_summary") or [])
+    summary = report.get("error_summary") or []
+    errors = sum(int(e.get("count", 1)) for e in summary)
+    kinds = sorted({(e.get("error_details") or {}).get("type") or "?" for e in summary})
     return {"concurrency": concurrency, "requests": int(stat("request_count", "avg") or 0), "errors": errors,
+            "error_types": kinds,
             "tokens_per_s": stat("output_token_throughput", "avg"),
             "ttft_ms": {"p50": stat("time_to_first_token", "p50"), "p99": stat("time_to_first_token", "p99")},
             "itl_ms": {"p50": stat("inter_token_latency", "p50"), "p99": stat("inter_token_latency", "p99")},
@@ -519,7 +524,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{what}: skipped: {why}")
     for what, why in failed.items():
         print(f"{what}: FAILED: {why}")
-    errors = sum(r["errors"] for res in results.values() for rows in res.values() for r in rows)
+    errors = sum(r["errors"] for res in results.values() for mode, rows in res.items() if mode in OURS for r in rows)
+    for key, res in results.items():  # the anchor's own failures are reported, not ours to fail on
+        for r in res.get("llama-server", []):
+            if r["errors"]:
+                print(f"{key} llama-server C={r['concurrency']}: {r['errors']} request(s) failed in llama-server "
+                      f"({', '.join(r.get('error_types') or [])}; aiperf's InvalidInferenceResultError: a stream "
+                      f"that carried no text)")
     if a.json:
         print(json.dumps({"cpu": cpu_description(), "cpus": cpus, "holders": a.holders, "endpoint": a.endpoint,
                           "prompt": a.prompt, "tokens": a.tokens, "requests_per_client": a.requests_per_client,
@@ -587,8 +598,8 @@ def goals(results: dict[str, dict[str, list[dict]]]) -> list[str]:
         if itl.get("p50") and itl.get("p99"):
             v = itl["p99"] / itl["p50"]
             line(f"{key}: distributed ITL p99 / p50 at C=16 <= 2.5", v, v <= 2.5)
-        n = sum(r["errors"] for rows in res.values() for r in rows)
-        line(f"{key}: errors == 0", float(n), n == 0)
+        n = sum(r["errors"] for mode, rows in res.items() if mode in OURS for r in rows)
+        line(f"{key}: errors == 0 (distributed, in-process)", float(n), n == 0)
     return out
 
 
