@@ -528,9 +528,11 @@ def main(argv: list[str] | None = None) -> None:
     for key, res in results.items():  # the anchor's own failures are reported, not ours to fail on
         for r in res.get("llama-server", []):
             if r["errors"]:
+                kinds = r.get("error_types") or []
+                why = ("; InvalidInferenceResultError: a stream that carried no text"
+                       if "InvalidInferenceResultError" in kinds else "")
                 print(f"{key} llama-server C={r['concurrency']}: {r['errors']} request(s) failed in llama-server "
-                      f"({', '.join(r.get('error_types') or [])}; aiperf's InvalidInferenceResultError: a stream "
-                      f"that carried no text)")
+                      f"({', '.join(kinds)}{why})")
     if a.json:
         print(json.dumps({"cpu": cpu_description(), "cpus": cpus, "holders": a.holders, "endpoint": a.endpoint,
                           "prompt": a.prompt, "tokens": a.tokens, "requests_per_client": a.requests_per_client,
