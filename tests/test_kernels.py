@@ -465,7 +465,9 @@ def test_arena_memory_goes_back_to_the_os():
         kernels.native_weights(m)  # packs, drops each matrix's GGUF copy
     mats_gguf_freed = sum(m.holds_gguf for m in mats) == 0
     peak = proc.memory_info().rss
-    assert kernels.arena_stats()["slabs"] >= base + 3 and mats_gguf_freed
+    # 150 MiB need 3 slabs of 64 MiB; a slab an earlier test left partly carved may take the first
+    # of them (its remaining space is used first), so at least 2 are new whatever ran before.
+    assert kernels.arena_stats()["slabs"] >= base + 2 and mats_gguf_freed
     del mats, m, m0
     gc.collect()
     assert kernels.arena_stats()["slabs"] == base
