@@ -76,10 +76,12 @@ def how_to_publish(model_id: str) -> str:
             f"tenzro_cluster does too)")
 
 
-def publish_backbone(checkpoint: str | Path, model_id: str, revision: str | None = None) -> dict:
+def publish_backbone(checkpoint: str | Path, model_id: str, revision: str | None = None,
+                     opened: Checkpoint | None = None) -> dict:
     """Store ``checkpoint``'s backbone groups (at ``revision``, for a Hub URL) in the site's
     blob store and record them on the (already published) ``MoeModel`` ``model_id``.
-    Idempotent. A completed preparation job calls it (``prepare.jobs.run_job``).
+    Idempotent. A completed preparation job calls it (``prepare.jobs.run_job``) with the
+    checkpoint it already has open (``opened``: read, not closed, so its header is not read twice).
 
     Returns the record ``{"blobs": {group: hash}, "nbytes": {group: n}, "tokenizer": hash | None,
     "chat_template": {template, special_tokens} | None}`` (``prepare.chat.read_chat_template``),
@@ -91,7 +93,7 @@ def publish_backbone(checkpoint: str | Path, model_id: str, revision: str | None
     from moe.blobs import BlobStore
     from registry.models import MoeModel
 
-    ckpt = open_checkpoint(checkpoint, revision)
+    ckpt = opened if opened is not None else open_checkpoint(checkpoint, revision)
     try:
         store = BlobStore(settings.TENZRO["BLOB_DIR"])
         blobs, sizes = {}, {}
@@ -111,7 +113,7 @@ def publish_backbone(checkpoint: str | Path, model_id: str, revision: str | None
             tokenizer = store.put(tok.read_bytes()) if tok is not None and tok.is_file() else None
             chat = read_chat_template(checkpoint) if not is_url(str(checkpoint)) else None
     finally:
-        if hasattr(ckpt, "close"):
+        if opened is None and hasattr(ckpt, "close"):
             ckpt.close()
     record = {"blobs": blobs, "nbytes": sizes, "tokenizer": tokenizer, "chat_template": chat}
     if gguf_vocab is not None:  # the file's own tokenizer.ggml.* keys, so export_gguf writes them back verbatim

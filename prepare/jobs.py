@@ -250,7 +250,7 @@ def _run(job: PrepareJob, ckpt, spec: MoeSpec, plan, progress) -> PrepareJob:
     if has_backbone(ckpt):  # embeddings, attention, norms, head: the site can generate and export the model
         _refresh_counters(job, current_tensor="backbone")
         try:
-            publish_backbone(job.source, job.model_id, job.revision or None)
+            publish_backbone(job.source, job.model_id, job.revision or None, opened=ckpt)
         except (*_EXPERT_ERRORS, ChatTemplateError) as exc:
             return _finish(job, PrepareJob.State.FAILED, f"backbone: {exc}")
     return _finish(job, PrepareJob.State.COMPLETED)
