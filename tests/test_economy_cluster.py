@@ -39,7 +39,10 @@ def rel_err(out_b64, ref, d):
 
 def test_cheat_is_sampled_audited_upheld_and_quarantined(tmp_path):
     env = env_for(tmp_path)
-    env.update({"TENZRO_VIEW_CACHE": "0", "TENZRO_AUDIT_INTERVAL": "2"})
+    # Split every expert with 2 or more tokens over both of its Warm replicas: the cheat then
+    # serves part of every forward, whatever the router's latency ranking (on a loaded machine it
+    # put the cheat's replicas behind honest ones, and it served 2 of 2,058 forwards in 300 s).
+    env.update({"TENZRO_VIEW_CACHE": "0", "TENZRO_AUDIT_INTERVAL": "2", "TENZRO_PLAN_SPLIT_THRESHOLD": "1"})
     ref = load_file(str(QWEN / "reference.safetensors"))
     xs = {layer: ref[f"layer{layer}.hidden_states"].astype(np.float32) for layer in (0, 1)}
     with running_cluster(tmp_path, [QWEN], holders=4, env=env, extra=("--agent-fault", "1=corrupt:1")) as (info, _):
@@ -61,10 +64,8 @@ def test_cheat_is_sampled_audited_upheld_and_quarantined(tmp_path):
         def kept_lies():
             return rpc(url, "tenzro_moeListReceipts", {"provider": cheat, "limit": 1000})["result"]["count"]
 
-        # Which replica serves an expert depends on warm-up, measured committed_tps and what the
-        # router observed (noisy on a busy machine), so the cheat may serve nothing in a given
-        # forward: forward both layers until 3 of its batches are kept (every one is a lie, and
-        # 3 upheld in a row quarantine), then stop adding work and wait for the audits. Forwarding
+        # Forward both layers until 3 of the cheat's batches are kept (every one is a lie, and 3
+        # upheld in a row quarantine), then stop adding work and wait for the audits. Forwarding
         # on until the quarantine (as this test did) grew the audit backlog with every forward on
         # a loaded machine: hundreds of forwards, past the 1,000 rows the settlement check lists.
         forwards: list[dict] = []
