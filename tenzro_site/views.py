@@ -83,7 +83,7 @@ def bad_request(request, exception=None):
     the setting that admits it (``TENZRO_ALLOWED_HOSTS``)."""
     from django.core.exceptions import DisallowedHost
 
-    from moe import jsonrpc
+    from tenzro_site.serve import error_body
 
     if isinstance(exception, DisallowedHost):  # request.get_host() would raise again: the raw header
         host = request.META.get("HTTP_HOST") or request.META.get("SERVER_NAME", "")
@@ -91,11 +91,4 @@ def bad_request(request, exception=None):
                    f"TENZRO_ALLOWED_HOSTS (a comma list) and restarting the site")
     else:
         message = f"bad request ({type(exception).__name__})" if exception is not None else "bad request"
-    path = request.path
-    if path == "/v1" or path.startswith("/v1/"):
-        body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
-    elif path.rstrip("/") == "/rpc":
-        body = jsonrpc.error_response(None, jsonrpc.RpcError(jsonrpc.INVALID_REQUEST, message))
-    else:
-        body = {"error": message}
-    return JsonResponse(body, status=400)
+    return JsonResponse(error_body(request.path, message), status=400)
