@@ -66,6 +66,27 @@ def test_a_disallowed_host_is_a_json_400_naming_the_host_and_the_setting(client,
         message = body["error"]
     assert "'evil.com'" in message and "TENZRO_ALLOWED_HOSTS" in message, message
 
+
+def test_a_disallowed_host_is_logged_in_one_line_without_a_traceback(client):
+    """A client-caused ``SuspiciousOperation`` (here a foreign ``Host``) is one log line naming it,
+    not Django's 30-line traceback per request (before: any client could flood the site's log)."""
+    import io
+    import logging
+
+    handlers, logger = [], logging.getLogger("django.security.DisallowedHost")
+    while logger is not None:  # every stream handler the record reaches
+        handlers += [h for h in logger.handlers if isinstance(h, logging.StreamHandler)]
+        logger = logger.parent if logger.propagate else None
+    olds = [h.setStream(io.StringIO()) for h in handlers]
+    try:
+        assert client.get("/v1/models", HTTP_HOST="evil.com").status_code == 400
+        logged = "".join(h.stream.getvalue() for h in handlers)
+    finally:
+        for h, stream in zip(handlers, olds):
+            h.setStream(stream)
+    assert "evil.com" in logged and "Traceback" not in logged and logged.count("\n") == 1, logged
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("path", ["/api/expert-relayx?session=s&token=t", "/ws/nope/", "/"])
 async def test_unknown_websocket_paths_are_refused_with_a_close_frame(path):
