@@ -80,11 +80,15 @@ def bad_request(request, exception=None):
     ``ALLOWED_HOSTS``): JSON in the shape of the path's API, never Django's HTML page:
     OpenAI's ``{"error": {message, type, param, code}}`` under ``/v1/``, a JSON-RPC error
     object under ``/rpc``, ``{"error": message}`` elsewhere. A refused host is named with
-    the setting that admits it (``TENZRO_ALLOWED_HOSTS``)."""
-    from django.core.exceptions import DisallowedHost
+    the setting that admits it (``TENZRO_ALLOWED_HOSTS``); a body over the site's limit (a view
+    reading ``request.body``) is a 413 naming ``TENZRO_MAX_BODY``."""
+    from django.core.exceptions import DisallowedHost, RequestDataTooBig
 
+    from tenzro_site.api import body_too_big_message
     from tenzro_site.serve import error_body
 
+    if isinstance(exception, RequestDataTooBig):
+        return JsonResponse(error_body(request.path, body_too_big_message(), "body"), status=413)
     if isinstance(exception, DisallowedHost):  # request.get_host() would raise again: the raw header
         host = request.META.get("HTTP_HOST") or request.META.get("SERVER_NAME", "")
         message = (f"Host {host!r} is not allowed on this site; the operator admits it by adding it to "

@@ -87,6 +87,18 @@ def test_a_disallowed_host_is_logged_in_one_line_without_a_traceback(client):
     assert "evil.com" in logged and "Traceback" not in logged and logged.count("\n") == 1, logged
 
 
+@pytest.mark.parametrize("path", ["/api/v1/providers/heartbeat", "/api/auth/challenge", "/api/auth/node-token"])
+def test_a_body_over_the_site_limit_is_a_json_413_on_every_api_path(client, settings, path):
+    """A body over TENZRO_MAX_BODY (``DATA_UPLOAD_MAX_MEMORY_SIZE``) that reaches a view reading
+    ``request.body`` (a chunked upload has no Content-Length to refuse it by earlier) is a JSON 413
+    naming the limit: before, the REST heartbeat answered 500 (and logged a traceback) and the
+    market's login endpoints 400 "bad request (RequestDataTooBig)"."""
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1000
+    r = client.post(path, data=b'{"x": "' + b"a" * 2000 + b'"}', content_type="application/json")
+    assert r.status_code == 413 and r["Content-Type"].startswith("application/json"), (r.status_code, r.content)
+    assert "1000-byte limit" in r.json()["error"] and "TENZRO_MAX_BODY" in r.json()["error"]
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("path", ["/api/expert-relayx?session=s&token=t", "/ws/nope/", "/"])
 async def test_unknown_websocket_paths_are_refused_with_a_close_frame(path):
