@@ -7,7 +7,6 @@ from django.conf import settings
 from django.db import DatabaseError
 from django.http import HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
-from django.views.decorators.http import require_GET
 
 from registry import selectors
 from router.apps import current
@@ -40,7 +39,7 @@ def healthz(request):
     return JsonResponse({"ok": True, "deployment": settings.TENZRO["DEPLOYMENT"], "pid": os.getpid(), **body})
 
 
-@require_GET
+@csrf_exempt  # a POST gets the JSON 405 below, not the CSRF failure page
 def metrics(request):
     """``GET /metrics``: Prometheus text exposition of this site process's serving metrics
     (``router.metrics.ServingMetrics``: sequences running and waiting, tokens, TTFT and
@@ -50,7 +49,10 @@ def metrics(request):
     Unauthenticated, like the console's read-only pages that show the same numbers: it
     names providers and timings, nothing secret. Operators who want it private scrape it on
     a private interface or block the path at their proxy. Each site process has its own
-    numbers: scrape every process."""
+    numbers: scrape every process. Another method: JSON 405."""
+    if request.method not in ("GET", "HEAD"):
+        return JsonResponse({"error": f"{request.method} is not allowed on /metrics; use GET"}, status=405,
+                            headers={"Allow": "GET, HEAD"})
     m = current().metrics
     return HttpResponse(m.exposition(), content_type=m.CONTENT_TYPE)
 

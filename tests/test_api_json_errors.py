@@ -43,6 +43,16 @@ def test_healthz_with_another_method_is_a_json_405_not_the_csrf_page():
     assert "use GET" in r.json()["error"]
 
 
+@pytest.mark.parametrize("method", ["post", "put", "delete"])
+def test_metrics_with_another_method_is_a_json_405_not_the_csrf_page(method):
+    """A scraper or script POSTing to /metrics got Django's HTML CSRF page (403), a PUT an empty 405."""
+    from django.test import Client
+
+    r = getattr(Client(enforce_csrf_checks=True), method)("/metrics")
+    assert r.status_code == 405 and r["Content-Type"].startswith("application/json") and r["Allow"] == "GET, HEAD"
+    assert "use GET" in r.json()["error"]
+
+
 def test_non_api_paths_keep_their_pages(client):
     assert client.get("/healthz").status_code == 200
     assert not client.get("/no-such-page")["Content-Type"].startswith("application/json")
