@@ -13,6 +13,7 @@ import logging
 from concurrent.futures import Executor
 from typing import Callable
 
+import numpy as np
 from nacl.signing import SigningKey
 
 from moe import messages, methods, wire
@@ -102,7 +103,8 @@ class Execution:
         purpose?`` (``purpose`` other than "serve" is not metered); ``payload`` the carrier
         bytes (``carrier`` "f32", "f16" or "q8_0"). Returns (answer fields ``{rows, d_model,
         output, token_indices, receipt}``, output bytes, the receipt's leaf). Raises ``RpcError`` (-32602: a bad
-        model_id, layer, expert, d_model or token index, ``methods.execute_key``), ``wire.WireError``,
+        model_id, layer, expert, d_model or token index, ``methods.execute_key``), ``wire.WireError`` (also
+        rows whose outputs overflow float32, field ``hidden_states``),
         ``RuntimeFault`` (``ExpertNotLoaded``, ``DimensionMismatch``, ...) or ``ValueError``.
         """
         model_id, layer, expert, d_model, tokens = methods.execute_key(req)
@@ -119,7 +121,14 @@ class Execution:
             raise wire.WireError(f"unsupported output encoding {output!r}")
         self.faults.before_batch()
         rows = wire.decode_rows(payload, carrier, d_model, len(tokens))
-        out = self.runtime.execute(model_id, layer, expert, rows, len(tokens), d_model, metered)
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused just below, naming it
+            out = self.runtime.execute(model_id, layer, expert, rows, len(tokens), d_model, metered)
+        if not np.isfinite(out).all():
+            # Finite rows of huge magnitude overflow any honest copy of the expert: refuse the
+            # request (the router records a rejection) rather than answer Inf rows, which it
+            # would count as this holder's fault.
+            raise wire.WireError(f"expert {model_id} l{layer}/e{expert}'s outputs overflow float32 (NaN or Inf) "
+                                 "for these rows: hidden_states' magnitude is too large", "hidden_states")
         lie = self.faults.corrupt(out) if metered else None
         out = out if lie is None else lie
         output = wire.output_encoding(out, output)  # f16 asked, a value beyond its range: f32

@@ -116,11 +116,7 @@ def validate_changes(changes, base: dict | None = None) -> dict:
         if kind is float and not math.isfinite(value):
             raise GovernanceError(f"{key} must be finite", f"changes.{key}")
         merged[key] = kind(value)
-    try:
-        shardmap.ReplicationPolicy(**{f: merged[f] for f in _SHARD_FIELDS})
-    except ValueError as exc:
-        field = str(exc).split(" ", 1)[0]
-        raise GovernanceError(str(exc), f"changes.{field}") from exc
+    # Each field's own range first: the cross-field checks would otherwise name the wrong one.
     for key, lo, hi in (("min_replication", 1, 64), ("max_replication", 1, 64),
                         ("settlement_holder_share_bps", 0, 10_000), ("dispute_min_overlap", 0, 1),
                         ("dispute_max_rel_delta", 0, 1), ("dispute_min_rows_passed", 0, 1),
@@ -129,6 +125,11 @@ def validate_changes(changes, base: dict | None = None) -> dict:
                         ("kvasir_audit_one_in", 1, 1 << 20)):
         if not lo <= merged[key] <= hi:
             raise GovernanceError(f"{key} must lie in [{lo}, {hi}], got {merged[key]}", f"changes.{key}")
+    try:
+        shardmap.ReplicationPolicy(**{f: merged[f] for f in _SHARD_FIELDS})
+    except ValueError as exc:
+        field = str(exc).split(" ", 1)[0]
+        raise GovernanceError(str(exc), f"changes.{field}") from exc
     if merged["dispute_min_rows_passed"] == 0 or merged["dispute_min_overlap"] == 0:
         raise GovernanceError("dispute_min_overlap and dispute_min_rows_passed must be > 0",
                               "changes.dispute_min_overlap" if merged["dispute_min_overlap"] == 0

@@ -197,8 +197,10 @@ def _sampling(served: ServedModel, body: dict) -> Sampling:
 
 async def _served(body: dict) -> ServedModel:
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None or model == "":
         raise ApiError(400, "model is required (a published model id)", "model")
+    if not isinstance(model, str):
+        raise ApiError(400, "model must be a string (a published model id)", "model")
     try:
         return await served_model_cached(model)
     except NoBackbone as exc:

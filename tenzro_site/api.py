@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import logging
 
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
+
 from moe import jsonrpc
 from moe.jsonrpc import ParamError
 from rest_framework.exceptions import ParseError
@@ -13,11 +16,20 @@ from rest_framework.views import exception_handler as drf_exception_handler
 log = logging.getLogger(__name__)
 
 
+def body_too_big_message() -> str:
+    """The refusal of a request body over ``TENZRO_MAX_BODY`` (Django's ``RequestDataTooBig``)."""
+    return f"request body is over this site's {settings.DATA_UPLOAD_MAX_MEMORY_SIZE}-byte limit (TENZRO_MAX_BODY)"
+
+
 def exception_handler(exc, context):
     """DRF errors as ``{"error": message}`` (plus ``field`` when the exception names one) with their status.
 
-    Anything else is logged and answered as a 500 without details.
+    A body over ``TENZRO_MAX_BODY`` (Django's ``RequestDataTooBig``, from a view reading
+    ``request.body`` of a chunked upload) is a 413. Anything else is logged and answered as a 500
+    without details.
     """
+    if isinstance(exc, RequestDataTooBig):
+        return Response({"error": body_too_big_message(), "field": "body"}, status=413)
     response = drf_exception_handler(exc, context)
     if response is None:
         log.exception("unhandled API error", exc_info=exc)

@@ -35,6 +35,20 @@ import sys
 APPLICATION = "tenzro_site.asgi:application"
 
 
+def error_body(path: str, message: str, field: str | None = None) -> dict:
+    """A JSON error in the shape of ``path``'s API (``path`` without its query): OpenAI's
+    ``{"error": {message, type, param, code}}`` under ``/v1/``, a JSON-RPC error object
+    (-32600, ``id`` null, ``data.field``) under ``/rpc``, ``{"error": message}`` elsewhere.
+    Used by the server's own early answers (413, 408) and Django's ``handler400``."""
+    from moe import jsonrpc
+
+    if path == "/v1" or path.startswith("/v1/"):
+        return {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+    if path.rstrip("/") == "/rpc":
+        return jsonrpc.error_response(None, jsonrpc.RpcError(jsonrpc.INVALID_REQUEST, message, field=field))
+    return {"error": message}
+
+
 def deadline_channel(header_s: float, body_s: float, body_min_rate: int, max_body: int = 0):
     """The ``twisted.web.http.HTTPChannel`` subclass that enforces the request deadlines of the
     module doc (``header_s``, ``body_s`` seconds, ``body_min_rate`` bytes per extra second) and
@@ -69,7 +83,7 @@ def deadline_channel(header_s: float, body_s: float, body_min_rate: int, max_bod
                 self._disarm()
                 self._refused = True
                 self._answer(413, "Payload Too Large", f"request body is {self.length} bytes, over this "
-                                                       f"site's {max_body}-byte limit (TENZRO_MAX_BODY)")
+                                                       f"site's {max_body}-byte limit (TENZRO_MAX_BODY)", "body")
                 return
             super().allHeadersReceived()
             self._body_start, self._body_bytes = reactor.seconds(), 0
@@ -110,12 +124,14 @@ def deadline_channel(header_s: float, body_s: float, body_min_rate: int, max_bod
             self._deadline = None
             self._answer(408, "Request Timeout", "request timeout: the request did not arrive in time")
 
-        def _answer(self, status: int, reason: str, message: str) -> None:
-            """Write a JSON error response and close the connection."""
+        def _answer(self, status: int, reason: str, message: str, field: str | None = None) -> None:
+            """Write a JSON error response (``error_body``: the request path's API shape) and close
+            the connection."""
             transport = self.transport
             if transport is None:
                 return
-            body = json.dumps({"error": message}).encode()
+            path = (getattr(self, "_path", None) or b"").decode("latin-1").partition("?")[0]
+            body = json.dumps(error_body(path, message, field)).encode()
             transport.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n"
                             b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
                             % (status, reason.encode(), len(body), body))

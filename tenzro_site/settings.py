@@ -37,6 +37,7 @@ One place maps the environment to backends (docs/DESIGN.md §4):
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import secrets
@@ -426,9 +427,20 @@ TENZRO = {
     "MARKET_RELAY_CHECK_S": _env_float("TENZRO_MARKET_RELAY_CHECK", 15.0),
 }
 
+def _without_traceback(record: logging.LogRecord) -> bool:
+    """Log filter: keep the record, drop its traceback."""
+    record.exc_info, record.exc_text = None, None
+    return True
+
+
+# django.security logs every SuspiciousOperation a client causes (a foreign Host header, ...)
+# with its traceback: 30 lines per request, which any client could flood the log with. One line each.
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "filters": {"without_traceback": {"()": lambda: _without_traceback}},
+    "handlers": {"console": {"class": "logging.StreamHandler"},
+                 "security": {"class": "logging.StreamHandler", "filters": ["without_traceback"]}},
+    "loggers": {"django.security": {"handlers": ["security"], "propagate": False}},
     "root": {"handlers": ["console"], "level": os.environ.get("TENZRO_LOG_LEVEL", "WARNING")},
 }

@@ -7,7 +7,6 @@ from django.conf import settings
 from django.db import DatabaseError
 from django.http import HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
-from django.views.decorators.http import require_GET
 
 from registry import selectors
 from router.apps import current
@@ -40,7 +39,7 @@ def healthz(request):
     return JsonResponse({"ok": True, "deployment": settings.TENZRO["DEPLOYMENT"], "pid": os.getpid(), **body})
 
 
-@require_GET
+@csrf_exempt  # a POST gets the JSON 405 below, not the CSRF failure page
 def metrics(request):
     """``GET /metrics``: Prometheus text exposition of this site process's serving metrics
     (``router.metrics.ServingMetrics``: sequences running and waiting, tokens, TTFT and
@@ -50,7 +49,10 @@ def metrics(request):
     Unauthenticated, like the console's read-only pages that show the same numbers: it
     names providers and timings, nothing secret. Operators who want it private scrape it on
     a private interface or block the path at their proxy. Each site process has its own
-    numbers: scrape every process."""
+    numbers: scrape every process. Another method: JSON 405."""
+    if request.method not in ("GET", "HEAD"):
+        return JsonResponse({"error": f"{request.method} is not allowed on /metrics; use GET"}, status=405,
+                            headers={"Allow": "GET, HEAD"})
     m = current().metrics
     return HttpResponse(m.exposition(), content_type=m.CONTENT_TYPE)
 
@@ -80,22 +82,19 @@ def bad_request(request, exception=None):
     ``ALLOWED_HOSTS``): JSON in the shape of the path's API, never Django's HTML page:
     OpenAI's ``{"error": {message, type, param, code}}`` under ``/v1/``, a JSON-RPC error
     object under ``/rpc``, ``{"error": message}`` elsewhere. A refused host is named with
-    the setting that admits it (``TENZRO_ALLOWED_HOSTS``)."""
-    from django.core.exceptions import DisallowedHost
+    the setting that admits it (``TENZRO_ALLOWED_HOSTS``); a body over the site's limit (a view
+    reading ``request.body``) is a 413 naming ``TENZRO_MAX_BODY``."""
+    from django.core.exceptions import DisallowedHost, RequestDataTooBig
 
-    from moe import jsonrpc
+    from tenzro_site.api import body_too_big_message
+    from tenzro_site.serve import error_body
 
+    if isinstance(exception, RequestDataTooBig):
+        return JsonResponse(error_body(request.path, body_too_big_message(), "body"), status=413)
     if isinstance(exception, DisallowedHost):  # request.get_host() would raise again: the raw header
         host = request.META.get("HTTP_HOST") or request.META.get("SERVER_NAME", "")
         message = (f"Host {host!r} is not allowed on this site; the operator admits it by adding it to "
                    f"TENZRO_ALLOWED_HOSTS (a comma list) and restarting the site")
     else:
         message = f"bad request ({type(exception).__name__})" if exception is not None else "bad request"
-    path = request.path
-    if path == "/v1" or path.startswith("/v1/"):
-        body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
-    elif path.rstrip("/") == "/rpc":
-        body = jsonrpc.error_response(None, jsonrpc.RpcError(jsonrpc.INVALID_REQUEST, message))
-    else:
-        body = {"error": message}
-    return JsonResponse(body, status=400)
+    return JsonResponse(error_body(request.path, message), status=400)

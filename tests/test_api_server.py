@@ -3,6 +3,7 @@ socket (issue 24 item 10): slowloris connections trickling header lines are clos
 request deadline (408), and the site serves on."""
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -103,3 +104,25 @@ def test_a_declared_body_over_the_limit_is_413_at_once(site):
     assert head.startswith(b"HTTP/1.1 413"), answer[:300]
     assert b"1000000000000" in body and b"TENZRO_MAX_BODY" in body, body
     assert httpx.get(site["url"] + "/v1/ping", timeout=30).status_code == 404  # serving on (JSON 404)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/rpc"])
+def test_the_early_413_is_in_the_shape_of_the_paths_api(site, path):
+    """The server's own 413 (a declared body over TENZRO_MAX_BODY, answered before the request
+    reaches Django) is OpenAI's error object under ``/v1/`` and a JSON-RPC error under ``/rpc``,
+    as every other error on those paths (before: ``{"error": "<text>"}`` on both, which the
+    openai SDK and JSON-RPC clients cannot read)."""
+    with socket.create_connection(_address(site), timeout=30) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: 1000000000000\r\n\r\n".encode())
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), answer[:300]
+    doc = json.loads(body)
+    if path == "/rpc":
+        assert doc["jsonrpc"] == "2.0" and doc["id"] is None and doc["error"]["code"] == -32600
+        assert "TENZRO_MAX_BODY" in doc["error"]["message"] and doc["error"]["data"]["field"] == "body"
+    else:
+        assert doc["error"]["type"] == "invalid_request_error" and "TENZRO_MAX_BODY" in doc["error"]["message"]

@@ -94,6 +94,8 @@ def test_rpc_generation_within_the_caps_runs(client, model):
     ({"prompt": [1], "presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ({"prompt": [1], "frequency_penalty": -1}, "frequency_penalty", "not supported"),
     ({"prompt": [1], "frobnicate": 1}, "frobnicate", "unrecognized"),
+    ({"prompt": [1], "model": 5}, "model", "model must be a string"),  # was "model is required"
+    ({"prompt": [1], "model": ["m"]}, "model", "model must be a string"),
     ({"prompt": [1], "stream_options": {"include_usage": "yes"}}, "include_usage", "boolean"),
 ])
 def test_openai_errors_are_400_before_any_stream(client, model, stream, body, param, words):

@@ -62,6 +62,7 @@ def test_defaults_and_shard_view_uses_policy_in_force():
 @pytest.mark.parametrize("changes, field", [
     ({}, "changes"), ({"bogus": 1}, "changes.bogus"), ({"min_replication": 0}, "changes.min_replication"),
     ({"min_replication": 9}, "changes.max_replication"), ({"min_replication": True}, "changes.min_replication"),
+    ({"min_replication": 10**26}, "changes.min_replication"),  # its own range, not "max_replication must be >= ..."
     ({"settlement_holder_share_bps": 10_001}, "changes.settlement_holder_share_bps"),
     ({"dispute_min_overlap": 1.5}, "changes.dispute_min_overlap"),
     ({"dispute_max_rel_delta": float("nan")}, "changes.dispute_max_rel_delta"),

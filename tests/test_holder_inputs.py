@@ -55,6 +55,19 @@ def test_socket_request_with_a_bad_number_gets_a_failure_reply(agent, bad, field
     assert reply["id"] == header["id"] and reply["ok"] is False and field in reply["message"]
 
 
+def test_rows_whose_outputs_overflow_are_refused_as_the_request_not_faulted(agent):
+    """Finite rows of huge magnitude (1e20) overflow an honest expert's f32 outputs: the holder
+    refuses the request as a ``WireError`` naming ``hidden_states`` (the router records a rejection,
+    no reputation cost) instead of answering Inf rows the router counts as the holder's fault."""
+    from moe.messages import SOCKET_REJECTIONS
+
+    header = _execute_header(output="f32")
+    asyncio.run(agent.handle(header, np.full((2, H), 1e20, np.float32).tobytes()))
+    reply, payload = wire.unpack_frame(agent.session.ws.sent[0])
+    assert reply["ok"] is False and reply["code"] in SOCKET_REJECTIONS and not payload
+    assert "hidden_states" in reply["message"] and "overflow" in reply["message"]
+
+
 def test_an_unexpected_error_is_still_answered(agent, monkeypatch):
     def boom(*_a, **_k):
         raise OverflowError("unexpected")

@@ -221,6 +221,12 @@ def test_blob_range_requests(client):
     assert client.get(f"/blobs/{'0' * 64}").status_code == 404
     assert client.get("/blobs/XYZ").status_code == 400
     assert client.post(f"/blobs/{h}").status_code == 405
+    from django.test import Client
+
+    strict = Client(enforce_csrf_checks=True)  # as a real server: the CSRF check ran first (HTML 403)
+    for method in ("post", "put"):
+        r = getattr(strict, method)(f"/blobs/{h}")
+        assert r.status_code == 405 and r["Content-Type"].startswith("application/json"), (method, r.status_code)
 
 
 def test_resolver_local_first_then_peers_and_hash_checked(tmp_path):
