@@ -184,6 +184,8 @@ def test_prepare_experts_command_errors_name_the_flag(tmp_path):
         res = _manage(env, "prepare_experts", "--checkpoint", str(DEEPSEEK), "--model-id", "x", *args)
         assert res.returncode != 0 and flag in res.stderr, res.stderr
         assert "Traceback" not in res.stderr
+        if args[1] == "3-1":  # what is wrong, not only the syntax
+            assert "lo <= hi" in res.stderr, res.stderr
     for job_id, says in (("not-a-uuid", "is not a job id"), ("00000000-0000-0000-0000-000000000001", "no preparation job")):
         res = _manage(env, "prepare_experts", "--resume", job_id)
         assert res.returncode != 0 and "--resume" in res.stderr and says in res.stderr, res.stderr

@@ -23,8 +23,8 @@ def _int_list(text: str | None, flag: str) -> list[int] | None:
         return None
     try:
         return parse_ranges(text, flag, _MAX_ID)
-    except RangeError:
-        raise CommandError(f"{flag}: expected integers like 1,3,5-7, got {text!r}") from None
+    except RangeError as exc:  # its message says what is wrong (not a number, lo > hi, a value twice)
+        raise CommandError(f"{exc} (expected integers like 1,3,5-7, got {text!r})") from None
 
 
 def _same_source(given: str, source: str) -> bool:
