@@ -273,7 +273,14 @@ async def _run(served: ServedModel, body: dict, prompt, chat: bool):
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise ApiError(400, "stream_options must be an object", "stream_options")
+    unknown = sorted(set(opts) - {"include_usage"})
+    if unknown:  # as unknown top-level fields are
+        raise ApiError(400, f"stream_options: unknown field {unknown[0]!r} (supported: include_usage)",
+                       f"stream_options.{unknown[0]}")
     include_usage = _flag(opts, "include_usage")
+    if opts and not stream:  # OpenAI's rule and wording
+        raise ApiError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                       "stream_options")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise ApiError(400, "user must be a string", "user")  # OpenAI's type; ignored otherwise
     prompt_field, tokens_field = ("messages" if chat else "prompt"), _tokens_field(body)

@@ -97,10 +97,20 @@ def test_rpc_generation_within_the_caps_runs(client, model):
     ({"prompt": [1], "model": 5}, "model", "model must be a string"),  # was "model is required"
     ({"prompt": [1], "model": ["m"]}, "model", "model must be a string"),
     ({"prompt": [1], "stream_options": {"include_usage": "yes"}}, "include_usage", "boolean"),
+    ({"prompt": [1], "stream_options": {"include_usage": True, "chunk": 1}}, "stream_options.chunk", "unknown"),
 ])
 def test_openai_errors_are_400_before_any_stream(client, model, stream, body, param, words):
     status, r = openai(client, {"model": model, "max_tokens": 2, **body, "stream": stream})
     assert status == 400 and r["error"]["param"] == param and words in r["error"]["message"], r
+
+
+def test_openai_stream_options_need_a_stream(client, model):
+    """OpenAI refuses ``stream_options`` on a request that does not stream (before: accepted and ignored)."""
+    status, r = openai(client, {"model": model, "prompt": [1], "max_tokens": 2,
+                                "stream_options": {"include_usage": True}})
+    assert status == 400 and r["error"]["param"] == "stream_options" and "only allowed" in r["error"]["message"], r
+    status, r = openai(client, {"model": model, "prompt": [1], "max_tokens": 2, "stream_options": None})
+    assert status == 200, r
 
 
 def test_openai_stream_must_be_a_boolean_and_noop_values_are_accepted(client, model):
