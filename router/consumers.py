@@ -259,6 +259,7 @@ class AgentConsumer(AsyncWebsocketConsumer):
             if str(header.get("id")) not in self.pending:
                 await self._send_error(f"answer for unknown request id {header.get('id')!r}")
                 return
+            single = "parts" not in header  # the answer is this one frame: its size is len(data)
             whole = self.parts.feed(header, payload)
         except wire.WireError as exc:
             await self._send_error(str(exc))
@@ -271,7 +272,10 @@ class AgentConsumer(AsyncWebsocketConsumer):
         if reply_to is None:
             await self._send_error(f"answer for unknown request id {header.get('id')!r}")
             return
-        await self._reply(reply_to, {"type": "agent.reply", "id": header["id"], "header": header, "payload": payload})
+        msg = {"type": "agent.reply", "id": header["id"], "header": header, "payload": payload}
+        if single:
+            msg["bytes"] = len(data)
+        await self._reply(reply_to, msg)
 
     async def _reply(self, reply_to: str | asyncio.Future, msg: dict) -> None:
         """Hand an answer to the waiting router (``router.ws.hand_reply``)."""

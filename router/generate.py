@@ -4,9 +4,9 @@ receipts, settlement records) and each dense MLP layer through the dense split
 (``Router.dense_forward``).
 
 Every generation's sequences run in the model's continuous-batching scheduler
-(``router.scheduler``): one worker thread per model steps all running sequences together,
-its per-layer MLP calls are coroutines put back on the event loop, so holder traffic keeps
-flowing while the thread waits.
+(``router.scheduler``): one task per model on the event loop steps all running sequences
+together and awaits each layer's MLP call there (its backbone compute runs on the loop while
+short, in a worker thread when long), so holder traffic keeps flowing while a step waits.
 Hidden states stay numpy arrays from the backbone to the holders' wire and back (no JSON,
 no base64 inside the process).
 """
@@ -298,8 +298,8 @@ async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "au
     per step for all running sequences; prompts prefilled in chunks).
 
     ``carrier``: of every layer forward, ``auto`` being ``GENERATION_AUTO_CARRIER``.
-    ``on_tokens(list[Sequence])`` is called from the scheduler's worker thread as tokens are
-    chosen. ``fallback`` (default on): the site's fallback replica (``router.fallback``) runs
+    ``on_tokens(list[Sequence])`` is called on the event loop (the scheduler's step) as tokens
+    are chosen. ``fallback`` (default on): the site's fallback replica (``router.fallback``) runs
     batches that every remote holder failed. ``prompt_field``/``tokens_field``: the caller's
     names of the prompt and of ``max_new_tokens``, named by size errors (``check_size``).
     ``reservation``: queue room taken by ``reserve_capacity`` (then the queue cannot refuse it).

@@ -342,14 +342,12 @@ async def _stream(served: ServedModel, prompts: list[list[int]], sampling: Sampl
     extensions ``layers`` (batches, failures, transports, holders by step) and
     ``timings_ms``, then ``[DONE]``. When the client goes away (the iterator is cancelled or
     closed) the generation is cancelled too."""
-    loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     sent = [0] * len(prompts)
     texts = [""] * len(prompts)
 
-    def on_tokens(seqs):  # index: the prompt's position; text: settled (whole characters, no stop)
-        snap = [(s.index, list(s.output), s.text, s.finish_reason) for s in seqs]
-        loop.call_soon_threadsafe(queue.put_nowait, ("tokens", snap))
+    def on_tokens(seqs):  # on the loop; index: the prompt's position; text: settled (whole characters, no stop)
+        queue.put_nowait(("tokens", [(s.index, list(s.output), s.text, s.finish_reason) for s in seqs]))
 
     task = asyncio.ensure_future(generate(served.model_id, prompts, sampling, carrier, on_tokens=on_tokens,
                                           **(fields or {})))

@@ -22,14 +22,20 @@ sequences run; with ``TENZRO_GEN_QUEUE`` sequences waiting a new request gets ``
 (HTTP 429 / -32005 with ``retry_after_s``). A cancelled request (its client went away) leaves
 at the next step and frees its reservation.
 
-The step loop runs in one worker thread per scheduler (started when work arrives, ended
-when none is left); the layer forwards are coroutines run on the scheduler's event loop,
-so holder traffic and other requests keep flowing while the thread computes.
+The step loop is one task per scheduler on its event loop (started when work arrives, ended
+when none is left): each step drives the backbone layer by layer (``Backbone.forward_steps``)
+and awaits each layer forward on the loop it runs on, so a step pays no hand-off between
+threads per layer (a worker thread waiting on ``run_coroutine_threadsafe`` per layer cost
+the site, whose one GIL bounds it, about a tenth of its CPU per token for one client and
+4 % at 16 clients on the shared 2-core machine). The backbone's
+compute between two forwards runs on the loop while it is short (``ComputePlacement``:
+under ``INLINE_MS`` per layer, measured), and in a worker thread when it is not (a large
+model, a long prompt chunk), so holder traffic and other requests keep flowing meanwhile.
 
 Micro-batch overlap (issue 22): with holders across the internet each MoE layer of a step
 waits one round trip. A step therefore splits its sequences into up to
 ``TENZRO_GEN_MICROBATCHES`` micro-batches (whole requests each) that run the backbone at
-once, each in its own thread: while micro-batch A's expert rows are on the wire, B's
+once, each its own coroutine: while micro-batch A's expert rows are on the wire, B's
 attention, norms and gating run (DeepSeek's two-micro-batch overlap, vLLM's dual-batch
 overlap). Each micro-batch makes its own layer forwards, so each holder gets one message
 per layer per micro-batch. ``OverlapModel`` picks the count from what earlier steps
@@ -105,8 +111,8 @@ class OverlapModel:
 
     A split only hides the wait where cores are idle during it; where the machine's cores are
     busy anyway (holders or other work on the router's cores, many clients), it only adds
-    forwards, messages, receipts and GIL hand-offs between micro-batch threads (on the shared
-    2-core machine at 16 clients: a quarter more CPU per token, site and holders together).
+    forwards, messages and receipts (on the shared 2-core machine at 16 clients: a quarter
+    more CPU per token, site and holders together, when micro-batches ran in threads).
     ``idle(cores)`` takes the host's idle cores measured over an unsplit step (``HostIdle``),
     kept as an EWMA; below ``IDLE_MIN_CORES`` no step is split. Without measurements (not
     Linux, or never told) this gate is open.
@@ -220,6 +226,70 @@ class HostIdle:
         return (now[0] - last[0]) / (now[1] - last[1]) * self.cpus
 
 
+class ComputePlacement:
+    """Where a step's backbone compute runs: on the event loop (no hand-off between threads)
+    or in a worker thread (the loop stays free while it runs), from what earlier steps measured.
+
+    ``observe(rows, segment_ms)``: one micro-batch of ``rows`` rows took ``segment_ms`` of
+    CPU per segment (its compute between two layer forwards, or before the first / after the last;
+    the calling thread's CPU time: preemption on a busy machine does not count, BLAS helpers do not),
+    kept as an EWMA per size class (``rows.bit_length()``: a segment's cost is mostly fixed
+    per call at a few rows and grows with rows at many). ``inline(rows)``: whether the
+    expected segment is at most ``INLINE_MS``. A class not measured yet is estimated from the
+    nearest smaller measured class, scaled by the class's rows (an overestimate where fixed
+    cost dominates: at worst one step runs in the thread and is measured), else from the
+    nearest larger one; with nothing measured, inline up to ``COLD_ROWS`` rows.
+    """
+
+    ALPHA = 0.3
+    INLINE_MS = 2.0
+    COLD_ROWS = 16
+
+    def __init__(self):
+        self.segment_ms: dict[int, float] = {}  # size class -> EWMA ms per segment
+        self._lock = threading.Lock()
+
+    def observe(self, rows: int, segment_ms: float) -> None:
+        """A micro-batch of ``rows`` rows computed ``segment_ms`` per segment."""
+        if rows <= 0 or segment_ms < 0:
+            return
+        key = rows.bit_length()
+        with self._lock:
+            old = self.segment_ms.get(key)
+            self.segment_ms[key] = segment_ms if old is None else (1 - self.ALPHA) * old + self.ALPHA * segment_ms
+
+    def expected_ms(self, rows: int) -> float | None:
+        """The expected ms per segment of a micro-batch of ``rows`` rows (None: nothing measured)."""
+        key = max(1, rows).bit_length()
+        with self._lock:
+            known = dict(self.segment_ms)
+        if key in known:
+            return known[key]
+        below = [k for k in known if k < key]
+        if below:
+            k = max(below)
+            return known[k] * 2.0 ** (key - k)
+        above = [k for k in known if k > key]
+        return known[min(above)] if above else None
+
+    def inline(self, rows: int) -> bool:
+        """Whether a micro-batch of ``rows`` rows computes on the loop (class docstring)."""
+        ms = self.expected_ms(rows)
+        return rows <= self.COLD_ROWS if ms is None else ms <= self.INLINE_MS
+
+
+def _advance(steps, out) -> tuple[bool, object, float, float]:
+    """One segment of ``Backbone.forward_steps``: ``steps.send(out)`` as (finished, the next
+    ``(layer, x)`` or the logits when finished, wall ms, this thread's CPU ms). StopIteration
+    is turned into a value so the call can run in an executor (a future cannot carry it)."""
+    t, c = time.perf_counter(), time.thread_time()
+    try:
+        value, done = steps.send(out), False
+    except StopIteration as stop:
+        value, done = stop.value, True
+    return done, value, (time.perf_counter() - t) * 1e3, (time.thread_time() - c) * 1e3
+
+
 def kv_reservation(backbone, prompt_tokens: int, max_new_tokens: int) -> int:
     """Bytes of KV cache a sequence of ``prompt_tokens`` may grow to with ``max_new_tokens``
     more (capped at the context)."""
@@ -231,8 +301,8 @@ class Request:
     """One generation submitted to a scheduler: its sequences (``moe.backbone.decode.Sequence``,
     one per prompt), sampling, ``carrier`` and ``fallback`` of its layer forwards, ``stats``
     (an object with ``add(label, ForwardResult, step)``: ``router.generate.LayerStats``),
-    ``keep_logits`` (prompt logits wanted), ``on_tokens(list[Sequence])`` (called from the
-    worker thread with the sequences that gained a token), and ``future`` (on the scheduler's
+    ``keep_logits`` (prompt logits wanted), ``on_tokens(list[Sequence])`` (called on the
+    scheduler's loop with the sequences that gained a token), and ``future`` (on the scheduler's
     loop: the sequences when all finished, or the exception that ended them).
     ``timings`` (ms): ``queued`` (submission → admission of the last sequence), ``prefill``
     (submission → every first token), ``decode`` (→ finish)."""
@@ -305,14 +375,15 @@ class ModelScheduler:
         self._running: list[_Slot] = []
         self._reserved = 0
         self._reserved_seqs = 0  # room taken by reserve() for submits to come
-        self._thread: threading.Thread | None = None
+        self._task: asyncio.Task | None = None  # the step loop, while sequences wait or run
         self.steps = 0
         self.step_sizes: collections.deque[tuple[int, int]] = collections.deque(maxlen=1000)  # (sequences, rows)
         # Per step: {wall, compute, wire, idle (ms), microbatches, rows} (benches, tests).
         self.timeline: collections.deque[dict] = collections.deque(maxlen=1000)
         self.overlap = OverlapModel()
+        self.placement = ComputePlacement()
         self.host = HostIdle()
-        self._pool: ThreadPoolExecutor | None = None  # micro-batches after the first
+        self._pool: ThreadPoolExecutor | None = None  # compute segments too long for the loop
         self._m = router.metrics
 
     # -- the loop's side -----------------------------------------------------------------------
@@ -366,16 +437,13 @@ class ModelScheduler:
                     raise busy
             self._waiting.extend(slots)
             self._m.waiting.labels(self.model_id).set(len(self._waiting))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=f"scheduler-{self.model_id}", daemon=True)
-                self._thread.start()
-            self._cond.notify()
+            if self._task is None:
+                self._task = self.loop.create_task(self._run(), name=f"scheduler-{self.model_id}")
 
     def cancel(self, request: Request) -> None:
         """Make ``request``'s sequences leave at the next step (its client went away)."""
         with self._cond:
             request.cancelled = True
-            self._cond.notify()
 
     def counts(self) -> tuple[int, int]:
         """(sequences waiting, sequences running) now."""
@@ -387,23 +455,16 @@ class ModelScheduler:
         with self._cond:
             return not self._waiting and not self._running
 
-    # -- the worker thread ---------------------------------------------------------------------
+    # -- the step loop -------------------------------------------------------------------------
 
     def _settle(self, request: Request, result=None, exc: BaseException | None = None) -> None:
-        """Hand ``request``'s end to its future on the loop (ignored once the future is done)."""
+        """End ``request``'s future (on the loop; ignored once the future is done)."""
         fut = request.future
-
-        def done():
-            if fut is not None and not fut.done():
-                if exc is not None:
-                    fut.set_exception(exc)
-                else:
-                    fut.set_result(result)
-
-        try:
-            self.loop.call_soon_threadsafe(done)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
+        if fut is not None and not fut.done():
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
 
     def _drop(self, request: Request, exc: BaseException | None, outcome: str) -> None:
         """Remove every slot of ``request`` (caller holds the lock), release its reservations
@@ -432,34 +493,37 @@ class ModelScheduler:
             if not any(s.request is req for s in self._waiting):
                 req.t_admitted = time.perf_counter()
 
-    def _run(self) -> None:
-        while True:
-            config = SchedulerConfig.from_settings()
-            with self._cond:
-                for req in {s.request for s in list(self._running) + list(self._waiting) if s.request.cancelled}:
-                    self._drop(req, None, "cancelled")
-                self._admit(config)
-                m = self._m
-                m.waiting.labels(self.model_id).set(len(self._waiting))
-                m.running.labels(self.model_id).set(len(self._running))
-                m.kv_budget.set(config.kv_budget)
-                if not self._running:
-                    self._thread = None
-                    m.kv_bytes.labels(self.model_id).set(0)
-                    break
-                batch = self._plan(config)
-            try:
-                self._step(batch, config)
-            except BaseException as exc:  # a layer forward failed: every sequence of the step ends with it
-                with self._cond:
-                    for req in {s.request for s, _ in batch}:
-                        self._drop(req, exc if isinstance(exc, Exception) else RuntimeError(str(exc)), "error")
-                if not isinstance(exc, Exception):
-                    raise
+    async def _run(self) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.outcomes.flush)
-        except RuntimeError:
-            pass
+            while True:
+                config = SchedulerConfig.from_settings()
+                with self._cond:
+                    for req in {s.request for s in list(self._running) + list(self._waiting) if s.request.cancelled}:
+                        self._drop(req, None, "cancelled")
+                    self._admit(config)
+                    m = self._m
+                    m.waiting.labels(self.model_id).set(len(self._waiting))
+                    m.running.labels(self.model_id).set(len(self._running))
+                    m.kv_budget.set(config.kv_budget)
+                    if not self._running:
+                        self._task = None
+                        m.kv_bytes.labels(self.model_id).set(0)
+                        break
+                    batch = self._plan(config)
+                try:
+                    await self._step(batch, config)
+                except BaseException as exc:  # a layer forward failed: every sequence of the step ends with it
+                    with self._cond:
+                        for req in {s.request for s, _ in batch}:
+                            self._drop(req, exc if isinstance(exc, Exception) else RuntimeError(str(exc)), "error")
+                    if not isinstance(exc, Exception):
+                        raise
+                await asyncio.sleep(0)  # what arrived during the step (requests, cancels) runs before the next
+        finally:
+            with self._cond:
+                if self._task is asyncio.current_task():  # cancelled (the loop is closing): a later submit starts anew
+                    self._task = None
+        self.outcomes.flush()
 
     def _plan(self, config: SchedulerConfig) -> list[tuple[_Slot, np.ndarray]]:
         """This step's rows (lock held): the last token of each decoding slot, then prompt
@@ -476,10 +540,11 @@ class ModelScheduler:
         return batch
 
     def _mlp(self, batch: list[tuple[_Slot, np.ndarray]], spent: list[float] | None = None):
-        """The backbone's ``mlp(layer, x)`` for one step: one distributed forward per layer for
-        each (carrier, fallback) group of rows (one group unless requests differ), run on the
-        loop; each request's ``stats`` records the forwards it took part in; ``spent[0]`` adds
-        the forwards' own time (ms, the longest of a layer's groups)."""
+        """A coroutine function ``mlp(layer, x)`` (x float32 ``[N, H]`` → ``[N, H]``), the MLP
+        of one step's layer: one distributed forward for each (carrier, fallback) group of rows
+        (one group unless requests differ); each request's ``stats`` records the forwards it
+        took part in; ``spent[0]`` adds the forwards' own time (ms, the longest of a layer's
+        groups)."""
         served, router = self.served, self.router
         groups: dict[tuple[str, bool], list[int]] = {}
         requests: dict[tuple[str, bool], list[Request]] = {}
@@ -509,8 +574,8 @@ class ModelScheduler:
             return list(await asyncio.gather(*(call(layer, np.ascontiguousarray(x[ix]), c, f)
                                                for (c, f), ix in index.items())))
 
-        def mlp(layer: int, x: np.ndarray) -> np.ndarray:
-            results = asyncio.run_coroutine_threadsafe(run_all(layer, x), self.loop).result()
+        async def mlp(layer: int, x: np.ndarray) -> np.ndarray:
+            results = await run_all(layer, x)
             if len(results) == 1:
                 out = results[0].output
             else:
@@ -547,55 +612,61 @@ class ModelScheduler:
             acc += r
         return parts
 
-    def _micro(self, part: list[tuple[_Slot, np.ndarray]], select: list[str]) -> tuple[list, float, float, int,
-                                                                                      float]:
-        """Run the backbone over one micro-batch: (logits, wall ms, ms blocked on layer forwards,
-        forwards made, ms the forwards themselves took on the loop)."""
+    def _workers(self, count: int) -> ThreadPoolExecutor:
+        """The threads that run compute segments too long for the loop (one per micro-batch)."""
+        if self._pool is None or self._pool._max_workers < count:
+            self._pool = ThreadPoolExecutor(max_workers=max(4, count), thread_name_prefix=f"compute-{self.model_id}")
+        return self._pool
+
+    async def _micro(self, part: list[tuple[_Slot, np.ndarray]], select: list[str],
+                     count: int) -> tuple[list, float, float, int, float]:
+        """Run the backbone over one micro-batch (of ``count``), its compute between layer
+        forwards on the loop or in a worker thread (``ComputePlacement``): (logits, wall ms,
+        ms not computing (blocked on layer forwards, or on the others' compute), forwards
+        made, ms the forwards themselves took on the loop)."""
         t0 = time.perf_counter()
         spent = [0.0]
-        inner = self._mlp(part, spent)
-        waited, calls = [0.0], [0]
+        mlp = self._mlp(part, spent)
+        rows = int(sum(ids.size for _, ids in part))
+        inline = self.placement.inline(rows)
+        steps = self.served.backbone.forward_steps([ids for _, ids in part], [s.seq.cache for s, _ in part],
+                                                   select=select)
+        computed, cpu, calls, out = 0.0, 0.0, 0, None
+        while True:
+            if inline:
+                done, value, ms, cpu_ms = _advance(steps, out)
+            else:
+                done, value, ms, cpu_ms = await self.loop.run_in_executor(self._workers(count), _advance, steps, out)
+            computed += ms
+            cpu += cpu_ms
+            if done:
+                break
+            layer, x = value
+            out = await mlp(layer, x)
+            calls += 1
+        # CPU time, not wall: on a loaded machine preemption would make short segments look long.
+        self.placement.observe(rows, cpu / (calls + 1))
+        wall = (time.perf_counter() - t0) * 1e3
+        return value, wall, max(0.0, wall - computed), calls, spent[0]
 
-        def mlp(layer: int, x: np.ndarray) -> np.ndarray:
-            t = time.perf_counter()
-            try:
-                return inner(layer, x)
-            finally:
-                waited[0] += time.perf_counter() - t
-                calls[0] += 1
-
-        logits = self.served.backbone.forward([ids for _, ids in part], [s.seq.cache for s, _ in part], mlp,
-                                              select=select)
-        return logits, (time.perf_counter() - t0) * 1e3, waited[0] * 1e3, calls[0], spent[0]
-
-    def _forward(self, batch: list[tuple[_Slot, np.ndarray]], select: list[str], count: int) -> tuple[list, dict]:
-        """The step's logits in ``batch`` order, its micro-batches run at once (the first on this
-        thread), and the step's timeline entry (ms: ``compute`` summed over micro-batches,
+    async def _forward(self, batch: list[tuple[_Slot, np.ndarray]], select: list[str],
+                       count: int) -> tuple[list, dict]:
+        """The step's logits in ``batch`` order, its micro-batches run at once (one coroutine
+        each), and the step's timeline entry (ms: ``compute`` summed over micro-batches,
         ``wire`` a micro-batch's mean wait on its forwards, ``forward`` of which the forwards
-        ran on the loop (the rest: hand-offs between the thread and a busy loop), ``idle`` the
-        wall the router did not compute); the first micro-batch error is raised after all ended."""
+        ran on the loop (the rest: the other micro-batches' compute, hand-offs to compute
+        threads), ``idle`` the wall the router did not compute); the first micro-batch error
+        is raised after all ended."""
         parts = self._split(batch, count)
         runs = [([batch[i] for i in p], [select[i] for i in p]) for p in parts]
         t0 = time.perf_counter()
         if len(runs) > 1:
-            if self._pool is None or self._pool._max_workers < len(runs) - 1:
-                self._pool = ThreadPoolExecutor(max_workers=max(3, len(runs) - 1),
-                                                thread_name_prefix=f"microbatch-{self.model_id}")
-            futures = [self._pool.submit(self._micro, p, s) for p, s in runs[1:]]
-            results, error = [], None
-            try:
-                results.append(self._micro(*runs[0]))
-            except BaseException as exc:  # wait for the others before the step ends with it
-                error = exc
-            for f in futures:
-                try:
-                    results.append(f.result())
-                except BaseException as exc:
-                    error = error or exc
+            results = await asyncio.gather(*(self._micro(p, s, len(runs)) for p, s in runs), return_exceptions=True)
+            error = next((r for r in results if isinstance(r, BaseException)), None)
             if error is not None:
                 raise error
         else:
-            results = [self._micro(*runs[0])]
+            results = [await self._micro(*runs[0], 1)]
         wall = (time.perf_counter() - t0) * 1e3
         logits: list = [None] * len(batch)
         compute = wire = forward = 0.0
@@ -612,20 +683,31 @@ class ModelScheduler:
                  "rows": int(sum(ids.size for _, ids in batch))}
         return logits, entry
 
-    def _step(self, batch: list[tuple[_Slot, np.ndarray]], config: SchedulerConfig | None = None) -> None:
+    async def _step(self, batch: list[tuple[_Slot, np.ndarray]], config: SchedulerConfig | None = None) -> None:
         """Run one step over ``batch`` (in micro-batches, ``OverlapModel``) and hand out its
         tokens and finished requests."""
         config = config or SchedulerConfig.from_settings()
         t0 = time.perf_counter()
         bb = self.served.backbone
-        select = []
+        select, gains = [], []
         for slot, ids in batch:
             last = slot.fed + ids.size >= slot.seq.prompt.size  # decode rows, or a prompt's final chunk
             keep = slot.request.keep_logits and slot.fed < slot.seq.prompt.size
             select.append("all" if keep else "last" if last else "none")
+            gains.append(last)
         count = self.overlap.count(config.microbatches, len({id(s.request) for s, _ in batch}), len(batch))
         self.host.sample()  # the step's idle cores are counted from here
-        logits, entry = self._forward(batch, select, count)
+        logits, entry = await self._forward(batch, select, count)
+
+        def choose() -> list[int | None]:  # each sequence's own RNG: the order of the draws changes nothing
+            return [next_token(lg[-1], slot.request.sampling, slot.seq.rng) if gain else None
+                    for (slot, _), lg, gain in zip(batch, logits, gains)]
+
+        # Sampling a large vocabulary (top-p sorts it) goes where the step's compute went.
+        if all(slot.request.sampling.temperature == 0 for slot, _ in batch) or self.placement.inline(entry["rows"]):
+            chosen = choose()
+        else:
+            chosen = await self.loop.run_in_executor(self._workers(1), choose)
         idle = self.host.sample()
         if entry["microbatches"] == 1:
             self.overlap.idle(idle)
@@ -642,7 +724,7 @@ class ModelScheduler:
         advanced: dict[int, list[Sequence]] = {}
         reqs: dict[int, Request] = {}
         prompt_rows = 0
-        for (slot, ids), lg in zip(batch, logits):
+        for (slot, ids), lg, tok in zip(batch, logits, chosen):
             req, seq = slot.request, slot.seq
             reqs[id(req)] = req
             prefilling = slot.fed < seq.prompt.size
@@ -656,7 +738,6 @@ class ModelScheduler:
                 if req.keep_logits:
                     seq.prompt_logits = np.concatenate(slot.logits)
                     slot.logits = []
-            tok = next_token(lg[-1], req.sampling, seq.rng)
             seq.output.append(tok)
             if slot.text.push(tok):  # a stop id or stop string (router.detokenize)
                 seq.finish_reason = "stop"

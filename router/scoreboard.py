@@ -75,13 +75,25 @@ class HolderStats:
     probing: bool = False
     last_probe: float = -math.inf
     recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=LATENCY_WINDOW))
+    appended: int = 0  # round trips ever added to ``recent`` (``add_round_trip``)
+    _p99: tuple[int, float] | None = field(default=None, repr=False, compare=False)  # (appended, p99)
+
+    def add_round_trip(self, latency_ms: float) -> None:
+        """Keep one verified round trip (ms) in ``recent``."""
+        self.recent.append(float(latency_ms))
+        self.appended += 1
 
     def p99_ms(self) -> float | None:
-        """The 99th percentile of the recent round trips (ms; nearest rank), None before any."""
+        """The 99th percentile of the recent round trips (ms; nearest rank), None before any.
+        Sorted once per new round trip: every batch of a forward asks for its holder's deadline
+        before any answer comes back, and sorting the window for each was 1.5 % of the site's
+        CPU at 16 clients."""
         if not self.recent:
             return None
-        xs = sorted(self.recent)
-        return xs[min(len(xs) - 1, math.ceil(0.99 * len(xs)) - 1)]
+        if self._p99 is None or self._p99[0] != self.appended:
+            xs = sorted(self.recent)
+            self._p99 = (self.appended, xs[min(len(xs) - 1, math.ceil(0.99 * len(xs)) - 1)])
+        return self._p99[1]
 
     def rtt_ms(self) -> float | None:
         """The least recent round trip (ms): the path's RTT plus the least compute; None before any."""
@@ -162,7 +174,7 @@ class Scoreboard:
             s.open_until = 0.0
             s.success_rate = _ewma(s.success_rate, 1.0)
             s.latency_ms = _ewma(s.latency_ms, float(latency_ms))
-            s.recent.append(float(latency_ms))
+            s.add_round_trip(latency_ms)
             if latency_ms > 0:
                 s.rows_per_s = _ewma(s.rows_per_s, rows * 1e3 / latency_ms)
 

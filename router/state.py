@@ -464,7 +464,7 @@ class ForwardOutcomes:
     ``add`` flushes by itself once ``flush_s`` seconds passed since the last flush, so a long
     generation's reputations and settlements lag by at most that; the owner calls ``close``
     at the end (also when the generation failed or was cancelled): it flushes, and any forward
-    still finishing afterwards (a cancelled generation's worker thread runs on) is handed on at
+    still finishing afterwards (a cancelled generation's step runs on) is handed on at
     once. ``router``: whose background recording runs the outcomes. Used on the event loop only.
     """
 

@@ -77,7 +77,8 @@ class LocalSocket(Protocol):
     loop: asyncio.AbstractEventLoop
 
     async def relay(self, req_id: str, header: dict, payload: bytes, answer: asyncio.Future) -> None:
-        """Write the request frame to the socket; ``answer`` gets ``{"header", "payload"}``."""
+        """Write the request frame to the socket; ``answer`` gets ``{"header", "payload"}`` (and
+        ``"bytes"``, the answer's size on the socket, when one frame carried it)."""
 
 
 _local: dict[str, list[LocalSocket]] = {}
@@ -253,6 +254,14 @@ class AgentLink:
         Returns (answer header, answer payload). Raises ``AgentUnavailable`` on timeout,
         disconnect, or an answer with ``ok: false`` (its ``code`` and ``message`` kept).
         """
+        msg = await self.request_message(provider, header, payload, timeout, req_id, on_part)
+        return msg.get("header") or {}, msg.get("payload") or b""
+
+    async def request_message(self, provider: str, header: dict, payload: bytes = b"",
+                              timeout: float = 30.0, req_id: str | None = None,
+                              on_part: Callable[[dict], None] | None = None) -> dict:
+        """``request``, returning the whole answer message ``{id, header, payload}``, with
+        ``bytes`` (its size on the agent's socket) when the consumer counted it. Same errors."""
         req_id = req_id or uuid.uuid4().hex
         if req_id in self.pending:
             raise ValueError(f"request id {req_id} is already in flight")
@@ -288,4 +297,4 @@ class AgentLink:
         if not answer.get("ok"):
             raise AgentUnavailable(f"holder {provider[:12]}…: {answer.get('message', 'request failed')}",
                                    answer.get("code"))
-        return answer, msg.get("payload") or b""
+        return msg

@@ -355,16 +355,19 @@ async def test_a_streamed_batch_resolves_each_request_as_its_answer_arrives(monk
     assert header["type"] == "batch" and header["stream"] is True
     subs = messages.split_batch(header, payload)
     order = [2, 0, 1, 3]  # answered out of order, as a holder finishes them
+    sizes = {}
     for n, i in enumerate(order):
         h, data = subs[i]
         answer = ((messages.failure(h["id"], -32004, "expert not loaded"), b"") if i == 1 else
                   (messages.reply(h["id"], token_indices=h["token_indices"], output="f32", receipt=None), data))
-        await comm.send_to(bytes_data=wire.pack_frame(*messages.batch_part(header["id"], answer, n < 3)))
+        frame = wire.pack_frame(*messages.batch_part(header["id"], answer, n < 3))
+        sizes[i] = len(frame)
+        await comm.send_to(bytes_data=frame)
         await asyncio.wait_for(asyncio.shield(sent[i]) if i != 1 else asyncio.wait([sent[i]]), 5.0)
         assert all(not sent[j].done() for j in order[n + 1:])  # the rest still wait
     got = await asyncio.gather(*sent, return_exceptions=True)
     for i in (0, 2, 3):
-        assert got[i].transport == "ws" and got[i].bytes_out > 0 and got[i].bytes_back > 0
+        assert got[i].transport == "ws" and got[i].bytes_out > 0 and got[i].bytes_back == sizes[i]
         assert np.array_equal(got[i].rows, rows[i:i + 1])
     assert isinstance(got[1], HolderFault) and "-32004" in str(got[1])
 

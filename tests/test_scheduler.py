@@ -232,3 +232,88 @@ async def test_full_queue_is_busy_and_cancel_frees_the_slot(settings):
     snap = current().metrics.snapshot()
     outcomes = {s["labels"]["outcome"] for s in snap["tenzro_requests_total"] if s["labels"]["model"] == model}
     assert {"ok", "cancelled"} <= outcomes
+
+
+# -- where a step's backbone compute runs ------------------------------------------------------
+
+def test_backbone_steps_equal_forward():
+    """``forward_steps`` driven by hand (the scheduler awaits each layer's MLP between two
+    segments) yields one C-contiguous float32 ``[N, H]`` per layer and returns exactly the
+    logits and cache of ``forward``."""
+    bb, mlp, _ = local_model(QWEN)
+    ids = [np.asarray(p) for p in prompts(3, seed=2)]
+    whole = [bb.new_cache() for _ in ids]
+    want = bb.forward(ids, whole, mlp, select=["all", "last", "none"])
+    caches = [bb.new_cache() for _ in ids]
+    steps = bb.forward_steps(ids, caches, select=["all", "last", "none"])
+    layers, out = [], None
+    while True:
+        try:
+            layer, x = steps.send(out)
+        except StopIteration as done:
+            got = done.value
+            break
+        assert x.dtype == np.float32 and x.flags.c_contiguous and x.shape == (sum(i.size for i in ids), bb.hidden_size)
+        layers.append(layer)
+        out = mlp(layer, x)
+    assert layers == list(range(bb.num_layers))
+    assert got[2] is None and all(np.array_equal(a, b) for a, b in zip(got[:2], want[:2]))
+    assert [c.length for c in caches] == [c.length for c in whole] == [i.size for i in ids]
+    with pytest.raises(BackboneError):
+        next(bb.forward_steps([np.asarray([bb.vocab_size])], [bb.new_cache()]))
+
+
+def test_compute_placement_keeps_short_segments_on_the_loop():
+    from router.scheduler import ComputePlacement
+
+    p = ComputePlacement()
+    assert p.inline(16) and not p.inline(17)  # nothing measured: small steps on the loop
+    p.observe(4, 0.3)  # 4..7 rows: 0.3 ms a segment
+    assert p.inline(4) and p.inline(2)  # measured; a smaller class is taken from the nearest larger one
+    assert p.inline(16)  # scaled from 4..7 rows: 1.2 ms
+    assert not p.inline(512)  # scaled: 38 ms, a worker thread
+    p.observe(16, 5.0)  # a long segment at 16..31 rows (a large model)
+    assert not p.inline(16) and p.inline(4)
+    for _ in range(20):  # it got short again
+        p.observe(16, 0.5)
+    assert p.inline(16)
+    p.observe(0, 1.0)  # nothing to learn from
+    p.observe(8, -1.0)
+    assert p.expected_ms(8) == pytest.approx(0.6)  # still scaled from 4..7 rows
+
+
+@pytest.mark.asyncio
+async def test_compute_in_worker_threads_gives_the_tokens_of_the_loop(settings):
+    """Six greedy requests and one sampled one get the same tokens whether each step's
+    backbone compute ran on the event loop's thread (a small model) or in worker threads (a
+    large one), and it ran where the placement said."""
+    import threading
+
+    from router.generate import generate
+
+    model = "sched-placement"
+    await sync_to_async(publish)(QWEN, model)
+    settings.TENZRO = {**settings.TENZRO, "GEN_PREFILL_CHUNK": 4}
+    ps = prompts(7, seed=21)
+    samplings = [Sampling(max_new_tokens=5)] * 6 + [Sampling(max_new_tokens=5, temperature=0.9, top_p=0.9, seed=4)]
+    sched = await scheduler(model)
+    bb = sched.served.backbone
+    threads: set[int] = set()
+    real = bb.attention_rows
+
+    def recording(*args, **kw):
+        threads.add(threading.get_ident())
+        return real(*args, **kw)
+
+    bb.attention_rows = recording
+    try:
+        sched.placement.inline = lambda rows: True  # as for a small model
+        on_loop = await asyncio.gather(*(generate(model, p, s) for p, s in zip(ps, samplings)))
+        assert threads == {threading.get_ident()}
+        threads.clear()
+        sched.placement.inline = lambda rows: False  # as for a large model
+        in_threads = await asyncio.gather(*(generate(model, p, s) for p, s in zip(ps, samplings)))
+        assert threads and threading.get_ident() not in threads
+    finally:
+        del bb.attention_rows, sched.placement.inline
+    assert [r["output_ids"] for r in in_threads] == [r["output_ids"] for r in on_loop]

@@ -150,3 +150,20 @@ def test_a_holder_whose_socket_this_process_holds_ranks_before_an_equal_relayed_
     sb.fault("here")  # nor a failing holder
     assert names(sb.order(hs)) == ["there", "here"]
     assert names(Scoreboard(clock=Clock()).order([holder("b", reputation=100), holder("a")])) == ["a", "b"]
+
+
+def test_p99_follows_every_new_round_trip():
+    """The p99 is kept between round trips (each batch's deadline asks for it) and follows
+    each new one, also once the window is full and old round trips drop out."""
+    from router.scoreboard import LATENCY_WINDOW
+
+    sb = Scoreboard()
+    proven(sb, "a", ms=10.0, n=LATENCY_WINDOW)
+    stats = sb._stats["a"]
+    assert stats.p99_ms() == stats.p99_ms() == 10.0
+    sb.success("a", 500.0, 8)
+    assert stats.p99_ms() == 10.0  # one slow answer in 128 is above the 99th percentile
+    sb.success("a", 700.0, 8)
+    assert stats.p99_ms() == 500.0
+    proven(sb, "a", ms=20.0, n=LATENCY_WINDOW)  # the slow ones left the window
+    assert stats.p99_ms() == 20.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Generator
 
 import numpy as np
 
@@ -323,8 +323,25 @@ class Backbone(ABC):
         is row-invariant (``linear``, ``causal_attention``, per-row norms): a sequence's
         logits do not depend on the other sequences of the call. Raises ``BackboneError``
         (field ``input_ids``) for an id out of the vocabulary or a sequence past
-        ``max_position_embeddings``.
+        ``max_position_embeddings``. ``forward_steps`` driven with ``mlp``.
         """
+        steps = self.forward_steps(seqs, caches, all_logits, select)
+        try:
+            layer, x = next(steps)
+            while True:
+                layer, x = steps.send(mlp(layer, x))
+        except StopIteration as done:
+            return done.value
+
+    def forward_steps(self, seqs: list[np.ndarray], caches: list[KVCache], all_logits: bool = False,
+                      select: list[str] | None = None) -> Generator[tuple[int, np.ndarray], np.ndarray,
+                                                                    list[np.ndarray | None]]:
+        """``forward`` as a generator, for a caller that runs each layer's MLP elsewhere (the
+        scheduler awaits it on its event loop): yields ``(layer, x)`` with ``x`` float32
+        ``[N, H]`` C-contiguous (every sequence's rows after the layer's post-attention norm),
+        takes the MLP's output float32 ``[N, H]`` by ``send``, and returns ``forward``'s
+        logits list (``StopIteration.value``). Same arguments, math and errors as
+        ``forward`` (raised by the first ``next``); the caches are extended as it runs."""
         for ids, cache in zip(seqs, caches):
             if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
                 raise BackboneError(f"token ids must be in 0..{self.vocab_size - 1}", "input_ids")
@@ -339,7 +356,8 @@ class Backbone(ABC):
             x = rms_norm(h, self.weight(f"model.layers.{layer}.input_layernorm.weight"), self.eps)
             h = h + self.attention_rows(layer, x, bounds, positions, caches)
             x = rms_norm(h, self.weight(f"model.layers.{layer}.post_attention_layernorm.weight"), self.eps)
-            h = h + np.asarray(mlp(layer, np.ascontiguousarray(x, dtype=F32)), dtype=F32)
+            out = yield layer, np.ascontiguousarray(x, dtype=F32)
+            h = h + np.asarray(out, dtype=F32)
         for c, n in zip(caches, lens):
             c.length += n
         h = rms_norm(h, self.w["model.norm.weight"], self.eps)
