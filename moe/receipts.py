@@ -50,8 +50,10 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import json
 import re
 import struct
+import sys
 
 import numpy as np
 from nacl.signing import SigningKey
@@ -217,6 +219,64 @@ def _digest(rows: np.ndarray, input_hash: bytes, k: int) -> tuple[np.ndarray, np
     if not _digest_rows(rows, _sign_bits(input_hash, h), idx, val, proj, abssum):
         idx, val = _top_features_partition(rows, kk)
     return idx, val, proj, abssum
+
+
+@njit(cache=True, nogil=True)
+def _sketch_agrees(theirs, ours, abssum):
+    """Whether every projection of ``theirs`` f64 ``[n, p]`` is finite and within
+    ``SKETCH_RTOL × abssum[row] + 1e-30`` of ``ours``: the router's sketch check, element for
+    element as numpy computes it (no fastmath here: the tolerance is rounded the same way)."""
+    n, p = theirs.shape
+    for r in range(n):
+        tol = SKETCH_RTOL * abssum[r]
+        tol = tol + 1e-30
+        for q in range(p):
+            t = theirs[r, q]
+            if not np.isfinite(t) or abs(t - ours[r, q]) > tol:
+                return False
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _check_rows(rows, bits, theirs, raw, tokens, k, out):
+    """The router's whole per-batch check of finite rows f32 ``[n, H]`` in one compiled call:
+    the sketch over the signs of ``bits`` (``_sign_bits``) against the holder's ``theirs`` f64
+    ``[n, p]`` (``_sketch_agrees``), then the canonical commitment rows (module docstring)
+    into ``out`` uint8 ``[n × (4 + 8k + 8p)]``: each row's token (``tokens`` uint32 ``[n]``),
+    its top ``k`` features (``_top_k_scan``) and the holder's projections copied byte for byte
+    from ``raw`` (uint8, the decoded sketch). Little-endian hosts only (bytes are copied from
+    native arrays). Returns 0 (checked, ``out`` written), 1 (a row holds NaN or ±Inf: nothing
+    decided, the caller takes the numpy path) or 2 (the sketch disagrees)."""
+    n, h = rows.shape
+    p = theirs.shape[1]
+    proj = np.empty((n, p), np.float64)
+    abssum = np.empty(n, np.float64)
+    if not _sums(rows, _expand_signs(bits, p, h), proj, abssum):
+        return 1
+    if not _sketch_agrees(theirs, proj, abssum):
+        return 2
+    idx = np.empty((n, k), np.uint32)
+    val = np.empty((n, k), np.float32)
+    if k > 0:
+        _top_k_scan(rows, k, idx, val)
+    tb = tokens.view(np.uint8)
+    ib = idx.reshape(n * k).view(np.uint8)
+    vb = val.reshape(n * k).view(np.uint8)
+    o = 0
+    for r in range(n):
+        for b in range(4):
+            out[o + b] = tb[4 * r + b]
+        o += 4
+        for j in range(k):
+            e = 4 * (r * k + j)
+            for b in range(4):
+                out[o + b] = ib[e + b]
+                out[o + 4 + b] = vb[e + b]
+            o += 8
+        for b in range(8 * p):
+            out[o + b] = raw[8 * p * r + b]
+        o += 8 * p
+    return 0
 
 
 def top_features(rows: np.ndarray, k: int = TOP_K) -> tuple[np.ndarray, np.ndarray]:
@@ -423,15 +483,59 @@ def _checked_body(receipt, *, provider: str, request_id: str, model_id: str, lay
         raise ReceiptError(f"{rows.shape[0]} output rows for {n} tokens")
     if rows.shape[1] == 0:
         raise ReceiptError(f"output rows have shape {rows.shape}; expected [{n}, d_model]")
-    idx, val, ours, abssum = _digest(rows, ih, TOP_K)
+    if _commitment_of(rows, ih, theirs, raw, tokens) != receipt["commitment"]:
+        raise ReceiptError("output rows do not match the receipt's commitment")
+    return _body_json(request_id=request_id, model_id=model_id, layer=layer, expert=expert, tokens=tokens,
+                      input_hash=ih.hex(), commitment=receipt["commitment"], d_model=rows.shape[1],
+                      blob_hash=receipt["blob_hash"], quant=receipt["quant"], provider=provider)
+
+
+_LITTLE_ENDIAN = sys.byteorder == "little"  # _check_rows copies native bytes into little-endian records
+
+
+def _commitment_of(rows: np.ndarray, ih: bytes, theirs: np.ndarray, raw: bytes, tokens: list[int]) -> str:
+    """The commitment (64 hex) of f32 C-contiguous ``rows`` ``[n, H]`` with the holder's sketch
+    ``theirs`` f64 ``[n, p]`` (decoded from ``raw``), once the sketch agrees with the rows
+    (``_checked_body``'s last row check). Finite rows on a little-endian host: one compiled call
+    (``_check_rows``); otherwise the numpy steps (``_digest``, ``_pack_commitment``), which
+    decide the same. Raises ``ReceiptError`` when the sketch disagrees."""
+    tok = np.ascontiguousarray(tokens, dtype=np.uint32)
+    if _LITTLE_ENDIAN:
+        n, h = rows.shape
+        kk = min(TOP_K, h)
+        out = np.empty(n * (4 + 8 * kk + 8 * theirs.shape[1]), np.uint8)
+        code = _check_rows(rows, _sign_bits(ih, h), theirs, np.frombuffer(raw, np.uint8), tok, kk, out)
+        if code == 2:
+            raise ReceiptError("output rows do not match the receipt's sketch")
+        if code == 0:
+            digest = hashlib.sha256(ACTIVATION_DOMAIN + struct.pack("<BBI", kk, theirs.shape[1], n))
+            digest.update(out)
+            return digest.hexdigest()
+    idx, val, ours, abssum = _digest(rows, ih, TOP_K)  # rows holding NaN or ±Inf: numpy's ordering
     tol = SKETCH_RTOL * abssum[:, None] + 1e-30
     if not np.isfinite(theirs).all() or (np.abs(theirs - ours) > tol).any():
         raise ReceiptError("output rows do not match the receipt's sketch")
-    if hashlib.sha256(_pack_commitment(tokens, idx, val, theirs)).hexdigest() != receipt["commitment"]:
-        raise ReceiptError("output rows do not match the receipt's commitment")
-    return canonical_json(_body(request_id=request_id, model_id=model_id, layer=layer, expert=expert, tokens=tokens,
-                                input_hash=ih.hex(), commitment=receipt["commitment"], d_model=rows.shape[1],
-                                blob_hash=receipt["blob_hash"], quant=receipt["quant"], provider=provider))
+    return hashlib.sha256(_pack_commitment(tok, idx, val, theirs)).hexdigest()
+
+
+_json_str = json.encoder.encode_basestring_ascii  # a string as json.dumps(ensure_ascii=True) writes it
+
+
+def _body_json(*, request_id, model_id, layer, expert, tokens, input_hash, commitment, d_model, blob_hash, quant,
+               provider) -> bytes:
+    """``canonical_json(_body(...))``, byte for byte, written directly (keys in sorted order,
+    compact, ASCII) when every string field is a ``str``; ``canonical_json`` otherwise. The
+    receipt leaf of every verified batch is this body's digest: json.dumps of a dict with a
+    token list cost about as much as the rest of the body's checks."""
+    if not (type(request_id) is str and type(model_id) is str and type(input_hash) is str
+            and type(commitment) is str and type(blob_hash) is str and type(quant) is str and type(provider) is str):
+        return canonical_json(_body(request_id=request_id, model_id=model_id, layer=layer, expert=expert,
+                                    tokens=tokens, input_hash=input_hash, commitment=commitment, d_model=d_model,
+                                    blob_hash=blob_hash, quant=quant, provider=provider))
+    return (f'{{"blob_hash":{_json_str(blob_hash)},"commitment":{_json_str(commitment)},"d_model":{int(d_model)},'
+            f'"expert":{int(expert)},"input_hash":{_json_str(input_hash)},"layer":{int(layer)},'
+            f'"model_id":{_json_str(model_id)},"provider":{_json_str(provider)},"quant":{_json_str(quant)},'
+            f'"request_id":{_json_str(request_id)},"tokens":[{",".join(map(str, map(int, tokens)))}]}}').encode()
 
 
 def verify_receipt(receipt: dict | None, *, provider: str, request_id: str, model_id: str, layer: int, expert: int,

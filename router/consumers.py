@@ -298,12 +298,14 @@ class AgentConsumer(AsyncWebsocketConsumer):
         for frame in frames:
             await self.send(bytes_data=frame)
 
-    async def relay(self, req_id: str, header: dict, payload: bytes, answer: asyncio.Future) -> None:
+    async def relay(self, req_id: str, header: dict, payload: bytes, answer: asyncio.Future,
+                    encoded: bytes | None = None) -> None:
         """A router in this process and loop: write the request (in part frames above the socket's
-        cap); the answer resolves ``answer`` directly (``router.ws.LocalSocket``).
+        cap); the answer resolves ``answer`` directly (``router.ws.LocalSocket``). ``encoded``:
+        ``header``'s compact JSON when the router already has it (``wire.split_frames``).
 
         Raises ``wire.WireError`` when the message cannot be split below the cap."""
-        frames = wire.split_frames(header, payload, settings.TENZRO["WS_MAX_MESSAGE"])
+        frames = wire.split_frames(header, payload, settings.TENZRO["WS_MAX_MESSAGE"], encoded)
         self.pending[req_id] = answer
         for frame in frames:
             await self.send(bytes_data=frame)

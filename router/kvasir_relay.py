@@ -141,9 +141,11 @@ class KvasirRelayConsumer(AsyncWebsocketConsumer):
         self.ws2tcp += len(payload)
         await self.send(bytes_data=payload)
 
-    async def relay(self, req_id: str, header: dict, payload: bytes, answer: asyncio.Future) -> None:
+    async def relay(self, req_id: str, header: dict, payload: bytes, answer: asyncio.Future,
+                    encoded: bytes | None = None) -> None:
         """A router in this process and loop (``router.ws.LocalSocket``): write the request bytes;
-        ``answer`` resolves with the response bytes (``payload``)."""
+        ``answer`` resolves with the response bytes (``payload``). ``encoded`` (the header's
+        JSON) is not written: only the payload goes to a Kvasir worker."""
         await self._write(req_id, header, payload, answer)
 
     async def agent_request(self, event):

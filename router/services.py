@@ -42,17 +42,18 @@ async def send_ws(provider: str, req: BatchRequest) -> BatchAnswer:
 
 async def _send_ws_one(link: AgentLink, provider: str, req: BatchRequest) -> BatchAnswer:
     header = messages.request_header(req)
+    encoded = json.dumps(header, separators=(",", ":")).encode()  # counted here, written as is
     try:
-        answer, payload = await link.request(provider, header, req.payload, settings.TENZRO["BATCH_TIMEOUT_S"],
-                                             req_id=req.request_id)
+        msg = await link.request_message(provider, header, req.payload, settings.TENZRO["BATCH_TIMEOUT_S"],
+                                         req_id=req.request_id, encoded=encoded)
     except AgentUnavailable as exc:
         if exc.code in messages.SOCKET_REJECTIONS:  # the agent refused our malformed request: not its fault
             raise messages.Rejected(str(exc)) from exc
         raise
+    answer, payload = msg.get("header") or {}, msg.get("payload") or b""
     # Bytes on the agent's socket: frame length prefix + JSON header + payload, each way.
-    out = 4 + len(json.dumps(header, separators=(",", ":"))) + len(req.payload)
-    back = 4 + len(json.dumps(answer, separators=(",", ":"))) + len(payload)
-    return answer_to_batch(answer, payload, req, "ws", out, back)
+    out = 4 + len(encoded) + len(req.payload)
+    return answer_to_batch(answer, payload, req, "ws", out, _reply_bytes(msg, answer, payload))
 
 
 async def _send_ws_many(link: AgentLink, provider: str, reqs: list[BatchRequest], deliver) -> list:
@@ -61,7 +62,8 @@ async def _send_ws_many(link: AgentLink, provider: str, reqs: list[BatchRequest]
     answers the batch whole is read with ``messages.batch_answers``."""
     header, payload = messages.batch_frame(reqs, uuid.uuid4().hex, seal=coalesce.message_receipts())
     header["stream"] = coalesce.stream_answers()
-    out = 4 + len(json.dumps(header, separators=(",", ":"))) + len(payload)
+    encoded = json.dumps(header, separators=(",", ":")).encode()  # counted here, written as is
+    out = 4 + len(encoded) + len(payload)
     stream = messages.StreamedBatch(reqs, "ws", out)
 
     def on_part(msg: dict) -> None:
@@ -70,7 +72,7 @@ async def _send_ws_many(link: AgentLink, provider: str, reqs: list[BatchRequest]
 
     try:
         msg = await link.request_message(provider, header, payload, settings.TENZRO["BATCH_TIMEOUT_S"],
-                                         req_id=header["id"], on_part=on_part)
+                                         req_id=header["id"], on_part=on_part, encoded=encoded)
         answer, data = msg.get("header") or {}, msg.get("payload") or b""
         back = _reply_bytes(msg, answer, data)
         if "more" not in answer:  # answered whole

@@ -76,9 +76,11 @@ class LocalSocket(Protocol):
 
     loop: asyncio.AbstractEventLoop
 
-    async def relay(self, req_id: str, header: dict, payload: bytes, answer: asyncio.Future) -> None:
+    async def relay(self, req_id: str, header: dict, payload: bytes, answer: asyncio.Future,
+                    encoded: bytes | None = None) -> None:
         """Write the request frame to the socket; ``answer`` gets ``{"header", "payload"}`` (and
-        ``"bytes"``, the answer's size on the socket, when one frame carried it)."""
+        ``"bytes"``, the answer's size on the socket, when one frame carried it). ``encoded``:
+        ``header``'s compact JSON when the caller already has it (written as is)."""
 
 
 _local: dict[str, list[LocalSocket]] = {}
@@ -259,9 +261,13 @@ class AgentLink:
 
     async def request_message(self, provider: str, header: dict, payload: bytes = b"",
                               timeout: float = 30.0, req_id: str | None = None,
-                              on_part: Callable[[dict], None] | None = None) -> dict:
+                              on_part: Callable[[dict], None] | None = None,
+                              encoded: bytes | None = None) -> dict:
         """``request``, returning the whole answer message ``{id, header, payload}``, with
-        ``bytes`` (its size on the agent's socket) when the consumer counted it. Same errors."""
+        ``bytes`` (its size on the agent's socket) when the consumer counted it. ``encoded``:
+        ``header`` as ``json.dumps(header, separators=(",", ":")).encode()``, when the caller
+        encoded it already (to count its bytes) and its ``id`` is ``req_id``: a socket of this
+        process writes it as is instead of encoding the header again. Same errors."""
         req_id = req_id or uuid.uuid4().hex
         if req_id in self.pending:
             raise ValueError(f"request id {req_id} is already in flight")
@@ -278,7 +284,10 @@ class AgentLink:
                 fn("relay" if sock is None else "local")
             if sock is not None:
                 try:
-                    await sock.relay(req_id, {**header, "id": req_id}, payload, fut)
+                    if encoded is not None and header.get("id") == req_id:
+                        await sock.relay(req_id, header, payload, fut, encoded)
+                    else:
+                        await sock.relay(req_id, {**header, "id": req_id}, payload, fut)
                 except wire.WireError as exc:
                     raise AgentUnavailable(f"request to holder {provider[:12]}… cannot be framed: {exc}",
                                            "too_large") from exc

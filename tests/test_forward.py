@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import tempfile
 
 import numpy as np
@@ -21,7 +22,7 @@ from moe.ffn import expert_forward
 from router.forward import (BatchAnswer, ForwardError, HolderFault, _Rows, ForwardConfig, LayerForward,
                              renormalized)
 from moe.gating import route
-from moe.identity import provider_id
+from moe.identity import SignatureError, canonical_json, provider_id
 from moe.receipts import ReceiptError, make_receipt, verify_receipt
 from tenzro_site.verify import monolithic
 from prepare.checkpoint import Checkpoint
@@ -109,6 +110,66 @@ def test_receipt_digest_matches_the_definitions(h):
         assert idx_b[2].tolist() == [h // 2] + [i for i in _top_by_sorting(x[2], 8) if i != h // 2][:7]
         assert all(idx_b[r].tolist() == _top_by_sorting(x[r], 8) for r in (0, 1, 3, 4))
         assert not receipts._sums(y, receipts.sketch_signs(ih, h), np.empty((5, 4)), np.empty(5))
+
+
+def _commitment_by_numpy(rows, ih, theirs, tokens):
+    """The router's commitment check as plain numpy steps: None when the sketch disagrees."""
+    idx, val, ours, abssum = receipts._digest(rows, ih, receipts.TOP_K)
+    if not np.isfinite(theirs).all() or (np.abs(theirs - ours) > receipts.SKETCH_RTOL * abssum[:, None] + 1e-30).any():
+        return None
+    return hashlib.sha256(receipts._pack_commitment(tokens, idx, val, theirs)).hexdigest()
+
+
+@pytest.mark.parametrize("h", [256, 96, 33, 5])
+@pytest.mark.parametrize("n", [0, 1, 4, 17])
+def test_compiled_commitment_check_decides_as_the_numpy_steps(h, n):
+    """``_commitment_of`` (one compiled call for finite rows) gives the commitment the numpy
+    steps give, refuses the sketches they refuse (a projection moved past the tolerance, a
+    non-finite one), and leaves rows holding NaN or Inf to those steps."""
+    rng = np.random.default_rng([h, n])
+    rows = (rng.standard_normal((n, h)) * rng.choice([1e-20, 1.0, 1e20], (n, h))).astype(np.float32)
+    tokens = sorted(int(t) for t in rng.choice(1000, n, replace=False))
+    ih = bytes(rng.integers(0, 256, 32, dtype=np.uint8))
+    theirs = receipts.sketch(rows, ih)
+    cases = [theirs, theirs * (1 + 1e-12)]  # agrees within the tolerance: the holder's bytes are hashed
+    if n:
+        far = theirs.copy()
+        far[-1, 1] += 1e-6 * max(1.0, float(np.abs(rows[-1]).sum()))
+        inf = theirs.copy()
+        inf[0, 0] = np.inf
+        cases += [far, inf]
+    for th in cases:
+        th = np.ascontiguousarray(th, dtype="<f8")
+        want = _commitment_by_numpy(rows, ih, th, tokens)
+        if want is None:
+            with pytest.raises(ReceiptError, match="sketch"):
+                receipts._commitment_of(rows, ih, th, th.tobytes(), tokens)
+        else:
+            assert receipts._commitment_of(rows, ih, th, th.tobytes(), tokens) == want
+    if n:
+        for bad in (np.nan, np.inf):
+            y = rows.copy()
+            y[0, h // 2] = bad
+            th = np.ascontiguousarray(theirs, dtype="<f8")
+            want = _commitment_by_numpy(y, ih, th, tokens)
+            got = (receipts._commitment_of(y, ih, th, th.tobytes(), tokens) if want is not None else None)
+            assert got == want
+
+
+@pytest.mark.parametrize("strings", [
+    dict(request_id="r" * 32, model_id="qwen3-moe-tiny", blob_hash="ab" * 32, quant="bf16"),
+    dict(request_id='q"uo\\te\n', model_id="m\u00e9\u4e2d\U0001f600", blob_hash="\x00\x1f\x7f", quant=""),
+])
+def test_receipt_body_encoding_is_canonical_json(strings):
+    """The leaf's body written directly is ``canonical_json`` of the body, byte for byte
+    (escapes, non-ASCII, numpy integers, a bool layer); non-str fields take canonical_json."""
+    common = dict(input_hash="cd" * 32, commitment="ef" * 32, provider="01" * 32)
+    for layer, expert, tokens, d_model in [(1, 4, [3, 5, 9], 64), (True, np.int64(7), list(np.arange(5)), np.int32(96)),
+                                           (0, 0, [], 1)]:
+        kw = dict(strings, **common, layer=layer, expert=expert, tokens=tokens, d_model=d_model)
+        assert receipts._body_json(**kw) == canonical_json(receipts._body(**kw))
+    with pytest.raises(SignatureError):
+        receipts._body_json(**dict(strings, **common, layer=1, expert=1, tokens=[1], d_model=2, quant=1.5))
 
 
 @pytest.mark.parametrize("where", ["top", "tail"])
