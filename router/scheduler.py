@@ -102,7 +102,7 @@ class OverlapModel:
     The model assumes the wait is time the router's cores are free; where the holders share
     those cores (or the forwards' own per-batch work dominates) a split only adds forwards,
     messages and receipts. So a split is also checked against what it delivers:
-    ``realized(count, wall_ms, rows, sequences)`` keeps an EWMA of step wall time per row for
+    ``realized(count, wall_ms, rows, sequences)`` keeps an EWMA of decode steps' wall time per row for
     each count and step size (sequences, in powers of two: a step of 16 is not compared with
     steps of one), and a split whose rows cost no less than unsplit steps' of that size (by
     ``MARGIN``) is not used. The unsplit figure is measured on the step after the first split
@@ -180,8 +180,12 @@ class OverlapModel:
 
     def realized(self, count: int, wall_ms: float, rows: int, sequences: int) -> None:
         """A step of ``sequences`` sequences and ``rows`` rows run in ``count`` micro-batches
-        took ``wall_ms``."""
+        took ``wall_ms`` (kept for decode steps only: ``rows == sequences``)."""
         if rows <= 0 or sequences <= 0 or wall_ms < 0:
+            return
+        if rows != sequences:
+            # Only decode steps (one row per sequence) are compared: a step carrying prompt rows
+            # costs far less per row, so whichever count happened to meet new prompts looked cheap.
             return
         v, key = wall_ms / rows, (count, sequences.bit_length())
         with self._lock:

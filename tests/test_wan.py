@@ -135,6 +135,8 @@ def test_overlap_split_is_dropped_when_it_does_not_pay_and_probed_again():
     m.realized(4, wall_ms=160.0, rows=16, sequences=16)  # 10 ms a row split ...
     assert m.count(4, 16, 16) == 1  # ... then the unsplit baseline of the same size
     m.realized(1, wall_ms=96.0, rows=16, sequences=16)  # 6 ms a row: the split does not pay (shared cores)
+    for _ in range(5):  # split steps that met new prompts (1.5 ms a row over 64 rows): not
+        m.realized(4, wall_ms=96.0, rows=64, sequences=16)  # compared, or the split would look as if it paid
     picks = [m.count(4, 16, 16) for _ in range(2 * OverlapModel.PROBE_EVERY)]
     assert picks.count(4) == 2 and picks.count(1) == 2 * OverlapModel.PROBE_EVERY - 2  # split only to re-measure
     for _ in range(10):  # the link got far: split steps now cost half a row's time
