@@ -53,12 +53,18 @@ class WireError(ParamError):
     ``field`` names the parameter at fault when the caller gave one."""
 
 
+def header_json(header: dict) -> bytes:
+    """A frame header's bytes on the wire: compact JSON (what ``pack_frame`` writes and byte
+    counts measure)."""
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
 def pack_frame(header: dict, payload: bytes = b"", header_max: int = FRAME_HEADER_MAX) -> bytes:
     """Build a binary frame ``u32 LE len ‖ JSON header ‖ payload``.
 
     Raises ``WireError`` when the JSON header exceeds ``header_max`` bytes.
     """
-    h = json.dumps(header, separators=(",", ":")).encode()
+    h = header_json(header)
     if len(h) > header_max:
         raise WireError(f"frame header is {len(h)} bytes; the limit is {header_max}")
     return struct.pack("<I", len(h)) + h + payload
@@ -87,12 +93,12 @@ def split_frames(header: dict, payload: bytes, max_message: int, encoded: bytes 
     """The frames that carry one message ``header``/``payload`` over a socket capped at
     ``max_message`` bytes: the plain frame when it fits, else part frames ``{id, part, parts}``
     (``id`` = ``header["id"]``) whose payloads concatenate to the whole message packed as one
-    frame (header up to ``MESSAGE_HEADER_MAX``). ``encoded``: ``header`` as
-    ``json.dumps(header, separators=(",", ":")).encode()`` when the caller already has it (a
+    frame (header up to ``MESSAGE_HEADER_MAX``). ``encoded``: ``header_json(header)``
+    when the caller already has it (a
     batch's header lists every request's tokens: encoding it twice showed in the site's
     profile). Raises ``WireError`` for a message over ``MESSAGE_MAX`` or a cap too small for a part.
     """
-    h = encoded if encoded is not None else json.dumps(header, separators=(",", ":")).encode()
+    h = encoded if encoded is not None else header_json(header)
     if len(h) <= FRAME_HEADER_MAX and 4 + len(h) + len(payload) <= max_message:
         return [struct.pack("<I", len(h)) + h + payload]
     whole = pack_frame(header, payload, MESSAGE_HEADER_MAX)

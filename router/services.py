@@ -42,7 +42,7 @@ async def send_ws(provider: str, req: BatchRequest) -> BatchAnswer:
 
 async def _send_ws_one(link: AgentLink, provider: str, req: BatchRequest) -> BatchAnswer:
     header = messages.request_header(req)
-    encoded = json.dumps(header, separators=(",", ":")).encode()  # counted here, written as is
+    encoded = wire.header_json(header)  # counted here, written as is
     try:
         msg = await link.request_message(provider, header, req.payload, settings.TENZRO["BATCH_TIMEOUT_S"],
                                          req_id=req.request_id, encoded=encoded)
@@ -62,7 +62,7 @@ async def _send_ws_many(link: AgentLink, provider: str, reqs: list[BatchRequest]
     answers the batch whole is read with ``messages.batch_answers``."""
     header, payload = messages.batch_frame(reqs, uuid.uuid4().hex, seal=coalesce.message_receipts())
     header["stream"] = coalesce.stream_answers()
-    encoded = json.dumps(header, separators=(",", ":")).encode()  # counted here, written as is
+    encoded = wire.header_json(header)  # counted here, written as is
     out = 4 + len(encoded) + len(payload)
     stream = messages.StreamedBatch(reqs, "ws", out)
 
@@ -88,7 +88,7 @@ def _reply_bytes(msg: dict, header: dict, payload: bytes) -> int:
     else the frame it came in re-encoded (a reassembled or relayed answer). Re-encoding the
     last answer of a batch, whose seal lists every batch, was 1 % of the site's CPU."""
     n = msg.get("bytes")
-    return n if isinstance(n, int) else 4 + len(json.dumps(header, separators=(",", ":"))) + len(payload)
+    return n if isinstance(n, int) else 4 + len(wire.header_json(header)) + len(payload)
 
 
 async def send_to_agent(model_id: str, provider: str, layer: int, expert: int, tokens: list[int],

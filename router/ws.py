@@ -265,7 +265,7 @@ class AgentLink:
                               encoded: bytes | None = None) -> dict:
         """``request``, returning the whole answer message ``{id, header, payload}``, with
         ``bytes`` (its size on the agent's socket) when the consumer counted it. ``encoded``:
-        ``header`` as ``json.dumps(header, separators=(",", ":")).encode()``, when the caller
+        ``header`` as ``wire.header_json(header)``, when the caller
         encoded it already (to count its bytes) and its ``id`` is ``req_id``: a socket of this
         process writes it as is instead of encoding the header again. Same errors."""
         req_id = req_id or uuid.uuid4().hex
