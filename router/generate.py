@@ -120,18 +120,11 @@ def served_model(model_id: str) -> ServedModel:
 
 
 async def served_model_cached(model_id: str) -> ServedModel:
-    """``served_model`` from the router's TTL cache (``Router.fresh``, ``view_cache_s``: a
+    """``served_model`` from the router's TTL cache (``Router.fresh_or_load``, ``view_cache_s``: a
     republished backbone is seen as late as a changed shard view is) without a thread hop; a
-    miss reads the database on the site's DB thread. Each HTTP request runs its sync work in a
-    thread of its own, so the uncached read opened a new SQLite connection per request (4 % of
-    the site's CPU at 16 clients). Raises what ``served_model`` raises (errors are not cached)."""
-    router = current()
-    hit = router.fresh(("served", model_id))
-    if hit is not None:
-        return hit
-    served = await database_sync_to_async(served_model)(model_id)
-    router.remember(("served", model_id), served)
-    return served
+    miss reads the database on the site's DB thread, once for all requests that missed
+    together. Raises what ``served_model`` raises (errors are not cached)."""
+    return await current().fresh_or_load(("served", model_id), lambda: database_sync_to_async(served_model)(model_id))
 
 
 def served_models() -> list[tuple[str, object]]:

@@ -75,6 +75,7 @@ class Router:
         self._gates: dict[str, Gate] = {}  # by blob hash
         self._gate_lock = threading.Lock()
         self._ttl: dict[tuple, tuple[float, object]] = {}
+        self._loading: dict[tuple, asyncio.Future] = {}  # ``fresh_or_load``'s reads in flight, by key
         self._views: dict[str, tuple[tuple, ShardView]] = {}  # model id -> (provider rows, full view)
         self._infos_of: dict[str, tuple[tuple, tuple]] = {}  # model id -> ((live rows, expected), infos)
         # Holder clients keep connections bound to the event loop that opened them: one per loop.
@@ -113,6 +114,26 @@ class Router:
     def remember(self, key: tuple, value) -> None:
         """Hold ``value`` for ``key`` as ``cached`` would, from now (a value read elsewhere)."""
         self._ttl[key] = (time.monotonic(), value)
+
+    async def fresh_or_load(self, key: tuple, load):
+        """``fresh(key)``, or else the value of ``await load()`` held for ``key`` from now; the
+        concurrent callers of one expired key share one ``load`` (when the cache expired under
+        16 clients, each request read the database on a thread of its own: 5 % of the site's
+        samples). Raises what ``load`` raises, to every caller that shared it (not cached)."""
+        hit = self.fresh(key)
+        if hit is not None:
+            return hit
+        pending = self._loading.get(key)
+        if pending is None:
+            pending = self._loading[key] = asyncio.ensure_future(load())
+
+            def done(f: asyncio.Future) -> None:
+                self._loading.pop(key, None)
+                if not f.cancelled() and f.exception() is None:
+                    self.remember(key, f.result())
+
+            pending.add_done_callback(done)
+        return await asyncio.shield(pending)  # a caller that goes away leaves the read to the others
 
     def cached(self, key: tuple, fn):
         """``fn()`` memoized for ``view_cache_s`` seconds: per-forward DB reads of the shard view

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from moe.shardmap import HoldingInfo, ProviderInfo
 from router.forward import ForwardConfig
 from router.state import Router
@@ -32,5 +34,40 @@ def test_full_view_is_reused_while_the_provider_rows_are_cached():
         router._ttl[("infos", "m")] = (time.monotonic(), infos(B))  # the rows were read again
         fresh = await router.view("m", frozenset())
         assert fresh is not first and [h.provider for h in fresh.holders(0, 1)] == [B]
+
+    asyncio.run(scene())
+
+
+def test_fresh_or_load_shares_one_read_among_concurrent_misses_and_caches_no_error():
+    router = Router(ForwardConfig(view_cache_s=3600))
+    reads = []
+
+    async def load():
+        reads.append(1)
+        await asyncio.sleep(0.05)  # a database read on another thread
+        return "served"
+
+    async def failing():
+        reads.append(1)
+        await asyncio.sleep(0)
+        raise LookupError("no backbone")
+
+    async def scene():
+        got = await asyncio.gather(*(router.fresh_or_load(("served", "m"), load) for _ in range(16)))
+        assert got == ["served"] * 16 and len(reads) == 1  # 16 requests that missed together: one read
+        assert await router.fresh_or_load(("served", "m"), load) == "served" and len(reads) == 1  # cached
+        reads.clear()
+        errors = await asyncio.gather(*(router.fresh_or_load(("served", "x"), failing) for _ in range(4)),
+                                      return_exceptions=True)
+        assert len(reads) == 1 and all(isinstance(e, LookupError) for e in errors)
+        with pytest.raises(LookupError):  # the error was not cached: the next caller reads again
+            await router.fresh_or_load(("served", "x"), failing)
+        assert len(reads) == 2
+        # A caller that goes away does not cancel the read the others wait on.
+        waiter = asyncio.ensure_future(router.fresh_or_load(("served", "y"), load))
+        other = asyncio.ensure_future(router.fresh_or_load(("served", "y"), load))
+        await asyncio.sleep(0.01)
+        waiter.cancel()
+        assert await other == "served"
 
     asyncio.run(scene())
