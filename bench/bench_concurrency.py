@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -32,7 +34,20 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from machine import cpu_seconds  # noqa: E402
-from tests.cluster_util import running_cluster  # noqa: E402
+from tests.cluster_util import env_for, fresh_postgres_db, running_cluster  # noqa: E402
+
+
+@contextmanager
+def deployment(tmp: Path, services: bool):
+    """The cluster's environment: embedded (SQLite, no broker) or, with ``services``, a fresh
+    PostgreSQL database and Redis with a Celery worker (as ``tenzro_cluster`` starts one)."""
+    if not services:
+        yield env_for(tmp)
+        return
+    pg = os.environ.get("TENZRO_TEST_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
+    redis = os.environ.get("TENZRO_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+    with fresh_postgres_db(pg) as db:
+        yield env_for(tmp, database_url=db, redis_url=redis)
 
 
 async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], tokens: int) -> tuple[list, float]:
@@ -79,11 +94,15 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=str(ROOT / "tests/fixtures/qwen3_moe_tiny"))
     ap.add_argument("--model", default="qwen3-moe-tiny")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--services", action="store_true",
+                    help="the services deployment: PostgreSQL (TENZRO_TEST_DATABASE_URL, an admin URL: a fresh "
+                         "database per run), Redis (TENZRO_TEST_REDIS_URL) and a Celery worker for settlement "
+                         "and audits; default: the embedded one (SQLite, economy inline in the site)")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(0, 256, size=int(rng.integers(4, 17)))] for _ in range(a.requests)]
-    with tempfile.TemporaryDirectory() as tmp, running_cluster(Path(tmp), [Path(a.checkpoint)],
-                                                               holders=a.holders) as (info, _proc):
+    with tempfile.TemporaryDirectory() as tmp, deployment(Path(tmp), a.services) as env, \
+            running_cluster(Path(tmp), [Path(a.checkpoint)], holders=a.holders, env=env) as (info, _proc):
         url = info["url"]
         asyncio.run(run(url, a.model, prompts[:2], a.tokens, 1))  # warm: JIT, connections, caches
         phases = []
@@ -91,7 +110,7 @@ def main() -> None:
             cpu0 = cpu_seconds(info)
             r = asyncio.run(run(url, a.model, prompts, a.tokens, clients))
             r["cpu_ms_per_token"] = {k: round(1e3 * (v - cpu0[k]) / max(1, r["tokens"]), 2)
-                                     for k, v in cpu_seconds(info).items() if k in ("sites", "agents")}
+                                     for k, v in cpu_seconds(info).items() if k in ("sites", "agents", "celery")}
             phases.append(r)
         solo, many = phases
     same = sum(1 for i, ids in many["ids"].items() if solo["ids"].get(i) == ids)
@@ -99,7 +118,8 @@ def main() -> None:
     for r in (solo, many):
         print(f"clients {r['clients']:>3}: {r['tokens']} tokens in {r['wall_s']} s = {r['tokens_per_s']} tok/s, "
               f"p50 {r['p50_s']} s, p99 {r['p99_s']} s, errors {len(r['errors'])}; CPU ms per token: "
-              f"site {r['cpu_ms_per_token']['sites']}, agents {r['cpu_ms_per_token']['agents']}")
+              f"site {r['cpu_ms_per_token']['sites']}, agents {r['cpu_ms_per_token']['agents']}"
+              + (f", celery {r['cpu_ms_per_token']['celery']}" if a.services else ""))
     print(f"ratio {ratio}x; {same}/{len(many['ids'])} concurrent requests equal their solo tokens")
     if a.json:
         print(json.dumps({"solo": {k: v for k, v in solo.items() if k != "ids"},
