@@ -170,14 +170,14 @@ INSTALLED_APPS = [
     "tenzro_site",  # the orchestration commands (tenzro_cluster, tenzro_demo, verify_forward)
 ]
 
-MIDDLEWARE = [
-    "django.middleware.security.SecurityMiddleware",
-    "django.contrib.sessions.middleware.SessionMiddleware",
-    "django.middleware.common.CommonMiddleware",
-    "django.middleware.csrf.CsrfViewMiddleware",
-    "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "django.contrib.messages.middleware.MessageMiddleware",
-    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+MIDDLEWARE = [  # Django's own, with hooks on the event loop under ASGI (tenzro_site.middleware)
+    "tenzro_site.middleware.SecurityMiddleware",
+    "tenzro_site.middleware.SessionMiddleware",
+    "tenzro_site.middleware.CommonMiddleware",
+    "tenzro_site.middleware.CsrfViewMiddleware",
+    "tenzro_site.middleware.AuthenticationMiddleware",
+    "tenzro_site.middleware.MessageMiddleware",
+    "tenzro_site.middleware.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
 ]
 
