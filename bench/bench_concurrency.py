@@ -1,7 +1,7 @@
 """Concurrent clients of ``/v1/completions`` on a real cluster: continuous batching (issue 21).
 
 Usage:  .venv/bin/python bench/bench_concurrency.py [--requests 32] [--clients 16] [--tokens 24]
-        [--holders 3] [--checkpoint tests/fixtures/qwen3_moe_tiny] [--json]
+        [--holders 3] [--checkpoint tests/fixtures/qwen3_moe_tiny] [--rounds 3] [--services] [--json]
 
 Starts ``manage.py tenzro_cluster`` with ``--holders`` agents on the checkpoint, then sends
 ``--requests`` completions (greedy, ``--tokens`` new tokens, token-id prompts of 4..16 ids)
@@ -11,6 +11,9 @@ tokens/s of both, their ratio (issue goal ≥ 6× at 16 clients), p50/p99 latenc
 how many concurrent requests got exactly their solo tokens (goal: all), and the CPU time the
 site and the agents spent per generated token in each phase (``/proc``: steadier than tokens/s on
 a shared machine, and it shows which process bounds the ratio: the site is one GIL-bound process).
+Both phases run ``--rounds`` times, alternating, on the same warm cluster; the ratio is the
+median of the rounds' ratios. ``--services`` runs the services deployment (PostgreSQL, Redis,
+a Celery worker doing settlement and audits) instead of the embedded one.
 """
 from __future__ import annotations
 
@@ -94,37 +97,55 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=str(ROOT / "tests/fixtures/qwen3_moe_tiny"))
     ap.add_argument("--model", default="qwen3-moe-tiny")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="solo-then-concurrent rounds on one warm cluster; the ratio reported is their median "
+                         "(the concurrent phase lasts ~1.5 s: one hiccup of a shared machine moves one round)")
     ap.add_argument("--services", action="store_true",
                     help="the services deployment: PostgreSQL (TENZRO_TEST_DATABASE_URL, an admin URL: a fresh "
                          "database per run), Redis (TENZRO_TEST_REDIS_URL) and a Celery worker for settlement "
                          "and audits; default: the embedded one (SQLite, economy inline in the site)")
     a = ap.parse_args()
+    if a.rounds < 1:
+        ap.error("--rounds must be at least 1")
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(0, 256, size=int(rng.integers(4, 17)))] for _ in range(a.requests)]
     with tempfile.TemporaryDirectory() as tmp, deployment(Path(tmp), a.services) as env, \
             running_cluster(Path(tmp), [Path(a.checkpoint)], holders=a.holders, env=env) as (info, _proc):
         url = info["url"]
         asyncio.run(run(url, a.model, prompts[:2], a.tokens, 1))  # warm: JIT, connections, caches
-        phases = []
-        for clients in (1, a.clients):
-            cpu0 = cpu_seconds(info)
-            r = asyncio.run(run(url, a.model, prompts, a.tokens, clients))
-            r["cpu_ms_per_token"] = {k: round(1e3 * (v - cpu0[k]) / max(1, r["tokens"]), 2)
-                                     for k, v in cpu_seconds(info).items() if k in ("sites", "agents", "celery")}
-            phases.append(r)
-        solo, many = phases
-    same = sum(1 for i, ids in many["ids"].items() if solo["ids"].get(i) == ids)
-    ratio = round(many["tokens_per_s"] / solo["tokens_per_s"], 2) if solo["tokens_per_s"] else None
-    for r in (solo, many):
-        print(f"clients {r['clients']:>3}: {r['tokens']} tokens in {r['wall_s']} s = {r['tokens_per_s']} tok/s, "
-              f"p50 {r['p50_s']} s, p99 {r['p99_s']} s, errors {len(r['errors'])}; CPU ms per token: "
-              f"site {r['cpu_ms_per_token']['sites']}, agents {r['cpu_ms_per_token']['agents']}"
-              + (f", celery {r['cpu_ms_per_token']['celery']}" if a.services else ""))
-    print(f"ratio {ratio}x; {same}/{len(many['ids'])} concurrent requests equal their solo tokens")
+        rounds = []
+        for _ in range(a.rounds):  # one client, then many, on the same warm cluster: a ratio per round
+            phases = []
+            for clients in (1, a.clients):
+                cpu0 = cpu_seconds(info)
+                r = asyncio.run(run(url, a.model, prompts, a.tokens, clients))
+                r["cpu_ms_per_token"] = {k: round(1e3 * (v - cpu0[k]) / max(1, r["tokens"]), 2) for k, v in
+                                         cpu_seconds(info).items() if k in ("sites", "agents", "celery")}
+                phases.append(r)
+            solo, many = phases
+            rounds.append({"solo": solo, "concurrent": many,
+                           "ratio": round(many["tokens_per_s"] / solo["tokens_per_s"], 2) if solo["tokens_per_s"]
+                           else None,
+                           "equal_to_solo": sum(1 for i, ids in many["ids"].items() if solo["ids"].get(i) == ids)})
+    for k, rd in enumerate(rounds, 1):
+        for r in (rd["solo"], rd["concurrent"]):
+            print(f"round {k} clients {r['clients']:>3}: {r['tokens']} tokens in {r['wall_s']} s = "
+                  f"{r['tokens_per_s']} tok/s, p50 {r['p50_s']} s, p99 {r['p99_s']} s, errors {len(r['errors'])}; "
+                  f"CPU ms per token: site {r['cpu_ms_per_token']['sites']}, agents {r['cpu_ms_per_token']['agents']}"
+                  + (f", celery {r['cpu_ms_per_token']['celery']}" if a.services else ""))
+        print(f"round {k} ratio {rd['ratio']}x; {rd['equal_to_solo']}/{len(rd['concurrent']['ids'])} concurrent "
+              f"requests equal their solo tokens")
+    ratios = [rd["ratio"] for rd in rounds if rd["ratio"] is not None]
+    ratio = round(statistics.median(ratios), 2) if ratios else None
+    errors = sum(len(r["errors"]) for rd in rounds for r in (rd["solo"], rd["concurrent"]))
+    equal = sum(rd["equal_to_solo"] for rd in rounds)
+    print(f"median ratio {ratio}x over {len(rounds)} rounds (each {', '.join(f'{x}x' for x in ratios)}); "
+          f"errors {errors}; {equal}/{a.requests * len(rounds)} concurrent requests equal their solo tokens")
     if a.json:
-        print(json.dumps({"solo": {k: v for k, v in solo.items() if k != "ids"},
-                          "concurrent": {k: v for k, v in many.items() if k != "ids"},
-                          "ratio": ratio, "equal_to_solo": same, "requests": a.requests}))
+        print(json.dumps({"rounds": [{"solo": {k: v for k, v in rd["solo"].items() if k != "ids"},
+                                      "concurrent": {k: v for k, v in rd["concurrent"].items() if k != "ids"},
+                                      "ratio": rd["ratio"], "equal_to_solo": rd["equal_to_solo"]} for rd in rounds],
+                          "ratio": ratio, "errors": errors, "equal_to_solo": equal, "requests": a.requests}))
 
 
 if __name__ == "__main__":
