@@ -37,7 +37,7 @@ from moe.content import BlobError, blob_uri
 from registry.governance import current_policy
 from moe.identity import load_or_create_key, provider_id, sign_body
 from moe.jsonrpc import EXECUTION_ERROR
-from registry.models import Holding, Provider
+from registry.models import Holding, Provider, ReplicationPolicy
 from registry.selectors import live_providers
 from settlement.apps import current
 from settlement.audit import Tolerances, is_sampled, verify_rows
@@ -331,16 +331,22 @@ def dispute_json(d: Dispute, s: ReceiptSample) -> dict:
             "quarantined_until_ms": d.quarantined_until_ms, "created_ms": d.created_ms}
 
 
-def _tolerances() -> Tolerances:
-    p = current_policy()
+def _tolerances(p) -> Tolerances:
     return Tolerances(p.dispute_min_overlap, p.dispute_max_rel_delta, p.dispute_min_rows_passed)
 
 
 def _load_sample(key: str) -> tuple[ReceiptSample, Dispute | None]:
-    s = ReceiptSample.objects.filter(key=key).first()
+    s = ReceiptSample.objects.select_related("dispute").filter(key=key).first()  # one query for both
     if s is None:
         raise EconomyError(EXECUTION_ERROR, f"no kept receipt with key {key!r}", "key")
-    return s, Dispute.objects.filter(sample=s).first()
+    return s, getattr(s, "dispute", None)
+
+
+def _dispute_inputs(key: str) -> tuple[ReceiptSample, Dispute | None, bytes | None, ReplicationPolicy]:
+    """One database hop for a dispute: (sample, its stored dispute or None, its carrier bytes
+    (None when already disputed), the policy in force)."""
+    s, done = _load_sample(key)
+    return s, done, None if done is not None else sample_carrier(s), current_policy()
 
 
 def fraud_proof(s: ReceiptSample, rows: np.ndarray, executed_by: str, verification: dict) -> dict:
@@ -359,11 +365,12 @@ def fraud_proof(s: ReceiptSample, rows: np.ndarray, executed_by: str, verificati
     return {"body": body, "signature": sign_body(key, DOMAIN_FRAUD_PROOF, body), "signer": provider_id(key)}
 
 
-def _apply_outcome(s: ReceiptSample, upheld: bool, verification: dict, executed_by: str, proof: dict | None,
-                   automatic: bool) -> Dispute:
-    """Write the dispute once and apply its effect in the same transaction (a concurrent second
-    dispute of the same key gets the stored outcome and penalizes nothing)."""
-    policy = current_policy()
+def _apply_outcome(s: ReceiptSample, upheld: bool, verification: dict, executed_by: str, automatic: bool,
+                   policy: ReplicationPolicy, rows: np.ndarray) -> Dispute:
+    """Write the dispute once (with its fraud proof over the re-executed ``rows`` when
+    ``upheld``) and apply its effect under ``policy`` in the same transaction (a concurrent
+    second dispute of the same key gets the stored outcome and penalizes nothing)."""
+    proof = fraud_proof(s, rows, executed_by, verification) if upheld else None
     try:
         with transaction.atomic():
             d = Dispute.objects.create(sample=s, provider=s.provider, upheld=upheld, verification=verification,
@@ -397,10 +404,9 @@ async def dispute(key: str, automatic: bool = False) -> dict:
     no penalty: a tampered store cannot manufacture a proof), no executor (-32004 naming
     the blob).
     """
-    s, done = await sync_to_async(_load_sample)(key)
+    s, done, carrier, policy = await sync_to_async(_dispute_inputs)(key)
     if done is not None:
         return dispute_json(done, s)
-    carrier = await sync_to_async(sample_carrier)(s)
     try:
         verify_stored_receipt(s.receipt, provider=s.provider, request_id=s.request_id, model_id=s.model_id,
                               layer=s.layer, expert=s.expert, tokens=list(s.tokens), d_model=s.d_model,
@@ -410,10 +416,9 @@ async def dispute(key: str, automatic: bool = False) -> dict:
                            "dispute it, nobody is penalized", "key") from exc
     rows, who = await reexecute(s, carrier)
     ver = await asyncio.to_thread(verify_rows, bytes(s.commitment_rows), rows, carrier_hash(s.carrier_kind, carrier),
-                                  await sync_to_async(_tolerances)())
+                                  _tolerances(policy))
     upheld = not ver["pass"]
-    proof = await sync_to_async(fraud_proof)(s, rows, who, ver) if upheld else None
-    d = await sync_to_async(_apply_outcome)(s, upheld, ver, who, proof, automatic)
+    d = await sync_to_async(_apply_outcome)(s, upheld, ver, who, automatic, policy, rows)
     if upheld:
         log.warning("dispute upheld: %s… signed wrong rows (%s); reputation now %s", s.provider[:12], key,
                     d.reputation_after)
