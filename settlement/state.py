@@ -86,14 +86,14 @@ class Economy:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _audit_inline(self, key: str) -> None:
+    async def _audit_inline(self, keys: list[str]) -> None:
         slot = self._audit_slots.setdefault(id(asyncio.get_running_loop()),
                                             asyncio.Semaphore(2))  # audits never crowd out forwards
         async with slot:
             try:
-                await services.audit(key)
+                await services.audit_many(keys)
             except Exception:
-                log.exception("audit of %s failed; the sweep retries it", key)
+                log.exception("audits of %s failed; the sweep retries them", ", ".join(keys))
 
     def _ensure_timer(self) -> None:
         loop = asyncio.get_running_loop()
@@ -112,8 +112,8 @@ class Economy:
             self._ensure_timer()
         keys = await database_sync_to_async(_record_and_settle, thread_sensitive=False)(records)
         if inline():
-            for key in keys:
-                self._spawn(self._audit_inline(key))
+            if keys:
+                self._spawn(self._audit_inline(keys))
         else:
             await asyncio.to_thread(lambda: [tasks.audit_receipt.delay(k) for k in keys])
 

@@ -279,6 +279,49 @@ def test_audit_pending_audits_each_sample_once(blob):
     assert Counter(Dispute.objects.values_list("upheld", flat=True)) == Counter({True: 1, False: 1})
 
 
+def test_audit_many_writes_what_one_by_one_disputes_write(blob):
+    """A flush's audits in one hop and one transaction (``audit_many``) give each sample the
+    outcome, proof, reputation after and quarantine that disputing them one at a time in the
+    same order gives; unknown, already disputed and unrunnable keys are handled as ``audit``."""
+    w, h = blob
+    lies = [True, False, True, True, True, False]  # the streak: 1, 0, 1, 2, 3 -> quarantine, 0
+
+    def scene(tag: int):
+        key = SigningKey.generate()
+        holder(key)
+        keys = []
+        for i, lie in enumerate(lies):
+            b = batch(key, w, h, lie=lie, seed=40 + i)
+            services.record_forward(record(b), one_in=1)
+            keys.append(ReceiptSample.objects.get(request_id=b.request.request_id).key)
+        gone = batch(key, w, "cd" * 32, seed=60 + tag)  # a blob no executor holds: skipped
+        services.record_forward(record(gone), one_in=1)
+        keys.append(ReceiptSample.objects.get(request_id=gone.request.request_id).key)
+        return provider_id(key), keys
+
+    def outcome(pid, keys):
+        rows = [Dispute.objects.filter(sample__key=k).values_list("upheld", "reputation_after", "automatic").first()
+                for k in keys]
+        p = Provider.objects.get(provider=pid)
+        return rows, (p.reputation, p.dispute_streak, p.quarantined_until_ms > 0), \
+            [ReceiptSample.objects.get(key=k).audit_state for k in keys]
+
+    one_pid, one_keys = scene(0)
+    for k in one_keys:
+        async_to_sync(services.audit)(k)
+    many_pid, many_keys = scene(1)
+    async_to_sync(services.dispute)(many_keys[0], automatic=True)  # already disputed: left as it is
+    assert async_to_sync(services.audit_many)(many_keys + ["moe_receipt:nope"]) == len(lies) - 1
+    assert outcome(many_pid, many_keys) == outcome(one_pid, one_keys)
+    rows, (rep, streak, quarantined), states = outcome(many_pid, many_keys)
+    assert [r[0] if r else None for r in rows] == lies + [None] and quarantined and rep == 500 - 4 * 15
+    assert states[-1] == "skipped" and set(states[:-1]) == {"done"}
+    upheld = Dispute.objects.filter(sample__key__in=many_keys, upheld=True)
+    assert all(verify_body(d.proof["signer"], services.DOMAIN_FRAUD_PROOF, d.proof["body"], d.proof["signature"])
+               is None for d in upheld)
+    assert async_to_sync(services.audit_many)(many_keys) == 0  # every key disputed or skipped: nothing again
+
+
 def rpc(method, params, token=None):
     headers = {"HTTP_AUTHORIZATION": f"Bearer {token}"} if token else {}
     return Client().post("/rpc", {"jsonrpc": "2.0", "id": 1, "method": method, "params": params},
