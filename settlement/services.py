@@ -494,14 +494,14 @@ def _apply_outcomes(done: list[tuple[ReceiptSample, np.ndarray, str, dict]], ski
                     created_ms=now_ms()) for s, out, who, ver in done]
     try:
         with transaction.atomic():
-            disputes = Dispute.objects.bulk_create(rows)
             provs = {p.provider: p for p in Provider.objects.select_for_update().filter(
                 provider__in={s.provider for s, *_ in done})}
-            for d, (s, *_rest) in zip(disputes, done):
-                if s.provider in provs:
-                    _penalize(provs[s.provider], d.upheld, policy, d)
-            Provider.objects.bulk_update(list(provs.values()), PENALTY_FIELDS)
-            Dispute.objects.bulk_update(disputes, ["reputation_after", "quarantined_until_ms"])
+            for d in rows:  # in order, before the rows are written: each carries the reputation after it
+                if d.provider in provs:
+                    _penalize(provs[d.provider], d.upheld, policy, d)
+            disputes = Dispute.objects.bulk_create(rows)
+            for prov in provs.values():
+                prov.save(update_fields=PENALTY_FIELDS)
             ReceiptSample.objects.filter(pk__in=[s.pk for s, *_ in done]).update(audit_state=ReceiptSample.Audit.DONE)
             return disputes
     except IntegrityError:

@@ -322,6 +322,24 @@ def test_audit_many_writes_what_one_by_one_disputes_write(blob):
     assert async_to_sync(services.audit_many)(many_keys) == 0  # every key disputed or skipped: nothing again
 
 
+def test_audit_many_meeting_a_concurrent_dispute_penalizes_once(blob):
+    """A dispute written between ``audit_many``'s read and its transaction (an operator's
+    ``tenzro_moeDisputeReceipt``) fails the batch's transaction; each sample is then written on
+    its own and the stored outcome wins: the lie costs one penalty, not two."""
+    w, h = blob
+    key = SigningKey.generate()
+    holder(key)
+    bs = [batch(key, w, h, lie=True, seed=70), batch(key, w, h, seed=71)]
+    services.record_forward(record(*bs), one_in=1)
+    keys = [ReceiptSample.objects.get(request_id=b.request.request_id).key for b in bs]
+    samples, carriers, policy = services._audit_inputs(keys)
+    done = [(s, *async_to_sync(services._rerun)(s, carriers[s.key], policy)) for s in samples]
+    first = async_to_sync(services.dispute)(keys[0])  # the concurrent one
+    disputes = services._apply_outcomes(done, [], policy)
+    assert [d.upheld for d in disputes] == [True, False] and disputes[0].created_ms == first["created_ms"]
+    assert Dispute.objects.count() == 2 and Provider.objects.get(provider=provider_id(key)).reputation == 485
+
+
 def rpc(method, params, token=None):
     headers = {"HTTP_AUTHORIZATION": f"Bearer {token}"} if token else {}
     return Client().post("/rpc", {"jsonrpc": "2.0", "id": 1, "method": method, "params": params},
