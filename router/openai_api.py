@@ -53,8 +53,9 @@ from moe.backbone.decode import Sampling
 from prepare.chat import ChatTemplateError, plain_chat
 from router.forward import ForwardError
 from router.detokenize import settled_text
-from router.generate import (MAX_STOPS, NoBackbone, ServedModel, check_size, encode_prompts, generate, reserve_capacity,
-                             served_models, served_model_cached)
+from router.generate import (INLINE_TOKENIZE_CHARS, MAX_STOPS, NoBackbone, ServedModel, check_size, check_text_size,
+                             encode_prompts_async, generate, reserve_capacity, served_models, served_model_cached,
+                             tokenize)
 from moe.runtime import GateNotLoaded
 
 log = logging.getLogger(__name__)
@@ -229,12 +230,29 @@ def message_text(content, where: str) -> str:
     return "\n".join(texts)
 
 
+def _chat_chars(messages) -> int:
+    """Characters of the text in ``messages`` (string contents and text parts; anything
+    malformed counts 0 and is refused by ``chat_prompt``)."""
+    if not isinstance(messages, list):
+        return 0
+    n = 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):
+            n += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return n
+
+
 def chat_prompt(served: ServedModel, messages) -> str | list[int]:
     """The prompt of a chat: the checkpoint's chat template applied to ``messages`` and
     tokenized without added special tokens (the template holds them), as token ids; or,
     for a checkpoint without a template, the plain rendering ``prepare.chat.plain_chat``
-    as text. Raises ``ApiError`` (400) for bad messages, a template that refuses them, or
-    a model without ``tokenizer.json``."""
+    as text. Raises ``ApiError`` (400) for bad messages, a template that refuses them,
+    text over the prompt size cap (``router.generate.check_text_size``, checked before
+    rendering and before tokenizing), or a model without ``tokenizer.json``. Long chats
+    run it in a worker thread (``chat_prompt_async``)."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", "messages")
     turns = []
@@ -251,16 +269,30 @@ def chat_prompt(served: ServedModel, messages) -> str | list[int]:
     if served.tokenizer is None:
         raise ApiError(400, f"model {served.model_id!r} ships no tokenizer.json, so chat (text) is not available; "
                             f"use /v1/completions with token ids as prompt", "model")
-    if served.chat_template is None:
-        return plain_chat(turns)
     try:
-        text = served.chat_template.render(turns)
-    except ChatTemplateError as exc:
-        raise ApiError(400, str(exc), "messages") from exc
-    ids = served.tokenizer.encode(text, add_special_tokens=False).ids
+        check_text_size(served, [t["content"] for t in turns], "messages")
+        if served.chat_template is None:
+            return plain_chat(turns)
+        try:
+            text = served.chat_template.render(turns)
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), "messages") from exc
+        check_text_size(served, [text], "messages")
+    except BackboneError as exc:
+        raise ApiError(400, str(exc), exc.field) from exc
+    ids = tokenize(served, [text], add_special_tokens=False)[0]
     if not ids:
         raise ApiError(400, "the chat template rendered these messages as an empty prompt", "messages")
     return ids
+
+
+async def chat_prompt_async(served: ServedModel, messages) -> str | list[int]:
+    """``chat_prompt`` on the event loop, or in a worker thread when the messages hold more
+    than ``INLINE_TOKENIZE_CHARS`` characters of text (rendering and tokenizing a long chat
+    would stall every other request and stream of the site)."""
+    if _chat_chars(messages) > INLINE_TOKENIZE_CHARS:
+        return await asyncio.to_thread(chat_prompt, served, messages)
+    return chat_prompt(served, messages)
 
 
 async def _run(served: ServedModel, body: dict, prompt, chat: bool):
@@ -285,7 +317,7 @@ async def _run(served: ServedModel, body: dict, prompt, chat: bool):
         raise ApiError(400, "user must be a string", "user")  # OpenAI's type; ignored otherwise
     prompt_field, tokens_field = ("messages" if chat else "prompt"), _tokens_field(body)
     try:
-        prompts = encode_prompts(served, prompt, prompt_field)
+        prompts = await encode_prompts_async(served, prompt, prompt_field)
         if chat and len(prompts) != 1:
             raise ApiError(400, "one conversation per request", "messages")
         check_size(served, prompts, sampling, prompt_field, tokens_field)
@@ -405,7 +437,7 @@ async def _handle(request: HttpRequest, chat: bool):
         check_params(body, chat)
         served = await _served(body)
         if chat:
-            prompt = chat_prompt(served, body.get("messages"))
+            prompt = await chat_prompt_async(served, body.get("messages"))
         else:
             prompt = body.get("prompt")
             if prompt is None:
