@@ -21,8 +21,10 @@ JSON 404; an unexpected failure: JSON 500, never an HTML page).
 Parameters, like OpenAI's own server: a field it does not know is refused (400 "unrecognized
 request argument", naming it); OpenAI parameters this server cannot honour (``logprobs``,
 ``top_logprobs``, ``echo``, ``best_of`` > 1, ``logit_bias``, ``suffix``, non-zero
-``presence_penalty``/``frequency_penalty``) are accepted only at their no-op value (null,
-false, 1, {} or 0) and otherwise refused (400 "... is not supported", naming it); ``user`` (a
+``presence_penalty``/``frequency_penalty``; chat's ``tools``, ``tool_choice``,
+``response_format``, ``store``, ``metadata``, ``service_tier``, ``modalities`` and the like:
+``_CHAT_ONLY``) are accepted only at their no-op value (null, false, 1, {}, 0, [],
+``{"type": "text"}``, ...) and otherwise refused (400 "... is not supported", naming it); ``user`` (a
 string) is accepted and ignored. ``max_tokens`` has one upper limit, reported in one message: the
 smallest of the context left after the prompt, the site's new-token cap and the KV budget
 (``router.generate.new_token_limit``). Every check, including the generation size
@@ -103,11 +105,20 @@ def _body(request: HttpRequest) -> dict:
 _COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream", "stream_options",
            "stop", "seed", "user", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "top_k",
            "carrier"}
+# Chat parameters of OpenAI's API about what this server does not have (tools, structured
+# output, stored completions, tiers, audio, reasoning): a known name, so "not supported" at any
+# value but its no-op one, never "unrecognized" (a client sending ``store: false`` or
+# ``response_format: {"type": "text"}`` gets its answer).
+_CHAT_ONLY = {"store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default"),
+              "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
+              "parallel_tool_calls": (None, True, False), "functions": (None, []), "function_call": (None, "none"),
+              "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
+              "web_search_options": (None,), "verbosity": (None,)}
 KNOWN = {False: _COMMON | {"prompt", "echo", "best_of", "suffix"},
-         True: _COMMON | {"messages", "top_logprobs"}}
+         True: _COMMON | {"messages", "top_logprobs"} | set(_CHAT_ONLY)}
 UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
                "logit_bias": (None, {}), "suffix": (None,), "presence_penalty": (None, 0),
-               "frequency_penalty": (None, 0)}
+               "frequency_penalty": (None, 0), **_CHAT_ONLY}
 
 
 def _same(v, n) -> bool:

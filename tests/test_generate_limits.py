@@ -235,3 +235,23 @@ async def test_closed_stream_cancels_its_generation():
     finally:
         openai_api.generate = real
     assert await settle(calls) < STEPS // 2
+
+
+@pytest.mark.parametrize("name,noop,value", [
+    ("store", False, True), ("metadata", {}, {"a": "b"}), ("service_tier", "auto", "flex"),
+    ("response_format", {"type": "text"}, {"type": "json_object"}), ("tools", [], [{"type": "function"}]),
+    ("tool_choice", "none", "auto"), ("parallel_tool_calls", False, "yes"), ("modalities", ["text"], ["audio"]),
+    ("reasoning_effort", None, "low"), ("audio", None, {"voice": "x"}),
+])
+def test_openai_chat_parameters_this_server_lacks_are_not_supported_not_unrecognized(client, model, name, noop, value):
+    """OpenAI's own chat parameters (tools, structured output, stored completions, …) are known
+    names: accepted at their no-op value, else 400 "not supported" naming them (before: 400
+    "unrecognized request argument", as for a field OpenAI does not have either)."""
+    from router.openai_api import check_params
+
+    check_params({"model": model, "messages": [], name: noop}, chat=True)  # no-op: accepted
+    status, r = openai(client, {"model": model, "messages": [{"role": "user", "content": "hi"}], name: value},
+                       "/v1/chat/completions")
+    assert status == 400 and r["error"]["param"] == name and "not supported" in r["error"]["message"], r
+    status, r = openai(client, {"model": model, "prompt": [1], name: noop})  # not a completions parameter
+    assert status == 400 and r["error"]["param"] == name and "unrecognized" in r["error"]["message"], r
