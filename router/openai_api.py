@@ -241,18 +241,20 @@ def message_text(content, where: str) -> str:
     return "\n".join(texts)
 
 
-def _chat_chars(messages) -> int:
-    """Characters of the text in ``messages`` (string contents and text parts; anything
-    malformed counts 0 and is refused by ``chat_prompt``)."""
+def _chat_size(messages) -> int:
+    """Characters of the text in ``messages`` (string contents and text parts) plus one per
+    message and part: what rendering and tokenizing them costs (anything malformed counts
+    its one and is refused by ``chat_prompt``)."""
     if not isinstance(messages, list):
         return 0
-    n = 0
+    n = len(messages)
     for m in messages:
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, str):
             n += len(content)
         elif isinstance(content, list):
-            n += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+            n += len(content) + sum(len(p["text"]) for p in content
+                                    if isinstance(p, dict) and isinstance(p.get("text"), str))
     return n
 
 
@@ -299,9 +301,10 @@ def chat_prompt(served: ServedModel, messages) -> str | list[int]:
 
 async def chat_prompt_async(served: ServedModel, messages) -> str | list[int]:
     """``chat_prompt`` on the event loop, or in a worker thread when the messages hold more
-    than ``INLINE_TOKENIZE_CHARS`` characters of text (rendering and tokenizing a long chat
-    would stall every other request and stream of the site)."""
-    if _chat_chars(messages) > INLINE_TOKENIZE_CHARS:
+    than ``INLINE_TOKENIZE_CHARS`` characters of text, messages and parts (``_chat_size``:
+    checking, rendering and tokenizing a long chat, or a million empty messages, would stall
+    every other request and stream of the site)."""
+    if _chat_size(messages) > INLINE_TOKENIZE_CHARS:
         return await asyncio.to_thread(chat_prompt, served, messages)
     return chat_prompt(served, messages)
 

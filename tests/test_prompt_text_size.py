@@ -125,6 +125,10 @@ async def test_long_text_is_tokenized_off_the_event_loop(settings, chat):
     else:
         assert (await encode_prompts_async(m, "t2", "prompt"))[0].tolist() == [2]
     assert spy.calls[-1][1] == threading.main_thread().name
+    if chat:  # a million empty messages is work too: checked and rendered in the worker thread
+        ids = await chat_prompt_async(m, [{"role": "user", "content": "t2"}]
+                                      + [{"role": "user", "content": ""}] * gen.INLINE_TOKENIZE_CHARS)
+        assert ids == [2] and spy.calls[-1][1] != threading.main_thread().name
 
 
 def test_encode_batch_gives_the_ids_encode_gives():
