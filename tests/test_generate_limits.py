@@ -255,3 +255,21 @@ def test_openai_chat_parameters_this_server_lacks_are_not_supported_not_unrecogn
     assert status == 400 and r["error"]["param"] == name and "not supported" in r["error"]["message"], r
     status, r = openai(client, {"model": model, "prompt": [1], name: noop})  # not a completions parameter
     assert status == 400 and r["error"]["param"] == name and "unrecognized" in r["error"]["message"], r
+
+
+def test_rpc_too_many_stops_is_refused_before_each_is_checked(client, model):
+    """``stop`` over ``MAX_STOPS`` is refused by its length before any item is validated
+    (before: DRF validated all 3 million ids, 3.5 s of the event loop, then said "at most 64")."""
+    from rest_framework import serializers
+
+    calls = []
+    real = serializers.IntegerField.to_internal_value
+
+    def counting(self, data):
+        calls.append(1)
+        return real(self, data)
+
+    with mock.patch.object(serializers.IntegerField, "to_internal_value", counting):
+        err = rpc(client, {"model_id": model, "input_ids": [1], "stop": [1] * 100_000})["error"]
+    assert err["code"] == -32602 and err["data"]["field"] == "stop", err
+    assert "100000 stops; at most 64" in err["message"] and len(calls) < 100, (err, len(calls))
