@@ -125,6 +125,7 @@ def served_model(model_id: str) -> ServedModel:
         raise BackboneError(f"model {model_id!r}: {exc}") from exc
     served = ServedModel(model_id, backbone, frozenset(m.moe_layers),
                          frozenset(dense.moe_layers) if dense else frozenset(), tokenizer, template)
+    served.max_token_chars  # noqa: B018 - read the vocabulary here (a thread), not on a request's event loop
     with router.models_lock:
         router.models[key] = served
     return served

@@ -166,3 +166,17 @@ def test_openai_huge_text_is_a_quick_400(client, settings, path, body):
                                               if "chat" in path else {"prompt": "The router scores every"})}),
                     content_type="application/json")
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2, r.json()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_vocabulary_is_measured_when_the_model_loads():
+    """``max_token_chars`` (a pass over the whole vocabulary: 150k entries for real models) is
+    computed where ``served_model`` runs (the site's DB thread), not by the first request on
+    the event loop."""
+    from prepare.backbone import publish_backbone
+    from prepare.services import publish_checkpoint
+    from router.generate import served_model
+
+    publish_checkpoint(QWEN2_TRAINED, "trained-vocab-test")
+    publish_backbone(QWEN2_TRAINED, "trained-vocab-test")
+    assert vars(served_model("trained-vocab-test"))["max_token_chars"] == 13
