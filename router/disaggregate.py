@@ -22,7 +22,7 @@ from django.conf import settings
 from moe.backbone import BackboneError
 from moe.backbone.weights import BACKBONE_KEY
 from router.detokenize import settled_text
-from router.generate import check_size, encode_prompts, generation_carrier, served_model_cached
+from router.generate import check_size, encode_prompts_async, generation_carrier, served_model_cached
 from moe.handoff import chunk_size, sampling_to_header
 from router.ws import AgentLink, AgentUnavailable
 from registry.models import MoeModel, Provider
@@ -91,7 +91,7 @@ async def generate_handoff(model_id: str, prompt, sampling, carrier: str = "auto
     """
     t0 = time.perf_counter()
     served = await served_model_cached(model_id)
-    prompts = encode_prompts(served, prompt, prompt_field)
+    prompts = await encode_prompts_async(served, prompt, prompt_field)
     check_size(served, prompts, sampling, prompt_field)
 
     def describe() -> tuple[dict, dict, tuple[str, str]]:

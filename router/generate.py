@@ -13,6 +13,7 @@ no base64 inside the process).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import uuid
 from dataclasses import dataclass
@@ -68,6 +69,16 @@ class ServedModel:
     tokenizer: object | None
     chat_template: ChatTemplate | None = None
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters in the longest entry of the tokenizer's vocabulary (added tokens
+        included; 1 without a tokenizer): no token of the vocabulary spells more text, so a
+        prompt text longer than ``GEN_MAX_PROMPT_TOKENS`` times this cannot fit the token
+        cap (``check_text_size``). Computed once per served model."""
+        if self.tokenizer is None:
+            return 1
+        return max((len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids``: the tokenizer's decode (special tokens skipped), or without a
         tokenizer the ids written out in decimal, separated by spaces."""
@@ -114,6 +125,7 @@ def served_model(model_id: str) -> ServedModel:
         raise BackboneError(f"model {model_id!r}: {exc}") from exc
     served = ServedModel(model_id, backbone, frozenset(m.moe_layers),
                          frozenset(dense.moe_layers) if dense else frozenset(), tokenizer, template)
+    served.max_token_chars  # noqa: B018 - read the vocabulary here (a thread), not on a request's event loop
     with router.models_lock:
         router.models[key] = served
     return served
@@ -169,16 +181,56 @@ class LayerStats:
                 "wire": {"bytes_out": self.bytes_out, "bytes_back": self.bytes_back}}
 
 
+#: Prompt texts of one request together longer than this many characters are tokenized in a
+#: worker thread by ``encode_prompts_async`` (the tokenizer's batch call releases the GIL), so
+#: a long prompt does not stall the event loop every stream and request of the site runs on.
+INLINE_TOKENIZE_CHARS = 16384
+
+
+def _prompt_texts(prompt) -> list[str] | None:
+    """The texts of a text prompt (one string or a non-empty list of strings), else None."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return prompt
+    return None
+
+
+def check_text_size(served: ServedModel, texts: list[str], field: str) -> None:
+    """Refuse, before tokenizing, prompt text that cannot fit ``GEN_MAX_PROMPT_TOKENS``: more
+    characters in all of ``texts`` together than the cap times the model's longest token
+    (``ServedModel.max_token_chars``). Tokenizing a 30 MB prompt only to count it over the
+    cap held the event loop, and with it every request of the site, for 25 s.
+
+    Raises ``BackboneError`` naming ``field``."""
+    cap = int(settings.TENZRO["GEN_MAX_PROMPT_TOKENS"])
+    chars, longest = sum(len(t) for t in texts), served.max_token_chars
+    if chars > cap * longest:
+        raise BackboneError(f"{field}: {chars} characters of prompt text; this site takes at most {cap} prompt "
+                            f"tokens per request (TENZRO_GEN_MAX_PROMPT_TOKENS), which hold at most "
+                            f"{cap * longest} characters of model {served.model_id!r}'s vocabulary (its longest "
+                            f"token has {longest})", field)
+
+
+def tokenize(served: ServedModel, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+    """Token ids of each of ``texts`` (the tokenizer's batch call: it releases the GIL, so a
+    worker thread running it leaves the event loop free)."""
+    return [e.ids for e in served.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+
 def encode_prompts(served: ServedModel, prompt, field: str = "input_ids") -> list[np.ndarray]:
     """Prompts as id arrays: text (one string or a list) through the tokenizer, or ids (one
-    list or a list of lists). Raises ``BackboneError`` naming ``field``, the parameter the
-    caller got the prompt in (``input_ids``, ``prompt``)."""
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
+    list or a list of lists). Text over the size cap is refused untokenized
+    (``check_text_size``). Raises ``BackboneError`` naming ``field``, the parameter the
+    caller got the prompt in (``input_ids``, ``prompt``). Runs where it is called; the
+    serving paths call ``encode_prompts_async``."""
+    texts = _prompt_texts(prompt)
+    if texts is not None:
         if served.tokenizer is None:
             raise BackboneError(f"{field}: model {served.model_id!r} ships no tokenizer.json, so text is not "
                                 f"accepted; send token ids", field)
-        texts = [prompt] if isinstance(prompt, str) else prompt
-        out = [np.asarray(served.tokenizer.encode(t).ids, dtype=np.int64) for t in texts]
+        check_text_size(served, texts, field)
+        out = [np.asarray(ids, dtype=np.int64) for ids in tokenize(served, texts)]
         for i, (t, p) in enumerate(zip(texts, out)):
             if not p.size and t:  # (an empty text is check_size's "needs at least one token")
                 where = field if isinstance(prompt, str) else f"{field}[{i}]"
@@ -199,6 +251,17 @@ def encode_prompts(served: ServedModel, prompt, field: str = "input_ids") -> lis
                                                    for p in prompt):
         return [ids(p) for p in prompt]
     raise BackboneError(f"{field} must be a non-empty list of token ids, a list of such lists, or text", field)
+
+
+async def encode_prompts_async(served: ServedModel, prompt, field: str = "input_ids") -> list[np.ndarray]:
+    """``encode_prompts`` on the event loop, or in a worker thread when the prompt is text of
+    more than ``INLINE_TOKENIZE_CHARS`` characters (oversized text is still refused before
+    any tokenizing). Raises what ``encode_prompts`` raises."""
+    texts = _prompt_texts(prompt)
+    if texts is not None and served.tokenizer is not None and sum(len(t) for t in texts) > INLINE_TOKENIZE_CHARS:
+        check_text_size(served, texts, field)
+        return await asyncio.to_thread(encode_prompts, served, prompt, field)
+    return encode_prompts(served, prompt, field)
 
 
 MAX_STOPS = 64  # stop token ids and stop strings of one generation (each checked per chosen token)
@@ -305,7 +368,7 @@ async def generate(model_id: str, prompt, sampling: Sampling, carrier: str = "au
     Raises ``NoBackbone``, ``BackboneError``, ``Busy`` (queue full) and the forward's errors.
     """
     served = await served_model_cached(model_id)
-    prompts = encode_prompts(served, prompt, prompt_field)
+    prompts = await encode_prompts_async(served, prompt, prompt_field)
     check_size(served, prompts, sampling, prompt_field, tokens_field)
     if return_logits and len(prompts) != 1:
         raise BackboneError("return_logits needs exactly one prompt", "return_logits")

@@ -21,8 +21,10 @@ JSON 404; an unexpected failure: JSON 500, never an HTML page).
 Parameters, like OpenAI's own server: a field it does not know is refused (400 "unrecognized
 request argument", naming it); OpenAI parameters this server cannot honour (``logprobs``,
 ``top_logprobs``, ``echo``, ``best_of`` > 1, ``logit_bias``, ``suffix``, non-zero
-``presence_penalty``/``frequency_penalty``) are accepted only at their no-op value (null,
-false, 1, {} or 0) and otherwise refused (400 "... is not supported", naming it); ``user`` (a
+``presence_penalty``/``frequency_penalty``; chat's ``tools``, ``tool_choice``,
+``response_format``, ``store``, ``metadata``, ``service_tier``, ``modalities`` and the like:
+``_CHAT_ONLY``) are accepted only at their no-op value (null, false, 1, {}, 0, [],
+``{"type": "text"}``, ...) and otherwise refused (400 "... is not supported", naming it); ``user`` (a
 string) is accepted and ignored. ``max_tokens`` has one upper limit, reported in one message: the
 smallest of the context left after the prompt, the site's new-token cap and the KV budget
 (``router.generate.new_token_limit``). Every check, including the generation size
@@ -53,8 +55,9 @@ from moe.backbone.decode import Sampling
 from prepare.chat import ChatTemplateError, plain_chat
 from router.forward import ForwardError
 from router.detokenize import settled_text
-from router.generate import (MAX_STOPS, NoBackbone, ServedModel, check_size, encode_prompts, generate, reserve_capacity,
-                             served_models, served_model_cached)
+from router.generate import (INLINE_TOKENIZE_CHARS, MAX_STOPS, NoBackbone, ServedModel, check_size, check_text_size,
+                             encode_prompts_async, generate, reserve_capacity, served_models, served_model_cached,
+                             tokenize)
 from moe.runtime import GateNotLoaded
 
 log = logging.getLogger(__name__)
@@ -102,11 +105,20 @@ def _body(request: HttpRequest) -> dict:
 _COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream", "stream_options",
            "stop", "seed", "user", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "top_k",
            "carrier"}
+# Chat parameters of OpenAI's API about what this server does not have (tools, structured
+# output, stored completions, tiers, audio, reasoning): a known name, so "not supported" at any
+# value but its no-op one, never "unrecognized" (a client sending ``store: false`` or
+# ``response_format: {"type": "text"}`` gets its answer).
+_CHAT_ONLY = {"store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default"),
+              "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
+              "parallel_tool_calls": (None, True, False), "functions": (None, []), "function_call": (None, "none"),
+              "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
+              "web_search_options": (None,), "verbosity": (None,)}
 KNOWN = {False: _COMMON | {"prompt", "echo", "best_of", "suffix"},
-         True: _COMMON | {"messages", "top_logprobs"}}
+         True: _COMMON | {"messages", "top_logprobs"} | set(_CHAT_ONLY)}
 UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
                "logit_bias": (None, {}), "suffix": (None,), "presence_penalty": (None, 0),
-               "frequency_penalty": (None, 0)}
+               "frequency_penalty": (None, 0), **_CHAT_ONLY}
 
 
 def _same(v, n) -> bool:
@@ -229,12 +241,31 @@ def message_text(content, where: str) -> str:
     return "\n".join(texts)
 
 
+def _chat_size(messages) -> int:
+    """Characters of the text in ``messages`` (string contents and text parts) plus one per
+    message and part: what rendering and tokenizing them costs (anything malformed counts
+    its one and is refused by ``chat_prompt``)."""
+    if not isinstance(messages, list):
+        return 0
+    n = len(messages)
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):
+            n += len(content) + sum(len(p["text"]) for p in content
+                                    if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return n
+
+
 def chat_prompt(served: ServedModel, messages) -> str | list[int]:
     """The prompt of a chat: the checkpoint's chat template applied to ``messages`` and
     tokenized without added special tokens (the template holds them), as token ids; or,
     for a checkpoint without a template, the plain rendering ``prepare.chat.plain_chat``
-    as text. Raises ``ApiError`` (400) for bad messages, a template that refuses them, or
-    a model without ``tokenizer.json``."""
+    as text. Raises ``ApiError`` (400) for bad messages, a template that refuses them,
+    text over the prompt size cap (``router.generate.check_text_size``, checked before
+    rendering and before tokenizing), or a model without ``tokenizer.json``. Long chats
+    run it in a worker thread (``chat_prompt_async``)."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", "messages")
     turns = []
@@ -251,16 +282,31 @@ def chat_prompt(served: ServedModel, messages) -> str | list[int]:
     if served.tokenizer is None:
         raise ApiError(400, f"model {served.model_id!r} ships no tokenizer.json, so chat (text) is not available; "
                             f"use /v1/completions with token ids as prompt", "model")
-    if served.chat_template is None:
-        return plain_chat(turns)
     try:
-        text = served.chat_template.render(turns)
-    except ChatTemplateError as exc:
-        raise ApiError(400, str(exc), "messages") from exc
-    ids = served.tokenizer.encode(text, add_special_tokens=False).ids
+        check_text_size(served, [t["content"] for t in turns], "messages")
+        if served.chat_template is None:
+            return plain_chat(turns)
+        try:
+            text = served.chat_template.render(turns)
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), "messages") from exc
+        check_text_size(served, [text], "messages")
+    except BackboneError as exc:
+        raise ApiError(400, str(exc), exc.field) from exc
+    ids = tokenize(served, [text], add_special_tokens=False)[0]
     if not ids:
         raise ApiError(400, "the chat template rendered these messages as an empty prompt", "messages")
     return ids
+
+
+async def chat_prompt_async(served: ServedModel, messages) -> str | list[int]:
+    """``chat_prompt`` on the event loop, or in a worker thread when the messages hold more
+    than ``INLINE_TOKENIZE_CHARS`` characters of text, messages and parts (``_chat_size``:
+    checking, rendering and tokenizing a long chat, or a million empty messages, would stall
+    every other request and stream of the site)."""
+    if _chat_size(messages) > INLINE_TOKENIZE_CHARS:
+        return await asyncio.to_thread(chat_prompt, served, messages)
+    return chat_prompt(served, messages)
 
 
 async def _run(served: ServedModel, body: dict, prompt, chat: bool):
@@ -285,7 +331,7 @@ async def _run(served: ServedModel, body: dict, prompt, chat: bool):
         raise ApiError(400, "user must be a string", "user")  # OpenAI's type; ignored otherwise
     prompt_field, tokens_field = ("messages" if chat else "prompt"), _tokens_field(body)
     try:
-        prompts = encode_prompts(served, prompt, prompt_field)
+        prompts = await encode_prompts_async(served, prompt, prompt_field)
         if chat and len(prompts) != 1:
             raise ApiError(400, "one conversation per request", "messages")
         check_size(served, prompts, sampling, prompt_field, tokens_field)
@@ -405,7 +451,7 @@ async def _handle(request: HttpRequest, chat: bool):
         check_params(body, chat)
         served = await _served(body)
         if chat:
-            prompt = chat_prompt(served, body.get("messages"))
+            prompt = await chat_prompt_async(served, body.get("messages"))
         else:
             prompt = body.get("prompt")
             if prompt is None:
