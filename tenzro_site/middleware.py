@@ -5,8 +5,9 @@ over ASGI (``sync_to_async``), whatever the hook does: 13 thread hand-offs per r
 the stack in ``settings.MIDDLEWARE``, ~3 % of the site's GIL samples at 16 clients of
 ``/v1/completions``. The hooks of these classes only read headers and cookies and set
 attributes, so they run inline here; what can reach the database keeps its thread: saving a
-modified session (``SessionMiddleware``) and message storage that was used (it writes into
-the session). Under WSGI or the sync test client nothing changes (``MiddlewareMixin.__call__``).
+modified session (``SessionMiddleware``), message storage that was used (it writes into
+the session) and the CSRF check of a form post (it parses the body). Under WSGI or the sync
+test client nothing changes (``MiddlewareMixin.__call__``).
 """
 from __future__ import annotations
 
@@ -29,9 +30,16 @@ class InlineHooks:
             view_hook = self.process_view
 
             async def process_view(request, view_func, view_args, view_kwargs):  # Django awaits a coroutine hook
+                if self.view_needs_thread(request, view_func):
+                    return await sync_to_async(view_hook, thread_sensitive=True)(request, view_func, view_args,
+                                                                                  view_kwargs)
                 return view_hook(request, view_func, view_args, view_kwargs)
 
             self.process_view = process_view
+
+    def view_needs_thread(self, request, view_func) -> bool:
+        """Whether ``process_view`` may do long or blocking work for this request (default: never)."""
+        return False
 
     def response_needs_thread(self, request, response) -> bool:
         """Whether ``process_response`` may do blocking I/O for this request (default: never)."""
@@ -65,12 +73,19 @@ class CommonMiddleware(InlineHooks, common.CommonMiddleware):
 
 
 class CsrfViewMiddleware(InlineHooks, csrf.CsrfViewMiddleware):
-    """``django.middleware.csrf.CsrfViewMiddleware`` (the token in a cookie: no session read)."""
+    """``django.middleware.csrf.CsrfViewMiddleware`` (the token in a cookie: no session read). A
+    form post to a view that checks the token keeps its thread: the check parses the form body
+    (up to ``DATA_UPLOAD_MAX_MEMORY_SIZE``), which must not hold the event loop; safe methods
+    and ``csrf_exempt`` views (the JSON APIs) are checked inline."""
 
     def __init__(self, get_response):
         if settings.CSRF_USE_SESSIONS:  # the secret would come from the session (a database read)
             raise ValueError("tenzro_site.middleware.CsrfViewMiddleware needs CSRF_USE_SESSIONS = False")
         super().__init__(get_response)
+
+    def view_needs_thread(self, request, view_func) -> bool:
+        return request.method not in ("GET", "HEAD", "OPTIONS", "TRACE") and not getattr(view_func, "csrf_exempt",
+                                                                                          False)
 
 
 class AuthenticationMiddleware(InlineHooks, auth.AuthenticationMiddleware):

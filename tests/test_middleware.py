@@ -49,7 +49,7 @@ def test_login_session_csrf_and_messages_work_under_asgi():
             page = await c.get("/login/")
             token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.text).group(1)
             refused = await c.post("/login/", data={"username": "alice", "password": "pw-alice"})
-            assert refused.status_code == 403  # no CSRF token: refused on the loop, as before
+            assert refused.status_code == 403  # no CSRF token: refused, as before
             r = await c.post("/login/?next=/governance/", data={"username": "alice", "password": "pw-alice",
                                                                   "csrfmiddlewaretoken": token},
                              headers={"Referer": "http://testserver/login/"})
@@ -58,5 +58,29 @@ def test_login_session_csrf_and_messages_work_under_asgi():
             assert gov.status_code == 200 and "alice" in gov.text
             warned = await c.get("/receipts/?layer=not-a-number")  # a message, shown on the page itself
             assert warned.status_code == 200 and "ignored invalid filter" in warned.text
+
+    asyncio.run(go())
+
+
+def test_the_csrf_check_of_a_form_post_keeps_its_thread_and_json_apis_do_not(monkeypatch):
+    """A form post's CSRF check parses the body (up to TENZRO_MAX_BODY): in a thread, never on the
+    event loop every stream runs on; a csrf_exempt JSON API's check is inline."""
+    made = []
+    real = sync.SyncToAsync.__init__
+
+    def counting(self, func, *args, **kwargs):
+        made.append(getattr(func, "__qualname__", repr(func)))
+        real(self, func, *args, **kwargs)
+
+    monkeypatch.setattr(sync.SyncToAsync, "__init__", counting)
+
+    async def go():
+        async with client() as c:
+            r = await c.post("/governance/proposals", data={"title": "x" * 100_000})
+            assert r.status_code == 403
+            assert "CsrfViewMiddleware.process_view" in made, made
+            made.clear()
+            r = await c.post("/v1/nothing-here", json={"model": "m"})
+            assert r.status_code == 404 and not [m for m in made if "process_" in m], made
 
     asyncio.run(go())
