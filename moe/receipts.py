@@ -364,13 +364,15 @@ def make_entry(key: SigningKey, *, request_id: str, model_id: str, layer: int, e
     idx, val, proj, _ = _digest(rows, ih, TOP_K)
     commit = hashlib.sha256(_pack_commitment(tokens, idx, val, proj)).hexdigest()
     provider = provider_id(key)
-    body = _body(request_id=request_id, model_id=model_id, layer=layer, expert=expert, tokens=tokens,
-                 input_hash=ih.hex(), commitment=commit, d_model=rows.shape[1], blob_hash=blob_hash,
-                 quant=quant, provider=provider)
     out = {"provider": provider, "request_id": request_id, "input_hash": ih.hex(), "commitment": commit,
            "d_model": int(rows.shape[1]), "blob_hash": blob_hash, "quant": quant,
            "sketch": base64.b64encode(np.ascontiguousarray(proj, dtype="<f8").tobytes()).decode()}
-    data = DOMAIN_RECEIPT + b"\x00" + canonical_json(body)
+    # The body's canonical JSON written directly (_body_json, the router's verifier does the
+    # same): json.dumps of the body was half of a batch's receipt work on the holder.
+    data = DOMAIN_RECEIPT + b"\x00" + _body_json(
+        request_id=request_id, model_id=model_id, layer=layer, expert=expert, tokens=tokens,
+        input_hash=out["input_hash"], commitment=commit, d_model=rows.shape[1], blob_hash=blob_hash, quant=quant,
+        provider=provider)
     if index is None:
         out["signature"] = sign(key, DOMAIN_RECEIPT, data[len(DOMAIN_RECEIPT) + 1:])
     else:
