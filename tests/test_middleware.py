@@ -18,8 +18,10 @@ def client() -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://testserver")
 
 
-def test_an_async_view_takes_no_thread_hop_per_middleware_hook(monkeypatch):
-    made = []
+@pytest.fixture
+def hops(monkeypatch) -> list[str]:
+    """The functions handed to ``sync_to_async`` (thread hops) from now on, by qualified name."""
+    made: list[str] = []
     real = sync.SyncToAsync.__init__
 
     def counting(self, func, *args, **kwargs):
@@ -27,6 +29,11 @@ def test_an_async_view_takes_no_thread_hop_per_middleware_hook(monkeypatch):
         real(self, func, *args, **kwargs)
 
     monkeypatch.setattr(sync.SyncToAsync, "__init__", counting)
+    return made
+
+
+def test_an_async_view_takes_no_thread_hop_per_middleware_hook(hops):
+    made = hops
 
     async def go():
         async with client() as c:
@@ -62,17 +69,10 @@ def test_login_session_csrf_and_messages_work_under_asgi():
     asyncio.run(go())
 
 
-def test_the_csrf_check_of_a_form_post_keeps_its_thread_and_json_apis_do_not(monkeypatch):
+def test_the_csrf_check_of_a_form_post_keeps_its_thread_and_json_apis_do_not(hops):
     """A form post's CSRF check parses the body (up to TENZRO_MAX_BODY): in a thread, never on the
     event loop every stream runs on; a csrf_exempt JSON API's check is inline."""
-    made = []
-    real = sync.SyncToAsync.__init__
-
-    def counting(self, func, *args, **kwargs):
-        made.append(getattr(func, "__qualname__", repr(func)))
-        real(self, func, *args, **kwargs)
-
-    monkeypatch.setattr(sync.SyncToAsync, "__init__", counting)
+    made = hops
 
     async def go():
         async with client() as c:
