@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -25,22 +24,26 @@ from tests.conftest import QWEN2_TRAINED
 
 
 class SpyTokenizer:
-    """A ``tokenizers.Tokenizer`` that records its batch calls (and may sleep in them, as a
-    long text's tokenization takes time, with the GIL released)."""
+    """A ``tokenizers.Tokenizer`` that records its batch calls. With ``gate`` (a
+    ``threading.Event``) a batch call first waits until the gate is set, as a long text's
+    tokenization takes time with the GIL released; ``gate_opened`` records whether it was
+    (a call on the event loop itself would wait out the generous deadline: nobody sets it)."""
 
-    def __init__(self, sleep_s: float = 0.0):
+    def __init__(self, gate: threading.Event | None = None):
         self.tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(16)} | {"longest_word": 16},
                                               unk_token="t0"))
         self.tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
         self.calls: list[tuple[int, str]] = []
-        self.sleep_s = sleep_s
+        self.gate = gate
+        self.gate_opened: list[bool] = []
 
     def get_vocab(self, with_added_tokens=True):
         return self.tok.get_vocab(with_added_tokens=with_added_tokens)
 
     def encode_batch(self, texts, add_special_tokens=True):
         self.calls.append((sum(len(t) for t in texts), threading.current_thread().name))
-        time.sleep(self.sleep_s)
+        if self.gate is not None:
+            self.gate_opened.append(self.gate.wait(timeout=30))
         return self.tok.encode_batch(texts, add_special_tokens=add_special_tokens)
 
     def encode(self, text, add_special_tokens=True):
@@ -95,20 +98,20 @@ def test_chat_over_the_cap_is_refused_untokenized(cap):
 @pytest.mark.asyncio
 @pytest.mark.parametrize("chat", [False, True])
 async def test_long_text_is_tokenized_off_the_event_loop(settings, chat):
-    """The tokenizer runs in a worker thread for a long text (the loop keeps ticking while it
-    works) and on the loop for a short one (no thread hop per ordinary request)."""
+    """The tokenizer runs in a worker thread for a long text (the loop keeps running while it
+    works: a task on the loop opens the tokenizer's gate) and on the loop for a short one (no
+    thread hop per ordinary request)."""
     settings.TENZRO = {**settings.TENZRO, "GEN_MAX_PROMPT_TOKENS": 100_000}
-    spy = SpyTokenizer(sleep_s=0.5)
+    gate = threading.Event()
+    spy = SpyTokenizer(gate)
     m = served(spy, ChatTemplate("{{ messages[0]['content'] }}") if chat else None)
-    ticks = 0
 
-    async def ticker():
-        nonlocal ticks
-        while True:
-            await asyncio.sleep(0.01)
-            ticks += 1
+    async def opener():
+        while not spy.calls:  # the tokenizer has started: the loop runs beside it and opens its gate
+            await asyncio.sleep(0.001)
+        gate.set()
 
-    t = asyncio.ensure_future(ticker())
+    t = asyncio.ensure_future(opener())
     long_text = "t1 " * (gen.INLINE_TOKENIZE_CHARS // 3 + 1)
     try:
         if chat:
@@ -118,8 +121,9 @@ async def test_long_text_is_tokenized_off_the_event_loop(settings, chat):
     finally:
         t.cancel()
     assert ids == [1] * (gen.INLINE_TOKENIZE_CHARS // 3 + 1)
-    assert spy.calls[-1][1] != threading.main_thread().name and ticks >= 20, (spy.calls, ticks)
-    spy.sleep_s = 0
+    assert spy.calls[-1][1] != threading.main_thread().name and spy.gate_opened == [True], (spy.calls,
+                                                                                            spy.gate_opened)
+    spy.gate = None
     if chat:
         assert await chat_prompt_async(m, [{"role": "user", "content": "t2"}]) == [2]
     else:
@@ -144,28 +148,36 @@ def test_encode_batch_gives_the_ids_encode_gives():
     ("/v1/completions", {"prompt": ["a" * 700_000] * 3}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 2_000_000}]}),
 ])
-def test_openai_huge_text_is_a_quick_400(client, settings, path, body):
+def test_openai_huge_text_is_a_quick_400(client, settings, monkeypatch, path, body):
     """The trained fixture (a byte-level BPE whose longest token has 13 characters) published
-    for real: a 2 MB prompt text is refused at once naming its field (it took seconds of the
-    event loop before; 25 s at 30 MB)."""
+    for real: a 2 MB prompt text is refused naming its field without being tokenized (it took
+    seconds of the event loop before; 25 s at 30 MB)."""
     from prepare.backbone import publish_backbone
     from prepare.services import publish_checkpoint
+    from router import openai_api
 
     publish_checkpoint(QWEN2_TRAINED, "trained-size-test")
     publish_backbone(QWEN2_TRAINED, "trained-size-test")
     settings.TENZRO = {**settings.TENZRO, "GEN_MAX_PROMPT_TOKENS": 8192}
-    t0 = time.perf_counter()
+    tokenized, real = [], gen.tokenize
+
+    def spy(served_model, texts, add_special_tokens=True):
+        tokenized.append(sum(len(t) for t in texts))
+        return real(served_model, texts, add_special_tokens)
+
+    monkeypatch.setattr(gen, "tokenize", spy)
+    monkeypatch.setattr(openai_api, "tokenize", spy)
     r = client.post(path, data=json.dumps({"model": "trained-size-test", **body}), content_type="application/json")
-    took = time.perf_counter() - t0
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == ("messages" if "chat" in path else "prompt"), err
     assert "characters of prompt text" in err["message"] and "TENZRO_GEN_MAX_PROMPT_TOKENS" in err["message"]
-    assert took < 1.0, took
+    assert tokenized == []  # refused by its length, before any tokenizing
     r = client.post(path, data=json.dumps({"model": "trained-size-test", "max_tokens": 2, "temperature": 0,
                                            **({"messages": [{"role": "user", "content": "The router"}]}
                                               if "chat" in path else {"prompt": "The router scores every"})}),
                     content_type="application/json")
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2, r.json()
+    assert len(tokenized) == 1  # the ordinary request went through the same tokenizer call
 
 
 @pytest.mark.django_db(transaction=True)
