@@ -106,8 +106,13 @@ class OverlapModel:
     each count and step size (sequences, in powers of two: a step of 16 is not compared with
     steps of one), and a split whose rows cost no less than unsplit steps' of that size (by
     ``MARGIN``) is not used. The unsplit figure is measured on the step after the first split
-    one, and every ``PROBE_EVERY``-th step the other way is run again, so both figures stay
-    current when the link or the load changes.
+    one, and the other way is run again after ``PROBE_EVERY`` decode steps, so both figures
+    stay current when the link or the load changes; each probe that leaves the verdict as it
+    was doubles the wait for the next (up to ``PROBE_MAX`` steps), and a verdict that flips
+    starts again from ``PROBE_EVERY``: on 2 shared cores a 4-way probe step took twice an
+    unsplit one, and probing every 16th step cost a 16-client run 5 % of its steps' time.
+    Steps that carry prompt rows follow the verdict and never probe: their time is not
+    compared (``realized``), so a probe there would cost a step and teach nothing.
 
     A split only hides the wait where cores are idle during it; where the machine's cores are
     busy anyway (holders or other work on the router's cores, many clients), it only adds
@@ -121,6 +126,7 @@ class OverlapModel:
     ALPHA = 0.3
     MARGIN = 0.05
     PROBE_EVERY = 16
+    PROBE_MAX = 512
     IDLE_MIN_CORES = 0.5
 
     def __init__(self):
@@ -128,7 +134,7 @@ class OverlapModel:
         self.compute_ms: float | None = None  # per layer and sequence
         self.idle_cores: float | None = None  # the host's, during unsplit steps
         self.per_row_ms: dict[tuple[int, int], float] = {}  # (micro-batches, size class) -> wall per row
-        self._decisions: dict[int, int] = {}  # size class -> steps the model would have split
+        self._probes: dict[int, list] = {}  # size class -> [verdict (split pays), probe interval, steps left]
         self._lock = threading.Lock()
 
     def observe(self, wait_ms: float, compute_ms: float, layers: int, sequences: int) -> None:
@@ -148,8 +154,9 @@ class OverlapModel:
             old = self.idle_cores
             self.idle_cores = cores if old is None else (1 - self.ALPHA) * old + self.ALPHA * cores
 
-    def count(self, cap: int, units: int, sequences: int) -> int:
-        """Micro-batches for a step of ``sequences`` in ``units`` requests (class docstring)."""
+    def count(self, cap: int, units: int, sequences: int, rows: int | None = None) -> int:
+        """Micro-batches for a step of ``sequences`` in ``units`` requests and ``rows`` rows
+        (None: one per sequence, a decode step) (class docstring)."""
         with self._lock:
             w, c, idle = self.wait_ms, self.compute_ms, self.idle_cores
         most = max(1, min(cap, units))
@@ -161,22 +168,28 @@ class OverlapModel:
         if w < 0.1 * total:
             return 1
         m = next((m for m in range(2, most + 1) if (m - 1) * total / m >= w), most)
-        return self._checked(m, sequences.bit_length())
+        return self._checked(m, sequences.bit_length(), rows is None or rows == sequences)
 
-    def _checked(self, m: int, size: int) -> int:
+    def _checked(self, m: int, size: int, decode: bool = True) -> int:
         """``m`` (> 1, the model's count) or 1 for a step of size class ``size``, by what each
-        delivered per row (class docstring)."""
+        delivered per row; only a ``decode`` step explores or probes (class docstring)."""
         with self._lock:
-            n = self._decisions[size] = self._decisions.get(size, 0) + 1
             one, split = self.per_row_ms.get((1, size)), self.per_row_ms.get((m, size))
-        if split is None:
-            return m
-        if one is None:
-            return 1  # the unsplit baseline of this size, once a split step was measured
-        pays = split < (1 - self.MARGIN) * one
-        if n % self.PROBE_EVERY == 0:
-            return 1 if pays else m
-        return m if pays else 1
+            if split is None:
+                return m if decode else 1
+            if one is None:
+                return 1  # the unsplit baseline of this size, once a split step was measured
+            pays = split < (1 - self.MARGIN) * one
+            probe = self._probes.get(size)
+            if probe is None or probe[0] != pays:  # a new verdict: probe soon
+                probe = self._probes[size] = [pays, self.PROBE_EVERY, self.PROBE_EVERY]
+            if decode:
+                probe[2] -= 1
+                if probe[2] <= 0:  # run the other way once; the verdict held so far: wait longer next time
+                    probe[1] = min(self.PROBE_MAX, 2 * probe[1])
+                    probe[2] = probe[1]
+                    return 1 if pays else m
+            return m if pays else 1
 
     def realized(self, count: int, wall_ms: float, rows: int, sequences: int) -> None:
         """A step of ``sequences`` sequences and ``rows`` rows run in ``count`` micro-batches
@@ -699,7 +712,8 @@ class ModelScheduler:
             keep = slot.request.keep_logits and slot.fed < slot.seq.prompt.size
             select.append("all" if keep else "last" if last else "none")
             gains.append(last)
-        count = self.overlap.count(config.microbatches, len({id(s.request) for s, _ in batch}), len(batch))
+        count = self.overlap.count(config.microbatches, len({id(s.request) for s, _ in batch}), len(batch),
+                                   int(sum(ids.size for _, ids in batch)))
         self.host.sample()  # the step's idle cores are counted from here
         logits, entry = await self._forward(batch, select, count)
 

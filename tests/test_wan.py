@@ -137,13 +137,26 @@ def test_overlap_split_is_dropped_when_it_does_not_pay_and_probed_again():
     m.realized(1, wall_ms=96.0, rows=16, sequences=16)  # 6 ms a row: the split does not pay (shared cores)
     for _ in range(5):  # split steps that met new prompts (1.5 ms a row over 64 rows): not
         m.realized(4, wall_ms=96.0, rows=64, sequences=16)  # compared, or the split would look as if it paid
-    picks = [m.count(4, 16, 16) for _ in range(2 * OverlapModel.PROBE_EVERY)]
-    assert picks.count(4) == 2 and picks.count(1) == 2 * OverlapModel.PROBE_EVERY - 2  # split only to re-measure
+    assert m.count(4, 16, 16, rows=80) == 1  # a step with prompt rows follows the verdict and never probes
+    every, most = OverlapModel.PROBE_EVERY, OverlapModel.PROBE_MAX
+    picks = [m.count(4, 16, 16) for _ in range(4000)]
+    probes = [i + 1 for i, p in enumerate(picks) if p == 4]  # split only to re-measure, less often while it loses
+    gaps = [b - a for a, b in zip([0] + probes, probes)]
+    assert gaps[:6] == [every, 2 * every, 4 * every, 8 * every, 16 * every, 32 * every]
+    assert set(gaps[6:]) == {most} and len(probes) == 6 + (4000 - sum(gaps[:6])) // most
+    assert all(m.count(4, 16, 16, rows=80) == 1 for _ in range(3 * most))  # prefill steps: no probe at all
     for _ in range(10):  # the link got far: split steps now cost half a row's time
         m.realized(4, wall_ms=48.0, rows=16, sequences=16)
-    picks = [m.count(4, 16, 16) for _ in range(2 * OverlapModel.PROBE_EVERY)]
-    assert picks.count(1) == 2 and picks.count(4) == 2 * OverlapModel.PROBE_EVERY - 2
+    picks = [m.count(4, 16, 16) for _ in range(3 * every)]  # the verdict flipped: probed again soon
+    assert [i + 1 for i, p in enumerate(picks) if p == 1] == [every, 3 * every]
+    assert m.count(4, 16, 16, rows=80) == 4  # prompt steps split too now
 
+
+def test_overlap_prompt_steps_do_not_explore():
+    m = OverlapModel()
+    m.observe(wait_ms=80.0, compute_ms=32.0, layers=2, sequences=16)  # the model says 4
+    assert m.count(4, 16, 16, rows=120) == 1  # nothing realized at this size: a prompt step's time would not count
+    assert m.count(4, 16, 16) == 4  # a decode step tries the model's count (its time is compared)
 
 
 def test_overlap_no_split_while_the_host_has_no_idle_core():
@@ -210,7 +223,7 @@ async def test_micro_batched_steps_give_the_tokens_of_one_batch(settings):
     sched = await scheduler(model)
     assert {e["microbatches"] for e in sched.timeline} == {1}
     settings.TENZRO = {**settings.TENZRO, "GEN_MICROBATCHES": 4}
-    sched.overlap.count = lambda cap, units, sequences: min(cap, units)  # as on a far link: always overlap
+    sched.overlap.count = lambda cap, units, sequences, rows=None: min(cap, units)  # as on a far link: always overlap
     steps = sched.steps
     forwards: list[int] = []
     real = current().forward
