@@ -16,6 +16,7 @@ over its HTTP endpoint.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
@@ -46,6 +47,8 @@ from router.kvasir import KvasirAudit, KvasirHolders, policy_audit_terms
 from moe.transports.kvasir import is_kvasir
 from router.scoreboard import Scoreboard
 from router.ws import held_here
+
+log = logging.getLogger(__name__)
 
 
 class UnknownModel(GateNotLoaded):
@@ -119,7 +122,10 @@ class Router:
         """``fresh(key)``, or else the value of ``await load()`` held for ``key`` from now; the
         concurrent callers of one expired key share one ``load`` (when the cache expired under
         16 clients, each request read the database on a thread of its own: 5 % of the site's
-        samples). Raises what ``load`` raises, to every caller that shared it (not cached)."""
+        samples). A value expired less than ``view_cache_s`` ago is returned at once while the
+        load refreshes it in the background (stale-while-revalidate: under steady traffic no
+        request waits on the read; at 16 clients the refresh held every new request about
+        10 ms). Raises what ``load`` raises, to every caller that waited on it (not cached)."""
         hit = self.fresh(key)
         if hit is not None:
             return hit
@@ -133,7 +139,19 @@ class Router:
                     self.remember(key, f.result())
 
             pending.add_done_callback(done)
+        stale = self._stale(key)
+        if stale is not None:
+            return stale
         return await asyncio.shield(pending)  # a caller that goes away leaves the read to the others
+
+    def _stale(self, key: tuple):
+        """The value held for ``key`` once it expired, while it is younger than twice
+        ``view_cache_s`` (``fresh_or_load`` and ``view`` serve it while a refresh runs), else None."""
+        hit = self._ttl.get(key)
+        ttl = self.config.view_cache_s
+        if hit is not None and ttl > 0 and time.monotonic() - hit[0] < 2 * ttl:
+            return hit[1]
+        return None
 
     def cached(self, key: tuple, fn):
         """``fn()`` memoized for ``view_cache_s`` seconds: per-forward DB reads of the shard view
@@ -223,11 +241,29 @@ class Router:
 
     async def view(self, model_id: str, excluded: frozenset) -> ShardView:
         """``live_view``, without a thread hop while the provider rows are fresh in the TTL cache
-        (building the view from them is pure and cheap); a DB read on the site's DB thread else."""
-        infos = self.fresh(("infos", model_id))
+        (building the view from them is pure and cheap); a DB read on the site's DB thread else.
+        Rows expired less than ``view_cache_s`` ago are used while one background read refreshes
+        them (``fresh_or_load``'s rule: the forward does not wait on the database)."""
+        key = ("infos", model_id)
+        infos = self.fresh(key)
         if infos is None:
-            return await database_sync_to_async(self.live_view)(model_id, excluded)
+            infos = self._stale(key)
+            if infos is None:
+                return await database_sync_to_async(self.live_view)(model_id, excluded)
+            if key not in self._loading:  # one refresh at a time; ``live_view`` keeps what it read
+                task = self._loading[key] = asyncio.ensure_future(
+                    database_sync_to_async(self.live_view)(model_id, frozenset()))
+                task.add_done_callback(self._refreshed(key))
         return self._built(model_id, infos, excluded)
+
+    def _refreshed(self, key: tuple):
+        """The done-callback of a background refresh of ``key``: forget it, and log (not raise)
+        its failure; the next request past the stale window reads the database itself."""
+        def done(f: asyncio.Future) -> None:
+            self._loading.pop(key, None)
+            if not f.cancelled() and f.exception() is not None:
+                log.warning("background refresh of %s failed: %s", key, f.exception())
+        return done
 
     # -- transports ----------------------------------------------------------------------------
 

@@ -71,3 +71,63 @@ def test_fresh_or_load_shares_one_read_among_concurrent_misses_and_caches_no_err
         assert await other == "served"
 
     asyncio.run(scene())
+
+
+def test_an_expired_value_is_served_while_one_read_refreshes_it():
+    ttl = 3600.0
+    router = Router(ForwardConfig(view_cache_s=ttl))
+    reads, gate = [], None
+
+    async def load():
+        reads.append(1)
+        await gate.wait()  # the database read, held until the test lets it finish
+        return "new"
+
+    async def scene():
+        nonlocal gate
+        gate = asyncio.Event()
+        router._ttl[("served", "m")] = (time.monotonic() - 1.5 * ttl, "old")  # expired, within the stale window
+        got = await asyncio.gather(*(router.fresh_or_load(("served", "m"), load) for _ in range(8)))
+        assert got == ["old"] * 8 and len(reads) == 1  # nobody waited on the read; one read refreshes
+        gate.set()
+        await router._loading[("served", "m")]
+        assert router.fresh(("served", "m")) == "new" and await router.fresh_or_load(("served", "m"), load) == "new"
+        assert len(reads) == 1
+        # Past twice the cache's age the old value is not served: the caller waits for the read.
+        router._ttl[("served", "m")] = (time.monotonic() - 2.5 * ttl, "ancient")
+        gate = asyncio.Event()
+        waiting = asyncio.ensure_future(router.fresh_or_load(("served", "m"), load))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        gate.set()
+        assert await waiting == "new" and len(reads) == 2
+
+    asyncio.run(scene())
+
+
+@pytest.mark.django_db  # the refresh runs on the DB thread (channels closes stale connections around it)
+def test_view_plans_on_stale_rows_while_one_background_read_refreshes_them():
+    ttl = 3600.0
+    router = Router(ForwardConfig(view_cache_s=ttl))
+    calls = []
+
+    def live_view(model_id, exclude=frozenset()):  # the DB read (on the DB thread), storing what it read
+        calls.append((model_id, exclude))
+        router._ttl[("infos", model_id)] = (time.monotonic(), infos(B))
+        return router._built(model_id, infos(B), exclude)
+
+    router.live_view = live_view
+    router._ttl[("infos", "m")] = (time.monotonic() - 1.5 * ttl, infos(A, B))
+
+    async def scene():
+        views = [await router.view("m", frozenset()) for _ in range(3)]
+        assert all([h.provider for h in v.holders(0, 1)] == [A, B] for v in views)  # the stale rows, no wait
+        await router._loading[("infos", "m")]
+        assert calls == [("m", frozenset())]  # one refresh for the three forwards
+        fresh = await router.view("m", frozenset())
+        assert [h.provider for h in fresh.holders(0, 1)] == [B] and len(calls) == 1
+        router._ttl[("infos", "m")] = (time.monotonic() - 2.5 * ttl, infos(A))  # too old to plan on
+        assert [h.provider for h in (await router.view("m", frozenset())).holders(0, 1)] == [B]
+        assert len(calls) == 2
+
+    asyncio.run(scene())
