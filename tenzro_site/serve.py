@@ -165,6 +165,12 @@ def main(argv: list[str] | None = None) -> None:
 
     # Django, numba and the apps leave ~160k long-lived objects that every full collection
     # walked again while all streams waited; frozen, it walks only what serving allocated.
+    import importlib
+
+    from django.urls import get_resolver
+
+    importlib.import_module(APPLICATION.split(":")[0])  # the ASGI routing, its consumers and what they import
+    get_resolver().url_patterns  # noqa: B018 - imports every view module (Django would on the first request)
     gc.collect()
     gc.freeze()
     # Serving allocates containers (futures, tasks, frames' dicts, receipts) at a rate that ran a
