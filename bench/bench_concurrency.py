@@ -1,7 +1,8 @@
 """Concurrent clients of ``/v1/completions`` on a real cluster: continuous batching (issue 21).
 
 Usage:  .venv/bin/python bench/bench_concurrency.py [--requests 32] [--clients 16] [--tokens 24]
-        [--holders 3] [--checkpoint tests/fixtures/qwen3_moe_tiny] [--rounds 3] [--services] [--json]
+        [--holders 3] [--checkpoint tests/fixtures/qwen3_moe_tiny] [--rounds 3] [--services]
+        [--client aiohttp|httpx] [--json]
 
 Starts ``manage.py tenzro_cluster`` with ``--holders`` agents on the checkpoint, then sends
 ``--requests`` completions (greedy, ``--tokens`` new tokens, token-id prompts of 4..16 ids)
@@ -14,6 +15,13 @@ a shared machine, and it shows which process bounds the ratio: the site is one G
 Both phases run ``--rounds`` times, alternating, on the same warm cluster; the ratio is the
 median of the rounds' ratios. ``--services`` runs the services deployment (PostgreSQL, Redis,
 a Celery worker doing settlement and audits) instead of the embedded one.
+
+The clients share this process and the machine's cores with the cluster, so the client's own
+CPU per request is paid between one request's answer and the next one's arrival, and with
+16 clients in one process those turnarounds queue behind each other. ``--client`` picks the
+HTTP client: ``aiohttp`` (default; one keep-alive connection per client) or ``httpx`` (the
+client until 2026-12: ~2 ms of CPU per request here against aiohttp's ~0.5, which cost the
+16-client phase about 30 ms each time the 16 requests ended together).
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import aiohttp
 import httpx
 import numpy as np
 
@@ -53,17 +62,34 @@ def deployment(tmp: Path, services: bool):
         yield env_for(tmp, database_url=db, redis_url=redis)
 
 
-async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], tokens: int) -> tuple[list, float]:
-    """(token ids, seconds) of one greedy completion."""
+async def one(client, url: str, model: str, prompt: list[int], tokens: int) -> tuple[list, float]:
+    """(token ids, seconds) of one greedy completion through ``client`` (an ``aiohttp.ClientSession``
+    or an ``httpx.AsyncClient``)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0}
     t0 = time.perf_counter()
-    r = await client.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": tokens,
-                                                         "temperature": 0}, timeout=600)
-    r.raise_for_status()
-    return r.json()["choices"][0]["token_ids"], time.perf_counter() - t0
+    if isinstance(client, httpx.AsyncClient):
+        r = await client.post(f"{url}/v1/completions", json=body, timeout=600)
+        r.raise_for_status()
+        data = r.json()
+    else:
+        async with client.post(f"{url}/v1/completions", json=body) as r:
+            r.raise_for_status()
+            data = await r.json()
+    return data["choices"][0]["token_ids"], time.perf_counter() - t0
 
 
-async def run(url: str, model: str, prompts: list[list[int]], tokens: int, clients: int) -> dict:
-    """Send ``prompts`` with ``clients`` concurrent workers; per-request tokens, latencies, errors."""
+def session(kind: str, clients: int):
+    """The HTTP client of a phase: ``kind`` "aiohttp" or "httpx", ``clients`` connections at most."""
+    if kind == "httpx":
+        return httpx.AsyncClient(limits=httpx.Limits(max_connections=clients + 4))
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients + 4),
+                                 timeout=aiohttp.ClientTimeout(total=600))
+
+
+async def run(url: str, model: str, prompts: list[list[int]], tokens: int, clients: int,
+              kind: str = "aiohttp") -> dict:
+    """Send ``prompts`` with ``clients`` concurrent workers on a ``kind`` client (``session``);
+    per-request tokens, latencies, errors."""
     queue = list(enumerate(prompts))
     out: dict[int, list] = {}
     lat, errors = [], []
@@ -79,7 +105,7 @@ async def run(url: str, model: str, prompts: list[list[int]], tokens: int, clien
                 errors.append(f"{type(exc).__name__}: {str(exc)[:120]}")
 
     t0 = time.perf_counter()
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=clients + 4)) as client:
+    async with session(kind, clients) as client:
         await asyncio.gather(*(worker(client) for _ in range(clients)))
     wall = time.perf_counter() - t0
     new = sum(len(v) for v in out.values())
@@ -104,6 +130,9 @@ def main() -> None:
                     help="the services deployment: PostgreSQL (TENZRO_TEST_DATABASE_URL, an admin URL: a fresh "
                          "database per run), Redis (TENZRO_TEST_REDIS_URL) and a Celery worker for settlement "
                          "and audits; default: the embedded one (SQLite, economy inline in the site)")
+    ap.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp",
+                    help="the HTTP client of both phases (module docstring: its own CPU per request is paid "
+                         "on the cluster's cores)")
     a = ap.parse_args()
     if a.rounds < 1:
         ap.error("--rounds must be at least 1")
@@ -112,13 +141,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, deployment(Path(tmp), a.services) as env, \
             running_cluster(Path(tmp), [Path(a.checkpoint)], holders=a.holders, env=env) as (info, _proc):
         url = info["url"]
-        asyncio.run(run(url, a.model, prompts[:2], a.tokens, 1))  # warm: JIT, connections, caches
+        asyncio.run(run(url, a.model, prompts[:2], a.tokens, 1, a.client))  # warm: JIT, connections, caches
         rounds = []
         for _ in range(a.rounds):  # one client, then many, on the same warm cluster: a ratio per round
             phases = []
             for clients in (1, a.clients):
                 cpu0 = cpu_seconds(info)
-                r = asyncio.run(run(url, a.model, prompts, a.tokens, clients))
+                r = asyncio.run(run(url, a.model, prompts, a.tokens, clients, a.client))
                 r["cpu_ms_per_token"] = {k: round(1e3 * (v - cpu0[k]) / max(1, r["tokens"]), 2) for k, v in
                                          cpu_seconds(info).items() if k in ("sites", "agents", "celery")}
                 phases.append(r)
@@ -145,7 +174,8 @@ def main() -> None:
         print(json.dumps({"rounds": [{"solo": {k: v for k, v in rd["solo"].items() if k != "ids"},
                                       "concurrent": {k: v for k, v in rd["concurrent"].items() if k != "ids"},
                                       "ratio": rd["ratio"], "equal_to_solo": rd["equal_to_solo"]} for rd in rounds],
-                          "ratio": ratio, "errors": errors, "equal_to_solo": equal, "requests": a.requests}))
+                          "ratio": ratio, "errors": errors, "equal_to_solo": equal, "requests": a.requests,
+                          "client": a.client}))
 
 
 if __name__ == "__main__":
