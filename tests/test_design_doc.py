@@ -3,17 +3,31 @@
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DESIGN = ROOT / "docs" / "DESIGN.md"
-SKIP = {".venv", ".git", "var", "node_modules"}
+SKIP = {".git", "var", "node_modules"}
+
+
+def _project_files():
+    """The checkout's own files: tracked or new, not what .gitignore leaves out (the venvs,
+    ``make bench``'s aiperf venv and llama.cpp sources, build dirs); every file under ROOT
+    outside ``SKIP`` and ``.venv*`` where git cannot say."""
+    try:
+        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT,
+                             capture_output=True, check=True, timeout=60).stdout
+        return [ROOT / name for name in out.decode().split("\0") if name]
+    except (OSError, subprocess.SubprocessError):
+        return [p for p in ROOT.rglob("*") if not SKIP & set(p.relative_to(ROOT).parts)
+                and not any(part.startswith(".venv") for part in p.relative_to(ROOT).parts)]
 
 
 def sources():
-    for path in ROOT.rglob("*"):
-        if path.suffix in {".py", ".md", ".html"} and not SKIP & set(path.relative_to(ROOT).parts) \
-                and path not in (DESIGN, Path(__file__).resolve()) and path.is_file():
+    for path in _project_files():
+        if path.suffix in {".py", ".md", ".html"} and path not in (DESIGN, Path(__file__).resolve()) \
+                and path.is_file():
             yield path
 
 
