@@ -129,24 +129,28 @@ class Router:
         hit = self.fresh(key)
         if hit is not None:
             return hit
+        stale = self._stale(key)
         pending = self._loading.get(key)
         if pending is None:
             pending = self._loading[key] = asyncio.ensure_future(load())
 
             def done(f: asyncio.Future) -> None:
                 self._loading.pop(key, None)
-                if not f.cancelled() and f.exception() is None:
+                if f.cancelled():
+                    return
+                if f.exception() is None:
                     self.remember(key, f.result())
+                elif stale is not None:  # nobody waited on it: say so; past the window a caller reads again
+                    log.warning("background refresh of %s failed: %s", key, f.exception())
 
             pending.add_done_callback(done)
-        stale = self._stale(key)
         if stale is not None:
             return stale
         return await asyncio.shield(pending)  # a caller that goes away leaves the read to the others
 
     def _stale(self, key: tuple):
         """The value held for ``key`` once it expired, while it is younger than twice
-        ``view_cache_s`` (``fresh_or_load`` and ``view`` serve it while a refresh runs), else None."""
+        ``view_cache_s`` (``fresh_or_load`` serves it while a refresh runs), else None."""
         hit = self._ttl.get(key)
         ttl = self.config.view_cache_s
         if hit is not None and ttl > 0 and time.monotonic() - hit[0] < 2 * ttl:
@@ -200,8 +204,11 @@ class Router:
     def live_view(self, model_id: str, exclude: frozenset = frozenset()) -> ShardView:
         """The live shard view of ``model_id`` without ``exclude`` (provider rows cached briefly;
         holders this process has not seen are seeded into the scoreboard from the database)."""
-        infos = self.cached(("infos", model_id), lambda: self._infos(model_id))
-        return self._built(model_id, infos, exclude)
+        return self._built(model_id, self.live_infos(model_id), exclude)
+
+    def live_infos(self, model_id: str) -> tuple:
+        """``_infos`` of ``model_id``, cached for ``view_cache_s`` (the key ``view`` reads)."""
+        return self.cached(("infos", model_id), lambda: self._infos(model_id))
 
     def _built(self, model_id: str, infos: tuple, exclude: frozenset) -> ShardView:
         """The shard view of the provider rows ``infos`` (``_infos``) without ``exclude`` and the
@@ -240,30 +247,13 @@ class Router:
         return infos
 
     async def view(self, model_id: str, excluded: frozenset) -> ShardView:
-        """``live_view``, without a thread hop while the provider rows are fresh in the TTL cache
-        (building the view from them is pure and cheap); a DB read on the site's DB thread else.
-        Rows expired less than ``view_cache_s`` ago are used while one background read refreshes
-        them (``fresh_or_load``'s rule: the forward does not wait on the database)."""
-        key = ("infos", model_id)
-        infos = self.fresh(key)
-        if infos is None:
-            infos = self._stale(key)
-            if infos is None:
-                return await database_sync_to_async(self.live_view)(model_id, excluded)
-            if key not in self._loading:  # one refresh at a time; ``live_view`` keeps what it read
-                task = self._loading[key] = asyncio.ensure_future(
-                    database_sync_to_async(self.live_view)(model_id, frozenset()))
-                task.add_done_callback(self._refreshed(key))
+        """``live_view`` from the provider rows of ``fresh_or_load`` (no thread hop while they are
+        fresh, and none for a forward while rows expired less than ``view_cache_s`` ago are
+        refreshed in the background; a DB read on the site's DB thread else, shared by the
+        forwards that missed together). Building the view from the rows is pure and cheap."""
+        infos = await self.fresh_or_load(("infos", model_id),
+                                         lambda: database_sync_to_async(self.live_infos)(model_id))
         return self._built(model_id, infos, excluded)
-
-    def _refreshed(self, key: tuple):
-        """The done-callback of a background refresh of ``key``: forget it, and log (not raise)
-        its failure; the next request past the stale window reads the database itself."""
-        def done(f: asyncio.Future) -> None:
-            self._loading.pop(key, None)
-            if not f.cancelled() and f.exception() is not None:
-                log.warning("background refresh of %s failed: %s", key, f.exception())
-        return done
 
     # -- transports ----------------------------------------------------------------------------
 

@@ -111,19 +111,19 @@ def test_view_plans_on_stale_rows_while_one_background_read_refreshes_them():
     router = Router(ForwardConfig(view_cache_s=ttl))
     calls = []
 
-    def live_view(model_id, exclude=frozenset()):  # the DB read (on the DB thread), storing what it read
-        calls.append((model_id, exclude))
+    def live_infos(model_id):  # the DB read (on the DB thread), storing what it read
+        calls.append(model_id)
         router._ttl[("infos", model_id)] = (time.monotonic(), infos(B))
-        return router._built(model_id, infos(B), exclude)
+        return infos(B)
 
-    router.live_view = live_view
+    router.live_infos = live_infos
     router._ttl[("infos", "m")] = (time.monotonic() - 1.5 * ttl, infos(A, B))
 
     async def scene():
         views = [await router.view("m", frozenset()) for _ in range(3)]
         assert all([h.provider for h in v.holders(0, 1)] == [A, B] for v in views)  # the stale rows, no wait
         await router._loading[("infos", "m")]
-        assert calls == [("m", frozenset())]  # one refresh for the three forwards
+        assert calls == ["m"]  # one refresh for the three forwards
         fresh = await router.view("m", frozenset())
         assert [h.provider for h in fresh.holders(0, 1)] == [B] and len(calls) == 1
         router._ttl[("infos", "m")] = (time.monotonic() - 2.5 * ttl, infos(A))  # too old to plan on
@@ -131,3 +131,22 @@ def test_view_plans_on_stale_rows_while_one_background_read_refreshes_them():
         assert len(calls) == 2
 
     asyncio.run(scene())
+
+
+def test_a_failed_background_refresh_is_logged_and_the_stale_value_still_served(caplog):
+    ttl = 3600.0
+    router = Router(ForwardConfig(view_cache_s=ttl))
+
+    async def failing():
+        raise LookupError("database gone")
+
+    async def scene():
+        router._ttl[("served", "m")] = (time.monotonic() - 1.5 * ttl, "old")
+        assert await router.fresh_or_load(("served", "m"), failing) == "old"
+        await asyncio.gather(router._loading[("served", "m")], return_exceptions=True)
+        await asyncio.sleep(0)  # the done-callback runs
+        assert ("served", "m") not in router._loading and router.fresh(("served", "m")) is None
+
+    with caplog.at_level("WARNING", logger="router.state"):
+        asyncio.run(scene())
+    assert any("background refresh of ('served', 'm') failed: database gone" in r.getMessage() for r in caplog.records)
