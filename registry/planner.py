@@ -198,14 +198,24 @@ def plan_expert_batches(
     split_threshold: int | None = None,
     order: Callable[[Sequence[HolderInfo]], Sequence[HolderInfo]] | None = None,
     avoid: Callable[[str], bool] | None = None,
+    peers: Callable[[Sequence[HolderInfo]], int] | None = None,
 ) -> tuple[list["ExpertBatch"], list[dict], dict]:
     """The batch step of :func:`plan_dispatch` on pairs already grouped: ``by_expert`` maps
     ``(layer, expert)`` to its tokens, ascending and distinct (not checked: callers hold them
     so, as a forward's outstanding pairs are). Returns (batches sorted by layer, expert, first
     token and provider; ``unplanned`` experts ``{layer, expert, tokens}``; per expert the
     provider chosen, a per-token dict when split, None when unplanned). Same parameters and
-    algorithm as :func:`plan_dispatch`, which validates its routings and calls this."""
+    algorithm as :func:`plan_dispatch`, which validates its routings and calls this.
+
+    ``peers(ordered) -> int``: how many leading holders of an expert's ordered candidates are
+    interchangeable (``router.scoreboard.PlannerRanking.peers``). An unsplit batch then goes to
+    the peer with the least work planned so far in this call (its rows plus one per batch, the
+    experts taken in ascending order; ties to the first), the other candidates following in order
+    as backups: with 2 replicas on 3 equal holders, the first in a fixed order would otherwise get
+    every batch of the experts it holds and the third none, and the forward waits on the busiest.
+    Without ``peers`` the primary is the first candidate."""
     batches: list[ExpertBatch] = []
+    planned: dict[str, int] = {}  # provider -> rows + batches dealt to it in this call (peers only)
     unplanned: list[dict] = []
     # key -> provider for the whole expert, or a per-token dict when split.
     chosen: dict[tuple[int, int], object] = {}
@@ -220,9 +230,15 @@ def plan_expert_batches(
             chosen[key] = None
             continue
         if split_threshold is None or len(tokens) <= split_threshold:
-            p = cands[0]
+            j = 0
+            if peers is not None and len(cands) > 1:
+                lead = min(peers(cands), len(cands))
+                j = min(range(lead), key=lambda i: planned.get(cands[i].provider, 0))
+                planned[cands[j].provider] = planned.get(cands[j].provider, 0) + len(tokens) + 1
+            p = cands[j]
             batches.append(
-                ExpertBatch(layer, expert, p.provider, p.iroh_endpoint_id, p.http_endpoint, tokens, list(cands[1:]))
+                ExpertBatch(layer, expert, p.provider, p.iroh_endpoint_id, p.http_endpoint, tokens,
+                            list(cands[:j] + cands[j + 1:]))
             )
             chosen[key] = p.provider
             continue

@@ -226,6 +226,17 @@ class Scoreboard:
         bucket against the best candidate, then held here (``here(provider)``: its socket is in
         this process, so no relay through another), then reputation descending, then the
         nearer, then input position."""
+        return self.rank(holders)[0]
+
+    def rank(self, holders: Sequence) -> tuple[list, int]:
+        """(``order(holders)``, how many of its leading holders are *peers*: the run of holders
+        from the first that equal it in everything ``order`` ranks by but reputation and input
+        position, i.e. in residency, tier, success rate, latency bucket, held here and
+        nearness). The planner spreads batches over peers (``registry.planner.
+        plan_expert_batches``'s ``peers``); reputation and position only pick among peers
+        equally loaded, so one holder does not take every batch of the experts it shares with
+        equals while they idle. A holder that is nearer or farther ends the run (a farther one
+        would add its distance to most forwards)."""
         with self._lock:
             stats = [self._stats.get(h.provider) for h in holders]
             tiers = [_TIERS[self._state(s)] for s in stats]
@@ -237,33 +248,22 @@ class Scoreboard:
         lats = [s.latency_ms for s in stats if s is not None and s.latency_ms is not None]
         fast = 2 * min(lats) + 50.0 if lats else math.inf
 
-        def key(i: int):
-            h, s = holders[i], stats[i]
+        def peer_key(i: int) -> tuple:
+            s = stats[i]
             lat = s.latency_ms if s is not None else None
             bucket = 0 if lat is None or lat <= fast else 1 + int(math.log2(lat / fast))
             rate = 0 if s is None or s.success_rate >= 0.9 else 1
             near = rtts[i] if rtts[i] is not None else math.inf  # equal otherwise: the nearer first
-            return (_RESIDENCY.get(h.residency, 2), tiers[i], rate, bucket, relayed[i], -int(h.reputation), near, i)
+            return (_RESIDENCY.get(holders[i].residency, 2), tiers[i], rate, bucket, relayed[i], near)
 
-        return [holders[i] for i in sorted(range(len(holders)), key=key)]
+        keys = [peer_key(i) for i in range(len(holders))]
+        perm = sorted(range(len(holders)), key=lambda i: (keys[i][:-1], -int(holders[i].reputation), keys[i][-1], i))
+        lead = next((j for j, i in enumerate(perm) if keys[i] != keys[perm[0]]), len(perm))
+        return [holders[i] for i in perm], lead
 
-    def planner_order(self) -> Callable[[Sequence], list]:
-        """``order`` for one planning call (``registry.planner.plan_expert_batches``): a holder
-        set it already ranked in that call is not ranked again. One plan asks for the same few
-        sets, one per expert (3 holders with 2 replicas: 3 sets for 16 experts), and nothing
-        ``order`` reads changes during the synchronous call; the key is what it reads of a
-        holder (provider, residency, reputation) in input order."""
-        ranked: dict[tuple, list[int]] = {}
-
-        def order(holders: Sequence) -> list:
-            key = tuple((h.provider, h.residency, h.reputation) for h in holders)
-            perm = ranked.get(key)
-            if perm is None:
-                at = {id(h): i for i, h in enumerate(holders)}
-                perm = ranked[key] = [at[id(h)] for h in self.order(holders)]
-            return [holders[i] for i in perm]
-
-        return order
+    def planner_order(self) -> "PlannerRanking":
+        """``order`` and ``peers`` for one planning call (``PlannerRanking``)."""
+        return PlannerRanking(self)
 
     def deadline_s(self, provider: str, ceiling_s: float) -> float:
         """Seconds ``provider`` has for one request before its backup gets a copy:
@@ -312,3 +312,32 @@ class Scoreboard:
                         "rtt_ms": None if not s.recent else round(s.rtt_ms(), 3),
                         "p99_ms": None if not s.recent else round(s.p99_ms(), 3)}
                     for p, s in sorted(self._stats.items())}
+
+
+class PlannerRanking:
+    """A scoreboard's ``order`` (``__call__``) and ``peers`` for one planning call
+    (``registry.planner.plan_expert_batches``): a holder set already ranked in that call is not
+    ranked again. One plan asks for the same few sets, one per expert (3 holders with 2
+    replicas: 3 sets for 16 experts), and nothing the ranking reads changes during the
+    synchronous call; the key is what it reads of a holder (provider, residency, reputation)
+    in input order."""
+
+    def __init__(self, scoreboard: Scoreboard):
+        self.scoreboard = scoreboard
+        self._ranked: dict[tuple, tuple[list[int], int]] = {}
+        self._lead: dict[tuple, int] = {}  # ordered providers → peers leading them
+
+    def __call__(self, holders: Sequence) -> list:
+        key = tuple((h.provider, h.residency, h.reputation) for h in holders)
+        got = self._ranked.get(key)
+        if got is None:
+            ordered, lead = self.scoreboard.rank(holders)
+            at = {id(h): i for i, h in enumerate(holders)}
+            got = self._ranked[key] = ([at[id(h)] for h in ordered], lead)
+            self._lead[tuple(h.provider for h in ordered)] = lead
+        return [holders[i] for i in got[0]]
+
+    def peers(self, ordered: Sequence) -> int:
+        """How many leading holders of ``ordered`` (a list this ranking returned) are peers
+        (``Scoreboard.rank``); 1 for a list it did not rank."""
+        return self._lead.get(tuple(h.provider for h in ordered), 1)

@@ -621,6 +621,24 @@ def test_black_hole_costs_one_deadline_then_only_hedged_probes(qwen):
     assert sb.state(bad) in ("half_open", "open")  # the probe never answered
 
 
+def test_a_scoreboard_spreads_batches_over_equal_holders_bit_for_bit(qwen):
+    """Three proven holders, each expert on two: the forward deals batches over all three (the
+    planner's ``peers``), not every batch of an expert pair to the view's first holder, and
+    the output is still the monolithic forward's, bit for bit."""
+    from router.scoreboard import Scoreboard
+
+    sb = Scoreboard(probation=1)
+    for p in qwen.by_id:
+        sb.success(p, 2.0, 4)
+    res = qwen.run(scoreboard=sb)
+    assert np.array_equal(res.output, qwen.monolithic())
+    assert sorted(res.holders) == sorted(qwen.by_id)
+    counts = [len(v) for v in res.latencies_ms.values()]
+    assert max(counts) - min(counts) <= 2, res.latencies_ms
+    plain = qwen.run()
+    assert len(plain.holders) < len(qwen.by_id)  # without observations: the view's order alone
+
+
 def test_split_batches_are_not_dealt_to_a_holder_that_failed_recently(qwen):
     from router.scoreboard import Scoreboard
 

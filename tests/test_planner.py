@@ -726,3 +726,39 @@ def test_plan_repair_properties(providers, min_rep):
     for p in pool:
         mine = rows_for(rows, p, policy.max_repairs_per_pass)
         assert len(mine) <= policy.max_repairs_per_pass and all(r.provider == p for r in mine)
+
+
+def test_peers_spread_batches_over_equal_holders_by_planned_work():
+    """With ``peers``, an unsplit batch goes to the least-loaded of the leading interchangeable
+    holders (rows + 1 per batch planned so far), backups the others in order; without it,
+    the first holder takes every batch it can (3 holders, 2 replicas: one of them idles)."""
+    from registry.planner import plan_expert_batches
+
+    names = ["a", "b", "c"]
+    pairs = [("a", "b"), ("a", "c"), ("b", "c")] * 4  # 12 experts, each on 2 of 3 holders
+    provs = {n: [] for n in names}
+    for e, (x, y) in enumerate(pairs):
+        provs[x].append(hold(0, e))
+        provs[y].append(hold(0, e))
+    view = ShardView.build(M, [prov(n, *provs[n]) for n in names])
+    by_expert = {(0, e): [0, 1, 2, 3] for e in range(len(pairs))}
+
+    alone, _, _ = plan_expert_batches(view, by_expert)
+    first = Counter(b.provider for b in alone)
+    assert len(first) == 2  # the view's first holder of each pair takes it: one holder idles
+
+    spread, _, _ = plan_expert_batches(view, by_expert, peers=lambda cands: len(cands))
+    per = Counter(b.provider for b in spread)
+    assert sorted(per.values()) == [4, 4, 4]
+    for b in spread:  # every batch still on a holder of its expert, the other one its backup
+        cands = [h.provider for h in view.holders(0, b.expert)]
+        assert b.provider in cands and [h.provider for h in b.backups] == [p for p in cands if p != b.provider]
+
+    # One peer (the first alone is interchangeable with itself): the unbalanced plan again.
+    same, _, _ = plan_expert_batches(view, by_expert, peers=lambda cands: 1)
+    assert [(b.expert, b.provider) for b in same] == [(b.expert, b.provider) for b in alone]
+
+    # Rows count, not only batches: one big batch weighs as much as several small ones.
+    big = {(0, 0): list(range(40)), **{(0, e): [0] for e in range(1, 4)}}  # experts 0 (a,b), 1 (a,c), 2 (b,c), 3 (a,b)
+    got = {b.expert: b.provider for b in plan_expert_batches(view, big, peers=lambda cands: len(cands))[0]}
+    assert got[3] != got[0]  # expert 0's 40 rows went to one of a/b: expert 3 goes to the other

@@ -167,3 +167,23 @@ def test_p99_follows_every_new_round_trip():
     assert stats.p99_ms() == 500.0
     proven(sb, "a", ms=20.0, n=LATENCY_WINDOW)  # the slow ones left the window
     assert stats.p99_ms() == 20.0
+
+
+def test_rank_counts_the_leading_peers_reputation_aside():
+    """``rank``'s peers: the run from the first holder of those equal in tier, success rate,
+    latency bucket, held here and nearness; reputation orders them but does not end the run,
+    a farther or unproven holder does (the planner spreads batches over peers only)."""
+    sb = Scoreboard(clock=Clock(), probation=2)
+    for p in ("a", "b", "c"):
+        proven(sb, p, ms=3.0, n=2)
+    proven(sb, "far", ms=40.0, n=2)  # same latency bucket (under 2 x 3 + 50 ms), 40 ms away
+    hs = [holder("c", reputation=510), holder("a", reputation=520), holder("b"), holder("far"), holder("new")]
+    ordered, lead = sb.rank(hs)
+    assert names(ordered) == ["a", "c", "b", "far", "new"] and lead == 3
+    assert names(sb.order(hs)) == names(ordered)
+    sb.fault("c")  # its circuit opens: no longer a peer of the others
+    ordered, lead = sb.rank(hs)
+    assert names(ordered)[:2] == ["a", "b"] and lead == 2
+    ranking = sb.planner_order()
+    got = ranking(hs)
+    assert ranking.peers(got) == 2 and ranking.peers(list(reversed(got))) == 1  # a list it did not rank: 1
