@@ -123,7 +123,7 @@ def plan_dispatch(
     routings: Iterable[TokenRouting],
     allow_cold: bool = False,
     split_threshold: int | None = None,
-    order: Callable[[Sequence[HolderInfo]], Sequence[HolderInfo]] | None = None,
+    rank: Callable[[Sequence[HolderInfo]], tuple[Sequence[HolderInfo], int]] | None = None,
     avoid: Callable[[str], bool] | None = None,
 ) -> DispatchPlan:
     """Assign every routed (token, expert) pair to exactly one holder.
@@ -137,9 +137,14 @@ def plan_dispatch(
     ``split_threshold`` tokens; each chunk's backups are the other eligible holders. An
     expert with no eligible holder goes to ``unplanned`` (the forward decides whether that
     is fatal). The result depends only on the view's contents and the routings' contents,
-    not on provider or routing input order. ``order``: reorders each expert's eligible
-    holders (the router's observations, ``router.scoreboard.Scoreboard.order``); it must
-    keep Warm holders before Cold ones and return the same holders. ``avoid(provider)``:
+    not on provider or routing input order. ``rank``: reorders each expert's eligible
+    holders (the router's observations, ``router.scoreboard.Scoreboard.rank``) and says how
+    many leading ones are *peers* (interchangeable); it must keep Warm holders before Cold
+    ones and return the same holders. An unsplit batch goes to the peer with the least work
+    planned so far in this call (its rows plus one per batch, the experts taken in ascending
+    order; ties to the first), the other candidates following in order as backups: with 2
+    replicas on 3 equal holders, the first in a fixed order would otherwise get every batch of
+    the experts it holds and the third none, and the forward waits on the busiest. ``avoid(provider)``:
     True for a holder that split chunks are dealt to only when no other Warm holder exists
     (a holder the router recently saw fail); it stays a backup.
 
@@ -179,7 +184,7 @@ def plan_dispatch(
             else:
                 lst.append(t)
 
-    batches, unplanned, chosen = plan_expert_batches(view, by_expert, allow_cold, split_threshold, order, avoid)
+    batches, unplanned, chosen = plan_expert_batches(view, by_expert, allow_cold, split_threshold, rank, avoid)
     assignments = []
     for r in routings:
         t = r.token_index
@@ -196,34 +201,27 @@ def plan_expert_batches(
     by_expert: dict[tuple[int, int], list[int]],
     allow_cold: bool = False,
     split_threshold: int | None = None,
-    order: Callable[[Sequence[HolderInfo]], Sequence[HolderInfo]] | None = None,
+    rank: Callable[[Sequence[HolderInfo]], tuple[Sequence[HolderInfo], int]] | None = None,
     avoid: Callable[[str], bool] | None = None,
-    peers: Callable[[Sequence[HolderInfo]], int] | None = None,
 ) -> tuple[list["ExpertBatch"], list[dict], dict]:
     """The batch step of :func:`plan_dispatch` on pairs already grouped: ``by_expert`` maps
     ``(layer, expert)`` to its tokens, ascending and distinct (not checked: callers hold them
     so, as a forward's outstanding pairs are). Returns (batches sorted by layer, expert, first
     token and provider; ``unplanned`` experts ``{layer, expert, tokens}``; per expert the
     provider chosen, a per-token dict when split, None when unplanned). Same parameters and
-    algorithm as :func:`plan_dispatch`, which validates its routings and calls this.
-
-    ``peers(ordered) -> int``: how many leading holders of an expert's ordered candidates are
-    interchangeable (``router.scoreboard.PlannerRanking.peers``). An unsplit batch then goes to
-    the peer with the least work planned so far in this call (its rows plus one per batch, the
-    experts taken in ascending order; ties to the first), the other candidates following in order
-    as backups: with 2 replicas on 3 equal holders, the first in a fixed order would otherwise get
-    every batch of the experts it holds and the third none, and the forward waits on the busiest.
-    Without ``peers`` the primary is the first candidate."""
+    algorithm as :func:`plan_dispatch`, which validates its routings and calls this."""
     batches: list[ExpertBatch] = []
-    planned: dict[str, int] = {}  # provider -> rows + batches dealt to it in this call (peers only)
+    planned: dict[str, int] = {}  # provider -> rows + batches dealt to it in this call (with peers)
     unplanned: list[dict] = []
     # key -> provider for the whole expert, or a per-token dict when split.
     chosen: dict[tuple[int, int], object] = {}
     for key in sorted(by_expert):
         tokens = by_expert[key]
         cands = view.eligible(key, allow_cold)
-        if order is not None and len(cands) > 1:
-            cands = tuple(order(cands))
+        lead = 1
+        if rank is not None and len(cands) > 1:
+            ordered, lead = rank(cands)
+            cands = tuple(ordered)
         layer, expert = key
         if not cands:
             unplanned.append({"layer": layer, "expert": expert, "tokens": tokens})
@@ -231,9 +229,8 @@ def plan_expert_batches(
             continue
         if split_threshold is None or len(tokens) <= split_threshold:
             j = 0
-            if peers is not None and len(cands) > 1:
-                lead = min(peers(cands), len(cands))
-                j = min(range(lead), key=lambda i: planned.get(cands[i].provider, 0))
+            if lead > 1:
+                j = min(range(min(lead, len(cands))), key=lambda i: planned.get(cands[i].provider, 0))
                 planned[cands[j].provider] = planned.get(cands[j].provider, 0) + len(tokens) + 1
             p = cands[j]
             batches.append(

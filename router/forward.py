@@ -592,12 +592,11 @@ class LayerForward:
         self.view_now = view
         # The pairs are already grouped by expert with ascending tokens: the planner's batch step
         # directly, without plan_dispatch's per-token regrouping and validation.
-        ranking = self.scoreboard.planner_order() if self.scoreboard is not None else None
         batches, unplanned, _ = plan_expert_batches(
             view, {(self.layer, e): toks for e, toks in todo.items()}, allow_cold=self.allow_cold,
-            split_threshold=self.split_threshold, order=ranking,
-            avoid=self.scoreboard.failed_recently if self.scoreboard is not None else None,
-            peers=ranking.peers if ranking is not None else None)
+            split_threshold=self.split_threshold,
+            rank=self.scoreboard.planner_rank() if self.scoreboard is not None else None,
+            avoid=self.scoreboard.failed_recently if self.scoreboard is not None else None)
         return DispatchPlan(view.model_id, batches, [], unplanned)
 
     async def execute(self) -> None:

@@ -233,7 +233,7 @@ class Scoreboard:
         from the first that equal it in everything ``order`` ranks by but reputation and input
         position, i.e. in residency, tier, success rate, latency bucket, held here and
         nearness). The planner spreads batches over peers (``registry.planner.
-        plan_expert_batches``'s ``peers``); reputation and position only pick among peers
+        plan_expert_batches``'s ``rank``); reputation and position only pick among peers
         equally loaded, so one holder does not take every batch of the experts it shares with
         equals while they idle. A holder that is nearer or farther ends the run (a farther one
         would add its distance to most forwards)."""
@@ -261,9 +261,24 @@ class Scoreboard:
         lead = next((j for j, i in enumerate(perm) if keys[i] != keys[perm[0]]), len(perm))
         return [holders[i] for i in perm], lead
 
-    def planner_order(self) -> "PlannerRanking":
-        """``order`` and ``peers`` for one planning call (``PlannerRanking``)."""
-        return PlannerRanking(self)
+    def planner_rank(self) -> Callable[[Sequence], tuple[list, int]]:
+        """``rank`` for one planning call (``registry.planner.plan_expert_batches``): a holder
+        set it already ranked in that call is not ranked again. One plan asks for the same few
+        sets, one per expert (3 holders with 2 replicas: 3 sets for 16 experts), and nothing
+        ``rank`` reads changes during the synchronous call; the key is what it reads of a
+        holder (provider, residency, reputation) in input order."""
+        ranked: dict[tuple, tuple[list[int], int]] = {}
+
+        def rank(holders: Sequence) -> tuple[list, int]:
+            key = tuple((h.provider, h.residency, h.reputation) for h in holders)
+            got = ranked.get(key)
+            if got is None:
+                ordered, lead = self.rank(holders)
+                at = {id(h): i for i, h in enumerate(holders)}
+                got = ranked[key] = ([at[id(h)] for h in ordered], lead)
+            return [holders[i] for i in got[0]], got[1]
+
+        return rank
 
     def deadline_s(self, provider: str, ceiling_s: float) -> float:
         """Seconds ``provider`` has for one request before its backup gets a copy:
@@ -313,31 +328,3 @@ class Scoreboard:
                         "p99_ms": None if not s.recent else round(s.p99_ms(), 3)}
                     for p, s in sorted(self._stats.items())}
 
-
-class PlannerRanking:
-    """A scoreboard's ``order`` (``__call__``) and ``peers`` for one planning call
-    (``registry.planner.plan_expert_batches``): a holder set already ranked in that call is not
-    ranked again. One plan asks for the same few sets, one per expert (3 holders with 2
-    replicas: 3 sets for 16 experts), and nothing the ranking reads changes during the
-    synchronous call; the key is what it reads of a holder (provider, residency, reputation)
-    in input order."""
-
-    def __init__(self, scoreboard: Scoreboard):
-        self.scoreboard = scoreboard
-        self._ranked: dict[tuple, tuple[list[int], int]] = {}
-        self._lead: dict[tuple, int] = {}  # ordered providers → peers leading them
-
-    def __call__(self, holders: Sequence) -> list:
-        key = tuple((h.provider, h.residency, h.reputation) for h in holders)
-        got = self._ranked.get(key)
-        if got is None:
-            ordered, lead = self.scoreboard.rank(holders)
-            at = {id(h): i for i, h in enumerate(holders)}
-            got = self._ranked[key] = ([at[id(h)] for h in ordered], lead)
-            self._lead[tuple(h.provider for h in ordered)] = lead
-        return [holders[i] for i in got[0]]
-
-    def peers(self, ordered: Sequence) -> int:
-        """How many leading holders of ``ordered`` (a list this ranking returned) are peers
-        (``Scoreboard.rank``); 1 for a list it did not rank."""
-        return self._lead.get(tuple(h.provider for h in ordered), 1)

@@ -729,7 +729,7 @@ def test_plan_repair_properties(providers, min_rep):
 
 
 def test_peers_spread_batches_over_equal_holders_by_planned_work():
-    """With ``peers``, an unsplit batch goes to the least-loaded of the leading interchangeable
+    """With ``rank``'s peers, an unsplit batch goes to the least-loaded of the leading interchangeable
     holders (rows + 1 per batch planned so far), backups the others in order; without it,
     the first holder takes every batch it can (3 holders, 2 replicas: one of them idles)."""
     from registry.planner import plan_expert_batches
@@ -747,7 +747,7 @@ def test_peers_spread_batches_over_equal_holders_by_planned_work():
     first = Counter(b.provider for b in alone)
     assert len(first) == 2  # the view's first holder of each pair takes it: one holder idles
 
-    spread, _, _ = plan_expert_batches(view, by_expert, peers=lambda cands: len(cands))
+    spread, _, _ = plan_expert_batches(view, by_expert, rank=lambda cands: (cands, len(cands)))
     per = Counter(b.provider for b in spread)
     assert sorted(per.values()) == [4, 4, 4]
     for b in spread:  # every batch still on a holder of its expert, the other one its backup
@@ -755,10 +755,10 @@ def test_peers_spread_batches_over_equal_holders_by_planned_work():
         assert b.provider in cands and [h.provider for h in b.backups] == [p for p in cands if p != b.provider]
 
     # One peer (the first alone is interchangeable with itself): the unbalanced plan again.
-    same, _, _ = plan_expert_batches(view, by_expert, peers=lambda cands: 1)
+    same, _, _ = plan_expert_batches(view, by_expert, rank=lambda cands: (cands, 1))
     assert [(b.expert, b.provider) for b in same] == [(b.expert, b.provider) for b in alone]
 
     # Rows count, not only batches: one big batch weighs as much as several small ones.
     big = {(0, 0): list(range(40)), **{(0, e): [0] for e in range(1, 4)}}  # experts 0 (a,b), 1 (a,c), 2 (b,c), 3 (a,b)
-    got = {b.expert: b.provider for b in plan_expert_batches(view, big, peers=lambda cands: len(cands))[0]}
+    got = {b.expert: b.provider for b in plan_expert_batches(view, big, rank=lambda cands: (cands, len(cands)))[0]}
     assert got[3] != got[0]  # expert 0's 40 rows went to one of a/b: expert 3 goes to the other
