@@ -232,16 +232,22 @@ class Scoreboard:
         """(``order(holders)``, how many of its leading holders are *peers*: the run of holders
         from the first that equal it in everything ``order`` ranks by but reputation and input
         position, i.e. in residency, tier, success rate, latency bucket, held here and
-        nearness). The planner spreads batches over peers (``registry.planner.
-        plan_expert_batches``'s ``rank``); reputation and position only pick among peers
-        equally loaded, so one holder does not take every batch of the experts it shares with
-        equals while they idle. A holder that is nearer or farther ends the run (a farther one
-        would add its distance to most forwards)."""
+        nearness (least round trips less than 5 ms apart)). The planner spreads batches over
+        peers (``registry.planner.plan_expert_batches``'s ``rank``); reputation and position
+        only pick among peers equally loaded, so one holder does not take every batch of the experts it shares with
+        equals while they idle. A holder that is nearer or farther, or in another latency bucket,
+        ends the run (a farther one would add its distance to most forwards) once both holders
+        have ``DEADLINE_SAMPLES`` round trips on record: before that, nearness and latency are
+        not held against it (as for its deadline). A holder that served only its first, slow
+        batches (a cold start) would otherwise look far and never get another batch to show it
+        is not."""
         with self._lock:
             stats = [self._stats.get(h.provider) for h in holders]
             tiers = [_TIERS[self._state(s)] for s in stats]
-            # Rounded to 5 ms: jitter between equally near holders must not reorder them each call.
-            rtts = [None if s is None or not s.recent else 5 * round(s.rtt_ms() / 5) for s in stats]
+            raw = [None if s is None or not s.recent else s.rtt_ms() for s in stats]
+            measured = [s is not None and len(s.recent) >= DEADLINE_SAMPLES for s in stats]
+        # Rounded to 5 ms: jitter between equally near holders must not reorder them each call.
+        rtts = [None if r is None else 5 * round(r / 5) for r in raw]
         # Among otherwise equal holders, one whose socket this process holds saves two process hops
         # and a Redis round trip each way (router.ws): under load each hop waits for a core.
         relayed = [0] * len(holders) if self.here is None else [0 if self.here(h.provider) else 1 for h in holders]
@@ -257,8 +263,17 @@ class Scoreboard:
             return (_RESIDENCY.get(holders[i].residency, 2), tiers[i], rate, bucket, relayed[i], near)
 
         keys = [peer_key(i) for i in range(len(holders))]
+
+        def peer(i: int, first: int) -> bool:
+            (res, tier, rate, bucket, here, _), f = keys[i], keys[first]
+            if (res, tier, rate, here) != (f[0], f[1], f[2], f[4]):
+                return False
+            # Latency and nearness count once both have DEADLINE_SAMPLES round trips on record; nearness
+            # within 5 ms, not the same rounded step (2.4 and 2.6 ms are peers).
+            return not (measured[i] and measured[first]) or (bucket == f[3] and abs(raw[i] - raw[first]) < 5.0)
+
         perm = sorted(range(len(holders)), key=lambda i: (keys[i][:-1], -int(holders[i].reputation), keys[i][-1], i))
-        lead = next((j for j, i in enumerate(perm) if keys[i] != keys[perm[0]]), len(perm))
+        lead = next((j for j, i in enumerate(perm) if not peer(i, perm[0])), len(perm))
         return [holders[i] for i in perm], lead
 
     def planner_rank(self) -> Callable[[Sequence], tuple[list, int]]:

@@ -175,8 +175,8 @@ def test_rank_counts_the_leading_peers_reputation_aside():
     a farther or unproven holder does (the planner spreads batches over peers only)."""
     sb = Scoreboard(clock=Clock(), probation=2)
     for p in ("a", "b", "c"):
-        proven(sb, p, ms=3.0, n=2)
-    proven(sb, "far", ms=40.0, n=2)  # same latency bucket (under 2 x 3 + 50 ms), 40 ms away
+        proven(sb, p, ms=3.0, n=16)
+    proven(sb, "far", ms=40.0, n=16)  # same latency bucket (under 2 x 3 + 50 ms), 40 ms away
     hs = [holder("c", reputation=510), holder("a", reputation=520), holder("b"), holder("far"), holder("new")]
     ordered, lead = sb.rank(hs)
     assert names(ordered) == ["a", "c", "b", "far", "new"] and lead == 3
@@ -187,3 +187,23 @@ def test_rank_counts_the_leading_peers_reputation_aside():
     rank = sb.planner_rank()
     got, lead = rank(hs)
     assert names(got) == names(ordered) and lead == 2 and rank(hs) == (got, lead)  # one call's cached ranking
+
+
+def test_nearness_is_not_held_against_a_holder_with_few_round_trips():
+    """A holder whose only round trips were its first, slow ones (a cold start) is still a peer
+    of near holders until ``DEADLINE_SAMPLES`` round trips are on record: otherwise it would
+    look far, get no batch, and never show that it is near. Once measured, a far one is not."""
+    from router.scoreboard import DEADLINE_SAMPLES
+
+    sb = Scoreboard(clock=Clock(), probation=2)
+    proven(sb, "a", ms=2.4, n=DEADLINE_SAMPLES)
+    proven(sb, "b", ms=2.6, n=DEADLINE_SAMPLES)  # another rounded 5 ms step, but within 5 ms: a peer
+    proven(sb, "cold", ms=20.0, n=4)
+    hs = [holder("a"), holder("b"), holder("cold")]
+    ordered, lead = sb.rank(hs)
+    assert names(ordered) == ["a", "b", "cold"] and lead == 3
+    proven(sb, "cold", ms=20.0, n=DEADLINE_SAMPLES)  # measured, and still 20 ms away: no longer a peer
+    assert sb.rank(hs) == (ordered, 2)
+    for _ in range(DEADLINE_SAMPLES):  # its batches show it near after all
+        sb.success("cold", 2.5, 8)
+    assert sb.rank(hs)[1] == 3
